@@ -1,0 +1,28 @@
+// fastverify._C: the compiled kernels. Importing the module loads this shared library, whose static
+// initialisers register every op with the dispatcher (TORCH_LIBRARY_FRAGMENT / TORCH_LIBRARY_IMPL in the
+// other sources). The Python module itself is empty; ops are reached as torch.ops.fastverify.<name>.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+namespace {
+bool has_cuda() {
+#ifdef FASTVERIFY_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+// The namespace owner. Each op declares its schema once, in csrc/<op>.cpp, with TORCH_LIBRARY_FRAGMENT;
+// its CPU kernel lives in csrc/cpu/<op>.cpp, its CUDA kernel in csrc/cuda/<op>.cu.
+TORCH_LIBRARY(fastverify, m) {
+  m.def("has_cuda() -> bool", &has_cuda);
+}

@@ -1,0 +1,20 @@
+// Schemas of the sampling ops (kernels: csrc/cpu/sampling.cpp, csrc/cuda/sampling.cu, kernels/sampling.py;
+// reference: fastverify/reference/sampling.py; Python API: fastverify/ops/sampling.py).
+//
+//   uniform(seed int64 [R], position int64 [R], stream) -> float32 [R]
+//       Philox 4x32-10, key = (seed low 32 bits, seed high 32 bits), counter = (position low, position high,
+//       stream, 0); output word 0 -> ((x >> 8) + 0.5) * 2^-24, in the open interval (0, 1).
+//   cdf_sample(logits [R, V], u float32/float64 [R], warp float32 [R, 4]) -> int64 [R]
+//       smallest t with C(t) > u * Z, C the float64 prefix sum in token-id order of the warped weights
+//       w = exp(l / T - m) over the kept tokens (warp = temperature, top_k, top_p, min_p as in verify).
+//   cdf_invert(logits [R, V], token int64 [R], v float [R], warp float32 [R, 4]) -> float64 [R]
+//       u = (C(t - 1) + v * w(t)) / Z, nudged by ulps so that cdf_sample(u) == t exactly; NaN where w(t) = 0.
+//   aux_bits(u float32 [R]) -> float32 [R, 32]: the IEEE-754 bits of u, most significant first.
+#include <torch/library.h>
+
+TORCH_LIBRARY_FRAGMENT(fastverify, m) {
+  m.def("uniform(Tensor seed, Tensor position, int stream) -> Tensor");
+  m.def("cdf_sample(Tensor logits, Tensor u, Tensor warp) -> Tensor");
+  m.def("cdf_invert(Tensor logits, Tensor token, Tensor v, Tensor warp) -> Tensor");
+  m.def("aux_bits(Tensor u) -> Tensor");
+}

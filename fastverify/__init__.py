@@ -1,0 +1,16 @@
+"""fastverify: fast, exact draft-and-verify decoding for PyTorch and Hugging Face models.
+
+Ops (each with torch / cpp / triton / cuda backends, see ``fastverify.backends()``):
+
+  verify                      batched verification of chains and trees under every acceptance rule
+  uniform, cdf_sample,        reproducible uniforms, inverse-CDF sampling and its inverse (PTP)
+  cdf_invert, aux_bits
+  tree_mask, block_mask,      tree / block attention masks, positions, tree attention, cache compaction
+  tree_positions, tree_attention, compact_cache
+
+Hugging Face integration: ``fastverify.patch(model)`` / ``fastverify.unpatch(model)``.
+"""
+
+from fastverify._ext import backends  # noqa: F401  (loads the compiled extension, warning once if missing)
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Public op API: argument validation, normalisation, backend dispatch and fake (meta) registrations."""

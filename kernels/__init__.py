@@ -1,0 +1,1 @@
+"""Triton kernels of fastverify (installed as fastverify.kernels). Imported lazily: triton is optional."""
