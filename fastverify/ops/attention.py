@@ -1,0 +1,77 @@
+"""Tree attention: the draft queries attend over their prefix and their ancestors, mask applied in-kernel.
+
+Backends: torch (fastverify/reference/attention.py: builds the dense mask, the spec), cpp (csrc/cpu/tree.cpp:
+per query block an online softmax over key tiles, reading the packed bits; never an [n, P + n] float mask),
+triton (fastverify.kernels.attention.tree_attention), cuda (csrc/cuda/tree.cu).
+"""
+
+import math
+
+import torch
+
+from fastverify import _ext
+from fastverify.ops.tree import _as_index_tensor, _call
+from fastverify.reference import attention as ref
+
+__all__ = ["tree_attention"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mask: torch.Tensor, prefix_len,
+                   scale: float = None, backend: str = "auto") -> torch.Tensor:
+    """Attention of n draft queries over prefix and draft keys.
+
+    q [B, Hq, n, D]; k, v [B, Hkv, P + n, D] (the same dtype: fp32, bf16 or fp16; Hq a multiple of Hkv, query
+    head h reading kv head h // (Hq // Hkv)); packed_mask int32 [B, n, ceil(n / 32)] from
+    ``tree_mask(..., format="packed")``; prefix_len int or integer tensor [B], each <= P = k.shape[2] - n.
+    Query i of request b sees keys [0, prefix_len[b]) and the draft keys P + j whose bit j is set in row i.
+    Returns [B, Hq, n, D] in q's dtype; softmax and accumulation in float32; scale defaults to 1 / sqrt(D).
+    A query that sees no key (padding row of a request with an empty prefix) returns zeros.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("packed_mask", packed_mask)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v: expected 4-D [B, H, seq, D] tensors, got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q: expected one of {_DTYPES}, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"k, v: expected q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
+    if k.device != q.device or v.device != q.device or packed_mask.device != q.device:
+        raise ValueError("q, k, v, packed_mask: expected tensors on one device, got "
+                         f"{q.device}, {k.device}, {v.device}, {packed_mask.device}")
+    B, Hq, n, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k: expected [B={B}, Hkv, P + n, D={D}], got {tuple(k.shape)}")
+    Hkv, S = k.shape[1], k.shape[2]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"k: the number of query heads ({Hq}) must be a multiple of the kv heads ({Hkv})")
+    if S < n:
+        raise ValueError(f"k: expected at least n = {n} key slots (P + n), got {S}")
+    W = (n + 31) // 32
+    if packed_mask.dtype != torch.int32:
+        raise TypeError(f"packed_mask: expected int32 (tree_mask(..., format='packed')), got {packed_mask.dtype}")
+    if tuple(packed_mask.shape) != (B, n, W):
+        raise ValueError(f"packed_mask: expected shape [B, n, ceil(n / 32)] = {(B, n, W)}, "
+                         f"got {tuple(packed_mask.shape)}")
+    plen = _as_index_tensor(prefix_len, "prefix_len", q.device, length=B)
+    P = S - n
+    if B and (bool((plen < 0).any()) or int(plen.max()) > P):
+        raise ValueError(f"prefix_len: expected values in [0, P = k.shape[2] - n = {P}], got {plen.tolist()}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D else 1.0
+    scale = float(scale)
+    # The kernels need only a unit stride in the head dimension; other strides are read as given.
+    q, k, v = (t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous() for t in (q, k, v))
+    return _call("tree_attention", backend, q.device, q, k, v, packed_mask.contiguous(), plen, scale,
+                 module="attention", reference=ref.tree_attention)
+
+
+if _ext.HAS_CPP:
+    @torch.library.register_fake("fastverify::tree_attention")
+    def _tree_attention_fake(q, k, v, packed_mask, prefix_len, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -1,0 +1,273 @@
+"""Tree and block attention masks and position ids: validation, normalisation and backend dispatch.
+
+Public API:
+
+  tree_mask(parents, cu_nodes, prefix_len, format="bool"|"additive"|"packed", dtype=torch.float32)
+  block_mask(block_sizes, prefix_len, kind="causal"|"bidirectional", format=..., dtype=...)
+  tree_positions(parents, cu_nodes, prefix_len)
+
+Normalised arguments and the key layout are those of csrc/tree.cpp (reference: fastverify/reference/tree.py).
+Backends: torch (reference), cpp (csrc/cpu/tree.cpp), triton (fastverify.kernels.tree), cuda
+(csrc/cuda/tree.cu), each used only where its code exists: see ``implemented_backends``.
+"""
+
+import importlib
+
+import torch
+
+from fastverify import _ext
+from fastverify.reference import tree as ref
+
+__all__ = ["tree_mask", "block_mask", "tree_positions", "normalise_tree", "implemented_backends"]
+
+FORMATS = ("bool", "additive", "packed")
+
+_KERNEL_MODULES = {}
+
+
+def _kernel_module(name: str):
+    """fastverify.kernels.<name>, or None when it does not exist or does not import (triton missing)."""
+    if name not in _KERNEL_MODULES:
+        try:
+            _KERNEL_MODULES[name] = importlib.import_module(f"fastverify.kernels.{name}")
+        except Exception:  # not written yet, or triton not installed / broken
+            _KERNEL_MODULES[name] = None
+    return _KERNEL_MODULES[name]
+
+
+def _has_compiled(op: str, key: str) -> bool:
+    if not _ext.HAS_CPP:
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"fastverify::{op}", key)
+    except RuntimeError:  # schema not registered
+        return False
+
+
+def implemented_backends(op: str, module: str = "tree") -> tuple:
+    """The backends whose code for ``op`` exists and imports: torch always, cpp / cuda when fastverify._C
+    registers a CPU / CUDA kernel for fastverify::<op>, triton when fastverify.kernels.<module> defines it."""
+    has = ["torch"]
+    if _has_compiled(op, "CPU"):
+        has.append("cpp")
+    mod = _kernel_module(module)
+    if mod is not None and hasattr(mod, op):
+        has.append("triton")
+    if _ext.HAS_CUDA_KERNELS and _has_compiled(op, "CUDA"):
+        has.append("cuda")
+    return tuple(has)
+
+
+def _call(op: str, backend: str, device: torch.device, *args, module: str = "tree", reference=None):
+    """Run fastverify::<op> on the chosen backend with normalised arguments."""
+    name = _ext.resolve_backend(backend, device, has=implemented_backends(op, module))
+    if name == "torch":
+        return (reference or getattr(ref, op))(*args)
+    if name == "triton":
+        return getattr(_kernel_module(module), op)(*args)
+    return getattr(torch.ops.fastverify, op)(*args)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation and normalisation
+
+
+def _as_index_tensor(x, name: str, device, length=None) -> torch.Tensor:
+    if isinstance(x, bool):
+        raise TypeError(f"{name}: expected an int or an integer tensor, got bool")
+    if isinstance(x, int):
+        if length is None:
+            raise TypeError(f"{name}: expected an integer tensor, got int")
+        return torch.full((length,), x, dtype=torch.int32, device=device)
+    if isinstance(x, (list, tuple)):
+        x = torch.tensor(x, dtype=torch.int64, device=device)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected an int or an integer tensor, got {type(x).__name__}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor (int32 or int64), got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {x.device}")
+    if x.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
+    if length is not None and x.numel() != length:
+        raise ValueError(f"{name}: expected {length} entries (one per request), got {x.numel()}")
+    if x.numel() and (x.long().min() < -2**31 or x.long().max() >= 2**31):
+        raise ValueError(f"{name}: values must fit in int32")
+    return x.to(torch.int32).contiguous()
+
+
+def normalise_tree(parents, cu_nodes, prefix_len=None, *, validate: bool = True):
+    """Validate and normalise the batch layout.
+
+    parents: int32/int64 [N] (local, -1 = child of the root, parents[j] < j) or None (every request a chain);
+    cu_nodes: int32/int64 [B + 1] node offsets, or None (one request holding all N nodes; needs parents);
+    prefix_len: int (every request) or integer tensor [B], or None.
+    Returns (parents int32 [N], cu_nodes int32 [B + 1], prefix_len int32 [B] or None, n, P) where n is the
+    largest request and P the largest prefix (0 when prefix_len is None).
+    """
+    if parents is None and cu_nodes is None:
+        raise ValueError("parents and cu_nodes: at least one is required")
+    device = next((x.device for x in (parents, cu_nodes, prefix_len) if isinstance(x, torch.Tensor)),
+                  torch.device("cpu"))
+    if cu_nodes is None:
+        parents_t = _as_index_tensor(parents, "parents", device)
+        cu_nodes = torch.tensor([0, parents_t.numel()], dtype=torch.int32, device=device)
+    cu = _as_index_tensor(cu_nodes, "cu_nodes", device)
+    if cu.numel() < 1:
+        raise ValueError("cu_nodes: expected B + 1 >= 1 offsets, got an empty tensor")
+    B = cu.numel() - 1
+    counts = cu[1:] - cu[:-1]
+    N = int(cu[-1])
+    if validate:
+        if int(cu[0]) != 0:
+            raise ValueError(f"cu_nodes: must start at 0, got cu_nodes[0] = {int(cu[0])}")
+        if B and bool((counts < 0).any()):
+            b = int((counts < 0).nonzero()[0])
+            raise ValueError(f"cu_nodes: offsets must be non-decreasing, got cu_nodes[{b}] = {int(cu[b])} > "
+                             f"cu_nodes[{b + 1}] = {int(cu[b + 1])}")
+    n = int(counts.max()) if B else 0
+    if parents is None:
+        local = torch.arange(N, device=device, dtype=torch.int32) - torch.repeat_interleave(
+            cu[:-1], counts.long(), output_size=N)
+        par = local - 1
+    else:
+        par = _as_index_tensor(parents, "parents", device)
+        if par.numel() != N:
+            raise ValueError(f"parents: expected {N} entries (cu_nodes[-1]), got {par.numel()}")
+        if validate and N:
+            local = torch.arange(N, device=device, dtype=torch.int32) - torch.repeat_interleave(
+                cu[:-1], counts.long(), output_size=N)
+            bad = (par < -1) | (par >= local)
+            if bool(bad.any()):
+                g = int(bad.nonzero()[0])
+                b = int(torch.searchsorted(cu[1:].long(), torch.tensor(g, device=device), right=True))
+                j, p = int(local[g]), int(par[g])
+                why = "is out of range (expected -1 for a child of the root or a local node index)" if (
+                    p < -1 or p >= int(counts[b])) else "does not precede its child (parents must satisfy parents[j] < j)"
+                raise ValueError(f"parents: node {j} of request {b} has parent {p}, which {why}")
+    plen, P = None, 0
+    if prefix_len is not None:
+        plen = _as_index_tensor(prefix_len, "prefix_len", device, length=B)
+        if validate and B and bool((plen < 0).any()):
+            raise ValueError(f"prefix_len: must be >= 0, got {plen.tolist()}")
+        P = int(plen.max()) if B else 0
+    return par, cu, plen, n, P
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public ops
+
+
+def _check_format(format, dtype):
+    if format not in FORMATS:
+        raise ValueError(f"format: expected one of {FORMATS}, got {format!r}")
+    if format == "additive" and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype: the additive mask needs a floating dtype, got {dtype!r}")
+
+
+def tree_mask(parents, cu_nodes=None, prefix_len=0, format: str = "bool", dtype: torch.dtype = torch.float32,
+              backend: str = "auto", validate: bool = True) -> torch.Tensor:
+    """Attention mask of B draft trees over their prefixes.
+
+    parents int32/int64 [N] (local, -1 = child of the root; None = chains), cu_nodes int32 [B + 1] (None =
+    one request), prefix_len int or integer tensor [B]. With n = largest request, P = max(prefix_len):
+
+      "bool"      bool [B, n, P + n]; True where query node i sees key slot s: its prefix [0, prefix_len[b]),
+                  its ancestors and itself at P + j.
+      "additive"  [B, 1, n, P + n] in ``dtype``: 0 where visible, -inf elsewhere (Hugging Face 4D mask).
+      "packed"    int32 [B, n, ceil(n / 32)]: the draft part only; bit j % 32 of word j // 32 (little-endian)
+                  set iff node j is an ancestor of i or i (prefix visibility comes from prefix_len).
+
+    Padding rows (i >= n_b) see only the prefix; padding columns are never visible.
+    """
+    _check_format(format, dtype)
+    par, cu, plen, n, P = normalise_tree(parents, cu_nodes, prefix_len, validate=validate)
+    if format == "packed":
+        return _call("tree_mask_packed", backend, par.device, par, cu, n)
+    if format == "bool":
+        return _call("tree_mask_bool", backend, par.device, par, cu, plen, n, P)
+    return _call("tree_mask_additive", backend, par.device, par, cu, plen, n, P, dtype)
+
+
+def tree_positions(parents, cu_nodes=None, prefix_len=0, backend: str = "auto", validate: bool = True):
+    """int64 [N]: position id of each draft node, prefix_len[b] + depth(j) - 1 (a child of the root has
+    depth 1, so it takes position prefix_len[b], right after the last committed token)."""
+    par, cu, plen, _, _ = normalise_tree(parents, cu_nodes, prefix_len, validate=validate)
+    return _call("tree_positions", backend, par.device, par, cu, plen)
+
+
+def _block_sizes(block_sizes, cu_nodes, prefix_len):
+    if cu_nodes is not None:
+        if block_sizes is not None:
+            raise ValueError("block_sizes and cu_nodes: give one of them, not both")
+        cu = _as_index_tensor(cu_nodes, "cu_nodes", cu_nodes.device if isinstance(cu_nodes, torch.Tensor)
+                              else torch.device("cpu"))
+        return cu, (cu[1:] - cu[:-1])
+    if block_sizes is None:
+        raise ValueError("block_sizes: required (an int, or an integer tensor [B]) unless cu_nodes is given")
+    if isinstance(block_sizes, int) and not isinstance(block_sizes, bool):
+        if isinstance(prefix_len, torch.Tensor):
+            B, device = prefix_len.numel(), prefix_len.device
+        else:
+            B, device = 1, torch.device("cpu")
+        sizes = torch.full((B,), block_sizes, dtype=torch.int32, device=device)
+    else:
+        dev = block_sizes.device if isinstance(block_sizes, torch.Tensor) else torch.device("cpu")
+        sizes = _as_index_tensor(block_sizes, "block_sizes", dev)
+    if sizes.numel() and bool((sizes < 0).any()):
+        raise ValueError(f"block_sizes: must be >= 0, got {sizes.tolist()}")
+    cu = torch.zeros(sizes.numel() + 1, dtype=torch.int32, device=sizes.device)
+    cu[1:] = torch.cumsum(sizes, 0)
+    return cu, sizes
+
+
+def block_mask(block_sizes=None, prefix_len=0, kind: str = "causal", format: str = "bool",
+               dtype: torch.dtype = torch.float32, *, cu_nodes=None, backend: str = "auto") -> torch.Tensor:
+    """Attention mask of B blocks of draft positions after their prefixes (same formats as ``tree_mask``).
+
+    block_sizes: int (every request drafts that many positions; B = len(prefix_len), or 1 for an int
+    prefix_len) or integer tensor [B]; alternatively cu_nodes int32 [B + 1] (keyword).
+    kind "causal": position i of the block sees the prefix, positions 0..i (Stern et al. 2018's blockwise
+    parallel decoding: a chain, so this is ``tree_mask`` with parents j - 1 and runs on its kernels).
+    kind "bidirectional": every block position sees the prefix and all positions of its block (GAD's
+    non-autoregressive [MASK] block); built by a few vectorised torch comparisons on every backend (no
+    per-node work to speed up).
+    """
+    if kind not in ("causal", "bidirectional"):
+        raise ValueError(f"kind: expected 'causal' or 'bidirectional', got {kind!r}")
+    _check_format(format, dtype)
+    cu, sizes = _block_sizes(block_sizes, cu_nodes, prefix_len)
+    if kind == "causal":
+        return tree_mask(None, cu, prefix_len, format=format, dtype=dtype, backend=backend)
+    _, cu, plen, n, P = normalise_tree(None, cu, prefix_len)
+    _ext.resolve_backend(backend, cu.device)  # reject unusable backend names consistently
+    if format == "packed":
+        i = torch.arange(n, device=cu.device)
+        real = i[None, :] < sizes.long()[:, None]
+        return ref.pack_bits(real[:, :, None] & real[:, None, :])
+    visible = ref.block_mask_bool(sizes, plen, n, P, causal=False)
+    if format == "bool":
+        return visible
+    zero = torch.zeros((), dtype=dtype, device=cu.device)
+    return torch.where(visible, zero, torch.full((), float("-inf"), dtype=dtype, device=cu.device))[:, None]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fake (meta) implementations of the compiled ops, for torch.compile and opcheck
+
+if _ext.HAS_CPP:
+    @torch.library.register_fake("fastverify::tree_mask_bool")
+    def _tree_mask_bool_fake(parents, cu_nodes, prefix_len, n, P):
+        return cu_nodes.new_empty((cu_nodes.shape[0] - 1, n, P + n), dtype=torch.bool)
+
+    @torch.library.register_fake("fastverify::tree_mask_additive")
+    def _tree_mask_additive_fake(parents, cu_nodes, prefix_len, n, P, dtype):
+        return cu_nodes.new_empty((cu_nodes.shape[0] - 1, 1, n, P + n), dtype=dtype)
+
+    @torch.library.register_fake("fastverify::tree_mask_packed")
+    def _tree_mask_packed_fake(parents, cu_nodes, n):
+        return cu_nodes.new_empty((cu_nodes.shape[0] - 1, n, (n + 31) // 32), dtype=torch.int32)
+
+    @torch.library.register_fake("fastverify::tree_positions")
+    def _tree_positions_fake(parents, cu_nodes, prefix_len):
+        return parents.new_empty(parents.shape, dtype=torch.int64)

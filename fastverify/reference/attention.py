@@ -1,0 +1,45 @@
+"""Reference (plain torch) tree attention: the specification of fastverify::tree_attention.
+
+It builds the dense [B, n, P + n] mask from the packed bits (the fast kernels never do) and computes the
+softmax in float32. Key layout as in csrc/tree.cpp: request b's prefix is key slots [0, prefix_len[b]) of the
+first P = S - n slots, draft node j is key P + j.
+"""
+
+import math
+
+import torch
+
+from fastverify.reference.tree import unpack_bits
+
+__all__ = ["dense_tree_attention_mask", "tree_attention"]
+
+
+def dense_tree_attention_mask(packed_mask: torch.Tensor, prefix_len: torch.Tensor, P: int) -> torch.Tensor:
+    """bool [B, n, P + n] from packed int32 [B, n, ceil(n / 32)] bits and prefix lengths int32 [B]."""
+    B, n, _ = packed_mask.shape
+    prefix = torch.arange(P, device=packed_mask.device)[None, :] < prefix_len.long()[:, None]
+    return torch.cat([prefix[:, None, :].expand(B, n, P), unpack_bits(packed_mask, n)], dim=-1)
+
+
+def tree_attention(q, k, v, packed_mask, prefix_len, scale: float) -> torch.Tensor:
+    """[B, Hq, n, D] in q's dtype: softmax(q k^T * scale) v over the keys visible to each draft query.
+
+    q [B, Hq, n, D]; k, v [B, Hkv, P + n, D] (Hq a multiple of Hkv: query head h reads kv head
+    h // (Hq // Hkv)); packed_mask int32 [B, n, ceil(n / 32)]; prefix_len int32 [B]. Accumulates in
+    float32. A query that sees no key at all (a padding row of a request with an empty prefix) gets 0.
+    """
+    B, Hq, n, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    P = S - n
+    group = Hq // Hkv
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    visible = dense_tree_attention_mask(packed_mask, prefix_len, P)[:, None]  # [B, 1, n, P + n]
+    scores = (q.float() @ kf.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all -inf rows -> 0
+    return (probs @ vf).to(q.dtype)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
