@@ -12,5 +12,6 @@ Hugging Face integration: ``fastverify.patch(model)`` / ``fastverify.unpatch(mod
 """
 
 from fastverify._ext import backends  # noqa: F401  (loads the compiled extension, warning once if missing)
+from fastverify.ops.verify import RULES, VerifyOutput, verify  # noqa: F401
 
 __version__ = "0.1.0"
