@@ -14,4 +14,7 @@ Hugging Face integration: ``fastverify.patch(model)`` / ``fastverify.unpatch(mod
 from fastverify._ext import backends  # noqa: F401  (loads the compiled extension, warning once if missing)
 from fastverify.ops.verify import RULES, VerifyOutput, verify  # noqa: F401
 
+from fastverify.hf import patch, unpatch  # noqa: F401,E402
+from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter  # noqa: F401,E402
+
 __version__ = "0.1.0"

@@ -1,0 +1,291 @@
+"""The draft-and-verify decoding loop on a Hugging Face causal LM.
+
+One call of ``decode`` = one ``generate``: prefill the prompt (all but its last token, which becomes the
+first root), then repeat ``Decoder.step`` until every request has hit eos or max_new_tokens:
+
+  1. draft      the drafter proposes a Tree per request (possibly empty), pruned to the tokens still allowed;
+  2. forward    ONE forward over [root, draft nodes...] per request, padded across the batch, with
+                position_ids = committed length + depth and a 4D mask (prefix + ancestors + self);
+  3. verify     fastverify.verify on the logits in the batch layout (rule greedy / coupled / any other);
+  4. commit     accepted nodes + the next token, cut at eos and max_new_tokens;
+  5. cache      fastverify.compact_cache moves the root and the accepted nodes behind the request's prefix
+                and crops the cache to the longest request.
+
+Sampling rules get their uniforms from (seed, absolute position) (``fastverify.uniform``), so the emitted
+tokens do not depend on the drafter: with the ``coupled`` rule they are exactly those of plain
+autoregressive sampling with the same seed (a drafter that proposes nothing).
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fastverify.hf.attention import crop_cache, prefill_inputs, step_inputs
+from fastverify.hf.drafters import empty_tree
+from fastverify.ops.cache import compact_cache
+from fastverify.ops.verify import verify
+from fastverify.tree import Tree, pack
+
+__all__ = ["LoopStats", "DecodeSettings", "decode"]
+
+SAMPLING_RULES = ("speculative", "coupled")
+
+
+@dataclass
+class LoopStats:
+    """What the last ``generate`` of a patched model did (``fastverify.hf.stats(model)``).
+
+    steps: decoding steps (forwards after the prefill); drafted / accepted: per step, per request, draft
+    nodes scored and draft nodes accepted (None for finished requests); new_tokens: tokens emitted per
+    request; time_*: seconds spent in prefill, drafting, building masks/positions, the forward, verify,
+    committing tokens (Python bookkeeping) and cache compaction; time_total: the whole loop."""
+
+    steps: int = 0
+    drafted: list = field(default_factory=list)
+    accepted: list = field(default_factory=list)
+    new_tokens: list = field(default_factory=list)
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_inputs: float = 0.0
+    time_forward: float = 0.0
+    time_verify: float = 0.0
+    time_commit: float = 0.0
+    time_cache: float = 0.0
+    time_total: float = 0.0
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Draft nodes accepted over the whole generation (all requests)."""
+        return sum(a for step in self.accepted for a in step if a is not None)
+
+    @property
+    def drafted_tokens(self) -> int:
+        return sum(d for step in self.drafted for d in step if d is not None)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens committed per request-step (1 = plain decoding)."""
+        n = sum(1 for step in self.accepted for a in step if a is not None)
+        return (self.accepted_tokens + n) / n if n else 0.0
+
+    def summary(self) -> dict:
+        steps_time = self.time_total - self.time_prefill
+        other = steps_time - self.time_forward
+        return {
+            "steps": self.steps, "new_tokens": self.new_tokens, "drafted": self.drafted_tokens,
+            "accepted": self.accepted_tokens, "tokens_per_step": round(self.tokens_per_step, 3),
+            "prefill_s": self.time_prefill, "forward_s": self.time_forward, "draft_s": self.time_draft,
+            "inputs_s": self.time_inputs, "verify_s": self.time_verify, "commit_s": self.time_commit,
+            "cache_s": self.time_cache, "total_s": self.time_total,
+            "non_forward_fraction": other / steps_time if steps_time > 0 else 0.0,
+        }
+
+
+@dataclass
+class DecodeSettings:
+    """Resolved generation settings. eos_token_ids: list (may be empty); pad_token_id: int; rule and
+    rule_params: passed to verify; warp: temperature/top_k/top_p/min_p for sampling rules; seed int64 [B]
+    or None; max_draft: most draft nodes per request and step."""
+
+    max_new_tokens: int
+    eos_token_ids: list
+    pad_token_id: int
+    rule: str = "greedy"
+    rule_params: dict = field(default_factory=dict)
+    warp: dict = field(default_factory=dict)
+    seed: torch.Tensor = None
+    max_draft: int = 32
+    backend: str = "auto"
+    sync: bool = False  # synchronise the device around phases (exact CUDA timings; costs a little)
+
+
+def _prune(tree: Tree, max_depth: int) -> Tree:
+    """Drop nodes deeper than max_depth (their ancestors are shallower, so they stay)."""
+    if len(tree) == 0 or tree.max_depth <= max_depth:
+        return tree
+    if max_depth <= 0:
+        return empty_tree()
+    keep = tree.depth <= max_depth
+    new_index = torch.cumsum(keep.to(torch.int32), 0) - 1
+    par = tree.parents[keep]
+    par = torch.where(par < 0, par, new_index[par.clamp(min=0).long()])
+    return Tree(tree.tokens[keep], par, validate=False)
+
+
+class Decoder:
+    """State of one generate call: the cache, the per-request contexts and what has been emitted."""
+
+    def __init__(self, model, input_ids, attention_mask, drafter, settings: DecodeSettings, streamer=None):
+        from transformers import DynamicCache
+        self.model, self.drafter, self.s, self.streamer = model, drafter, settings, streamer
+        self.device = input_ids.device
+        self.dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+        self.input_ids = input_ids
+        B, L = input_ids.shape
+        self.B = B
+        mask = attention_mask.bool()
+        self.contexts = [input_ids[b][mask[b]].tolist() for b in range(B)]
+        self.generated = [[] for _ in range(B)]
+        self.finished = [False] * B
+        self.pad_len = (L - mask.sum(-1)).to(torch.int32)
+        self.cache = DynamicCache()
+        self.cache_len = torch.full((B,), L - 1, dtype=torch.int32, device=self.device)
+        self.root = input_ids[:, -1].clone()
+        self.stats = LoopStats(new_tokens=[0] * B)
+        self.eos = set(settings.eos_token_ids)
+        self._prefill(attention_mask)
+        drafter.reset(B)
+
+    def _sync(self):
+        if self.s.sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _forward(self, **kw):
+        return self.model(past_key_values=self.cache, use_cache=True, return_dict=True, **kw)
+
+    def _prefill(self, attention_mask):
+        t0 = time.perf_counter()
+        L = self.input_ids.shape[1]
+        if L > 1:
+            mask, pos = prefill_inputs(attention_mask[:, :-1], self.dtype)
+            kw = {"logits_to_keep": 1} if _accepts_logits_to_keep(self.model) else {}
+            self._forward(input_ids=self.input_ids[:, :-1], attention_mask=mask, position_ids=pos, **kw)
+        self._sync()
+        self.stats.time_prefill += time.perf_counter() - t0
+
+    def remaining(self, b: int) -> int:
+        return 0 if self.finished[b] else self.s.max_new_tokens - len(self.generated[b])
+
+    def done(self) -> bool:
+        return all(self.remaining(b) <= 0 for b in range(self.B))
+
+    def step(self) -> None:
+        s, st, B = self.s, self.stats, self.B
+        t0 = time.perf_counter()
+        # 1. draft: a step commits accept_len + 1 tokens, so drafting deeper than remaining - 1 is wasted.
+        remaining = [self.remaining(b) for b in range(B)]
+        budget = [min(s.max_draft, max(r - 1, 0)) for r in remaining]
+        trees = self.drafter.propose(self.contexts, budget)
+        trees = [_prune(t, r - 1) if r > 0 else empty_tree() for t, r in zip(trees, remaining)]
+        trees = [t if len(t) <= bud else _prune_nodes(t, bud) for t, bud in zip(trees, budget)]
+        draft_tokens, cu_nodes, parents = pack(trees, device=self.device)
+        t1 = time.perf_counter()
+
+        # 2. inputs: 4D mask over [cache | root + drafts], positions = committed length + depth.
+        inp = step_inputs(draft_tokens, cu_nodes, parents, self.root, self.cache_len, self.pad_len, self.dtype)
+        S = int(self.cache_len.max())
+        t2 = time.perf_counter()
+
+        # 3. one forward over every request's root and draft nodes.
+        out = self._forward(input_ids=inp.input_ids, attention_mask=inp.mask, position_ids=inp.position_ids)
+        logits = out.logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
+        self._sync()
+        t3 = time.perf_counter()
+
+        # 4. verify.
+        kw = dict(s.rule_params)
+        if s.rule in SAMPLING_RULES:
+            kw.update(s.warp)
+            kw["seed"] = s.seed
+            # absolute position of the token sampled at the root row: the root's own position + 1
+            kw["position"] = (self.cache_len - self.pad_len).long() + 1
+        if s.rule == "confidence":
+            kw["root_tokens"] = self.root
+        res = verify(logits, draft_tokens, cu_nodes, parents, rule=s.rule, backend=s.backend, validate=False, **kw)
+        accept_len = res.accept_len.tolist()
+        accepted = res.accepted.tolist()
+        next_token = res.next_token.tolist()
+        t4 = time.perf_counter()
+
+        # 5. commit: the accepted path + next token, cut at eos and max_new_tokens.
+        cu = cu_nodes.tolist()
+        flat = draft_tokens.tolist()
+        keep = [0] * B  # cache slots of the step to keep per request: root + accepted nodes
+        st.drafted.append([len(t) if remaining[b] > 0 else None for b, t in enumerate(trees)])
+        st.accepted.append([accept_len[b] if remaining[b] > 0 else None for b in range(B)])
+        for b in range(B):
+            if remaining[b] <= 0:
+                continue
+            new = [flat[cu[b] + j] for j in accepted[b][:accept_len[b]]] + [next_token[b]]
+            new = new[:remaining[b]]
+            for i, tok in enumerate(new):
+                if tok in self.eos:
+                    new = new[:i + 1]
+                    self.finished[b] = True
+                    break
+            self.generated[b].extend(new)
+            self.contexts[b].extend(new)
+            st.new_tokens[b] += len(new)
+            keep[b] = accept_len[b] + 1 if self.remaining(b) > 0 else 0
+            if self.streamer is not None:
+                self.streamer.put(torch.tensor(new, dtype=torch.int64))
+        self.drafter.update([accept_len[b] if remaining[b] > 0 else None for b in range(B)])
+        self.root = torch.tensor([self.contexts[b][-1] if self.remaining(b) > 0 else s.pad_token_id
+                                  for b in range(B)], dtype=torch.int64, device=self.device)
+        t5 = time.perf_counter()
+
+        # 6. cache: slot S + (0, 1 + accepted...) -> cache_len[b] + (0, 1, ...); then crop to the longest.
+        keep_t = torch.tensor(keep, dtype=torch.int32, device=self.device)
+        cache_len = self.cache_len.tolist()
+        in_place = all(cache_len[b] == S and accepted[b][:keep[b] - 1] == list(range(keep[b] - 1))
+                       for b in range(B) if keep[b])
+        if in_place:  # every kept slot already sits where it belongs (B = 1 chains, the common case)
+            crop_cache(self.cache, S + max(keep))
+        else:
+            acc = torch.cat([torch.zeros(B, 1, dtype=torch.int32, device=self.device),
+                             res.accepted.to(torch.int32).clamp(min=-1) + 1], dim=1)
+            compact_cache(self.cache, self.cache_len, S, acc, keep_t, backend=s.backend)
+        self.cache_len = self.cache_len + keep_t
+        crop_cache(self.cache, int(self.cache_len.max()))
+        self._sync()
+        t6 = time.perf_counter()
+
+        st.steps += 1
+        st.time_draft += t1 - t0
+        st.time_inputs += t2 - t1
+        st.time_forward += t3 - t2
+        st.time_verify += t4 - t3
+        st.time_commit += t5 - t4
+        st.time_cache += t6 - t5
+
+    def output(self) -> torch.Tensor:
+        """[B, L + T]: the prompt (with its padding) and the emitted tokens, pad_token_id after a request ends."""
+        T = max(len(g) for g in self.generated)
+        out = torch.full((self.B, T), self.s.pad_token_id, dtype=torch.int64, device=self.device)
+        for b, g in enumerate(self.generated):
+            if g:
+                out[b, :len(g)] = torch.tensor(g, dtype=torch.int64)
+        return torch.cat([self.input_ids, out], dim=1)
+
+
+def _prune_nodes(tree: Tree, n: int) -> Tree:
+    """Keep the first n nodes (parents precede children, so the prefix of the node list is a tree)."""
+    return Tree(tree.tokens[:n], tree.parents[:n], validate=False)
+
+
+_LOGITS_TO_KEEP = {}
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    import inspect
+    key = type(model)
+    if key not in _LOGITS_TO_KEEP:
+        _LOGITS_TO_KEEP[key] = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return _LOGITS_TO_KEEP[key]
+
+
+@torch.no_grad()
+def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, streamer=None):
+    """Run the loop. input_ids int64 [B, L] (left padded), attention_mask [B, L]. Returns (sequences
+    [B, L + T], LoopStats)."""
+    t0 = time.perf_counter()
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer)
+    while not dec.done():
+        dec.step()
+    if streamer is not None:
+        streamer.end()
+    dec.stats.time_total = time.perf_counter() - t0
+    return dec.output(), dec.stats

@@ -1,0 +1,313 @@
+"""``fastverify.patch(model)`` / ``fastverify.unpatch(model)``: draft-and-verify ``generate`` on a Hugging Face
+causal LM, without copying any model file.
+
+The patch rebinds ``generate`` on the instance (the class and other instances are untouched) and stores its
+state in one instance attribute; ``unpatch`` restores the instance's ``__dict__`` entries exactly. The model
+itself is driven through transformers' public extension points: a ready 4D attention mask (returned as-is by
+``masking_utils``), explicit ``position_ids`` and a ``DynamicCache`` (see fastverify.hf.attention).
+
+What the patched ``generate`` runs itself (everything else falls back to the original ``generate`` with one
+warning naming the reason): greedy and sampling (do_sample, temperature, top_k, top_p, min_p), batch >= 1 with
+left padding and attention_mask, max_new_tokens / max_length, eos_token_id (int or list), pad_token_id,
+streamer (batch 1), and ``seed=`` (int, or one per request) for the sampling rules.
+"""
+
+import dataclasses
+import types
+import warnings
+
+import torch
+
+from fastverify.hf.drafters import Drafter, NGramDrafter
+from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, decode
+
+__all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
+           "SUPPORTED_TRANSFORMERS"]
+
+SUPPORTED_TRANSFORMERS = ("4.57", "6")  # [min, max): versions this integration was tested against
+_STATE_ATTR = "_fastverify_patch"
+RULES = ("greedy", "topk", "distance", "gad", "typical", "confidence", "speculative", "coupled")
+RULE_PARAMS = ("k", "eps", "beta", "tau", "delta", "min_accept")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """How the loop may drive a model type: attention implementations that honour a 4D additive mask, and
+    whether the config may carry a sliding window (the loop keeps a full cache and a full mask, so it runs
+    only while the sequence fits in the window)."""
+
+    model_type: str
+    attn_implementations: tuple = ("eager", "sdpa")
+    sliding_window_attr: str = None
+
+
+MODEL_REGISTRY = {}
+
+
+def register_model_type(spec: ModelSpec) -> None:
+    """Declare a model type the loop may drive (decoder-only, standard DynamicCache, position_ids and 4D masks
+    honoured by its attention)."""
+    MODEL_REGISTRY[spec.model_type] = spec
+
+
+for _spec in (
+    ModelSpec("llama"), ModelSpec("qwen2", sliding_window_attr="sliding_window"), ModelSpec("qwen3"),
+    ModelSpec("mistral", sliding_window_attr="sliding_window"), ModelSpec("gpt2"), ModelSpec("gemma"),
+    ModelSpec("phi3", sliding_window_attr="sliding_window"), ModelSpec("olmo2"), ModelSpec("granite"),
+):
+    register_model_type(_spec)
+
+
+def _check_transformers_version():
+    import transformers
+    from packaging.version import Version
+    v = Version(transformers.__version__)
+    lo, hi = SUPPORTED_TRANSFORMERS
+    if not (Version(lo) <= v < Version(hi)):
+        raise RuntimeError(f"fastverify.patch: transformers {transformers.__version__} is not supported; the "
+                           f"integration is tested with transformers >= {lo}, < {hi}. Install a version in "
+                           f"that range (pip install 'transformers>={lo},<{hi}').")
+
+
+@dataclasses.dataclass
+class _PatchState:
+    spec: ModelSpec
+    drafter: Drafter
+    rule: str
+    options: dict
+    original_generate: object
+    had_instance_generate: bool
+    instance_generate: object
+    last_stats: object = None
+
+
+def is_patched(model) -> bool:
+    return _STATE_ATTR in getattr(model, "__dict__", {})
+
+
+def stats(model):
+    """The LoopStats of the last patched ``generate`` call on ``model`` (None before the first / after a
+    fallback)."""
+    state = model.__dict__.get(_STATE_ATTR)
+    return None if state is None else state.last_stats
+
+
+def patch(model, drafter: Drafter = None, rule: str = None, **options):
+    """Make ``model.generate`` run fastverify's draft-and-verify loop. Returns the same model.
+
+    drafter: a ``fastverify.hf.drafters.Drafter`` (default ``NGramDrafter()``).
+    rule: a verify rule ("greedy", "topk", "distance", "gad", "typical", "confidence", "speculative",
+        "coupled"); default: "greedy" when not sampling, "coupled" when sampling.
+    options: the rule's parameters (k, eps, beta, tau, delta, min_accept), ``max_draft`` (most draft nodes per
+        request and step, default 32), ``backend`` (verify / compact_cache backend, default "auto"),
+        ``sync`` (synchronise CUDA around phases for exact stats), ``allow_unknown_model`` (skip the model-type
+        registry check).
+    Patching a patched model replaces its drafter / rule / options.
+    """
+    _check_transformers_version()
+    unknown = set(options) - set(RULE_PARAMS) - {"max_draft", "backend", "sync", "allow_unknown_model"}
+    if unknown:
+        raise TypeError(f"fastverify.patch: unknown option(s) {sorted(unknown)}; expected rule parameters "
+                        f"{RULE_PARAMS} or max_draft, backend, sync, allow_unknown_model")
+    if rule is not None and rule not in RULES:
+        raise ValueError(f"rule: expected one of {RULES} or None, got {rule!r}")
+    if drafter is not None and not (hasattr(drafter, "propose") and hasattr(drafter, "update")):
+        raise TypeError(f"drafter: expected a fastverify Drafter (propose / update), got {type(drafter).__name__}")
+    if not hasattr(model, "generate") or not hasattr(model, "config"):
+        raise TypeError(f"model: expected a transformers causal LM, got {type(model).__name__}")
+    model_type = getattr(model.config, "model_type", None)
+    spec = MODEL_REGISTRY.get(model_type)
+    if spec is None:
+        if not options.get("allow_unknown_model", False):
+            raise ValueError(f"fastverify.patch: model type {model_type!r} is not in the registry "
+                             f"({sorted(MODEL_REGISTRY)}); register it with fastverify.hf.register_model_type "
+                             f"after checking it honours 4D masks and position_ids, or pass "
+                             f"allow_unknown_model=True")
+        spec = ModelSpec(model_type)
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError("fastverify.patch: encoder-decoder models are not supported (decoder-only causal LMs)")
+    if is_patched(model):
+        unpatch(model)
+    had = "generate" in model.__dict__
+    state = _PatchState(spec=spec, drafter=drafter if drafter is not None else NGramDrafter(), rule=rule,
+                        options=dict(options), original_generate=model.generate, had_instance_generate=had,
+                        instance_generate=model.__dict__.get("generate"))
+    model.__dict__[_STATE_ATTR] = state
+    model.generate = types.MethodType(_patched_generate, model)
+    return model
+
+
+def unpatch(model):
+    """Undo ``patch``: the instance's ``generate`` is again exactly what it was (the class's method, or the
+    instance attribute that was there before). Returns the model; a no-op on an unpatched model."""
+    state = model.__dict__.pop(_STATE_ATTR, None)
+    if state is None:
+        return model
+    if state.had_instance_generate:
+        model.__dict__["generate"] = state.instance_generate
+    else:
+        model.__dict__.pop("generate", None)
+    return model
+
+
+# generation-config fields the loop honours; any other field set to a non-default value means fallback.
+_HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
+            "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache",
+            "transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash",
+            "generation_kwargs"}
+# fields whose default values are neutral (the field is harmless when it has this value)
+_NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
+            "length_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0,
+            "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
+            "min_length": 0, "min_new_tokens": 0, "output_scores": False, "output_logits": False,
+            "output_attentions": False, "output_hidden_states": False, "return_dict_in_generate": False,
+            "remove_invalid_values": False, "renormalize_logits": False, "early_stopping": False,
+            "low_memory": False, "cache_implementation": "dynamic", "guidance_scale": 1.0,
+            "is_assistant": False, "disable_compile": False, "use_mtp": False}
+# fields that only configure features the loop never uses (assistant models, compile, caches' sizes)
+_IRRELEVANT = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+               "assistant_lookbehind", "target_lookbehind", "compile_config", "max_matching_ngram_size",
+               "cache_config", "max_cache_len", "continuous_batching_config", "prefill_chunk_size",
+               "assistant_ensemble_weight", "speculation_type"}
+
+
+def _unsupported_config(gc) -> list:
+    reasons = []
+    for name, value in vars(gc).items():
+        if name in _HANDLED or name in _IRRELEVANT or value is None:
+            continue
+        if name in _NEUTRAL:
+            if value != _NEUTRAL[name] and not (name == "cache_implementation" and value in ("dynamic",)):
+                reasons.append(f"{name}={value!r}")
+        elif value not in (False, 0, (), [], {}) and not name.startswith("_"):
+            reasons.append(f"{name}={value!r}")
+    if gc.use_cache is False:
+        reasons.append("use_cache=False")
+    return reasons
+
+
+def _generation_config(model, generation_config, kwargs):
+    """Merge the model's generation config, transformers' defaults and kwargs as ``generate`` does."""
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is not None:
+        try:
+            return prepare(generation_config, **kwargs)
+        except TypeError:
+            pass
+    import copy
+    gc = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    return gc, gc.update(**kwargs)
+
+
+def _as_list(x):
+    if x is None:
+        return []
+    if isinstance(x, torch.Tensor):
+        return [int(t) for t in x.reshape(-1).tolist()]
+    if isinstance(x, (list, tuple)):
+        return [int(t) for t in x]
+    return [int(x)]
+
+
+def _plan(model, state, args, kwargs):
+    """Decide whether the loop can run this generate call. Returns (plan dict, None) or (None, reason)."""
+    kwargs = dict(kwargs)
+    seed = kwargs.pop("seed", None)
+    inputs = args[0] if args else kwargs.pop("inputs", None)
+    if len(args) > 2:
+        return None, "positional arguments beyond inputs and generation_config"
+    generation_config = args[1] if len(args) > 1 else kwargs.pop("generation_config", None)
+    if inputs is None:
+        inputs = kwargs.pop("input_ids", None)
+    else:
+        kwargs.pop("input_ids", None)
+    streamer = kwargs.pop("streamer", None)
+    for name in ("logits_processor", "stopping_criteria"):
+        value = kwargs.pop(name, None)
+        if value:
+            return None, f"{name} is not supported"
+    for name in ("prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids", "custom_generate",
+                 "synced_gpus", "past_key_values", "inputs_embeds", "assistant_tokenizer", "tokenizer"):
+        if kwargs.pop(name, None) not in (None, False):
+            return None, f"{name} is not supported"
+    negative_mask = kwargs.pop("negative_prompt_attention_mask", None)
+    if negative_mask is not None:
+        return None, "negative_prompt_attention_mask is not supported"
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.shape[1] == 0:
+        return None, "input_ids must be a non-empty [batch, length] tensor"
+    gc, model_kwargs = _generation_config(model, generation_config, kwargs)
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None and k not in ("use_cache",)}
+    if model_kwargs:
+        return None, f"generate argument(s) {sorted(model_kwargs)} are not supported"
+    reasons = _unsupported_config(gc)
+    if reasons:
+        return None, "generation option(s) " + ", ".join(reasons) + " are not supported"
+    B, L = inputs.shape
+    if streamer is not None and B > 1:
+        return None, "a streamer with batch size > 1"
+    attn_impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attn_impl not in state.spec.attn_implementations:
+        return None, (f"attention implementation {attn_impl!r} (the loop needs one that takes 4D masks: "
+                      f"{state.spec.attn_implementations})")
+    eos = _as_list(gc.eos_token_id)
+    pad = gc.pad_token_id
+    pad = int(pad[0] if isinstance(pad, (list, tuple)) else pad) if pad is not None else None
+    if attention_mask is None:
+        if pad is not None and pad not in eos and bool((inputs == pad).any()):
+            attention_mask = (inputs != pad).long()
+        else:
+            attention_mask = torch.ones_like(inputs)
+    if attention_mask.shape != inputs.shape:
+        return None, "attention_mask of a shape other than input_ids'"
+    am = attention_mask.bool()
+    if not bool(am[:, -1].all()) or bool((am[:, 1:].int() < am[:, :-1].int()).any()):
+        return None, "attention_mask that is not left padding"
+    if pad is None:
+        pad = eos[0] if eos else 0
+    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - L
+    if max_new is None or max_new <= 0:
+        return None, f"max_new_tokens = {max_new} (nothing to generate)"
+    window_attr = state.spec.sliding_window_attr
+    window = getattr(model.config, window_attr, None) if window_attr else None
+    if window_attr == "sliding_window" and getattr(model.config, "use_sliding_window", True) is False:
+        window = None
+    if window is not None and L + max_new > window:
+        return None, f"sequence length {L + max_new} beyond the sliding window {window}"
+    sampling = bool(gc.do_sample)
+    rule = state.rule or ("coupled" if sampling else "greedy")
+    settings = DecodeSettings(max_new_tokens=int(max_new), eos_token_ids=eos, pad_token_id=pad, rule=rule,
+                              max_draft=int(state.options.get("max_draft", 32)),
+                              backend=state.options.get("backend", "auto"), sync=bool(state.options.get("sync")))
+    settings.rule_params = {k: state.options[k] for k in RULE_PARAMS if k in state.options}
+    if rule in SAMPLING_RULES:
+        if sampling:
+            settings.warp = {"temperature": float(gc.temperature if gc.temperature is not None else 1.0),
+                             "top_k": int(gc.top_k or 0), "top_p": float(gc.top_p if gc.top_p is not None else 1.0),
+                             "min_p": float(gc.min_p or 0.0)}
+        else:  # a sampling rule asked for without do_sample: greedy, as temperature 0
+            settings.warp = {"temperature": 0.0}
+        if seed is None:  # torch's global generator, so torch.manual_seed makes runs reproducible
+            seed_t = torch.randint(0, 2 ** 62, (B,), dtype=torch.int64)
+        else:
+            seed_t = torch.as_tensor(seed, dtype=torch.int64).reshape(-1)
+            if seed_t.numel() == 1:
+                seed_t = seed_t.expand(B).clone()
+            elif seed_t.numel() != B:
+                raise ValueError(f"seed: expected an int or {B} ints (one per request), got {seed_t.numel()}")
+        settings.seed = seed_t.to(inputs.device)
+    return {"inputs": inputs, "attention_mask": attention_mask, "settings": settings, "streamer": streamer}, None
+
+
+def _patched_generate(self, *args, **kwargs):
+    state = self.__dict__[_STATE_ATTR]
+    plan, reason = _plan(self, state, args, kwargs)
+    if plan is None:
+        warnings.warn(f"fastverify: falling back to the original generate: {reason}", UserWarning, stacklevel=2)
+        state.last_stats = None
+        kwargs.pop("seed", None)
+        return state.original_generate(*args, **kwargs)
+    sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], state.drafter, plan["settings"],
+                                   plan["streamer"])
+    state.last_stats = loop_stats
+    return sequences
