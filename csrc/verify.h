@@ -1,0 +1,331 @@
+// Framework-free row statistics of fastverify::verify (CPU). Raw pointers, sizes and strides only; the binding
+// (csrc/cpu/verify.cpp) checks inputs and calls these per logits row inside at::parallel_for.
+//
+// One pass over a row of V logits (fp32, bf16 or fp16, converted per element, never copied) yields what every
+// deterministic rule needs: the maximum and the lowest id holding it (argmax), whether the row holds NaN / +inf
+// or is entirely -inf, and on demand
+//   - the rank of each child token x of the row: #{l_v > l_x} + #{l_v == l_x, v < x};
+//   - S = sum_v exp(l_v - m) and the entropy H = log S - sum_v exp(l_v - m) (l_v - m) / S (nats), both with an
+//     online rescale per block: the block's maximum comes from the same traversal (the block is still in L1
+//     when its exponentials are summed), so memory is read once.
+// The hot loop has an AVX2 + FMA (+ F16C) path chosen at run time (__builtin_cpu_supports) and a portable
+// scalar path; the extension is compiled without -mavx2 so that it loads on any x86-64, and torch's
+// at::vec::Vectorized would fall back to its scalar DEFAULT flavour in such a translation unit.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define FASTVERIFY_X86 1
+#endif
+
+namespace fastverify {
+namespace verify_detail {
+
+// Element types as stored in memory: float, and the raw 16-bit patterns of bfloat16 / float16.
+struct F32 { using raw = float; };
+struct BF16 { using raw = uint16_t; };
+struct F16 { using raw = uint16_t; };
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float load_scalar(const float* p) { return *p; }
+
+template <typename T>
+inline float to_float(typename T::raw v);
+template <>
+inline float to_float<F32>(float v) { return v; }
+template <>
+inline float to_float<BF16>(uint16_t v) { return bits_to_float(uint32_t(v) << 16); }
+template <>
+inline float to_float<F16>(uint16_t h) {  // IEEE binary16 -> binary32, exact (subnormals, inf, NaN)
+  uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));
+  if (exp == 0) {
+    if (man == 0) return bits_to_float(sign);
+    float f = float(man) * 5.9604644775390625e-8f;  // man * 2^-24
+    return sign ? -f : f;
+  }
+  return bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// What the rule needs from a row (template flags of the pass).
+struct RowNeeds {
+  bool rank;     // topk, gad
+  bool softmax;  // typical, confidence: S
+  bool entropy;  // typical: H
+};
+
+struct RowStats {
+  float max;
+  int64_t argmax;
+  bool bad;      // NaN or +inf somewhere, or every entry -inf
+  double sum;    // S = sum exp(l - max)
+  double ent;    // H in nats
+};
+
+// Children of the row: their tokens and (read before the pass) their logits; the pass fills their ranks.
+struct RowChildren {
+  int n;
+  const int64_t* tokens;  // [n]
+  const float* logit;     // [n]
+  int64_t* rank;          // [n] out (when needs.rank)
+};
+
+// Rescaled online sums: (S, T) relative to m, with T = sum e (l - m); merge a block summed relative to mb >= m.
+struct OnlineSum {
+  double m = -std::numeric_limits<double>::infinity();
+  double s = 0.0;
+  double t = 0.0;
+  void rebase(double m_new) {  // m_new >= m
+    if (m_new == m) return;
+    if (s > 0.0) {
+      double scale = std::exp(m - m_new);
+      t = scale * (t + (m - m_new) * s);
+      s *= scale;
+    }
+    m = m_new;
+  }
+};
+
+constexpr float kExpFloor = -87.0f;  // exp(-87) ~ 1.6e-38: still normal; terms below it do not change S
+
+template <typename T>
+void row_stats_scalar(const typename T::raw* row, int64_t V, RowNeeds needs, RowChildren ch, RowStats& out) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t am = 0;
+  bool bad = false;
+  for (int c = 0; c < ch.n; ++c) ch.rank[c] = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    float x = to_float<T>(row[v]);
+    if (std::isnan(x)) bad = true;
+    if (x > m) { m = x; am = v; }
+    if (needs.rank)
+      for (int c = 0; c < ch.n; ++c)
+        ch.rank[c] += (x > ch.logit[c]) || (x == ch.logit[c] && v < ch.tokens[c]);
+  }
+  out.max = m;
+  out.argmax = am;
+  out.bad = bad || m == std::numeric_limits<float>::infinity() || m == -std::numeric_limits<float>::infinity();
+  out.sum = 0.0;
+  out.ent = 0.0;
+  if (out.bad || !needs.softmax) return;
+  double s = 0.0, t = 0.0;
+  for (int64_t v = 0; v < V; ++v) {
+    float d = to_float<T>(row[v]) - m;
+    if (d < kExpFloor) continue;
+    float e = std::exp(d);
+    s += e;
+    t += double(e) * d;
+  }
+  out.sum = s;
+  out.ent = std::log(s) - t / s;
+}
+
+#ifdef FASTVERIFY_X86
+#define FV_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define FV_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+template <typename T>
+FV_AVX2_INLINE __m256 load8(const typename T::raw* p);
+template <>
+FV_AVX2_INLINE __m256 load8<F32>(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+FV_AVX2_INLINE __m256 load8<BF16>(const uint16_t* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+template <>
+FV_AVX2_INLINE __m256 load8<F16>(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// exp(x) for x in [-87, 0] (callers clamp): Cephes' expf polynomial, ~1 ulp.
+FV_AVX2_INLINE __m256 exp8(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r2 = _mm256_mul_ps(r, r);
+  __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+FV_AVX2_INLINE float hmax8(__m256 v) {
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
+  return _mm_cvtss_f32(a);
+}
+
+FV_AVX2_INLINE double hsum8d(__m256 v) {
+  alignas(32) float f[8];
+  _mm256_store_ps(f, v);
+  double s = 0.0;
+  for (int i = 0; i < 8; ++i) s += f[i];
+  return s;
+}
+
+// Elements per block: the block's max comes from the first traversal, its exponentials from a second one
+// while the block is still in L1 (2048 fp32 = 8 KiB).
+constexpr int64_t kBlock = 2048;
+constexpr int kMaxVecChildren = 16;  // rank counting in registers for up to this many children per pass
+
+template <typename T>
+FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds needs, RowChildren ch, RowStats& out) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  __m256 vmax = _mm256_set1_ps(-kInf);
+  __m256i vidx = _mm256_set1_epi32(0x7fffffff);
+  __m256 vbad = _mm256_setzero_ps();
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // Ranks: children in groups of kMaxVecChildren (a tree row rarely has more); one extra pass per group.
+  const int groups = needs.rank ? (ch.n + kMaxVecChildren - 1) / kMaxVecChildren : 0;
+  for (int c = 0; c < ch.n; ++c) ch.rank[c] = 0;
+  OnlineSum acc;
+  const int64_t V8 = V & ~int64_t(7);
+
+  for (int64_t b0 = 0; b0 < V8; b0 += kBlock) {
+    const int64_t b1 = b0 + kBlock < V8 ? b0 + kBlock : V8;
+    __m256 bmax = _mm256_set1_ps(-kInf);
+    for (int64_t v = b0; v < b1; v += 8) {
+      __m256 x = load8<T>(row + v);
+      vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      __m256 gt = _mm256_cmp_ps(x, vmax, _CMP_GT_OQ);  // strict: each lane keeps its first maximum
+      vmax = _mm256_blendv_ps(vmax, x, gt);
+      vidx = _mm256_blendv_epi8(vidx, _mm256_add_epi32(_mm256_set1_epi32(int32_t(v)), lane), _mm256_castps_si256(gt));
+      bmax = _mm256_max_ps(bmax, x);
+    }
+    for (int g = 0; g < groups; ++g) {
+      const int c0 = g * kMaxVecChildren;
+      const int nc = ch.n - c0 < kMaxVecChildren ? ch.n - c0 : kMaxVecChildren;
+      __m256i cnt[kMaxVecChildren];
+      __m256 lx[kMaxVecChildren];
+      __m256i tok[kMaxVecChildren];
+      for (int c = 0; c < nc; ++c) {
+        cnt[c] = _mm256_setzero_si256();
+        lx[c] = _mm256_set1_ps(ch.logit[c0 + c]);
+        tok[c] = _mm256_set1_epi32(int32_t(ch.tokens[c0 + c]));
+      }
+      for (int64_t v = b0; v < b1; v += 8) {
+        __m256 x = load8<T>(row + v);
+        __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int32_t(v)), lane);
+        for (int c = 0; c < nc; ++c) {
+          __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(x, lx[c], _CMP_GT_OQ));
+          __m256i eq = _mm256_castps_si256(_mm256_cmp_ps(x, lx[c], _CMP_EQ_OQ));
+          __m256i before = _mm256_and_si256(eq, _mm256_cmpgt_epi32(tok[c], idx));
+          cnt[c] = _mm256_sub_epi32(cnt[c], _mm256_or_si256(gt, before));  // mask lanes are -1
+        }
+      }
+      for (int c = 0; c < nc; ++c) {
+        alignas(32) int32_t f[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(f), cnt[c]);
+        int64_t s = 0;
+        for (int i = 0; i < 8; ++i) s += f[i];
+        ch.rank[c0 + c] += s;
+      }
+    }
+    if (needs.softmax) {
+      const float bm = hmax8(bmax);  // NaN-free: _mm256_max_ps returns the second operand on NaN
+      const double m_new = bm > acc.m ? double(bm) : acc.m;
+      if (m_new == -double(kInf) || bm == kInf) continue;  // all -inf so far, or a bad row
+      acc.rebase(m_new);
+      const __m256 mv = _mm256_set1_ps(float(m_new));
+      const __m256 floor = _mm256_set1_ps(kExpFloor);
+      __m256 s = _mm256_setzero_ps(), t = _mm256_setzero_ps();
+      for (int64_t v = b0; v < b1; v += 8) {
+        __m256 d = _mm256_max_ps(_mm256_sub_ps(load8<T>(row + v), mv), floor);  // also maps -inf to the floor
+        __m256 e = exp8(d);
+        s = _mm256_add_ps(s, e);
+        if (needs.entropy) t = _mm256_fmadd_ps(e, d, t);
+      }
+      acc.s += hsum8d(s);
+      if (needs.entropy) acc.t += hsum8d(t);
+    }
+  }
+
+  // Lane reduction: the largest value, then the lowest index holding it.
+  alignas(32) float fm[8];
+  alignas(32) int32_t fi[8];
+  _mm256_store_ps(fm, vmax);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(fi), vidx);
+  float m = -kInf;
+  int64_t am = 0;
+  for (int i = 0; i < 8; ++i) m = fm[i] > m ? fm[i] : m;
+  int64_t best = INT64_MAX;
+  for (int i = 0; i < 8; ++i)
+    if (fm[i] == m && fi[i] < best) best = fi[i];
+  if (V8 > 0) am = best;
+  bool bad = _mm256_movemask_ps(vbad) != 0;
+  // Tail (V not a multiple of 8), scalar; its ids are larger, so ties keep the earlier argmax.
+  for (int64_t v = V8; v < V; ++v) {
+    float x = to_float<T>(row[v]);
+    if (std::isnan(x)) bad = true;
+    if (V8 == 0 && v == 0) {
+      m = x;
+      am = 0;
+    } else if (x > m) {
+      m = x;
+      am = v;
+    }
+    if (needs.rank)
+      for (int c = 0; c < ch.n; ++c)
+        ch.rank[c] += (x > ch.logit[c]) || (x == ch.logit[c] && v < ch.tokens[c]);
+  }
+  out.max = m;
+  out.argmax = am;
+  out.bad = bad || m == kInf || m == -kInf;
+  out.sum = 0.0;
+  out.ent = 0.0;
+  if (out.bad || !needs.softmax) return;
+  if (double(m) > acc.m) acc.rebase(double(m));
+  for (int64_t v = V8; v < V; ++v) {
+    float d = to_float<T>(row[v]) - float(acc.m);
+    if (d < kExpFloor) continue;
+    float e = std::exp(d);
+    acc.s += e;
+    acc.t += double(e) * d;
+  }
+  out.sum = acc.s;
+  out.ent = std::log(acc.s) - acc.t / acc.s;
+}
+#undef FV_AVX2_INLINE
+#endif  // FASTVERIFY_X86
+
+inline bool has_avx2() {
+#ifdef FASTVERIFY_X86
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Statistics of one row; `row` points at its first element (raw storage of T).
+template <typename T>
+void row_stats(const typename T::raw* row, int64_t V, RowNeeds needs, RowChildren ch, RowStats& out) {
+#ifdef FASTVERIFY_X86
+  if (has_avx2()) return row_stats_avx2<T>(row, V, needs, ch, out);
+#endif
+  row_stats_scalar<T>(row, V, needs, ch, out);
+}
+
+}  // namespace verify_detail
+}  // namespace fastverify
