@@ -1,0 +1,233 @@
+// CPU kernels of the tree ops (schemas: csrc/tree.cpp; arithmetic: csrc/tree.h; reference:
+// fastverify/reference/tree.py and attention.py). Parallel over requests, rows or (request, head) planes
+// with at::parallel_for; every binding checks its inputs so that no index is read out of bounds.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "tree.h"
+
+namespace {
+
+using namespace fastverify::tree;
+
+void check_cpu_int32(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, ": expected int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, ": expected ", dim, "-D, got shape ", t.sizes());
+}
+
+// Checks the batch layout (cu_nodes offsets, parents precede children) and returns B. n, if >= 0, must be at
+// least every request's node count.
+int64_t check_tree(const at::Tensor& parents, const at::Tensor& cu_nodes, int64_t n) {
+  check_cpu_int32(parents, "parents", 1);
+  check_cpu_int32(cu_nodes, "cu_nodes", 1);
+  TORCH_CHECK(cu_nodes.numel() >= 1, "cu_nodes: expected B + 1 >= 1 offsets");
+  TORCH_CHECK(parents.is_contiguous() && cu_nodes.is_contiguous(), "parents, cu_nodes: expected contiguous");
+  const int64_t B = cu_nodes.numel() - 1, N = parents.numel();
+  const int32_t* cu = cu_nodes.data_ptr<int32_t>();
+  const int32_t* par = parents.data_ptr<int32_t>();
+  TORCH_CHECK(cu[0] == 0, "cu_nodes: must start at 0, got ", cu[0]);
+  TORCH_CHECK(cu[B] == N, "cu_nodes: last offset ", cu[B], " must equal the number of nodes ", N);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nb = int64_t(cu[b + 1]) - cu[b];
+    TORCH_CHECK(nb >= 0, "cu_nodes: offsets must be non-decreasing (request ", b, ")");
+    TORCH_CHECK(n < 0 || nb <= n, "n: request ", b, " has ", nb, " nodes, more than n = ", n);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int32_t p = par[cu[b] + j];
+      TORCH_CHECK(p >= -1 && p < j, "parents: node ", j, " of request ", b, " has parent ", p,
+                  " (expected -1 or a preceding local node index)");
+    }
+  }
+  return B;
+}
+
+void check_prefix(const at::Tensor& prefix_len, int64_t B, int64_t P) {
+  check_cpu_int32(prefix_len, "prefix_len", 1);
+  TORCH_CHECK(prefix_len.numel() == B, "prefix_len: expected ", B, " entries, got ", prefix_len.numel());
+  TORCH_CHECK(prefix_len.is_contiguous(), "prefix_len: expected contiguous");
+  const int32_t* pl = prefix_len.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(pl[b] >= 0 && pl[b] <= P, "prefix_len: entry ", b, " = ", pl[b], " not in [0, P = ", P, "]");
+}
+
+template <typename T>
+void fill_dense(const at::Tensor& parents, const at::Tensor& cu_nodes, const at::Tensor& prefix_len, int64_t n,
+                int64_t P, T yes, T no, T* out) {
+  const int64_t B = cu_nodes.numel() - 1, rowlen = P + n;
+  const int32_t* cu = cu_nodes.data_ptr<int32_t>();
+  const int32_t* par = parents.data_ptr<int32_t>();
+  const int32_t* pl = prefix_len.data_ptr<int32_t>();
+  // Rows are independent; a grain of a few rows keeps tasks above ~16 KB of writes.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, rowlen * int64_t(sizeof(T))));
+  at::parallel_for(0, B * n, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t b = r / n, i = r % n;
+      dense_row<T>(par + cu[b], int64_t(cu[b + 1]) - cu[b], pl[b], P, n, i, yes, no, out + r * rowlen);
+    }
+  });
+}
+
+at::Tensor tree_mask_bool_cpu(const at::Tensor& parents, const at::Tensor& cu_nodes, const at::Tensor& prefix_len,
+                              int64_t n, int64_t P) {
+  TORCH_CHECK(n >= 0 && P >= 0, "n, P: expected >= 0, got ", n, ", ", P);
+  const int64_t B = check_tree(parents, cu_nodes, n);
+  check_prefix(prefix_len, B, P);
+  auto out = at::empty({B, n, P + n}, parents.options().dtype(at::kBool));
+  if (out.numel()) fill_dense<bool>(parents, cu_nodes, prefix_len, n, P, true, false, out.data_ptr<bool>());
+  return out;
+}
+
+at::Tensor tree_mask_additive_cpu(const at::Tensor& parents, const at::Tensor& cu_nodes,
+                                  const at::Tensor& prefix_len, int64_t n, int64_t P, at::ScalarType dtype) {
+  TORCH_CHECK(n >= 0 && P >= 0, "n, P: expected >= 0, got ", n, ", ", P);
+  TORCH_CHECK(at::isFloatingType(dtype), "dtype: the additive mask needs a floating dtype, got ", dtype);
+  const int64_t B = check_tree(parents, cu_nodes, n);
+  check_prefix(prefix_len, B, P);
+  auto out = at::empty({B, 1, n, P + n}, parents.options().dtype(dtype));
+  if (!out.numel()) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "tree_mask_additive", [&] {
+    fill_dense<scalar_t>(parents, cu_nodes, prefix_len, n, P, scalar_t(0.f),
+                         scalar_t(-std::numeric_limits<float>::infinity()), out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+at::Tensor tree_mask_packed_cpu(const at::Tensor& parents, const at::Tensor& cu_nodes, int64_t n) {
+  TORCH_CHECK(n >= 0, "n: expected >= 0, got ", n);
+  const int64_t B = check_tree(parents, cu_nodes, n);
+  const int64_t W = (n + 31) / 32;
+  auto out = at::empty({B, n, W}, parents.options());
+  if (!out.numel()) return out;
+  const int32_t* cu = cu_nodes.data_ptr<int32_t>();
+  const int32_t* par = parents.data_ptr<int32_t>();
+  auto* words = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) packed_rows(par + cu[b], int64_t(cu[b + 1]) - cu[b], n, W, words + b * n * W);
+  });
+  return out;
+}
+
+at::Tensor tree_positions_cpu(const at::Tensor& parents, const at::Tensor& cu_nodes, const at::Tensor& prefix_len) {
+  const int64_t B = check_tree(parents, cu_nodes, -1);
+  check_prefix(prefix_len, B, std::numeric_limits<int32_t>::max());
+  auto out = at::empty({parents.numel()}, parents.options().dtype(at::kLong));
+  const int32_t* cu = cu_nodes.data_ptr<int32_t>();
+  const int32_t* par = parents.data_ptr<int32_t>();
+  const int32_t* pl = prefix_len.data_ptr<int32_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) positions(par + cu[b], int64_t(cu[b + 1]) - cu[b], pl[b], o + cu[b]);
+  });
+  return out;
+}
+
+at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& packed_mask, const at::Tensor& prefix_len, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k, v: expected CPU tensors");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v: expected 4-D tensors");
+  const auto st = q.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "q: expected fp32, bf16 or fp16, got ",
+              st);
+  TORCH_CHECK(k.scalar_type() == st && v.scalar_type() == st, "k, v: expected q's dtype ", st);
+  const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3);
+  TORCH_CHECK(k.sizes() == v.sizes(), "v: expected k's shape ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D, "k: expected [B, Hkv, P + n, D] matching q, got ", k.sizes());
+  const int64_t Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "k: query heads ", Hq, " must be a multiple of kv heads ", Hkv);
+  TORCH_CHECK(S >= n, "k: expected at least n = ", n, " key slots, got ", S);
+  const int64_t W = (n + 31) / 32, P = S - n;
+  check_cpu_int32(packed_mask, "packed_mask", 3);
+  TORCH_CHECK(packed_mask.size(0) == B && packed_mask.size(1) == n && packed_mask.size(2) == W,
+              "packed_mask: expected [B, n, ceil(n / 32)] = [", B, ", ", n, ", ", W, "], got ", packed_mask.sizes());
+  check_prefix(prefix_len, B, P);
+  auto out = at::empty({B, Hq, n, D}, q.options());
+  if (!out.numel()) return out;
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "q, k, v: expected a unit stride in the head dimension");
+  const auto mask = packed_mask.contiguous();
+  AttnShape s{Hq, Hkv, n, S, P, D, W,
+              q.stride(0), q.stride(1), q.stride(2),
+              k.stride(0), k.stride(1), k.stride(2),
+              v.stride(0), v.stride(1), v.stride(2), float(scale)};
+  const int64_t group = Hq / Hkv, rows = group * n;
+  const int64_t chunks = (rows + kAttnRows - 1) / kAttnRows;
+  const int32_t* pl = prefix_len.data_ptr<int32_t>();
+  const int32_t* bits = mask.data_ptr<int32_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "tree_attention", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> scratch(attn_scratch_floats(D));
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t b = t / (Hkv * chunks), hkv = (t / chunks) % Hkv, c = t % chunks;
+        const int64_t r0 = c * kAttnRows, r1 = std::min(rows, r0 + kAttnRows);
+        tree_attention_task<scalar_t>(s, qp, kp, vp, bits, pl[b], op, b, hkv, r0, r1, scratch.data());
+      }
+    });
+  });
+  return out;
+}
+
+void compact_cache_cpu(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_len, int64_t draft_start,
+                       const at::Tensor& accepted, const at::Tensor& accept_len) {
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "k, v: expected CPU tensors");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k, v: expected [B, H, S, D] tensors, got ", k.sizes(), " and ",
+              v.sizes());
+  const int64_t B = k.size(0), S = k.size(2);
+  TORCH_CHECK(v.size(0) == B && v.size(2) == S, "v: expected batch ", B, " and ", S, " slots like k, got ",
+              v.sizes());
+  check_cpu_int32(accepted, "accepted", 2);
+  check_cpu_int32(accept_len, "accept_len", 1);
+  TORCH_CHECK(accepted.size(0) == B, "accepted: expected [B = ", B, ", max_depth], got ", accepted.sizes());
+  TORCH_CHECK(accept_len.numel() == B, "accept_len: expected ", B, " entries, got ", accept_len.numel());
+  check_prefix(prefix_len, B, S);
+  TORCH_CHECK(draft_start >= 0, "draft_start: expected >= 0, got ", draft_start);
+  const auto acc = accepted.contiguous(), alen = accept_len.contiguous();
+  const int64_t depth = acc.size(1);
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const int32_t* lp = alen.data_ptr<int32_t>();
+  const int32_t* pl = prefix_len.data_ptr<int32_t>();
+  // Source slots per request, checked once here so the planes below only copy.
+  std::vector<int64_t> src(std::max<int64_t>(1, B * depth));
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= depth, "accept_len: entry ", b, " = ", lp[b], " not in [0, ", depth, "]");
+    TORCH_CHECK(int64_t(pl[b]) + lp[b] <= S, "prefix_len: request ", b, ": prefix_len + accept_len = ",
+                int64_t(pl[b]) + lp[b], " exceeds the ", S, " cache slots");
+    for (int64_t i = 0; i < lp[b]; ++i) {
+      const int64_t a = ap[b * depth + i];
+      TORCH_CHECK(a >= 0 && draft_start + a < S, "accepted: request ", b, " entry ", i, " = ", a,
+                  " puts the source slot draft_start + accepted outside [0, ", S, ")");
+      src[b * depth + i] = draft_start + a;
+    }
+  }
+  for (at::Tensor* t : {&k, &v}) {
+    const int64_t H = t->size(1), D = t->size(3), es = t->element_size();
+    if (t->numel() == 0) continue;
+    char* base = static_cast<char*>(t->data_ptr());
+    const int64_t sb = t->stride(0) * es, sh = t->stride(1) * es, ss = t->stride(2) * es, sd = t->stride(3) * es;
+    at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<char> buf(std::max<int64_t>(1, depth * D * es));
+      for (int64_t p = lo; p < hi; ++p) {
+        const int64_t b = p / H, h = p % H;
+        compact_plane(base + b * sb + h * sh, ss, sd, D, es, src.data() + b * depth, lp[b], pl[b], buf.data());
+      }
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
+  m.impl("tree_mask_bool", &tree_mask_bool_cpu);
+  m.impl("tree_mask_additive", &tree_mask_additive_cpu);
+  m.impl("tree_mask_packed", &tree_mask_packed_cpu);
+  m.impl("tree_positions", &tree_positions_cpu);
+  m.impl("tree_attention", &tree_attention_cpu);
+  m.impl("compact_cache", &compact_cache_cpu);
+}

@@ -1,0 +1,177 @@
+"""tree_attention on every backend against torch's scaled_dot_product_attention with the dense tree mask."""
+
+import os
+import random
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from fastverify import _ext  # noqa: E402
+from fastverify.ops.attention import tree_attention  # noqa: E402
+from fastverify.ops.tree import implemented_backends, tree_mask  # noqa: E402
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def _skip_reason(backend):
+    if backend == "torch":
+        return None
+    if backend not in implemented_backends("tree_attention", "attention"):
+        return f"{backend} backend does not implement tree_attention here (not built / not written / not importable)"
+    if backend == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device"
+    device = device_of(backend)
+    if not _ext.backends(device)[backend]:
+        return f"{backend} backend is not usable on {device} here"
+    return None
+
+
+def device_of(backend):
+    if backend == "cuda" or (backend == "triton" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(_skip_reason(b) is not None, reason=str(_skip_reason(b))))
+            for b in ("torch", "cpp", "triton", "cuda")]
+
+
+def interpreted(backend):
+    return backend == "triton" and device_of(backend).type == "cpu"
+
+
+def random_batch(sizes, plens, seed):
+    rng = random.Random(seed)
+    parents = [rng.randint(-1, j - 1) if rng.random() < 0.6 else j - 1 for s in sizes for j in range(s)]
+    cu = [0]
+    for s in sizes:
+        cu.append(cu[-1] + s)
+    return torch.tensor(parents, dtype=torch.int32), torch.tensor(cu, dtype=torch.int32), \
+        torch.tensor(plens, dtype=torch.int32)
+
+
+def sdpa_expected(q, k, v, parents, cu, plen):
+    """SDPA in float32 with the dense bool tree mask, kv heads repeated for GQA."""
+    visible = tree_mask(parents, cu, plen, format="bool", backend="torch")[:, None]
+    g = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1),
+                                          v.float().repeat_interleave(g, 1), attn_mask=visible)
+
+
+# (D, sizes of the requests, prefix lengths, Hq, Hkv)
+SHAPES = [
+    pytest.param(64, [1], [1], 2, 2, id="D64-n1-P1"),
+    pytest.param(128, [7, 3], [33, 5], 4, 2, id="D128-ragged-gqa"),
+    pytest.param(64, [256], [17], 2, 1, id="D64-n256"),
+    pytest.param(128, [40, 13], [8192, 100], 4, 1, id="D128-P8192"),
+    pytest.param(64, [33, 0, 64], [3, 9, 70], 2, 2, id="D64-empty-request"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D,sizes,plens,Hq,Hkv", SHAPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_sdpa(backend, D, sizes, plens, Hq, Hkv, dtype):
+    if interpreted(backend) and (max(plens) > 128 or max(sizes) > 64):
+        pytest.skip("interpreted Triton: small shapes only, to keep the run short")
+    dev = device_of(backend)
+    parents, cu, plen = random_batch(sizes, plens, seed=D + len(sizes))
+    B, n, P = len(sizes), max(sizes), max(plens)
+    gen = torch.Generator().manual_seed(sum(sizes) + P)
+    q = torch.randn(B, Hq, n, D, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, P + n, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, P + n, D, generator=gen).to(dtype)
+    packed = tree_mask(parents, cu, plen, format="packed", backend="torch")
+    exp = sdpa_expected(q, k, v, parents, cu, plen)
+    got = tree_attention(q.to(dev), k.to(dev), v.to(dev), packed.to(dev), plen.to(dev), backend=backend)
+    assert got.dtype == dtype and got.shape == (B, Hq, n, D)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.cpu().float(), exp, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs_and_scale(backend):
+    """q in [B, n, H, D] memory order (as projections produce it), k / v slices of a longer cache."""
+    dev = device_of(backend)
+    parents, cu, plen = random_batch([9, 4], [12, 3], seed=5)
+    B, n, P, H, D = 2, 9, 12, 2, 64
+    q = torch.randn(B, n, H, D).transpose(1, 2)
+    cache = torch.randn(2, B, H, P + n + 20, D)
+    k, v = cache[0, :, :, :P + n], cache[1, :, :, :P + n]
+    assert not q.is_contiguous() and not k.is_contiguous()
+    packed = tree_mask(parents, cu, plen, format="packed")
+    visible = tree_mask(parents, cu, plen, format="bool", backend="torch")[:, None]
+    exp = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.3)
+    got = tree_attention(q.to(dev), k.to(dev), v.to(dev), packed.to(dev), plen.to(dev), scale=0.3, backend=backend)
+    torch.testing.assert_close(got.cpu(), exp, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_without_keys_are_zero(backend):
+    """A padding row of a request with an empty prefix sees no key: output 0, never NaN."""
+    dev = device_of(backend)
+    parents, cu, plen = random_batch([2, 5], [0, 4], seed=9)
+    B, n, P, D = 2, 5, 4, 64
+    q, k, v = torch.randn(B, 2, n, D), torch.randn(B, 2, P + n, D), torch.randn(B, 2, P + n, D)
+    packed = tree_mask(parents, cu, plen, format="packed")
+    got = tree_attention(q.to(dev), k.to(dev), v.to(dev), packed.to(dev), plen.to(dev), backend=backend).cpu()
+    assert torch.isfinite(got).all()
+    assert torch.equal(got[0, :, 2:], torch.zeros(2, 3, D))
+    exp = sdpa_expected(q, k, v, parents, cu, plen)
+    torch.testing.assert_close(got[0, :, :2], exp[0, :, :2], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[1], exp[1], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_draft(backend):
+    dev = device_of(backend)
+    q = torch.randn(2, 2, 0, 64, device=dev)
+    k = torch.randn(2, 2, 5, 64, device=dev)
+    packed = torch.zeros(2, 0, 0, dtype=torch.int32, device=dev)
+    assert tree_attention(q, k, k, packed, torch.tensor([5, 3], device=dev), backend=backend).shape == (2, 2, 0, 64)
+
+
+def test_bad_input():
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 7, 8)
+    packed = tree_mask(torch.tensor([-1, 0, 0]), None, 4, format="packed")
+    with pytest.raises(TypeError, match="packed_mask: expected int32"):
+        tree_attention(q, k, k, packed.long(), 4)
+    with pytest.raises(ValueError, match=r"packed_mask: expected shape \[B, n, ceil\(n / 32\)\]"):
+        tree_attention(q, k, k, packed[:, :2], 4)
+    with pytest.raises(ValueError, match=r"prefix_len: expected values in \[0, P = k.shape\[2\] - n = 4\]"):
+        tree_attention(q, k, k, packed, 5)
+    with pytest.raises(TypeError, match="k, v: expected q's dtype"):
+        tree_attention(q, k.half(), k.half(), packed, 4)
+    with pytest.raises(ValueError, match="must be a multiple of the kv heads"):
+        tree_attention(torch.randn(1, 3, 3, 8), k, k, packed, 4)
+    with pytest.raises(TypeError, match="q: expected one of"):
+        tree_attention(q.double(), k.double(), k.double(), packed, 4)
+    with pytest.raises(ValueError, match="q, k, v: expected 4-D"):
+        tree_attention(q[0], k, k, packed, 4)
+    with pytest.raises(ValueError, match="k: expected at least n = 3 key slots"):
+        tree_attention(q, k[:, :, :2], k[:, :, :2], packed, 0)
+
+
+@pytest.mark.skipif(_skip_reason("cpp") is not None, reason=str(_skip_reason("cpp")))
+def test_cpp_checks_prefix_itself():
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 7, 8)
+    packed = tree_mask(torch.tensor([-1, 0, 0]), None, 4, format="packed")
+    with pytest.raises(RuntimeError, match="prefix_len: entry 0 = 9 not in"):
+        torch.ops.fastverify.tree_attention(q, k, k, packed, torch.tensor([9], dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] in ("cpp", "cuda")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(backend, dtype):
+    dev = device_of(backend)
+    parents, cu, plen = random_batch([5, 37], [3, 6], seed=2)
+    q = torch.randn(2, 4, 37, 64, device=dev, dtype=dtype)
+    k = torch.randn(2, 2, 43, 64, device=dev, dtype=dtype)
+    v = torch.randn(2, 2, 43, 64, device=dev, dtype=dtype)
+    packed = tree_mask(parents, cu, plen, format="packed").to(dev)
+    torch.library.opcheck(torch.ops.fastverify.tree_attention, (q, k, v, packed, plen.to(dev), 0.125))
