@@ -13,6 +13,10 @@ Hugging Face integration: ``fastverify.patch(model)`` / ``fastverify.unpatch(mod
 
 from fastverify._ext import backends  # noqa: F401  (loads the compiled extension, warning once if missing)
 from fastverify.ops.verify import RULES, VerifyOutput, verify  # noqa: F401
+from fastverify.ops.tree import block_mask, tree_mask, tree_positions  # noqa: F401
+from fastverify.ops.attention import tree_attention  # noqa: F401
+from fastverify.ops.cache import compact_cache  # noqa: F401
+from fastverify import tree  # noqa: F401
 
 from fastverify.hf import patch, unpatch  # noqa: F401,E402
 from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter  # noqa: F401,E402
