@@ -36,13 +36,14 @@ SAMPLING_RULES = ("speculative", "coupled")
 class LoopStats:
     """What the last ``generate`` of a patched model did (``fastverify.hf.stats(model)``).
 
-    steps: decoding steps (forwards after the prefill); drafted / accepted: per step, per request, draft
-    nodes scored and draft nodes accepted (None for finished requests); new_tokens: tokens emitted per
+    steps: decoding steps (forwards after the prefill); drafted / depth / accepted: per step, per request,
+    draft nodes scored, the draft tree's depth and draft nodes accepted (None for finished requests); new_tokens: tokens emitted per
     request; time_*: seconds spent in prefill, drafting, building masks/positions, the forward, verify,
     committing tokens (Python bookkeeping) and cache compaction; time_total: the whole loop."""
 
     steps: int = 0
     drafted: list = field(default_factory=list)
+    depth: list = field(default_factory=list)
     accepted: list = field(default_factory=list)
     new_tokens: list = field(default_factory=list)
     time_prefill: float = 0.0
@@ -203,6 +204,7 @@ class Decoder:
         flat = draft_tokens.tolist()
         keep = [0] * B  # cache slots of the step to keep per request: root + accepted nodes
         st.drafted.append([len(t) if remaining[b] > 0 else None for b, t in enumerate(trees)])
+        st.depth.append([t.max_depth if remaining[b] > 0 else None for b, t in enumerate(trees)])
         st.accepted.append([accept_len[b] if remaining[b] > 0 else None for b in range(B)])
         for b in range(B):
             if remaining[b] <= 0:

@@ -1,0 +1,223 @@
+"""End-to-end exactness of fastverify.patch on tiny random models of several architectures.
+
+Greedy: the patched generate emits exactly the tokens of the model's own generate(do_sample=False), batch 1
+and batch 3 with left padding, eos in the middle, max_new_tokens exact. Sampling: with a seed, the coupled
+rule emits exactly the tokens of fastverify's own autoregressive sampling (a drafter that drafts nothing).
+A DraftModelDrafter using the target itself must have every greedy draft accepted: a strong check of the
+masks, positions and cache compaction with chains and trees.
+"""
+
+import pytest
+import torch
+
+import fastverify
+from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, stats, unpatch
+
+transformers = pytest.importorskip("transformers")
+
+V = 1024
+
+
+def _tiny(arch: str):
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.08)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif arch == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
+    elif arch == "gemma":
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**common, head_dim=16))
+    elif arch == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4,
+                                                                     n_positions=256, initializer_range=0.08))
+    else:
+        raise ValueError(arch)
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+ARCHS = ["llama", "qwen2", "mistral", "gpt2", "gemma"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny models: intra-op threads only add contention (a 2-layer step is ~10x slower with 2 busy threads).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request):
+    return _tiny(request.param)
+
+
+def _repetitive(length: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(3, V, (5,), generator=g).tolist()
+    return (motif * (length // 5 + 1))[:length]
+
+
+PAD = 1
+
+
+def _batch(lengths, seed=0):
+    """Left-padded batch of repetitive prompts: (input_ids [B, L], attention_mask [B, L])."""
+    L = max(lengths)
+    ids = torch.full((len(lengths), L), PAD, dtype=torch.int64)
+    mask = torch.zeros(len(lengths), L, dtype=torch.int64)
+    for b, n in enumerate(lengths):
+        ids[b, L - n:] = torch.tensor(_repetitive(n, seed + b))
+        mask[b, L - n:] = 1
+    return ids, mask
+
+
+def _reference(model, ids, mask, **kw):
+    unpatch(model)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, **kw)
+
+
+def _patched(model, ids, mask, drafter=None, backend="auto", **kw):
+    patch(model, drafter=drafter, backend=backend)
+    try:
+        return model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kw), stats(model)
+    finally:
+        unpatch(model)
+
+
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_greedy_matches_generate(model, lengths):
+    ids, mask = _batch(lengths)
+    ref = _reference(model, ids, mask, max_new_tokens=24)
+    for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+        out, st = _patched(model, ids, mask, drafter=drafter, do_sample=False, max_new_tokens=24)
+        assert out.shape == ref.shape
+        assert torch.equal(out, ref), (type(drafter).__name__, out.tolist(), ref.tolist())
+        assert st.new_tokens == [24] * len(lengths)
+
+
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_greedy_eos_in_the_middle(model, lengths):
+    ids, mask = _batch(lengths, seed=3)
+    free = _reference(model, ids, mask, max_new_tokens=20)
+    L = ids.shape[1]
+    eos = [int(free[0, L + 4]), 2]  # request 0's 5th token (and an id that never appears): stops mid-way
+    ref = _reference(model, ids, mask, max_new_tokens=20, eos_token_id=eos)
+    for drafter in (NGramDrafter(), DraftModelDrafter(model, k=4)):
+        out, st = _patched(model, ids, mask, drafter=drafter, max_new_tokens=20, eos_token_id=eos)
+        assert torch.equal(out, ref), (out.tolist(), ref.tolist())
+        gen = out[0, L:].tolist()
+        assert gen.index(eos[0]) <= 4 and all(t == PAD for t in gen[gen.index(eos[0]) + 1:])
+    # a single int eos as well
+    ref = _reference(model, ids, mask, max_new_tokens=20, eos_token_id=eos[0])
+    out, _ = _patched(model, ids, mask, max_new_tokens=20, eos_token_id=eos[0])
+    assert torch.equal(out, ref)
+
+
+def test_max_new_tokens_exact(model):
+    ids, mask = _batch([12])
+    for n in (1, 2, 7):
+        ref = _reference(model, ids, mask, max_new_tokens=n)
+        out, st = _patched(model, ids, mask, drafter=DraftModelDrafter(model, k=5), max_new_tokens=n)
+        assert out.shape[1] == ids.shape[1] + n
+        assert torch.equal(out, ref)
+
+
+def test_self_drafting_accepts_every_greedy_draft(model):
+    """The target drafting for itself: every greedy draft must be accepted (masks, positions, compaction)."""
+    ids, mask = _batch([9, 4, 12], seed=5)
+    ref = _reference(model, ids, mask, max_new_tokens=21)
+    for k, topk in ((4, 1), (3, 3)):
+        out, st = _patched(model, ids, mask, drafter=DraftModelDrafter(model, k=k, tree_topk=topk), max_new_tokens=21)
+        assert torch.equal(out, ref)
+        for depth, accepted in zip(st.depth, st.accepted):
+            for d, a in zip(depth, accepted):
+                if d is not None:  # the greedy path through the tree is accepted to its full depth
+                    assert a == d, (st.depth, st.accepted)
+        assert st.accepted_tokens > 0
+        assert st.steps < 21  # fewer forwards than tokens
+
+
+def test_ngram_drafts_accepted_on_repetitive_prompt(model):
+    ids, mask = _batch([30])
+    _, st = _patched(model, ids, mask, max_new_tokens=30)
+    assert st.drafted_tokens > 0
+    assert st.accepted_tokens > 0
+    assert sum(st.new_tokens) == 30
+    assert st.steps == 30 - st.accepted_tokens
+
+
+def _sampling_backend(name):
+    """The verify backend for the sampling tests; "auto" is skipped while its sampling kernel is missing."""
+    if name == "auto":
+        try:
+            fastverify.verify(torch.zeros(1, 2, 4), torch.zeros(1, 1, dtype=torch.int64), rule="coupled",
+                              seed=torch.tensor([1]), position=torch.tensor([1]))
+        except (RuntimeError, NotImplementedError) as e:
+            pytest.skip(f"verify's default backend cannot run the sampling rules here: {e}")
+    return name
+
+
+SAMPLING_BACKENDS = ["torch", "auto"]
+
+
+@pytest.mark.parametrize("backend", SAMPLING_BACKENDS)
+@pytest.mark.parametrize("lengths", [[11], [10, 3, 7]], ids=["batch1", "batch3"])
+def test_seeded_sampling_equals_autoregressive_sampling(model, lengths, backend):
+    ids, mask = _batch(lengths, seed=7)
+    kw = dict(do_sample=True, temperature=0.7, top_k=40, top_p=0.95, max_new_tokens=20, seed=1234,
+              backend=_sampling_backend(backend))
+    ar, st_ar = _patched(model, ids, mask, drafter=Drafter(), **kw)
+    assert st_ar.drafted_tokens == 0
+    for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+        out, st = _patched(model, ids, mask, drafter=drafter, **kw)
+        assert torch.equal(out, ar), (type(drafter).__name__, out.tolist(), ar.tolist())
+    assert st.accepted_tokens > 0  # the self-drafter's greedy drafts are often the sampled tokens at T = 0.7
+    other, _ = _patched(model, ids, mask, drafter=Drafter(), **{**kw, "seed": 99})
+    assert not torch.equal(other, ar)
+
+
+def test_sampling_seed_from_torch_global_generator(model):
+    ids, mask = _batch([8])
+    torch.manual_seed(5)
+    a, _ = _patched(model, ids, mask, do_sample=True, max_new_tokens=12, backend="torch")
+    torch.manual_seed(5)
+    b, _ = _patched(model, ids, mask, do_sample=True, max_new_tokens=12, backend="torch")
+    assert torch.equal(a, b)
+
+
+def test_speculative_rule_runs_and_stops_exactly(model):
+    ids, mask = _batch([10, 4])
+    patch(model, drafter=DraftModelDrafter(model, k=3), rule="speculative", backend="torch")
+    try:
+        out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=15, seed=3, pad_token_id=PAD)
+        st = stats(model)
+    finally:
+        unpatch(model)
+    assert out.shape == (2, ids.shape[1] + 15)
+    assert st.new_tokens == [15, 15]
+    assert ((out >= 0) & (out < V)).all()
+
+
+def test_sampling_batch_invariance():
+    """With an int seed, a request's tokens do not depend on the batch it is in (uniforms keyed by seed and
+    absolute position)."""
+    model = _tiny("llama")
+    ids, mask = _batch([9, 5, 12], seed=11)
+    kw = dict(do_sample=True, temperature=1.0, max_new_tokens=12, seed=77, backend="torch")
+    both, _ = _patched(model, ids, mask, **kw)
+    for b in range(3):
+        n = int(mask[b].sum())
+        alone, _ = _patched(model, ids[b:b + 1, -n:], mask[b:b + 1, -n:], **kw)
+        assert torch.equal(alone[0, n:], both[b, ids.shape[1]:])
+
+
+def test_public_names():
+    assert fastverify.patch is patch and fastverify.unpatch is unpatch
+    assert fastverify.NGramDrafter is NGramDrafter and fastverify.DraftModelDrafter is DraftModelDrafter
