@@ -1,0 +1,214 @@
+"""fastverify.patch / unpatch: exact restoration, registry, version refusal, fallback with one warning, streamer."""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+
+from fastverify.hf import NGramDrafter, is_patched, patch, stats, unpatch
+
+transformers = pytest.importorskip("transformers")
+# the module (fastverify.hf.patch as an attribute is the function)
+hf_patch = importlib.import_module("fastverify.hf.patch")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.08)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    m.generation_config.pad_token_id = None
+    m.generation_config.eos_token_id = None
+    return m
+
+
+PROMPT = torch.tensor([[11, 12, 13, 14, 11, 12, 13, 14, 11, 12]])
+
+
+def _fallback_warnings(record):
+    return [w for w in record if "falling back to the original generate" in str(w.message)]
+
+
+def test_patch_returns_same_model_and_rebinds_on_instance(model):
+    cls_generate = type(model).generate
+    assert "generate" not in model.__dict__
+    out = patch(model)
+    assert out is model and is_patched(model)
+    assert model.generate.__func__ is not cls_generate and model.generate.__self__ is model
+    assert type(model).generate is cls_generate  # the class is untouched
+    other = type(model)(model.config)
+    assert other.generate.__func__ is cls_generate  # other instances too
+
+
+def test_unpatch_restores_exactly(model):
+    before = dict(model.__dict__)
+    patch(model, drafter=NGramDrafter())
+    model.generate(PROMPT, max_new_tokens=4)
+    unpatch(model)
+    assert "generate" not in model.__dict__
+    assert model.generate.__func__ is type(model).generate
+    assert set(model.__dict__) == set(before)
+    for name, value in before.items():
+        assert model.__dict__[name] is value
+    assert not is_patched(model) and stats(model) is None
+    unpatch(model)  # a no-op on an unpatched model
+
+
+def test_unpatch_restores_an_instance_generate(model):
+    def custom(*a, **k):
+        return "custom"
+    model.generate = custom
+    patch(model)
+    assert model.generate is not custom
+    unpatch(model)
+    assert model.__dict__["generate"] is custom and model.generate() == "custom"
+
+
+def test_repatch_replaces_options(model):
+    patch(model, rule="greedy")
+    first = model.generate
+    d = NGramDrafter(max_n=2)
+    patch(model, drafter=d, rule="topk", k=2)
+    state = model.__dict__[hf_patch._STATE_ATTR]
+    assert state.drafter is d and state.rule == "topk" and state.options["k"] == 2
+    assert model.generate is not first
+    unpatch(model)
+    assert "generate" not in model.__dict__  # restoring goes back to the original, not the first patch
+
+
+def test_patched_generate_matches_and_records_stats(model):
+    ref = model.generate(PROMPT, do_sample=False, max_new_tokens=12)
+    patch(model)
+    out = model.generate(PROMPT, do_sample=False, max_new_tokens=12)
+    st = stats(model)
+    assert torch.equal(out, ref)
+    assert st.steps >= 1 and st.new_tokens == [12] and st.time_forward > 0
+    assert st.steps + st.accepted_tokens == 12
+    summary = st.summary()
+    assert 0 <= summary["non_forward_fraction"] < 1
+
+
+def test_input_ids_keyword_and_max_length(model):
+    ref = model.generate(input_ids=PROMPT, max_length=16)
+    patch(model)
+    out = model.generate(input_ids=PROMPT, max_length=16)
+    assert out.shape == (1, 16) and torch.equal(out, ref)
+
+
+def test_every_rule_selectable(model):
+    ref = model.generate(PROMPT, do_sample=False, max_new_tokens=8)
+    for rule, opts in (("greedy", {}), ("topk", {"k": 1}), ("distance", {"eps": 0}), ("gad", {"beta": 1, "tau": 0.0}),
+                       ("coupled", {"backend": "torch"}), ("speculative", {"backend": "torch"})):
+        patch(model, rule=rule, **opts)
+        # with k=1 / eps=0 / beta=1 (and sampling rules at temperature 0), every rule reduces to greedy
+        out = model.generate(PROMPT, do_sample=False, max_new_tokens=8)
+        assert torch.equal(out, ref), rule
+    for rule, opts in (("typical", {"eps": 0.3}), ("confidence", {"beta": 0.5})):
+        patch(model, rule=rule, **opts)
+        out = model.generate(PROMPT, do_sample=False, max_new_tokens=8)
+        assert out.shape == ref.shape and torch.equal(out[:, :PROMPT.shape[1]], PROMPT)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"num_beams": 2}, "num_beams"),
+    ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
+    ({"repetition_penalty": 1.3}, "repetition_penalty"),
+    ({"return_dict_in_generate": True}, "return_dict_in_generate"),
+    ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
+])
+def test_fallback_warns_once_and_runs_original(model, kwargs, reason):
+    ref = model.generate(PROMPT, max_new_tokens=6, **kwargs) if not kwargs.get("do_sample") else None
+    patch(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = model.generate(PROMPT, max_new_tokens=6, **kwargs)
+    fb = _fallback_warnings(record)
+    assert len(fb) == 1 and reason in str(fb[0].message)
+    assert stats(model) is None
+    if ref is not None:
+        if isinstance(ref, torch.Tensor):
+            assert torch.equal(out, ref)
+        else:
+            assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_fallback_logits_processor_and_streamer_batch(model):
+    from transformers import LogitsProcessorList, MinLengthLogitsProcessor
+    patch(model)
+    procs = LogitsProcessorList([MinLengthLogitsProcessor(3, eos_token_id=0)])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.generate(PROMPT, max_new_tokens=4, logits_processor=procs)
+    fb = _fallback_warnings(record)
+    assert len(fb) == 1 and "logits_processor" in str(fb[0].message)
+
+
+def test_no_warning_on_supported_call(model):
+    patch(model, backend="torch")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.generate(PROMPT, max_new_tokens=4, do_sample=True, top_p=0.9, seed=1, eos_token_id=[3, 4])
+    assert not _fallback_warnings(record)
+    assert stats(model) is not None
+
+
+def test_streamer_receives_every_token(model):
+    class Collect:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    patch(model)
+    s = Collect()
+    out = model.generate(PROMPT, max_new_tokens=9, streamer=s)
+    assert s.ended and s.puts[0] == PROMPT[0].tolist()
+    assert sum(s.puts[1:], []) == out[0, PROMPT.shape[1]:].tolist()
+
+
+def test_version_refused(model, monkeypatch):
+    # by name: the module object in sys.modules is the one patch() imports
+    monkeypatch.setattr("transformers.__version__", "4.40.0")
+    with pytest.raises(RuntimeError, match="transformers 4.40.0 is not supported"):
+        patch(model)
+    monkeypatch.setattr("transformers.__version__", "6.0.0")
+    with pytest.raises(RuntimeError, match=">= 4.57, < 6"):
+        patch(model)
+    assert not is_patched(model)
+
+
+def test_registry_and_bad_arguments(model, monkeypatch):
+    assert {"llama", "qwen2", "mistral", "gpt2", "gemma"} <= set(hf_patch.MODEL_REGISTRY)
+    monkeypatch.setattr(model.config, "model_type", "mystery")
+    with pytest.raises(ValueError, match="not in the registry"):
+        patch(model)
+    patch(model, allow_unknown_model=True)
+    unpatch(model)
+    monkeypatch.setattr(model.config, "model_type", "llama")
+    with pytest.raises(ValueError, match="rule"):
+        patch(model, rule="nope")
+    with pytest.raises(TypeError, match="unknown option"):
+        patch(model, depth=3)
+    with pytest.raises(TypeError, match="drafter"):
+        patch(model, drafter=object())
+    assert not is_patched(model)
+
+
+def test_bad_seed_length(model):
+    patch(model, backend="torch")
+    with pytest.raises(ValueError, match="seed"):
+        model.generate(PROMPT.expand(2, -1), do_sample=True, max_new_tokens=3, seed=[1, 2, 3])
