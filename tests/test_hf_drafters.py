@@ -1,0 +1,171 @@
+"""Drafters: NGramDrafter (trie of earlier continuations, incremental index, adaptation) and DraftModelDrafter
+(greedy chain / top-k tree, cache rolled back)."""
+
+import random
+
+import pytest
+import torch
+
+from fastverify.hf.attention import cache_length
+from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter
+
+transformers = pytest.importorskip("transformers")
+
+
+def _paths(tree):
+    """Root-to-leaf token sequences of a tree."""
+    toks = tree.tokens.tolist()
+    return [[toks[j] for j in path if j >= 0] for path in tree.paths().tolist()]
+
+
+def test_base_drafter_proposes_nothing():
+    d = Drafter()
+    d.reset(2)
+    trees = d.propose([[1, 2, 3], [4]], [8, 8])
+    assert [len(t) for t in trees] == [0, 0]
+
+
+def test_ngram_no_match_no_draft():
+    d = NGramDrafter()
+    d.reset(1)
+    assert len(d.propose([[1, 2, 3, 4, 5]], [16])[0]) == 0
+
+
+def test_ngram_chain_from_prompt_lookup():
+    d = NGramDrafter(max_n=3, depth=4, width=1)
+    d.reset(1)
+    ctx = [7, 8, 9, 10, 11, 12, 50, 7, 8, 9]
+    (tree,) = d.propose([ctx], [16])
+    assert _paths(tree) == [[10, 11, 12, 50]]
+
+
+def test_ngram_tree_of_continuations_most_recent_first():
+    d = NGramDrafter(max_n=2, depth=3, width=3)
+    d.reset(1)
+    # "5 6" was followed by 1 2 3, then 1 2 4, then 9 9 9: a trie with the shared prefix 1 2 merged
+    ctx = [5, 6, 1, 2, 3, 0, 5, 6, 1, 2, 4, 0, 5, 6, 9, 9, 9, 0, 5, 6]
+    (tree,) = d.propose([ctx], [16])
+    paths = _paths(tree)
+    assert paths[0] == [9, 9, 9]  # most recent match first
+    assert sorted(paths) == sorted([[9, 9, 9], [1, 2, 4], [1, 2, 3]])
+    assert len(tree) == 3 + 3 + 1  # 9 9 9 | 1 2 4 | 3 (prefix 1 2 shared)
+    assert tree.max_depth == 3
+
+
+def test_ngram_longest_ngram_wins():
+    d = NGramDrafter(min_n=1, max_n=3, depth=2, width=1)
+    d.reset(1)
+    ctx = [1, 2, 3, 40, 41, 9, 3, 50, 51, 2, 3]  # "2 3" -> 40 41 (n=2) beats "3" -> 50 51 (most recent n=1)
+    assert _paths(d.propose([ctx], [16])[0]) == [[40, 41]]
+
+
+def test_ngram_budget_and_finished_requests():
+    d = NGramDrafter(max_n=2, depth=8, width=4)
+    d.reset(2)
+    ctx = [1, 2] + list(range(10, 20)) + [1, 2] + list(range(30, 40)) + [1, 2]
+    trees = d.propose([ctx, ctx], [5, 0])
+    assert len(trees[0]) == 5 and len(trees[1]) == 0
+
+
+def test_ngram_index_is_incremental_and_matches_a_fresh_scan():
+    rng = random.Random(0)
+    ctx = [rng.randrange(6) for _ in range(40)]
+    inc = NGramDrafter(max_n=3, depth=4, width=3)
+    inc.reset(1)
+    for _ in range(60):
+        inc.propose([ctx], [12])
+        inc.states[0].depth, inc.states[0].width = 4, 3  # compare at fixed sizes
+        ctx = ctx + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+        fresh = NGramDrafter(max_n=3, depth=4, width=3)
+        fresh.reset(1)
+        a, b = inc.propose([ctx], [12])[0], fresh.propose([ctx], [12])[0]
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        assert inc.states[0].indexed == len(ctx)
+        inc.states[0].depth, inc.states[0].width = 4, 3
+
+
+def test_ngram_adapts_depth_and_width():
+    d = NGramDrafter(max_n=2, depth=4, max_depth=12, min_depth=1, width=2, max_width=4)
+    d.reset(1)
+    ctx = list(range(1, 30)) + [1, 2]
+    d.propose([ctx], [32])
+    d.update([0])  # everything rejected: shallower, narrower
+    assert d.states[0].depth == 2 and d.states[0].width == 1
+    d.propose([ctx], [32])
+    d.update([2])  # the whole path accepted: deeper
+    assert d.states[0].depth == 4
+    d.propose([ctx], [32])
+    d.update([4])
+    assert d.states[0].depth == 8
+    d.propose([ctx], [32])
+    d.update([3])  # partial: just past what was accepted, wider
+    assert d.states[0].depth == 5 and d.states[0].width == 2
+    d.update([None])  # finished request: unchanged
+    assert d.states[0].depth == 5
+
+
+def test_ngram_bad_arguments():
+    with pytest.raises(ValueError, match="min_n"):
+        NGramDrafter(min_n=3, max_n=2)
+    with pytest.raises(ValueError, match="depth"):
+        NGramDrafter(depth=0)
+    with pytest.raises(ValueError, match="width"):
+        NGramDrafter(width=5, max_width=4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.08)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _greedy(model, ctx, k):
+    out = []
+    ids = list(ctx)
+    with torch.no_grad():
+        for _ in range(k):
+            t = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(t)
+            ids.append(t)
+    return out
+
+
+def test_draft_model_chain_is_its_greedy_continuation_and_cache_rolls_back(tiny):
+    d = DraftModelDrafter(tiny, k=4)
+    d.reset(2)
+    ctxs = [[5, 6, 7, 8], [9, 10]]
+    trees = d.propose(ctxs, [16, 16])
+    for ctx, tree, cache in zip(ctxs, trees, d.caches):
+        assert tree.parents.tolist() == [-1, 0, 1, 2]
+        assert tree.tokens.tolist() == _greedy(tiny, ctx, 4)
+        assert cache_length(cache) == len(ctx)
+    # next step: the context grew by a few committed tokens; only those are fed
+    ctxs = [ctxs[0] + trees[0].tokens.tolist()[:2] + [3], ctxs[1] + [4]]
+    trees = d.propose(ctxs, [16, 2])
+    assert trees[0].tokens.tolist() == _greedy(tiny, ctxs[0], 4)
+    assert trees[1].tokens.tolist() == _greedy(tiny, ctxs[1], 2)  # budget 2
+    assert [cache_length(c) for c in d.caches] == [len(c) for c in ctxs]
+
+
+def test_draft_model_topk_tree(tiny):
+    d = DraftModelDrafter(tiny, k=3, tree_topk=3)
+    d.reset(1)
+    ctx = [11, 12, 13]
+    (tree,) = d.propose([ctx], [64])
+    assert len(tree) == 9 and tree.max_depth == 3
+    assert tree.parents.tolist() == [-1, -1, -1, 0, 0, 0, 3, 3, 3]
+    # the chain through the first sibling of each depth is the greedy continuation
+    assert tree.tokens[[0, 3, 6]].tolist() == _greedy(tiny, ctx, 3)
+    with torch.no_grad():
+        top = torch.topk(tiny(torch.tensor([ctx])).logits[0, -1], 3).indices.tolist()
+    assert tree.tokens[:3].tolist() == top
+    assert len(d.propose([ctx], [0])[0]) == 0
+
+
+def test_draft_model_bad_arguments(tiny):
+    with pytest.raises(ValueError, match="k"):
+        DraftModelDrafter(tiny, k=0)
+    with pytest.raises(ValueError, match="tree_topk"):
+        DraftModelDrafter(tiny, tree_topk=0)
