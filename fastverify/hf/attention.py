@@ -12,15 +12,16 @@ Cache layout (one physical length S for the whole batch, as a DynamicCache requi
 
 A step's query block for request b is [root, draft node 0, ..., draft node n_b - 1], padded to q = 1 +
 max(n_b) across the batch. The root (the last committed token, not yet in the cache) is made node 0 of a
-tree with n_b + 1 nodes, so ``fastverify.tree_mask`` / ``fastverify.tree_positions`` build the whole block:
-query i sees request b's prefix slots [pad_len[b], cache_len[b]), its ancestors and itself.
+tree with n_b + 1 nodes, so ``fastverify.tree_mask`` builds the whole block: query i sees request b's prefix
+slots [pad_len[b], cache_len[b]), its ancestors and itself; its position is the number of real tokens before
+the root + its depth (``fastverify.tree_positions``' rule, computed here from the trees' depths).
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from fastverify.ops.tree import tree_mask, tree_positions
+from fastverify.ops.tree import tree_mask
 
 __all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length"]
 
@@ -54,61 +55,67 @@ def prefill_inputs(attention_mask: torch.Tensor, dtype: torch.dtype):
 
 @dataclass
 class StepInputs:
-    """Model inputs of one step and the map from the padded [B, q] block back to verify's row layout.
+    """Model inputs of one step, the draft in verify's batch layout, and the map between the two.
 
     input_ids int64 [B, q]; position_ids int64 [B, q]; mask [B, 1, q, S + q] additive in the model's dtype;
+    draft_tokens int64 [N], cu_nodes int32 [B + 1], parents int32 [N] (as ``fastverify.tree.pack``);
     row_batch / row_local int64 [N + B]: logits row r of verify's layout is model output [row_batch[r],
     row_local[r]] (the root at local 0, draft node j at 1 + j)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     mask: torch.Tensor
+    draft_tokens: torch.Tensor
+    cu_nodes: torch.Tensor
+    parents: torch.Tensor
     row_batch: torch.Tensor
     row_local: torch.Tensor
 
 
-def step_inputs(draft_tokens, cu_nodes, parents, root_tokens, cache_len, pad_len, dtype) -> StepInputs:
+def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device) -> StepInputs:
     """Build one step's inputs.
 
-    draft_tokens int64 [N], cu_nodes int32 [B + 1], parents int32 [N] (``fastverify.tree.pack``);
-    root_tokens int64 [B]; cache_len, pad_len int32 [B] (see the module docstring; max(cache_len) must equal
-    the cache's length S). dtype: the model's floating dtype for the additive mask.
+    trees: B ``fastverify.tree.Tree`` (possibly empty); root_tokens, cache_len, pad_len: lists of B ints
+    (see the module docstring; max(cache_len) must equal the cache's length S). dtype: the model's floating
+    dtype for the additive mask. The small per-node bookkeeping is done on Python lists (trees hold tens of
+    nodes; a handful of tensor constructions beats a chain of tiny tensor ops); the mask comes from
+    ``fastverify.tree_mask`` on the root-augmented trees.
     """
-    device = root_tokens.device
-    B = root_tokens.numel()
-    N = draft_tokens.numel()
-    counts = (cu_nodes[1:] - cu_nodes[:-1]).long()
-    ar = torch.arange(B, device=device)
-    # Root-augmented tree: request b's root is node 0, draft node j becomes node j + 1.
-    cu_aug = cu_nodes.long() + torch.arange(B + 1, device=device)
-    node_batch = torch.repeat_interleave(ar, counts)
-    node_new = torch.arange(N, device=device) + node_batch + 1
-    root_new = cu_aug[:-1]
-    tokens_aug = torch.empty(N + B, dtype=torch.int64, device=device)
-    tokens_aug[root_new] = root_tokens
-    tokens_aug[node_new] = draft_tokens
-    parents_aug = torch.empty(N + B, dtype=torch.int32, device=device)
-    parents_aug[root_new] = -1
-    parents_aug[node_new] = parents.to(torch.int32) + 1
-    cu_aug32 = cu_aug.to(torch.int32)
+    B = len(trees)
+    q = max(len(t) for t in trees) + 1
+    S = max(cache_len)
+    ids, pos, row_batch, row_local = [], [], [], []
+    flat_tokens, flat_parents, cu = [], [], [0]
+    parents_aug, cu_aug = [], [0]
+    for b, tree in enumerate(trees):
+        toks, par = tree.tokens.tolist(), tree.parents.tolist()
+        n = len(toks)
+        base = cache_len[b] - pad_len[b]  # the root's position: real tokens before it
+        fill = q - 1 - n
+        ids.append([root_tokens[b]] + toks + [root_tokens[b]] * fill)
+        pos.append([base] + [base + d for d in (tree.depth.tolist() if n else [])] + [base] * fill)
+        row_batch += [b] * (n + 1)
+        row_local += range(n + 1)
+        flat_tokens += toks
+        flat_parents += par
+        cu.append(cu[-1] + n)
+        parents_aug.append(-1)
+        parents_aug += [p + 1 for p in par]  # root-augmented: node j -> j + 1, child of the root -> child of 0
+        cu_aug.append(cu_aug[-1] + n + 1)
 
-    q = int(counts.max()) + 1 if B else 1
-    S = int(cache_len.max()) if B else 0
-    visible = tree_mask(parents_aug, cu_aug32, cache_len, format="bool", validate=False)  # [B, q, S + q]
-    if S:
+    def t(x, dt=torch.int64):
+        return torch.tensor(x, dtype=dt, device=device)
+
+    visible = tree_mask(t(parents_aug, torch.int32), t(cu_aug, torch.int32), t(cache_len, torch.int32),
+                        format="bool", validate=False)  # [B, q, S + q]
+    if S and any(pad_len):
         slot = torch.arange(S, device=device)
-        visible[:, :, :S] &= (slot[None, :] >= pad_len[:, None].long())[:, None, :]
-    diag = torch.arange(q, device=device)
-    visible[:, diag, S + diag] = True  # padding rows see themselves: never an empty row
-
-    row_batch = torch.repeat_interleave(ar, counts + 1)
-    row_local = torch.arange(N + B, device=device) - cu_aug[row_batch]
-    positions = tree_positions(parents_aug, cu_aug32, cache_len - pad_len, validate=False)
-    input_ids = root_tokens[:, None].expand(B, q).clone()
-    input_ids[row_batch, row_local] = tokens_aug
-    position_ids = (cache_len - pad_len).long()[:, None].expand(B, q).clone()
-    position_ids[row_batch, row_local] = positions
-    return StepInputs(input_ids, position_ids, _additive(visible, dtype), row_batch, row_local)
+        visible[:, :, :S] &= (slot[None, :] >= t(pad_len)[:, None])[:, None, :]
+    if q > 1:
+        diag = torch.arange(q, device=device)
+        visible[:, diag, S + diag] = True  # padding rows see themselves: never an empty row
+    return StepInputs(t(ids), t(pos), _additive(visible, dtype), t(flat_tokens), t(cu, torch.int32),
+                      t(flat_parents, torch.int32), t(row_batch), t(row_local))
 
 
 def _layers(cache):

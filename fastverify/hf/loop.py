@@ -25,7 +25,7 @@ from fastverify.hf.attention import crop_cache, prefill_inputs, step_inputs
 from fastverify.hf.drafters import empty_tree
 from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
-from fastverify.tree import Tree, pack
+from fastverify.tree import Tree
 
 __all__ = ["LoopStats", "DecodeSettings", "decode"]
 
@@ -129,10 +129,10 @@ class Decoder:
         self.contexts = [input_ids[b][mask[b]].tolist() for b in range(B)]
         self.generated = [[] for _ in range(B)]
         self.finished = [False] * B
-        self.pad_len = (L - mask.sum(-1)).to(torch.int32)
+        self.pad_len = (L - mask.sum(-1)).tolist()
         self.cache = DynamicCache()
-        self.cache_len = torch.full((B,), L - 1, dtype=torch.int32, device=self.device)
-        self.root = input_ids[:, -1].clone()
+        self.cache_len = [L - 1] * B  # committed slots per request (left padding included)
+        self.root = input_ids[:, -1].tolist()
         self.stats = LoopStats(new_tokens=[0] * B)
         self.eos = set(settings.eos_token_ids)
         self._prefill(attention_mask)
@@ -170,12 +170,13 @@ class Decoder:
         trees = self.drafter.propose(self.contexts, budget)
         trees = [_prune(t, r - 1) if r > 0 else empty_tree() for t, r in zip(trees, remaining)]
         trees = [t if len(t) <= bud else _prune_nodes(t, bud) for t, bud in zip(trees, budget)]
-        draft_tokens, cu_nodes, parents = pack(trees, device=self.device)
         t1 = time.perf_counter()
 
         # 2. inputs: 4D mask over [cache | root + drafts], positions = committed length + depth.
-        inp = step_inputs(draft_tokens, cu_nodes, parents, self.root, self.cache_len, self.pad_len, self.dtype)
-        S = int(self.cache_len.max())
+        cache_len = self.cache_len
+        inp = step_inputs(trees, self.root, cache_len, self.pad_len, self.dtype, self.device)
+        draft_tokens, cu_nodes, parents = inp.draft_tokens, inp.cu_nodes, inp.parents
+        S = max(cache_len)
         t2 = time.perf_counter()
 
         # 3. one forward over every request's root and draft nodes.
@@ -190,9 +191,9 @@ class Decoder:
             kw.update(s.warp)
             kw["seed"] = s.seed
             # absolute position of the token sampled at the root row: the root's own position + 1
-            kw["position"] = (self.cache_len - self.pad_len).long() + 1
+            kw["position"] = torch.tensor([c - p + 1 for c, p in zip(cache_len, self.pad_len)], device=self.device)
         if s.rule == "confidence":
-            kw["root_tokens"] = self.root
+            kw["root_tokens"] = torch.tensor(self.root, device=self.device)
         res = verify(logits, draft_tokens, cu_nodes, parents, rule=s.rule, backend=s.backend, validate=False, **kw)
         accept_len = res.accept_len.tolist()
         accepted = res.accepted.tolist()
@@ -223,23 +224,22 @@ class Decoder:
             if self.streamer is not None:
                 self.streamer.put(torch.tensor(new, dtype=torch.int64))
         self.drafter.update([accept_len[b] if remaining[b] > 0 else None for b in range(B)])
-        self.root = torch.tensor([self.contexts[b][-1] if self.remaining(b) > 0 else s.pad_token_id
-                                  for b in range(B)], dtype=torch.int64, device=self.device)
+        self.root = [self.contexts[b][-1] if self.remaining(b) > 0 else s.pad_token_id for b in range(B)]
         t5 = time.perf_counter()
 
         # 6. cache: slot S + (0, 1 + accepted...) -> cache_len[b] + (0, 1, ...); then crop to the longest.
-        keep_t = torch.tensor(keep, dtype=torch.int32, device=self.device)
-        cache_len = self.cache_len.tolist()
         in_place = all(cache_len[b] == S and accepted[b][:keep[b] - 1] == list(range(keep[b] - 1))
                        for b in range(B) if keep[b])
         if in_place:  # every kept slot already sits where it belongs (B = 1 chains, the common case)
             crop_cache(self.cache, S + max(keep))
         else:
+            keep_t = torch.tensor(keep, dtype=torch.int32, device=self.device)
             acc = torch.cat([torch.zeros(B, 1, dtype=torch.int32, device=self.device),
                              res.accepted.to(torch.int32).clamp(min=-1) + 1], dim=1)
-            compact_cache(self.cache, self.cache_len, S, acc, keep_t, backend=s.backend)
-        self.cache_len = self.cache_len + keep_t
-        crop_cache(self.cache, int(self.cache_len.max()))
+            compact_cache(self.cache, torch.tensor(cache_len, dtype=torch.int32, device=self.device), S, acc, keep_t,
+                          backend=s.backend)
+        self.cache_len = [c + k for c, k in zip(cache_len, keep)]
+        crop_cache(self.cache, max(self.cache_len))
         self._sync()
         t6 = time.perf_counter()
 
