@@ -1,0 +1,740 @@
+// Warping and inverse-CDF sampling of one logits row: framework-free arithmetic on raw pointers, shared by the
+// CPU kernels of cdf_sample / cdf_invert (csrc/cpu/sampling.cpp) and of verify's sampling rules
+// (csrc/cpu/verify.cpp). The warping is specified in fastverify/reference/sampling.py (temperature, top-k,
+// top-p, min-p, weights w = exp(l / T - m) on the kept tokens); this header computes the same thing without
+// sorting the vocabulary:
+//
+//   * top-k: the k-th largest l / T by a threshold filter (one pass keeping a small candidate buffer that is
+//     compacted with nth_element whenever it fills: selection instead of a sort), or nth_element on a copy
+//     when k is a large fraction of V;
+//   * top-p: the smallest kept weight by a radix select over the float bits of w with per-bucket float64 mass
+//     (levels of 12/10/10 bits; the last level isolates one value, so ties are kept or dropped together), the
+//     CPU analogue of FlashInfer's sorting-free pivot search; on the small top-k set, a sort of those few;
+//   * min-p: a threshold on w (w of the top token is 1).
+// All three reduce to: keep token i iff l'_i >= l_min and w_i >= w_min (RowDist).
+//
+// Sums. C(t) is a float64 prefix sum of w in token-id order. When top-k is small the kept tokens are few and
+// C is the plain sequential sum over them (equal to the reference's cumsum: the zeros in between change
+// nothing). Otherwise C is blocked: P[b] = sequential sum of the float64 sums of blocks 0..b-1 (kBlock tokens
+// each, a block's sum accumulated in 8 lanes in a fixed order), and inside a block the sum runs sequentially
+// from P[b]. Sampling picks the block (smallest b with P[b + 1] > u * Z), then the first token of the block
+// whose running sum exceeds u * Z (the block's last positive token if rounding leaves none). These additions
+// are associated differently from a sequential cumsum, so this backend may pick a neighbouring token of the
+// reference's only when u * Z lies within a few float64 ulps (relative to Z) of a bin edge. Within this
+// backend sample and invert share every sum, and invert checks its answer with sample itself, so
+// sample(invert(t)) == t exactly whenever invert returns a number.
+//
+// Validity. A row holding NaN or +inf, a row that is all -inf, or a row whose largest l / T overflows to +inf
+// has no distribution: RowDist::valid is false; sample returns -1 and invert NaN.
+//
+// Host functions below use std::vector workspaces (CPU). FV_HD functions (token weights, Philox, sampling from
+// a weights array) also compile for CUDA devices.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define FV_HD __host__ __device__ __forceinline__
+#else
+#define FV_HD inline
+#endif
+
+#if __has_include(<c10/util/BFloat16.h>) && __has_include(<c10/util/Half.h>)
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#define FV_SAMPLING_HAVE_C10 1
+#endif
+
+#if defined(__x86_64__) && !defined(__CUDACC__) && !defined(__HIPCC__) && !defined(FASTVERIFY_NO_SIMD)
+#define FV_SAMPLING_AVX2 1
+#include <immintrin.h>
+// SLEEF's 8-lane expf (1.0-ulp), exported by libtorch_cpu: the function ATen's AVX2 Vectorized<float>::exp
+// calls, so on AVX2 machines this backend's weights equal torch.exp's on CPU bit for bit.
+extern "C" __m256 Sleef_expf8_u10(__m256);
+#define FV_AVX2_FN __attribute__((target("avx2,fma,f16c")))
+#endif
+
+namespace fastverify {
+namespace sampling {
+
+// Tokens per block of the blocked float64 prefix sums (a multiple of the SIMD width).
+constexpr int64_t kBlock = 512;
+// top-k of at most this many (and at most V / 8) tokens takes the sparse path (threshold filter).
+constexpr int64_t kSparseTopK = 2048;
+
+// One row of the normalised warp tensor (float32 [R, 4]).
+struct Warp {
+  float temperature;  // 0 = greedy (argmax)
+  float top_k;        // 0 or >= V = off
+  float top_p;        // 1 = off, in (0, 1]
+  float min_p;        // 0 = off, in [0, 1]
+};
+
+FV_HD Warp load_warp(const float* row) { return Warp{row[0], row[1], row[2], row[3]}; }
+
+// The warped distribution of one row, as sampling needs it.
+struct RowDist {
+  bool valid = false;   // false: no distribution (NaN / +inf, all -inf, overflow of l / T)
+  bool greedy = false;  // temperature 0: one-hot at argmax
+  bool sparse = false;  // kept tokens listed in RowWorkspace::kept_idx (small top-k)
+  int64_t argmax = -1;  // greedy rows: the top token (lowest id among ties)
+  int64_t vocab = 0;
+  float temperature = 1.f;
+  float m = 0.f;                                          // max_i l_i / T
+  float l_min = -std::numeric_limits<float>::infinity();  // keep iff l / T >= l_min (top-k)
+  float w_min = 0.f;                                      // keep iff w >= w_min (top-p, min-p)
+  double z = 0.0;                                         // Z = C(V - 1)
+};
+
+// Scratch space of one row; keep one per thread and reuse it across rows. After warp_row it holds the row's
+// prefix sums, which sample_row / invert_row read.
+struct RowWorkspace {
+  std::vector<double> prefix;     // dense: P[0..nblocks]; sparse: C over the kept list
+  std::vector<int64_t> kept_idx;  // sparse: kept token ids, increasing
+  std::vector<float> kept_w;      // sparse: their weights
+  std::vector<float> w;           // dense weights before top-p / min-p (top-p only)
+  std::vector<float> cand_val;    // top-k filter candidates (l / T) and their ids
+  std::vector<int64_t> cand_idx;
+  std::vector<float> scratch;
+  std::vector<double> hist;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Elements and exp.
+
+// 0: float or anything convertible to float, 1: bfloat16, 2: float16.
+template <typename T>
+struct ElemKind {
+  static constexpr int value = 0;
+};
+#if defined(FV_SAMPLING_HAVE_C10)
+template <>
+struct ElemKind<c10::BFloat16> {
+  static constexpr int value = 1;
+};
+template <>
+struct ElemKind<c10::Half> {
+  static constexpr int value = 2;
+};
+#endif
+
+template <typename T>
+FV_HD float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+#if defined(FV_SAMPLING_AVX2)
+inline bool cpu_has_avx2() {
+  static const bool ok =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+// 8 consecutive elements as float32 (bf16 -> f32 is a 16-bit shift, fp16 -> f32 is F16C's exact vcvtph2ps).
+template <typename T>
+FV_AVX2_FN inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (ElemKind<T>::value == 1) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  } else if constexpr (ElemKind<T>::value == 2) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    alignas(32) float tmp[8];
+    for (int j = 0; j < 8; ++j) tmp[j] = static_cast<float>(p[j]);
+    return _mm256_load_ps(tmp);
+  }
+}
+
+// The last n < 8 elements, padded with `pad`.
+template <typename T>
+FV_AVX2_FN inline __m256 load_tail(const T* p, int64_t n, float pad) {
+  alignas(32) float tmp[8];
+  for (int j = 0; j < 8; ++j) tmp[j] = j < n ? static_cast<float>(p[j]) : pad;
+  return _mm256_load_ps(tmp);
+}
+
+FV_AVX2_FN inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+FV_AVX2_FN inline float exp_avx2_scalar(float x) {
+  return _mm256_cvtss_f32(Sleef_expf8_u10(_mm256_set1_ps(x)));
+}
+#endif
+
+// The exp of the weights: one function for every element on every path of this backend, so that a weight
+// computed alone (token_weight) equals the same weight computed in a SIMD pass.
+inline float weight_exp(float x) {
+#if defined(FV_SAMPLING_AVX2)
+  if (cpu_has_avx2()) return exp_avx2_scalar(x);
+#endif
+  return std::exp(x);
+}
+
+// Weight of one scaled logit lp = l / T under a row's thresholds (0 when not kept).
+inline float weight_of(float lp, const RowDist& d) {
+  if (!(lp >= d.l_min)) return 0.f;
+  const float w = weight_exp(lp - d.m);
+  return w >= d.w_min ? w : 0.f;
+}
+
+// w(t) of token t of a valid row (greedy rows: 1 at the argmax, 0 elsewhere).
+template <typename T>
+inline float token_weight(const T* logits, const RowDist& d, int64_t t) {
+  if (!d.valid) return 0.f;
+  if (d.greedy) return t == d.argmax ? 1.f : 0.f;
+  return weight_of(to_float(logits[t]) / d.temperature, d);
+}
+
+// Weights of tokens [begin, end) into out[0 .. end - begin).
+template <typename T>
+inline void block_weights(const T* logits, int64_t begin, int64_t end, const RowDist& d, float* out);
+
+#if defined(FV_SAMPLING_AVX2)
+template <typename T>
+FV_AVX2_FN inline __m256 weights8_avx2(__m256 x, const RowDist& d) {
+  const __m256 lp = _mm256_div_ps(x, _mm256_set1_ps(d.temperature));
+  const __m256 keep_k = _mm256_cmp_ps(lp, _mm256_set1_ps(d.l_min), _CMP_GE_OQ);
+  const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(lp, _mm256_set1_ps(d.m)));
+  const __m256 keep_w = _mm256_cmp_ps(e, _mm256_set1_ps(d.w_min), _CMP_GE_OQ);
+  return _mm256_and_ps(e, _mm256_and_ps(keep_k, keep_w));
+}
+
+template <typename T>
+FV_AVX2_FN void block_weights_avx2(const T* logits, int64_t begin, int64_t end, const RowDist& d, float* out) {
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) _mm256_storeu_ps(out + (i - begin), weights8_avx2<T>(load8(logits + i), d));
+  if (i < end) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, weights8_avx2<T>(load_tail(logits + i, end - i, -INFINITY), d));
+    for (int64_t j = 0; j < end - i; ++j) out[i - begin + j] = tmp[j];
+  }
+}
+#endif
+
+template <typename T>
+inline void block_weights(const T* logits, int64_t begin, int64_t end, const RowDist& d, float* out) {
+#if defined(FV_SAMPLING_AVX2)
+  if (cpu_has_avx2()) return block_weights_avx2(logits, begin, end, d, out);
+#endif
+  for (int64_t i = begin; i < end; ++i) out[i - begin] = weight_of(to_float(logits[i]) / d.temperature, d);
+}
+
+// float64 sum of n weights in 8 lanes, reduced in a fixed order ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
+inline double lane_sum(const float* w, int64_t n) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += static_cast<double>(w[i + j]);
+  for (int j = 0; i + j < n; ++j) acc[j] += static_cast<double>(w[i + j]);
+  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row statistics.
+
+struct RowScan {
+  float max = -std::numeric_limits<float>::infinity();
+  bool bad = false;  // NaN or +inf seen
+};
+
+#if defined(FV_SAMPLING_AVX2)
+// Max and NaN / +inf detection over [0, V - V % 16); returns the index where the scalar tail starts.
+template <typename T>
+FV_AVX2_FN int64_t scan_row_avx2(const T* logits, int64_t V, RowScan& r) {
+  __m256 vmax = _mm256_set1_ps(-INFINITY), vmax2 = vmax;
+  __m256 vbad = _mm256_setzero_ps();
+  const __m256 inf = _mm256_set1_ps(INFINITY);
+  int64_t i = 0;
+  for (; i + 16 <= V; i += 16) {
+    const __m256 a = load8(logits + i), b = load8(logits + i + 8);
+    vmax = _mm256_max_ps(vmax, a);
+    vmax2 = _mm256_max_ps(vmax2, b);
+    // NaN compares unordered and +inf equal to inf: either makes the row invalid.
+    vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(a, inf, _CMP_EQ_UQ));
+    vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(b, inf, _CMP_EQ_UQ));
+  }
+  r.max = hmax8(_mm256_max_ps(vmax, vmax2));
+  r.bad = _mm256_movemask_ps(vbad) != 0;
+  return i;
+}
+#endif
+
+template <typename T>
+inline RowScan scan_row(const T* logits, int64_t V) {
+  RowScan s;
+  int64_t i = 0;
+#if defined(FV_SAMPLING_AVX2)
+  if (cpu_has_avx2()) i = scan_row_avx2(logits, V, s);
+#endif
+  for (; i < V; ++i) {
+    const float x = to_float(logits[i]);
+    if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) s.bad = true;
+    s.max = std::max(s.max, x);
+  }
+  return s;
+}
+
+template <typename T>
+inline int64_t argmax_row(const T* logits, int64_t V, float max) {
+  for (int64_t i = 0; i < V; ++i)
+    if (to_float(logits[i]) == max) return i;
+  return 0;
+}
+
+// Candidate buffer of the top-k threshold filter: (l / T, id) of every token seen with l / T >= thr, in id order.
+struct TopKFilter {
+  RowWorkspace& ws;
+  int64_t k;
+  int64_t cap;
+  int64_t n = 0;
+  float thr = -std::numeric_limits<float>::infinity();
+
+  TopKFilter(RowWorkspace& w, int64_t k_) : ws(w), k(k_), cap(std::max<int64_t>(4 * k_, 256)) {
+    ws.cand_val.resize(cap + 8);
+    ws.cand_idx.resize(cap + 8);
+  }
+  void push(float lp, int64_t i) {
+    ws.cand_val[n] = lp;
+    ws.cand_idx[n] = i;
+    ++n;
+  }
+  // Keep the k largest (with the ties at the k-th) and raise the threshold to the k-th largest.
+  void compact() {
+    auto& val = ws.cand_val;
+    auto& idx = ws.cand_idx;
+    auto& s = ws.scratch;
+    s.assign(val.begin(), val.begin() + n);
+    std::nth_element(s.begin(), s.begin() + (k - 1), s.end(), std::greater<float>());
+    thr = s[k - 1];
+    int64_t out = 0;
+    for (int64_t j = 0; j < n; ++j)
+      if (val[j] >= thr) {
+        val[out] = val[j];
+        idx[out] = idx[j];
+        ++out;
+      }
+    n = out;
+    if (n > cap / 2) {  // many ties at the threshold: grow rather than compact again and again
+      cap *= 2;
+      val.resize(cap + 8);
+      idx.resize(cap + 8);
+    }
+  }
+};
+
+#if defined(FV_SAMPLING_AVX2)
+// The filter over [0, V - V % 8); returns where the scalar tail starts. Sets bad on NaN / +inf.
+template <typename T>
+FV_AVX2_FN int64_t topk_filter_avx2(const T* logits, int64_t V, float temperature, TopKFilter& f, bool& bad) {
+  const __m256 tv = _mm256_set1_ps(temperature);
+  const __m256 inf = _mm256_set1_ps(INFINITY);
+  __m256 vbad = _mm256_setzero_ps();
+  __m256 vthr = _mm256_set1_ps(f.thr);
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256 x = load8(logits + i);
+    vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(x, inf, _CMP_EQ_UQ));
+    const __m256 lp = _mm256_div_ps(x, tv);
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(lp, vthr, _CMP_GE_OQ));
+    if (mask) {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, lp);
+      while (mask) {
+        const int j = __builtin_ctz(mask);
+        mask &= mask - 1;
+        f.push(tmp[j], i + j);
+      }
+      if (f.n >= f.cap) {
+        f.compact();
+        vthr = _mm256_set1_ps(f.thr);
+      }
+    }
+  }
+  bad = bad || _mm256_movemask_ps(vbad) != 0;
+  return i;
+}
+#endif
+
+// top-k threshold filter over l / T: leaves in ws.cand_val / ws.cand_idx the (l / T, id) of every token with
+// l / T >= the k-th largest, in increasing id order. Returns false if a NaN or +inf was seen.
+template <typename T>
+inline bool topk_candidates(const T* logits, int64_t V, int64_t k, float temperature, RowWorkspace& ws) {
+  TopKFilter f(ws, k);
+  bool bad = false;
+  int64_t i = 0;
+#if defined(FV_SAMPLING_AVX2)
+  if (cpu_has_avx2()) i = topk_filter_avx2(logits, V, temperature, f, bad);
+#endif
+  for (; i < V; ++i) {
+    const float x = to_float(logits[i]);
+    if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) bad = true;
+    const float lp = x / temperature;
+    if (lp >= f.thr) {
+      f.push(lp, i);
+      if (f.n >= f.cap) f.compact();
+    }
+  }
+  if (bad) return false;
+  if (f.n >= k) f.compact();
+  ws.cand_val.resize(f.n);
+  ws.cand_idx.resize(f.n);
+  return true;
+}
+
+// Smallest weight kept by top-p: keep i iff sum_{w_j > w_i} w_j < p * Z_k, over w[0..n) (zeros allowed).
+// Radix select on the float bits (w >= 0, so bit patterns order like the values).
+inline float top_p_threshold(const float* w, int64_t n, double target, std::vector<double>& hist) {
+  // (shift, bits) of the levels: bits 31..20, 19..10, 9..0.
+  const int shifts[3] = {20, 10, 0};
+  const int widths[3] = {12, 10, 10};
+  uint32_t prefix = 0, prefix_mask = 0;
+  double above = 0.0;
+  for (int level = 0; level < 3; ++level) {
+    const int shift = shifts[level];
+    const uint32_t nb = 1u << widths[level];
+    hist.assign(nb, 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &w[i], 4);
+      if (bits == 0 || (bits & prefix_mask) != prefix) continue;
+      hist[(bits >> shift) & (nb - 1)] += static_cast<double>(w[i]);
+    }
+    int64_t b = nb - 1;
+    for (; b >= 0; --b) {
+      if (above + hist[b] >= target) break;
+      above += hist[b];
+    }
+    if (b < 0) {  // rounding kept everything: the threshold is the smallest positive weight
+      float mn = std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < n; ++i)
+        if (w[i] > 0.f) mn = std::min(mn, w[i]);
+      return mn;
+    }
+    prefix |= static_cast<uint32_t>(b) << shift;
+    prefix_mask |= (nb - 1) << shift;
+  }
+  // All 32 bits fixed: one value, whose strictly-greater mass `above` is < target, so it is kept.
+  float thr;
+  std::memcpy(&thr, &prefix, 4);
+  return thr;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// warp_row: the thresholds and prefix sums of one row.
+
+template <typename T>
+inline RowDist warp_row(const T* logits, int64_t V, Warp p, RowWorkspace& ws) {
+  RowDist d;
+  d.vocab = V;
+  d.temperature = p.temperature;
+  if (V <= 0) return d;
+  const int64_t k = static_cast<int64_t>(p.top_k);
+  const bool use_k = k > 0 && k < V && !(p.temperature == 0.f);
+  const bool sparse = use_k && k <= kSparseTopK && 8 * k <= V;
+
+  if (p.temperature == 0.f) {
+    const RowScan s = scan_row(logits, V);
+    if (s.bad || s.max == -std::numeric_limits<float>::infinity()) return d;
+    d.valid = d.greedy = true;
+    d.argmax = argmax_row(logits, V, s.max);
+    d.z = 1.0;
+    return d;
+  }
+
+  if (sparse) {
+    if (!topk_candidates(logits, V, k, p.temperature, ws)) return d;
+    const auto& val = ws.cand_val;
+    const int64_t n = static_cast<int64_t>(val.size());
+    float mx = -std::numeric_limits<float>::infinity(), kth = std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+      mx = std::max(mx, val[j]);
+      kth = std::min(kth, val[j]);
+    }
+    if (n == 0 || mx == -std::numeric_limits<float>::infinity() ||
+        mx == std::numeric_limits<float>::infinity())
+      return d;
+    d.m = mx;
+    d.l_min = kth;
+    // Weights of the top-k set; top-p over it exactly as the reference (descending order, float64 running
+    // sum, equal weights kept or dropped together).
+    ws.kept_w.resize(n);
+    for (int64_t j = 0; j < n; ++j) ws.kept_w[j] = weight_exp(val[j] - d.m);
+    float w_min = 0.f;
+    if (p.top_p < 1.f) {
+      auto& s = ws.scratch;
+      s.assign(ws.kept_w.begin(), ws.kept_w.end());
+      std::sort(s.begin(), s.end(), std::greater<float>());
+      double zk = 0.0;
+      for (float x : s) zk += static_cast<double>(x);
+      const double target = static_cast<double>(p.top_p) * zk;
+      double run = 0.0, group_start = 0.0;
+      w_min = s[0];
+      for (int64_t j = 0; j < n; ++j) {
+        if (j == 0 || s[j] != s[j - 1]) group_start = run;
+        if (!(group_start < target)) break;
+        w_min = s[j];
+        run += static_cast<double>(s[j]);
+      }
+    }
+    d.w_min = std::max(w_min, p.min_p);
+    // The kept list, in id order, and its sequential float64 prefix sums.
+    ws.kept_idx.clear();
+    ws.prefix.clear();
+    double c = 0.0;
+    int64_t out = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const float w = ws.kept_w[j];
+      if (w >= d.w_min && w > 0.f) {
+        ws.kept_idx.push_back(ws.cand_idx[j]);
+        ws.kept_w[out++] = w;
+        c += static_cast<double>(w);
+        ws.prefix.push_back(c);
+      }
+    }
+    ws.kept_w.resize(out);
+    d.z = c;
+    d.sparse = true;
+    d.valid = d.z > 0.0;
+    return d;
+  }
+
+  // Dense path.
+  const RowScan s = scan_row(logits, V);
+  if (s.bad || s.max == -std::numeric_limits<float>::infinity()) return d;
+  d.m = s.max / p.temperature;
+  if (std::isinf(d.m)) return d;
+  if (use_k) {  // large k: nth_element on a copy of l / T
+    auto& sc = ws.scratch;
+    sc.resize(V);
+    for (int64_t i = 0; i < V; ++i) sc[i] = to_float(logits[i]) / p.temperature;
+    std::nth_element(sc.begin(), sc.begin() + (k - 1), sc.end(), std::greater<float>());
+    d.l_min = sc[k - 1];
+  }
+  const int64_t nblocks = (V + kBlock - 1) / kBlock;
+  ws.prefix.resize(nblocks + 1);
+  if (p.top_p < 1.f) {
+    ws.w.resize(V);
+    block_weights(logits, 0, V, d, ws.w.data());  // w_min is still 0 here: top-k only
+    const double zk = lane_sum(ws.w.data(), V);
+    const float wp = top_p_threshold(ws.w.data(), V, static_cast<double>(p.top_p) * zk, ws.hist);
+    d.w_min = std::max(wp, p.min_p);
+    double c = 0.0;
+    alignas(32) float tmp[kBlock];
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
+      for (int64_t j = 0; j < len; ++j) tmp[j] = ws.w[lo + j] >= d.w_min ? ws.w[lo + j] : 0.f;
+      ws.prefix[b] = c;
+      c += lane_sum(tmp, len);
+    }
+    ws.prefix[nblocks] = c;
+  } else {
+    d.w_min = p.min_p;
+    double c = 0.0;
+    alignas(32) float tmp[kBlock];
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
+      block_weights(logits, lo, lo + len, d, tmp);
+      ws.prefix[b] = c;
+      c += lane_sum(tmp, len);
+    }
+    ws.prefix[nblocks] = c;
+  }
+  d.z = ws.prefix[nblocks];
+  d.valid = d.z > 0.0;
+  return d;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Sampling and its inverse.
+
+// The token of a valid, non-greedy row for the float64 target u * Z (see the header comment).
+template <typename T>
+inline int64_t select_target(const T* logits, const RowDist& d, const RowWorkspace& ws, double target) {
+  if (d.sparse) {
+    const auto& c = ws.prefix;
+    const auto it = std::upper_bound(c.begin(), c.end(), target);
+    if (it == c.end()) return ws.kept_idx.back();  // rounding: the last kept token (all have w > 0)
+    return ws.kept_idx[it - c.begin()];
+  }
+  const int64_t V = d.vocab, nblocks = (V + kBlock - 1) / kBlock;
+  const auto& P = ws.prefix;
+  // Smallest b with P[b + 1] > target.
+  const auto it = std::upper_bound(P.begin() + 1, P.begin() + nblocks + 1, target);
+  int64_t b = it - (P.begin() + 1);
+  alignas(32) float tmp[kBlock];
+  if (b >= nblocks) {  // rounding: the last token with w > 0
+    for (b = nblocks - 1; b >= 0; --b)
+      if (P[b + 1] > P[b]) break;
+    if (b < 0) return -1;
+    const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
+    block_weights(logits, lo, lo + len, d, tmp);
+    for (int64_t j = len - 1; j >= 0; --j)
+      if (tmp[j] > 0.f) return lo + j;
+    return -1;
+  }
+  const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
+  block_weights(logits, lo, lo + len, d, tmp);
+  double c = P[b];
+  int64_t last = -1;
+  for (int64_t j = 0; j < len; ++j) {
+    c += static_cast<double>(tmp[j]);
+    if (tmp[j] > 0.f) last = j;
+    if (c > target) return lo + j;
+  }
+  return lo + last;  // rounding inside the block: its last positive token
+}
+
+// cdf_sample of one row: the smallest t with C(t) > u * Z; -1 for an invalid row.
+template <typename T>
+inline int64_t sample_row(const T* logits, const RowDist& d, const RowWorkspace& ws, double u) {
+  if (!d.valid) return -1;
+  if (d.greedy) return d.argmax;
+  return select_target(logits, d, ws, u * d.z);
+}
+
+// The float64 prefix sum C(t - 1) before token t and w(t), as this backend associates them.
+template <typename T>
+inline void bin_of(const T* logits, const RowDist& d, const RowWorkspace& ws, int64_t t, double* c_lo,
+                   float* w_t) {
+  if (d.sparse) {
+    const auto it = std::lower_bound(ws.kept_idx.begin(), ws.kept_idx.end(), t);
+    if (it == ws.kept_idx.end() || *it != t) {
+      *w_t = 0.f;
+      *c_lo = 0.0;
+      return;
+    }
+    const int64_t j = it - ws.kept_idx.begin();
+    *w_t = ws.kept_w[j];
+    *c_lo = j > 0 ? ws.prefix[j - 1] : 0.0;
+    return;
+  }
+  const int64_t b = t / kBlock, lo = b * kBlock, len = std::min(kBlock, d.vocab - lo);
+  alignas(32) float tmp[kBlock];
+  block_weights(logits, lo, lo + len, d, tmp);
+  double c = ws.prefix[b];
+  for (int64_t j = 0; j < t - lo; ++j) c += static_cast<double>(tmp[j]);
+  *c_lo = c;
+  *w_t = tmp[t - lo];
+}
+
+// cdf_invert of one row: u in (0, 1) with sample_row(u) == t, from u = (C(t - 1) + v * w(t)) / Z (PTP Eq. 9),
+// moved along the float64 numbers (exponential then binary search, with sample_row as the judge) when
+// rounding put it in a neighbouring bin. NaN where w(t) = 0, for invalid rows, and where no float64 u selects t
+// (its bin absorbed by rounding).
+template <typename T>
+inline double invert_row(const T* logits, const RowDist& d, const RowWorkspace& ws, int64_t t, double v) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  if (!d.valid || t < 0 || t >= d.vocab) return nan;
+  const double u_lo = std::numeric_limits<double>::min(), u_hi = 1.0 - 0x1p-53;
+  if (d.greedy) return t == d.argmax ? std::clamp(v, u_lo, u_hi) : nan;
+  double c_lo;
+  float w_t;
+  bin_of(logits, d, ws, t, &c_lo, &w_t);
+  if (!(w_t > 0.f)) return nan;
+  double u = std::clamp((c_lo + v * static_cast<double>(w_t)) / d.z, u_lo, u_hi);
+  auto at = [&](uint64_t bits) {
+    double x;
+    std::memcpy(&x, &bits, 8);
+    return select_target(logits, d, ws, x * d.z);
+  };
+  uint64_t ub;
+  std::memcpy(&ub, &u, 8);
+  uint64_t lo_b, hi_b;
+  std::memcpy(&lo_b, &u_lo, 8);
+  std::memcpy(&hi_b, &u_hi, 8);
+  const int64_t r = at(ub);
+  if (r == t) return u;
+  // sample is non-decreasing in u: search the first u with sample >= t (r < t), or the last with sample <= t.
+  if (r < t) {
+    uint64_t a = ub, step = 1, bnd = ub;
+    for (;;) {  // exponential search for bnd with sample(bnd) >= t
+      bnd = (hi_b - a > step) ? a + step : hi_b;
+      if (at(bnd) >= t) break;
+      if (bnd == hi_b) return nan;
+      a = bnd;
+      step *= 2;
+    }
+    while (bnd - a > 1) {  // invariant: sample(a) < t <= sample(bnd)
+      const uint64_t mid = a + (bnd - a) / 2;
+      (at(mid) >= t ? bnd : a) = mid;
+    }
+    if (at(bnd) != t) return nan;
+    double x;
+    std::memcpy(&x, &bnd, 8);
+    return x;
+  }
+  uint64_t a = ub, step = 1, bnd = ub;
+  for (;;) {  // exponential search downwards for bnd with sample(bnd) <= t
+    bnd = (a - lo_b > step) ? a - step : lo_b;
+    if (at(bnd) <= t) break;
+    if (bnd == lo_b) return nan;
+    a = bnd;
+    step *= 2;
+  }
+  while (a - bnd > 1) {  // invariant: sample(bnd) <= t < sample(a)
+    const uint64_t mid = bnd + (a - bnd) / 2;
+    (at(mid) <= t ? bnd : a) = mid;
+  }
+  if (at(bnd) != t) return nan;
+  double x;
+  std::memcpy(&x, &bnd, 8);
+  return x;
+}
+
+// Dense warped weights of a row (out[0..V)): what the reference's warp_weights returns for it.
+template <typename T>
+inline void row_weights(const T* logits, const RowDist& d, const RowWorkspace& ws, float* out) {
+  const int64_t V = d.vocab;
+  if (!d.valid) {
+    std::fill(out, out + V, 0.f);
+    return;
+  }
+  if (d.greedy) {
+    std::fill(out, out + V, 0.f);
+    out[d.argmax] = 1.f;
+    return;
+  }
+  if (d.sparse) {
+    std::fill(out, out + V, 0.f);
+    for (size_t j = 0; j < ws.kept_idx.size(); ++j) out[ws.kept_idx[j]] = ws.kept_w[j];
+    return;
+  }
+  block_weights(logits, 0, V, d, out);
+}
+
+// Inverse-CDF sampling from an arbitrary non-negative weights array (e.g. verify's residual max(p - q, 0)):
+// the smallest t with C(t) > u * Z, C the sequential float64 prefix sum in token-id order, Z = C(V - 1); the last
+// positive token if rounding leaves none; -1 if Z is 0. Host and device.
+template <typename W>
+FV_HD int64_t sample_weights(const W* w, int64_t V, double u) {
+  double z = 0.0;
+  int64_t last = -1;
+  for (int64_t i = 0; i < V; ++i) {
+    const double x = static_cast<double>(w[i]);
+    z += x;
+    if (x > 0.0) last = i;
+  }
+  if (!(z > 0.0)) return -1;
+  const double target = u * z;
+  double c = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    c += static_cast<double>(w[i]);
+    if (c > target) return i;
+  }
+  return last;
+}
+
+}  // namespace sampling
+}  // namespace fastverify
