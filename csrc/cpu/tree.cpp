@@ -61,8 +61,9 @@ void fill_dense(const at::Tensor& parents, const at::Tensor& cu_nodes, const at:
   const int32_t* cu = cu_nodes.data_ptr<int32_t>();
   const int32_t* par = parents.data_ptr<int32_t>();
   const int32_t* pl = prefix_len.data_ptr<int32_t>();
-  // Rows are independent; a grain of a few rows keeps tasks above ~16 KB of writes.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, rowlen * int64_t(sizeof(T))));
+  // Rows are independent. Waking threads costs more than writing a small mask, so each task writes at least
+  // ~256 KB: small masks are built on the calling thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, rowlen * int64_t(sizeof(T))));
   at::parallel_for(0, B * n, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t b = r / n, i = r % n;
@@ -105,7 +106,8 @@ at::Tensor tree_mask_packed_cpu(const at::Tensor& parents, const at::Tensor& cu_
   const int32_t* cu = cu_nodes.data_ptr<int32_t>();
   const int32_t* par = parents.data_ptr<int32_t>();
   auto* words = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
-  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, n * W));  // words per task
+  at::parallel_for(0, B, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) packed_rows(par + cu[b], int64_t(cu[b + 1]) - cu[b], n, W, words + b * n * W);
   });
   return out;
@@ -119,7 +121,8 @@ at::Tensor tree_positions_cpu(const at::Tensor& parents, const at::Tensor& cu_no
   const int32_t* par = parents.data_ptr<int32_t>();
   const int32_t* pl = prefix_len.data_ptr<int32_t>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, B, 16, [&](int64_t lo, int64_t hi) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, parents.numel() / std::max<int64_t>(1, B)));
+  at::parallel_for(0, B, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) positions(par + cu[b], int64_t(cu[b + 1]) - cu[b], pl[b], o + cu[b]);
   });
   return out;
@@ -211,7 +214,8 @@ void compact_cache_cpu(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_le
     if (t->numel() == 0) continue;
     char* base = static_cast<char*>(t->data_ptr());
     const int64_t sb = t->stride(0) * es, sh = t->stride(1) * es, ss = t->stride(2) * es, sd = t->stride(3) * es;
-    at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, depth * D * es));
+    at::parallel_for(0, B * H, grain, [&](int64_t lo, int64_t hi) {
       std::vector<char> buf(std::max<int64_t>(1, depth * D * es));
       for (int64_t p = lo; p < hi; ++p) {
         const int64_t b = p / H, h = p % H;

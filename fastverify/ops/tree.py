@@ -68,6 +68,21 @@ def _call(op: str, backend: str, device: torch.device, *args, module: str = "tre
     return getattr(torch.ops.fastverify, op)(*args)
 
 
+def _call_tree_op(op: str, backend: str, par, cu, validate: bool, *args):
+    """_call for the mask / position ops. The C++ CPU kernels check the tree layout themselves (one pass over
+    the nodes), so on that backend the Python-side parents check runs only when the kernel rejects its input,
+    to turn the kernel's RuntimeError into the wrapper's ValueError naming the node; elsewhere it runs first."""
+    name = _ext.resolve_backend(backend, par.device, has=implemented_backends(op))
+    if name != "cpp" and validate:
+        _check_parents(par, cu)
+    try:
+        return _call(op, name, par.device, *args)
+    except RuntimeError:
+        if name == "cpp" and validate:
+            _check_parents(par, cu)
+        raise
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Validation and normalisation
 
@@ -91,12 +106,30 @@ def _as_index_tensor(x, name: str, device, length=None) -> torch.Tensor:
         raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
     if length is not None and x.numel() != length:
         raise ValueError(f"{name}: expected {length} entries (one per request), got {x.numel()}")
-    if x.numel() and (x.long().min() < -2**31 or x.long().max() >= 2**31):
+    if x.dtype == torch.int64 and x.numel() and bool(((x < -2**31) | (x >= 2**31)).any()):
         raise ValueError(f"{name}: values must fit in int32")
     return x.to(torch.int32).contiguous()
 
 
-def normalise_tree(parents, cu_nodes, prefix_len=None, *, validate: bool = True):
+def _check_parents(par, cu):
+    """ValueError naming the first node whose parent is out of range or does not precede it."""
+    N = par.numel()
+    if not N:
+        return
+    counts = (cu[1:] - cu[:-1]).long()
+    local = torch.arange(N, device=par.device, dtype=torch.int32) - torch.repeat_interleave(
+        cu[:-1], counts, output_size=N)
+    bad = (par < -1) | (par >= local)
+    if bool(bad.any()):
+        g = int(bad.nonzero()[0])
+        b = int(torch.searchsorted(cu[1:].long(), torch.tensor(g, device=par.device), right=True))
+        j, p = int(local[g]), int(par[g])
+        why = "is out of range (expected -1 for a child of the root or a local node index)" if (
+            p < -1 or p >= int(counts[b])) else "does not precede its child (parents must satisfy parents[j] < j)"
+        raise ValueError(f"parents: node {j} of request {b} has parent {p}, which {why}")
+
+
+def normalise_tree(parents, cu_nodes, prefix_len=None, *, validate: bool = True, check_parents: bool = True):
     """Validate and normalise the batch layout.
 
     parents: int32/int64 [N] (local, -1 = child of the root, parents[j] < j) or None (every request a chain);
@@ -118,7 +151,7 @@ def normalise_tree(parents, cu_nodes, prefix_len=None, *, validate: bool = True)
     B = cu.numel() - 1
     counts = cu[1:] - cu[:-1]
     N = int(cu[-1])
-    if validate:
+    if validate and bool((cu[0] != 0) | (counts < 0).any()):
         if int(cu[0]) != 0:
             raise ValueError(f"cu_nodes: must start at 0, got cu_nodes[0] = {int(cu[0])}")
         if B and bool((counts < 0).any()):
@@ -134,23 +167,14 @@ def normalise_tree(parents, cu_nodes, prefix_len=None, *, validate: bool = True)
         par = _as_index_tensor(parents, "parents", device)
         if par.numel() != N:
             raise ValueError(f"parents: expected {N} entries (cu_nodes[-1]), got {par.numel()}")
-        if validate and N:
-            local = torch.arange(N, device=device, dtype=torch.int32) - torch.repeat_interleave(
-                cu[:-1], counts.long(), output_size=N)
-            bad = (par < -1) | (par >= local)
-            if bool(bad.any()):
-                g = int(bad.nonzero()[0])
-                b = int(torch.searchsorted(cu[1:].long(), torch.tensor(g, device=device), right=True))
-                j, p = int(local[g]), int(par[g])
-                why = "is out of range (expected -1 for a child of the root or a local node index)" if (
-                    p < -1 or p >= int(counts[b])) else "does not precede its child (parents must satisfy parents[j] < j)"
-                raise ValueError(f"parents: node {j} of request {b} has parent {p}, which {why}")
+        if validate and check_parents:
+            _check_parents(par, cu)
     plen, P = None, 0
     if prefix_len is not None:
         plen = _as_index_tensor(prefix_len, "prefix_len", device, length=B)
-        if validate and B and bool((plen < 0).any()):
+        lo, P = torch.stack(torch.aminmax(plen)).tolist() if B else (0, 0)  # one host sync for both
+        if validate and lo < 0:
             raise ValueError(f"prefix_len: must be >= 0, got {plen.tolist()}")
-        P = int(plen.max()) if B else 0
     return par, cu, plen, n, P
 
 
@@ -181,19 +205,19 @@ def tree_mask(parents, cu_nodes=None, prefix_len=0, format: str = "bool", dtype:
     Padding rows (i >= n_b) see only the prefix; padding columns are never visible.
     """
     _check_format(format, dtype)
-    par, cu, plen, n, P = normalise_tree(parents, cu_nodes, prefix_len, validate=validate)
+    par, cu, plen, n, P = normalise_tree(parents, cu_nodes, prefix_len, validate=validate, check_parents=False)
     if format == "packed":
-        return _call("tree_mask_packed", backend, par.device, par, cu, n)
+        return _call_tree_op("tree_mask_packed", backend, par, cu, validate, par, cu, n)
     if format == "bool":
-        return _call("tree_mask_bool", backend, par.device, par, cu, plen, n, P)
-    return _call("tree_mask_additive", backend, par.device, par, cu, plen, n, P, dtype)
+        return _call_tree_op("tree_mask_bool", backend, par, cu, validate, par, cu, plen, n, P)
+    return _call_tree_op("tree_mask_additive", backend, par, cu, validate, par, cu, plen, n, P, dtype)
 
 
 def tree_positions(parents, cu_nodes=None, prefix_len=0, backend: str = "auto", validate: bool = True):
     """int64 [N]: position id of each draft node, prefix_len[b] + depth(j) - 1 (a child of the root has
     depth 1, so it takes position prefix_len[b], right after the last committed token)."""
-    par, cu, plen, _, _ = normalise_tree(parents, cu_nodes, prefix_len, validate=validate)
-    return _call("tree_positions", backend, par.device, par, cu, plen)
+    par, cu, plen, _, _ = normalise_tree(parents, cu_nodes, prefix_len, validate=validate, check_parents=False)
+    return _call_tree_op("tree_positions", backend, par, cu, validate, par, cu, plen)
 
 
 def _block_sizes(block_sizes, cu_nodes, prefix_len):
