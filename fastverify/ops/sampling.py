@@ -1,0 +1,306 @@
+"""Reproducible uniforms, inverse-CDF sampling and its inverse (PTP), auxiliary-variable bits: validation,
+normalisation and backend dispatch.
+
+Public API:
+
+  uniform(seed, position, stream=0)                     -> float32, shape of position (Philox 4x32-10)
+  cdf_sample(logits [R, V], u [R], temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)   -> int64 [R]
+  cdf_invert(logits [R, V], token [R], v [R], same warping)                           -> float64 [R]
+  sample_v(shape, a=None, generator=None, device=None)  -> float32 in (0, 1): uniform, or Beta(a, a)
+  aux_bits(u)                                           -> float32 [..., 32]
+
+Normalised arguments are those of csrc/sampling.cpp; the warping is defined in fastverify/reference/sampling.py.
+Backends: torch (reference), cpp (csrc/cpu/sampling.cpp), triton (fastverify.kernels.sampling), cuda
+(csrc/cuda/sampling.cu), each used only where its code exists (``implemented_backends``).
+"""
+
+import importlib
+import math
+
+import torch
+
+from fastverify import _ext
+from fastverify.reference import sampling as ref
+
+__all__ = ["uniform", "cdf_sample", "cdf_invert", "sample_v", "aux_bits", "normalise_warp", "implemented_backends"]
+
+_OPS = ("uniform", "cdf_sample", "cdf_invert", "aux_bits")
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+_KERNELS = []
+
+
+def _triton_module():
+    if not _KERNELS:
+        try:
+            _KERNELS.append(importlib.import_module("fastverify.kernels.sampling"))
+        except Exception:  # not written, or triton missing / broken: the op runs on the other backends
+            _KERNELS.append(None)
+    return _KERNELS[0]
+
+
+def _has_compiled(op, key):
+    if not _ext.HAS_CPP:
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"fastverify::{op}", key)
+    except RuntimeError:
+        return False
+
+
+def implemented_backends(op):
+    """The backends whose code for ``op`` exists: torch always; cpp / cuda when fastverify._C registers a CPU /
+    CUDA kernel for fastverify::<op>; triton when fastverify.kernels.sampling imports and defines it."""
+    has = ["torch"]
+    if _has_compiled(op, "CPU"):
+        has.append("cpp")
+    mod = _triton_module()
+    if mod is not None and hasattr(mod, op):
+        has.append("triton")
+    if _ext.HAS_CUDA_KERNELS and _has_compiled(op, "CUDA"):
+        has.append("cuda")
+    return tuple(has)
+
+
+# Fake (meta) implementations, so the compiled ops trace under torch.compile.
+if _ext.HAS_CPP:
+
+    @torch.library.register_fake("fastverify::uniform")
+    def _uniform_fake(seed, position, stream):
+        return position.new_empty(position.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("fastverify::cdf_sample")
+    def _cdf_sample_fake(logits, u, warp):
+        return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+    @torch.library.register_fake("fastverify::cdf_invert")
+    def _cdf_invert_fake(logits, token, v, warp):
+        return logits.new_empty((logits.shape[0],), dtype=torch.float64)
+
+    @torch.library.register_fake("fastverify::aux_bits")
+    def _aux_bits_fake(u):
+        return u.new_empty((*u.shape, 32), dtype=torch.float32)
+
+
+def _run(op, backend, device, args):
+    name = _ext.resolve_backend(backend, device, has=implemented_backends(op))
+    if name == "torch":
+        return getattr(ref, op)(*args)
+    if name == "triton":
+        return getattr(_triton_module(), op)(*args)
+    return getattr(torch.ops.fastverify, op)(*args)
+
+
+def _check_tensor(name, t, device=None, dtypes=None, dim=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of logits), got {t.device}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-d tensor, got shape {tuple(t.shape)}")
+
+
+def _per_row(name, x, R, device, integral=False):
+    """A scalar or an [R] tensor as float32 [R]."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0:
+            x = x.reshape(1).expand(R)
+        _check_tensor(name, x, device=device)
+        if x.shape != (R,):
+            raise ValueError(f"{name}: expected a scalar or a tensor of shape ({R},), got {tuple(x.shape)}")
+        if x.dtype == torch.bool or x.is_complex():
+            raise TypeError(f"{name}: expected a real number dtype, got {x.dtype}")
+        if integral and x.is_floating_point() and bool((x != x.round()).any()):
+            raise ValueError(f"{name}: expected integers")
+        return x.to(torch.float32)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name}: expected a number or a tensor, got {type(x).__name__}")
+    if integral and float(x) != int(x):
+        raise ValueError(f"{name}: expected an integer, got {x}")
+    return torch.full((R,), float(x), dtype=torch.float32, device=device)
+
+
+def _check_range(name, x, lo=None, hi=None, lo_open=False, hi_open=False):
+    bad = torch.isnan(x)
+    if lo is not None:
+        bad |= (x <= lo) if lo_open else (x < lo)
+    if hi is not None:
+        bad |= (x >= hi) if hi_open else (x > hi)
+    if bool(bad.any()):
+        lb = "(" if lo_open else "["
+        rb = ")" if hi_open else "]"
+        rng = f"{lb}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{rb}"
+        raise ValueError(f"{name}: expected values in {rng}, got {x[bad][0].item()}")
+
+
+def normalise_warp(R, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """float32 [R, 4] (temperature, top_k, top_p, min_p) from scalars or [R] tensors, validated: temperature
+    >= 0 and finite, top_k a non-negative integer, top_p in (0, 1], min_p in [0, 1]."""
+    t = _per_row("temperature", temperature, R, device)
+    k = _per_row("top_k", top_k, R, device, integral=True)
+    p = _per_row("top_p", top_p, R, device)
+    mp = _per_row("min_p", min_p, R, device)
+    _check_range("temperature", t, lo=0, hi=math.inf, hi_open=True)
+    _check_range("top_k", k, lo=0)
+    _check_range("top_p", p, lo=0, hi=1, lo_open=True)
+    _check_range("min_p", mp, lo=0, hi=1)
+    return torch.stack([t, k, p, mp], dim=1)
+
+
+def _check_logits(logits):
+    _check_tensor("logits", logits, dtypes=_LOGIT_DTYPES, dim=2)
+    if logits.shape[1] == 0:
+        raise ValueError("logits: expected at least one column (V >= 1)")
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        logits = logits.contiguous()  # the kernels read rows with a unit inner stride
+    return logits
+
+
+def _check_unit(name, u, R, device, lo_open=True):
+    _check_tensor(name, u, device=device, dtypes=(torch.float32, torch.float64), dim=1)
+    if u.shape[0] != R:
+        raise ValueError(f"{name}: expected shape ({R},) (one per logits row), got {tuple(u.shape)}")
+    _check_range(name, u, lo=0, hi=1, lo_open=True, hi_open=True)
+
+
+def _invalid_rows_error(logits, warp, rows):
+    r = int(rows[0])
+    raise ValueError(
+        f"logits: row {r} has no distribution (it holds NaN or +inf, is entirely -inf, or l / temperature "
+        f"overflows float32)")
+
+
+def uniform(seed, position, stream=0, backend="auto"):
+    """Reproducible uniforms u in the open interval (0, 1) (DESIGN.md "Sampling and auxiliary variables").
+
+    Args:
+        seed: int, or int64 tensor broadcastable to position: the request's seed (all 64 bits are used).
+        position: int64 tensor (any shape): absolute sequence positions.
+        stream: int in [0, 2^32): independent streams at one position (verify uses 0 for sampling, 1 + j for the
+            acceptance test of node j).
+    Returns:
+        float32, shape of position: ((x >> 8) + 0.5) * 2^-24 with x the first word of Philox 4x32-10 under
+        key (seed lo, seed hi) and counter (position lo, position hi, stream, 0). Bit-identical on every backend.
+    """
+    if isinstance(position, int) and not isinstance(position, bool):
+        position = torch.tensor(position, dtype=torch.int64)
+    _check_tensor("position", position, dtypes=_INT_DTYPES)
+    if isinstance(seed, bool) or not isinstance(seed, (int, torch.Tensor)):
+        raise TypeError(f"seed: expected an int or an integer tensor, got {type(seed).__name__}")
+    if isinstance(seed, int):
+        if not -(2**63) <= seed < 2**64:
+            raise ValueError(f"seed: expected a 64-bit integer, got {seed}")
+        seed = torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64, device=position.device)
+    _check_tensor("seed", seed, device=position.device, dtypes=_INT_DTYPES)
+    if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < 2**32:
+        raise ValueError(f"stream: expected an int in [0, 2^32), got {stream!r}")
+    try:
+        seed_b, pos_b = torch.broadcast_tensors(seed.to(torch.int64), position.to(torch.int64))
+    except RuntimeError as e:
+        raise ValueError(f"seed: shape {tuple(seed.shape)} does not broadcast to position's "
+                         f"{tuple(position.shape)}") from e
+    shape = pos_b.shape
+    out = _run("uniform", backend, position.device,
+               (seed_b.reshape(-1).contiguous(), pos_b.reshape(-1).contiguous(), stream))
+    return out.reshape(shape)
+
+
+def cdf_sample(logits, u, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, backend="auto"):
+    """Inverse-CDF sampling of warped logits rows (PTP Eq. 8).
+
+    Args:
+        logits: [R, V] float32 / bfloat16 / float16 (any strides).
+        u: float32 or float64 [R] in the open interval (0, 1), e.g. from ``uniform``.
+        temperature, top_k, top_p, min_p: Python scalars or [R] tensors (warping of
+            fastverify.reference.sampling; temperature 0 = argmax, top_k 0 / top_p 1 / min_p 0 = off).
+    Returns:
+        int64 [R]: the smallest token t with C(t) > u * Z, C the float64 prefix sum of the warped weights in
+        token-id order and Z = C(V - 1).
+    Raises ValueError naming the argument for bad shapes, devices, dtypes and ranges, and naming ``logits`` for a
+    row with no distribution (NaN or +inf, all -inf, overflow of l / temperature).
+    """
+    logits = _check_logits(logits)
+    R = logits.shape[0]
+    _check_unit("u", u, R, logits.device)
+    warp = normalise_warp(R, logits.device, temperature, top_k, top_p, min_p)
+    out = _run("cdf_sample", backend, logits.device, (logits, u, warp))
+    bad = out < 0
+    if R and bool(bad.any()):
+        _invalid_rows_error(logits, warp, bad.nonzero()[:, 0])
+    return out
+
+
+def cdf_invert(logits, token, v, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, backend="auto"):
+    """The auxiliary variable that maps back to a token (PTP Eq. 9): u = (C(t - 1) + v * w(t)) / Z.
+
+    Args:
+        logits: [R, V] float32 / bfloat16 / float16. token: integer [R] in [0, V).
+        v: float32 or float64 [R] in (0, 1): the position inside the token's bin (uniform, or Beta(a, a) from
+            ``sample_v``, PTP Appendix D).
+        temperature, top_k, top_p, min_p: as in ``cdf_sample``.
+    Returns:
+        float64 [R], in (0, 1), moved by float64 ulps so that cdf_sample(logits, u, same warping, same backend)
+        == token exactly. NaN where the token has warped probability 0, or (on an astronomically small bin)
+        where no float64 u selects it.
+    """
+    logits = _check_logits(logits)
+    R, V = logits.shape
+    _check_tensor("token", token, device=logits.device, dtypes=_INT_DTYPES, dim=1)
+    if token.shape[0] != R:
+        raise ValueError(f"token: expected shape ({R},) (one per logits row), got {tuple(token.shape)}")
+    if R and bool(((token < 0) | (token >= V)).any()):
+        raise ValueError(f"token: expected ids in [0, {V}), got {token[(token < 0) | (token >= V)][0].item()}")
+    _check_unit("v", v, R, logits.device)
+    warp = normalise_warp(R, logits.device, temperature, top_k, top_p, min_p)
+    out = _run("cdf_invert", backend, logits.device, (logits, token.to(torch.int64), v, warp))
+    nan = torch.isnan(out)
+    if R and bool(nan.any()):
+        rows = nan.nonzero()[:, 0]
+        bad = ref.invalid_rows(logits[rows], warp[rows])
+        if bool(bad.any()):
+            _invalid_rows_error(logits, warp, rows[bad])
+    return out
+
+
+def sample_v(shape, a=None, generator=None, device=None):
+    """Positions inside a token's bin for ``cdf_invert``, float32 in the open interval (0, 1).
+
+    a None: uniform. a > 0: Beta(a, a) (PTP Appendix D: a > 1 concentrates v at the bin's centre, away from the
+    edges the model finds hard to resolve). Drawn with ``generator`` as Beta(a, a) = G1 / (G1 + G2), G_i ~
+    Gamma(a), clamped into (0, 1).
+    """
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(shape)
+    if generator is not None and device is None:
+        device = generator.device
+    device = torch.device(device if device is not None else "cpu")
+    if a is None:
+        x = torch.randint(0, 2**24, shape, generator=generator, device=device, dtype=torch.int64)
+        return ((x.double() + 0.5) * 2.0**-24).float()
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0 or not math.isfinite(a):
+        raise ValueError(f"a: expected a finite number > 0 (Beta(a, a)), got {a!r}")
+    conc = torch.full(shape, float(a), dtype=torch.float64, device=device)
+    g1 = torch._standard_gamma(conc, generator=generator)
+    g2 = torch._standard_gamma(conc, generator=generator)
+    v = g1 / (g1 + g2)
+    lo, hi = 2.0**-25, 1.0 - 2.0**-24  # open interval, representable in float32
+    v = torch.nan_to_num(v, nan=0.5).clamp(lo, hi)
+    return v.float()
+
+
+def aux_bits(u, backend="auto"):
+    """The IEEE-754 bits of float32 u, most significant first (PTP §3.1), as float32 [..., 32] of 0 / 1."""
+    _check_tensor("u", u, dtypes=(torch.float32,))
+    flat = u.reshape(-1).contiguous()
+    has = tuple(b for b in implemented_backends("aux_bits"))
+    name = _ext.resolve_backend(backend, u.device, has=has)
+    if name == "torch":
+        out = ref.aux_bits(flat)
+    elif name == "triton":
+        out = _triton_module().aux_bits(flat)
+    else:
+        out = torch.ops.fastverify.aux_bits(flat)
+    return out.reshape(*u.shape, 32)
