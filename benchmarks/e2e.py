@@ -1,0 +1,484 @@
+"""End-to-end benchmark: fastverify.patch(model) against plain ``generate`` and transformers' prompt lookup.
+
+On SmolLM2-135M-Instruct (``fastverify.models.load_smollm2``), Spec-Bench questions (first turn, the model's chat
+template, greedy, batch 1), side by side in one run. For every question three methods run, in an order that
+rotates from question to question (so slow drift of the machine does not favour one method):
+
+  generate        the model's own ``generate(do_sample=False)``, unpatched: the reference output and time
+  prompt_lookup   transformers' prompt lookup decoding, ``generate(prompt_lookup_num_tokens=10)``
+  fastverify      ``fastverify.patch(model)``: NGramDrafter trees + greedy verification
+
+Reported per category and overall:
+
+  tok/fwd    mean accepted tokens per step = new tokens / target forward passes (the prefill counts as one
+             step that commits one token, so plain decoding scores 1.00; counted by a hook on the model, the
+             same way for every method)
+  tok/s      new tokens / wall time of the generate call (summed over the category's questions)
+  speedup    geometric mean over questions of tok/s(method) / tok/s(reference); also the worst question
+  identical  how many outputs equal plain greedy token for token (mismatches are counted, never hidden)
+
+Usage (from the repository root):
+
+  python benchmarks/e2e.py --quick                       # ~2 minutes: our 12 prompts, 64 new tokens
+  python benchmarks/e2e.py --per-category 3              # Spec-Bench, every category, 128 new tokens
+  python benchmarks/e2e.py --per-category 3 --max-new-tokens 96 --out e2e.json
+
+Results are appended to benchmarks/RESULTS.md (``--no-results`` to skip) with the machine, the command line and
+the numbers; a bar plot goes to ``--plot`` when matplotlib is importable (it is not a dependency of fastverify).
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_QUESTIONS = "../shared/data/spec_bench/question.jsonl"  # relative to the repository root
+QUICK_PROMPTS = os.path.join(ROOT, "benchmarks", "quick_prompts.jsonl")
+METHODS = ("generate", "prompt_lookup", "fastverify")
+BASELINES = ("generate", "prompt_lookup")
+
+
+# ----------------------------------------------------------------------------------------------- questions
+
+def load_questions(path, per_category=None, categories=None):
+    """Spec-Bench style jsonl (``question_id``, ``category``, ``turns``): the first ``per_category`` questions of
+    each category in file order (all when None), restricted to ``categories`` when given. Returns a list of
+    dicts with ``question_id``, ``category`` and ``prompt`` (the first turn)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--questions: no such file {path!r} (Spec-Bench's question.jsonl is expected at "
+                                f"{DEFAULT_QUESTIONS} relative to the repository root)")
+    wanted = None if categories is None else set(categories)
+    taken, out = {}, []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            q = json.loads(line)
+            if not q.get("turns") or "category" not in q:
+                raise ValueError(f"{path}:{lineno}: expected an object with 'category' and non-empty 'turns'")
+            cat = q["category"]
+            if wanted is not None and cat not in wanted:
+                continue
+            if per_category is not None and taken.get(cat, 0) >= per_category:
+                continue
+            taken[cat] = taken.get(cat, 0) + 1
+            out.append({"question_id": q.get("question_id", lineno), "category": cat, "prompt": q["turns"][0]})
+    if wanted is not None and wanted - set(taken):
+        raise ValueError(f"--categories: not found in {path}: {sorted(wanted - set(taken))}")
+    return out
+
+
+def encode(tokenizer, prompt):
+    """The prompt as a single-user-turn chat with the generation prompt: input_ids int64 [1, L]."""
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)
+    return enc["input_ids"]
+
+
+# ----------------------------------------------------------------------------------------------- running
+
+class ForwardCounter:
+    """Counts forward calls of the target model (a pre-hook on the top-level module)."""
+
+    def __init__(self, model):
+        self.count = 0
+        self._handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += 1
+
+    def close(self):
+        self._handle.remove()
+
+
+def run_method(model, method, input_ids, max_new_tokens, counter):
+    """One greedy generation with ``method``. Returns (new tokens list, seconds, forwards, loop stats or None)."""
+    import fastverify
+
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
+    stats = None
+    if method == "fastverify":
+        fastverify.patch(model)
+    try:
+        if method == "prompt_lookup":
+            kwargs["prompt_lookup_num_tokens"] = 10
+        counter.count = 0
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids, **kwargs)
+        seconds = time.perf_counter() - t0
+        forwards = counter.count
+        if method == "fastverify":
+            stats = _loop_stats(model)
+            if stats is None:
+                raise RuntimeError("fastverify.patch(model).generate fell back to the original generate "
+                                   "(no loop statistics); see its warning")
+    finally:
+        if method == "fastverify":
+            fastverify.unpatch(model)
+    return out[0, input_ids.shape[1]:].tolist(), seconds, forwards, stats
+
+
+def _loop_stats(model):
+    """The patched loop's LoopStats of the last generate (``fastverify.hf.stats``), or None."""
+    try:
+        from fastverify.hf import stats
+    except ImportError:
+        from fastverify.hf.patch import stats
+    return stats(model)
+
+
+def first_difference(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=METHODS, progress=True, log=print):
+    """Run every method on every question. Returns a list of per-question records."""
+    counter = ForwardCounter(model)
+    try:
+        # Warm-up (not timed): every method once on the first question, short.
+        warm = encode(tokenizer, questions[0]["prompt"])
+        for m in methods:
+            run_method(model, m, warm, min(16, max_new_tokens), counter)
+        bar = _progress(len(questions) * len(methods), progress)
+        records = []
+        for i, q in enumerate(questions):
+            ids = encode(tokenizer, q["prompt"])
+            order = [methods[(i + j) % len(methods)] for j in range(len(methods))]
+            rec = {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": ids.shape[1],
+                   "order": order, "methods": {}}
+            for m in order:
+                tokens, seconds, forwards, stats = run_method(model, m, ids, max_new_tokens, counter)
+                r = {"tokens": tokens, "new_tokens": len(tokens), "seconds": seconds, "forwards": forwards}
+                if stats is not None:
+                    s = stats.summary()
+                    r["loop"] = {k: v for k, v in s.items() if k != "new_tokens"}
+                rec["methods"][m] = r
+                bar.update(1)
+            ref = rec["methods"]["generate"]["tokens"] if "generate" in rec["methods"] else None
+            for m, r in rec["methods"].items():
+                r["identical"] = ref is None or r["tokens"] == ref
+                if not r["identical"]:
+                    d = first_difference(r["tokens"], ref)
+                    r["first_difference"] = d
+                    r["text"] = tokenizer.decode(r["tokens"])
+                    rec.setdefault("reference_text", tokenizer.decode(ref))
+                    log(f"\n  MISMATCH q{q['question_id']} ({q['category']}) {m}: first differs at new token {d}")
+            records.append(rec)
+        bar.close()
+    finally:
+        counter.close()
+    return records
+
+
+class _Counter:
+    """Printed-counter fallback when tqdm is not importable (silent when not ``enabled``)."""
+
+    def __init__(self, total, enabled=True):
+        self.total, self.n, self.enabled = total, 0, enabled
+
+    def update(self, k):
+        self.n += k
+        if self.enabled:
+            print(f"\r  {self.n}/{self.total} generations", end="", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.enabled:
+            print(file=sys.stderr)
+
+
+def _progress(total, enabled):
+    if not enabled:
+        return _Counter(total, enabled=False)
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc="generations", unit="gen", file=sys.stderr)
+    except ImportError:
+        return _Counter(total)
+
+
+# ----------------------------------------------------------------------------------------------- summary
+
+def geomean(xs):
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def summarise(records, methods=METHODS):
+    """Per category (in order of first appearance) and overall: for each method tok/fwd, tok/s, identical count;
+    for fastverify and prompt_lookup, speedups (geometric mean and worst question) over each baseline."""
+    groups = OrderedDict()
+    for rec in records:
+        groups.setdefault(rec["category"], []).append(rec)
+    groups["overall"] = list(records)
+    out = OrderedDict()
+    for cat, recs in groups.items():
+        row = {"questions": len(recs)}
+        for m in methods:
+            rs = [r["methods"][m] for r in recs]
+            tokens = sum(r["new_tokens"] for r in rs)
+            row[m] = {
+                "tok_per_fwd": tokens / max(1, sum(r["forwards"] for r in rs)),
+                "tok_per_s": tokens / max(1e-12, sum(r["seconds"] for r in rs)),
+                "identical": sum(r["identical"] for r in rs),
+                "new_tokens": tokens,
+            }
+            if m == "fastverify" and all("loop" in r for r in rs):
+                steps = sum(r["loop"]["steps"] for r in rs)
+                row[m]["loop_tokens_per_step"] = (sum(r["loop"]["accepted"] for r in rs) + steps) / max(1, steps)
+            for base in BASELINES:
+                if m == "generate" or base == m or base not in methods:
+                    continue
+                # Per-question speedup = time(base) / time(m) for the same question (tokens are equal when the
+                # outputs are identical; with a mismatch, tokens/s ratios keep it fair).
+                ratios = [(r["methods"][m]["new_tokens"] / r["methods"][m]["seconds"])
+                          / (r["methods"][base]["new_tokens"] / r["methods"][base]["seconds"])
+                          for r in recs if r["methods"][m]["new_tokens"] and r["methods"][base]["new_tokens"]]
+                row[m][f"speedup_vs_{base}"] = geomean(ratios)
+                row[m][f"min_speedup_vs_{base}"] = min(ratios) if ratios else float("nan")
+        out[cat] = row
+    return out
+
+
+def format_table(summary, methods=METHODS):
+    """A markdown table: one row per category, then overall."""
+    head = ["category", "n"]
+    for m in methods:
+        head += [f"{m} tok/fwd", f"{m} tok/s"]
+    spd = [(m, b) for m in methods if m != "generate" for b in BASELINES if b != m and b in methods]
+    for m, b in spd:
+        head += [f"{m}/{b} (geo, min)"]
+    head += ["identical to greedy"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+    for cat, row in summary.items():
+        cells = [f"**{cat}**" if cat == "overall" else cat, str(row["questions"])]
+        for m in methods:
+            cells += [f"{row[m]['tok_per_fwd']:.2f}", f"{row[m]['tok_per_s']:.1f}"]
+        for m, b in spd:
+            cells += [f"{row[m][f'speedup_vs_{b}']:.2f}x ({row[m][f'min_speedup_vs_{b}']:.2f}x)"]
+        ident = [f"{m} {row[m]['identical']}/{row['questions']}" for m in methods if m != "generate"]
+        cells += [", ".join(ident)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdict(summary):
+    """One line per target (context from the issue; reported, never asserted)."""
+    o = summary["overall"]
+    if "fastverify" not in o:
+        return []
+    cats = {c: r for c, r in summary.items() if c != "overall"}
+    fv = o["fastverify"]
+    lines = []
+    n = o["questions"]
+    lines.append(f"outputs identical to plain greedy: fastverify {fv['identical']}/{n}"
+                 + (f", prompt_lookup {o['prompt_lookup']['identical']}/{n}" if "prompt_lookup" in o else ""))
+    if "speedup_vs_generate" in fv:
+        worst = min(cats.items(), key=lambda kv: kv[1]["fastverify"]["speedup_vs_generate"])
+        lines.append(f"fastverify vs generate: {fv['speedup_vs_generate']:.2f}x geometric mean (target >= 1.3x); "
+                     f"worst category {worst[0]} {worst[1]['fastverify']['speedup_vs_generate']:.2f}x "
+                     f"(target >= 0.95x)")
+    if "speedup_vs_prompt_lookup" in fv:
+        lines.append(f"fastverify vs prompt lookup: {fv['speedup_vs_prompt_lookup']:.2f}x geometric mean "
+                     f"(target >= 1.3x)")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------- machine, files
+
+def machine_info():
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import transformers
+    info = {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+    }
+    try:
+        info["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
+    try:
+        info["load_before"] = round(os.getloadavg()[0], 2)
+    except OSError:
+        pass
+    return info
+
+
+def append_results(path, info, command, args, summary, table, notes):
+    with open(path, "a") as f:
+        f.write(f"\n## e2e {'quick' if args.quick else 'Spec-Bench'}, {info['date']}\n\n")
+        f.write(f"- machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}; "
+                f"torch {info['torch']}, transformers {info['transformers']}, Python {info['python']}; "
+                f"commit {info.get('commit')}\n")
+        f.write(f"- load average (1 min) before / after: {info.get('load_before')} / {info.get('load_after')}"
+                " (other processes on the machine make timings noisy)\n")
+        f.write(f"- model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised), {args.dtype}; greedy, batch 1, "
+                f"max_new_tokens {args.max_new_tokens}\n")
+        f.write(f"- command: `{command}`\n\n")
+        f.write(table + "\n\n")
+        for line in notes:
+            f.write(f"- {line}\n")
+
+
+def plot(summary, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"plot: matplotlib is not installed; skipping {path} (pip install matplotlib to get it)")
+        return None
+    cats = list(summary)
+    series = [("fastverify", "generate"), ("prompt_lookup", "generate"), ("fastverify", "prompt_lookup")]
+    series = [(m, b) for m, b in series if m in summary["overall"] and f"speedup_vs_{b}" in summary["overall"][m]]
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(cats) + 2), 4))
+    for i, (m, b) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(cats))]
+        ax.bar(xs, [summary[c][m][f"speedup_vs_{b}"] for c in cats], width, label=f"{m} / {b}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cats)))
+    ax.set_xticklabels(cats, rotation=35, ha="right")
+    ax.set_ylabel("speedup (geometric mean over questions)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--questions", default=DEFAULT_QUESTIONS,
+                   help="Spec-Bench question.jsonl; a relative path is resolved against the repository root "
+                        f"(default {DEFAULT_QUESTIONS})")
+    p.add_argument("--per-category", type=int, default=3, help="questions per category (default 3; 0 = all)")
+    p.add_argument("--categories", nargs="+", help="only these categories")
+    p.add_argument("--quick", action="store_true",
+                   help="our 12 prompts (benchmarks/quick_prompts.jsonl), 64 new tokens unless given: ~2 minutes")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (64 with --quick)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
+                   help="subset of methods (generate is always run: it is the reference)")
+    p.add_argument("--out", help="write every per-question record and the summary to this JSON file")
+    p.add_argument("--plot", default=None,
+                   help="PNG path (default benchmarks/e2e.png, or benchmarks/e2e_quick.png with --quick)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"),
+                   help="markdown file the results are appended to (default benchmarks/RESULTS.md)")
+    p.add_argument("--no-results", action="store_true", help="do not append to --results")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--cache-dir", default=None, help="load_smollm2's cache folder")
+    args = p.parse_args(argv)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 64 if args.quick else 128
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens: expected >= 1")
+    if args.per_category < 0:
+        p.error("--per-category: expected >= 0")
+    if "generate" not in args.methods:
+        args.methods = ["generate"] + args.methods
+    args.methods = [m for m in METHODS if m in args.methods]
+    if args.plot is None:
+        args.plot = os.path.join(ROOT, "benchmarks", "e2e_quick.png" if args.quick else "e2e.png")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    command = "python " + " ".join(shlex.quote(a) for a in ([os.path.relpath(__file__, ROOT)]
+                                                             + (sys.argv[1:] if argv is None else list(argv))))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        questions = load_questions(QUICK_PROMPTS, None, args.categories)
+    else:
+        path = args.questions if os.path.isabs(args.questions) else os.path.join(ROOT, args.questions)
+        questions = load_questions(os.path.normpath(path), args.per_category or None, args.categories)
+    if not questions:
+        raise SystemExit("no questions selected")
+
+    import transformers
+    transformers.logging.set_verbosity_error()  # generate's per-call notices would drown the progress bar
+    import fastverify  # noqa: F401  (loads the compiled extension)
+    from fastverify.models import load_smollm2
+
+    info = machine_info()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} threads), "
+          f"transformers {info['transformers']}; load average {info.get('load_before')}")
+    t0 = time.perf_counter()
+    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), cache_dir=args.cache_dir)
+    print(f"model: SmolLM2-135M-Instruct, {args.dtype}, loaded in {time.perf_counter() - t0:.1f} s; "
+          f"{len(questions)} questions, {len(set(q['category'] for q in questions))} categories, "
+          f"max_new_tokens {args.max_new_tokens}, methods {', '.join(args.methods)}")
+
+    t0 = time.perf_counter()
+    records = run_benchmark(model, tokenizer, questions, args.max_new_tokens, tuple(args.methods),
+                            progress=not args.no_progress)
+    elapsed = time.perf_counter() - t0
+    try:
+        info["load_after"] = round(os.getloadavg()[0], 2)
+    except OSError:
+        pass
+    summary = summarise(records, tuple(args.methods))
+    table = format_table(summary, tuple(args.methods))
+    notes = verdict(summary)
+    notes.append(f"tok/fwd: new tokens per target forward (prefill included; plain decoding = 1.00). "
+                 f"speedup: geometric mean over questions of tok/s ratios (worst question in brackets). "
+                 f"Wall time of the run: {elapsed / 60:.1f} min.")
+    if "fastverify" in summary["overall"] and "loop_tokens_per_step" in summary["overall"]["fastverify"]:
+        notes.append(f"fastverify loop: {summary['overall']['fastverify']['loop_tokens_per_step']:.2f} tokens "
+                     "per decoding step (prefill excluded)")
+    print()
+    print(table)
+    print()
+    for line in notes:
+        print(line)
+
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": info, "command": command, "args": vars(args), "summary": summary,
+                       "records": records}, f, indent=1)
+        print(f"wrote {args.out}")
+    if not args.no_plot:
+        title = (f"SmolLM2-135M-Instruct {args.dtype}, {'quick prompts' if args.quick else 'Spec-Bench'}, "
+                 f"{args.max_new_tokens} new tokens; {info['cpu']}, {info['torch_threads']} threads")
+        if plot(summary, args.plot, title):
+            print(f"wrote {args.plot}")
+    if not args.no_results:
+        append_results(args.results, info, command, args, summary, table, notes)
+        print(f"appended to {args.results}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
