@@ -75,7 +75,7 @@ class NGramDrafter(Drafter):
     """
 
     def __init__(self, min_n: int = 1, max_n: int = 3, depth: int = 4, max_depth: int = 12, min_depth: int = 1,
-                 width: int = 2, max_width: int = 4, max_nodes: int = 24, scan: int = 32):
+                 width: int = 2, max_width: int = 4, max_nodes: int = 16, scan: int = 32):
         if not (1 <= min_n <= max_n):
             raise ValueError(f"min_n, max_n: expected 1 <= min_n <= max_n, got {min_n}, {max_n}")
         if not (1 <= min_depth <= depth <= max_depth):
