@@ -1,0 +1,138 @@
+// Shared pieces of the CUDA kernels (csrc/cuda/*.cu): framework-free device helpers, and a few
+// host-side helpers for the thin bindings (input checks, dtype dispatch, launch geometry).
+//
+// Device code below this header's "device helpers" section uses only CUDA types (float, __half,
+// __nv_bfloat16, raw pointers, int64 sizes and strides), never at::Tensor.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace fastverify {
+namespace cuda {
+
+// ---------------------------------------------------------------------------------------------
+// device helpers
+// ---------------------------------------------------------------------------------------------
+
+// Scores are read in their storage dtype and widened to float: fp32 / bf16 / fp16 are all exactly
+// representable in float, so every backend sees the same values.
+__device__ __forceinline__ float load_as_float(const float* p) { return *p; }
+__device__ __forceinline__ float load_as_float(const __half* p) { return __half2float(*p); }
+__device__ __forceinline__ float load_as_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+template <typename T>
+__device__ __forceinline__ T store_from_float(float x);
+template <>
+__device__ __forceinline__ float store_from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half store_from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 store_from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Request of global node g: the b with cu_nodes[b] <= g < cu_nodes[b + 1] (cu_nodes non-decreasing;
+// empty requests are skipped because their two offsets are equal). Returns -1 when g is outside.
+__device__ __forceinline__ int request_of_node(const int32_t* cu_nodes, int B, int64_t g) {
+  int lo = 0, hi = B;  // invariant: cu_nodes[lo] <= g < cu_nodes[hi]
+  if (g < cu_nodes[0] || g >= cu_nodes[B]) return -1;
+  while (hi - lo > 1) {
+    int mid = (lo + hi) / 2;
+    if (cu_nodes[mid] <= g) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Depth of local node j (a child of the root has depth 1), walking the parents. Parents must precede
+// children (the Python layer validates that); the walk is nevertheless bounded by j + 1 steps and
+// stops at any parent outside [-1, current), so malformed input cannot loop or read out of bounds.
+__device__ __forceinline__ int node_depth(const int32_t* parents_b, int j) {
+  int depth = 0;
+  int cur = j;
+  for (int steps = 0; steps <= j && cur >= 0; ++steps) {
+    ++depth;
+    int p = parents_b[cur];
+    if (p >= cur || p < -1) break;
+    cur = p;
+  }
+  return depth;
+}
+
+}  // namespace cuda
+}  // namespace fastverify
+
+// ---------------------------------------------------------------------------------------------
+// host helpers for the bindings (framework types allowed here)
+// ---------------------------------------------------------------------------------------------
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace fastverify {
+namespace cuda {
+
+inline void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, ": expected a CUDA tensor, got device ", t.device());
+}
+inline void check_dtype(const at::Tensor& t, at::ScalarType dt, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dt, name, ": expected dtype ", dt, ", got ", t.scalar_type());
+}
+inline void check_dim(const at::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK(t.dim() == dim, name, ": expected ", dim, " dimensions, got shape ", t.sizes());
+}
+inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), name, ": expected the device of ", ref_name, " (", ref.device(), "), got ",
+              t.device());
+}
+inline void check_logits_dtype(const at::Tensor& t, const char* name) {
+  auto dt = t.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, name,
+              ": expected dtype float32, bfloat16 or float16, got ", dt);
+}
+
+// Blocks for a grid-stride loop over `work` items: enough to fill the GPU a few times, never zero.
+inline unsigned grid_for(int64_t work, int threads) {
+  int64_t blocks = (work + threads - 1) / threads;
+  int64_t cap = 65535;  // generous; grid-stride loops cover the rest
+  if (blocks < 1) blocks = 1;
+  if (blocks > cap) blocks = cap;
+  return static_cast<unsigned>(blocks);
+}
+
+}  // namespace cuda
+}  // namespace fastverify
+
+// Dispatch on the floating dtype of a scores tensor, binding `scalar_t` to the CUDA storage type
+// (float, __half, __nv_bfloat16), so that kernels never see at::Half / at::BFloat16.
+#define FASTVERIFY_DISPATCH_FLOATING(DTYPE, NAME, ...)                                              \
+  [&] {                                                                                            \
+    switch (DTYPE) {                                                                               \
+      case at::kFloat: {                                                                           \
+        using scalar_t = float;                                                                    \
+        return __VA_ARGS__();                                                                      \
+      }                                                                                            \
+      case at::kHalf: {                                                                            \
+        using scalar_t = __half;                                                                   \
+        return __VA_ARGS__();                                                                      \
+      }                                                                                            \
+      case at::kBFloat16: {                                                                        \
+        using scalar_t = __nv_bfloat16;                                                            \
+        return __VA_ARGS__();                                                                      \
+      }                                                                                            \
+      default:                                                                                     \
+        TORCH_CHECK(false, NAME, ": expected dtype float32, bfloat16 or float16, got ", DTYPE);    \
+    }                                                                                              \
+  }()

@@ -1,0 +1,217 @@
+// CUDA kernels of the sampling ops (schemas: csrc/sampling.cpp; reference: fastverify/reference/sampling.py):
+// uniform (Philox 4x32-10, bit-identical with the CPU), aux_bits, cdf_sample and cdf_invert.
+#include <torch/library.h>
+
+#include "common.cuh"
+#include "philox.h"  // csrc/philox.h: the CPU kernel's own Philox, __host__ __device__
+#include "sampling.cuh"
+
+
+namespace fastverify {
+namespace cuda {
+
+// ---------------------------------------------------------------------------------------------
+// kernels (framework-free)
+// ---------------------------------------------------------------------------------------------
+
+// seed is indexed with its own stride so that a broadcast seed (stride 0) needs no copy.
+__global__ void _uniform_kernel(const int64_t* __restrict__ seed, int64_t seed_stride,
+                                const int64_t* __restrict__ position, int64_t R, uint32_t stream,
+                                float* __restrict__ out) {
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < R;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[r] = ::fastverify::philox_uniform(seed[r * seed_stride], position[r], stream);
+  }
+}
+
+// out [R, 32]: bit (31 - c) of u's IEEE-754 pattern at column c, as 0.0 / 1.0.
+__global__ void _aux_bits_kernel(const float* __restrict__ u, int64_t R, float* __restrict__ out) {
+  const int64_t total = R * 32;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int c = static_cast<int>(idx % 32);
+    const uint32_t bits = __float_as_uint(u[idx / 32]);
+    out[idx] = static_cast<float>((bits >> (31 - c)) & 1u);
+  }
+}
+
+
+constexpr int kRowBlock = 512;
+
+// One CTA per logits row (grid-stride over rows, so any R launches): resolve the row's warp, then draw by the
+// inverse CDF. out[r] = -1 for rows without a distribution.
+template <typename T, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    _cdf_sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t R, int64_t V,
+                       const double* __restrict__ u, const float* __restrict__ warp, int64_t* __restrict__ out) {
+  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+    const T* row = logits + r * row_stride;
+    const float* wp = warp + r * 4;
+    const RowWarp w = resolve_warp<BLOCK>(row, V, wp[0], wp[1], wp[2], wp[3]);
+    long long t = -1;
+    if (w.valid) {
+      if (w.greedy) {
+        t = w.argmax;  // the one-hot row: C(t) > u * 1 first at the argmax for every u in [0, 1)
+      } else {
+        t = inverse_cdf_sample<BLOCK>(V, [&](int64_t v) { return static_cast<double>(row_weight(row, v, w)); },
+                                      u[r]);
+      }
+    }
+    if (threadIdx.x == 0) out[r] = t;
+    __syncthreads();
+  }
+}
+
+// One CTA per row: out[r] = the auxiliary variable u with cdf_sample(u) == token[r] (NaN where none exists).
+template <typename T, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    _cdf_invert_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t R, int64_t V,
+                       const int64_t* __restrict__ token, const double* __restrict__ v_aux,
+                       const float* __restrict__ warp, double* __restrict__ out) {
+  const double nan = __longlong_as_double(0x7ff8000000000000LL);
+  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+    const T* row = logits + r * row_stride;
+    const float* wp = warp + r * 4;
+    const long long t = token[r];
+    const RowWarp w = resolve_warp<BLOCK>(row, V, wp[0], wp[1], wp[2], wp[3]);
+    double res = nan;
+    if (w.valid && t >= 0 && t < V) {
+      if (w.greedy) {
+        // one-hot at the argmax: C(t - 1) = 0, C(t) = w(t) = Z = 1 for t == argmax, w(t) = 0 otherwise
+        res = t == w.argmax ? invert_from_bin(0.0, 1.0, 1.0, 1.0, v_aux[r]) : nan;
+      } else {
+        res = inverse_cdf_invert<BLOCK>(
+            V, [&](int64_t v) { return static_cast<double>(row_weight(row, v, w)); }, t, v_aux[r]);
+      }
+    }
+    if (threadIdx.x == 0) out[r] = res;
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// bindings
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int kThreads = 256;
+
+at::Tensor uniform_cuda(const at::Tensor& seed, const at::Tensor& position, int64_t stream) {
+  check_cuda(seed, "seed");
+  check_cuda(position, "position");
+  check_same_device(seed, position, "seed", "position");
+  check_dtype(seed, at::kLong, "seed");
+  check_dtype(position, at::kLong, "position");
+  TORCH_CHECK(stream >= 0 && stream <= static_cast<int64_t>(UINT32_MAX), "stream: expected 0 <= stream < 2^32, got ",
+              stream);
+  TORCH_CHECK(seed.numel() == position.numel() || seed.numel() == 1, "seed: expected ", position.numel(),
+              " elements (one per position) or 1, got shape ", seed.sizes());
+  const c10::cuda::CUDAGuard guard(position.device());
+  auto pos = position.contiguous();
+  auto sd = seed.contiguous();
+  auto out = at::empty(position.sizes(), position.options().dtype(at::kFloat));
+  const int64_t R = pos.numel();
+  if (R == 0) return out;
+  _uniform_kernel<<<grid_for(R, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      sd.data_ptr<int64_t>(), sd.numel() == 1 ? 0 : 1, pos.data_ptr<int64_t>(), R, static_cast<uint32_t>(stream),
+      out.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor aux_bits_cuda(const at::Tensor& u) {
+  check_cuda(u, "u");
+  check_dtype(u, at::kFloat, "u");
+  const c10::cuda::CUDAGuard guard(u.device());
+  auto uc = u.contiguous();
+  std::vector<int64_t> shape(u.sizes().begin(), u.sizes().end());
+  shape.push_back(32);
+  auto out = at::empty(shape, u.options());
+  const int64_t R = uc.numel();
+  if (R == 0) return out;
+  _aux_bits_kernel<<<grid_for(R * 32, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      uc.data_ptr<float>(), R, out.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+unsigned row_grid(int64_t R) { return static_cast<unsigned>(R < 65535 ? R : 65535); }
+
+void check_rows(const at::Tensor& logits, const at::Tensor& warp) {
+  check_cuda(logits, "logits");
+  check_logits_dtype(logits, "logits");
+  check_dim(logits, 2, "logits");
+  TORCH_CHECK(logits.size(1) >= 1, "logits: expected V >= 1 columns, got shape ", logits.sizes());
+  check_cuda(warp, "warp");
+  check_same_device(warp, logits, "warp", "logits");
+  check_dtype(warp, at::kFloat, "warp");
+  TORCH_CHECK(warp.dim() == 2 && warp.size(0) == logits.size(0) && warp.size(1) == 4, "warp: expected shape [",
+              logits.size(0), ", 4], got ", warp.sizes());
+}
+
+at::Tensor cdf_sample_cuda(const at::Tensor& logits, const at::Tensor& u, const at::Tensor& warp) {
+  check_rows(logits, warp);
+  check_cuda(u, "u");
+  check_same_device(u, logits, "u", "logits");
+  TORCH_CHECK(u.scalar_type() == at::kFloat || u.scalar_type() == at::kDouble, "u: expected float32 or float64, got ",
+              u.scalar_type());
+  TORCH_CHECK(u.dim() == 1 && u.size(0) == logits.size(0), "u: expected shape [", logits.size(0), "], got ", u.sizes());
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  auto ud = u.to(at::kDouble).contiguous();  // float32 -> float64 is exact
+  auto wp = warp.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
+  if (R == 0) return out;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FASTVERIFY_DISPATCH_FLOATING(x.scalar_type(), "logits", [&] {
+    _cdf_sample_kernel<scalar_t, kRowBlock><<<row_grid(R), kRowBlock, 0, stream>>>(
+        reinterpret_cast<const scalar_t*>(x.data_ptr()), x.stride(0), R, V, ud.data_ptr<double>(),
+        wp.data_ptr<float>(), out.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+at::Tensor cdf_invert_cuda(const at::Tensor& logits, const at::Tensor& token, const at::Tensor& v,
+                           const at::Tensor& warp) {
+  check_rows(logits, warp);
+  check_cuda(token, "token");
+  check_cuda(v, "v");
+  check_same_device(token, logits, "token", "logits");
+  check_same_device(v, logits, "v", "logits");
+  check_dtype(token, at::kLong, "token");
+  TORCH_CHECK(token.dim() == 1 && token.size(0) == logits.size(0), "token: expected shape [", logits.size(0),
+              "], got ", token.sizes());
+  TORCH_CHECK(v.scalar_type() == at::kFloat || v.scalar_type() == at::kDouble, "v: expected float32 or float64, got ",
+              v.scalar_type());
+  TORCH_CHECK(v.dim() == 1 && v.size(0) == logits.size(0), "v: expected shape [", logits.size(0), "], got ", v.sizes());
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  auto tok = token.contiguous();
+  auto vd = v.to(at::kDouble).contiguous();
+  auto wp = warp.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = at::empty({R}, logits.options().dtype(at::kDouble));
+  if (R == 0) return out;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  FASTVERIFY_DISPATCH_FLOATING(x.scalar_type(), "logits", [&] {
+    _cdf_invert_kernel<scalar_t, kRowBlock><<<row_grid(R), kRowBlock, 0, stream>>>(
+        reinterpret_cast<const scalar_t*>(x.data_ptr()), x.stride(0), R, V, tok.data_ptr<int64_t>(),
+        vd.data_ptr<double>(), wp.data_ptr<float>(), out.data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastverify, CUDA, m) {
+  m.impl("uniform", &uniform_cuda);
+  m.impl("aux_bits", &aux_bits_cuda);
+  m.impl("cdf_sample", &cdf_sample_cuda);
+  m.impl("cdf_invert", &cdf_invert_cuda);
+}
+
+}  // namespace cuda
+}  // namespace fastverify

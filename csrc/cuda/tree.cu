@@ -1,0 +1,326 @@
+// CUDA kernels of the tree ops (schemas and semantics: csrc/tree.cpp; reference: fastverify/reference/tree.py):
+// tree_mask_packed / tree_mask_bool / tree_mask_additive, tree_positions, compact_cache.
+// tree_attention lives in csrc/cuda/attention.cu.
+//
+// The masks are built in two steps: the packed ancestor bits (one thread per 32-bit word of a query row,
+// walking that query's ancestor chain), then, for the dense formats, one thread per output element reading
+// one bit. Every walk is bounded by the node's index, so malformed parents cannot loop or read past the
+// request's nodes.
+#include <torch/library.h>
+
+#include "common.cuh"
+
+namespace fastverify {
+namespace cuda {
+
+// ---------------------------------------------------------------------------------------------
+// kernels (framework-free)
+// ---------------------------------------------------------------------------------------------
+
+// packed [B, n, W] int32, W = ceil(n / 32): bit (j % 32) of word j / 32 of row (b, i) is set iff local node j
+// is i or an ancestor of i (i < n_b). Rows of padding nodes (i >= n_b) are all zero.
+__global__ void _tree_mask_packed_kernel(const int32_t* __restrict__ parents, const int32_t* __restrict__ cu_nodes,
+                                         int B, int n, int W, int32_t* __restrict__ packed) {
+  const int64_t total = static_cast<int64_t>(B) * n * W;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int w = static_cast<int>(idx % W);
+    const int i = static_cast<int>((idx / W) % n);
+    const int b = static_cast<int>(idx / (static_cast<int64_t>(W) * n));
+    const int32_t start = cu_nodes[b];
+    const int n_b = cu_nodes[b + 1] - start;
+    uint32_t word = 0;
+    if (i < n_b) {
+      const int32_t* par = parents + start;
+      const int lo = w * 32, hi = lo + 32;
+      int cur = i;
+      // Ancestors have strictly smaller indices: once cur < lo no later ancestor lands in this word.
+      for (int steps = 0; steps <= i && cur >= lo; ++steps) {
+        if (cur < hi) word |= 1u << (cur - lo);
+        const int p = par[cur];
+        if (p >= cur || p < -1) break;
+        cur = p;
+      }
+    }
+    packed[idx] = static_cast<int32_t>(word);
+  }
+}
+
+// One output element of the dense masks: key slot `col` of query row (b, i). Prefix slots [0, P) are visible
+// iff col < prefix_len[b]; draft slot P + j iff bit j of the packed row.
+__device__ __forceinline__ bool mask_visible(const int32_t* packed, const int32_t* prefix_len, int n, int W, int P,
+                                             int b, int i, int col) {
+  if (col < P) return col < prefix_len[b];
+  const int j = col - P;
+  const uint32_t word = static_cast<uint32_t>(packed[(static_cast<int64_t>(b) * n + i) * W + j / 32]);
+  return (word >> (j % 32)) & 1u;
+}
+
+__global__ void _tree_mask_bool_kernel(const int32_t* __restrict__ packed, const int32_t* __restrict__ prefix_len,
+                                       int B, int n, int W, int P, bool* __restrict__ out) {
+  const int L = P + n;
+  const int64_t total = static_cast<int64_t>(B) * n * L;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int col = static_cast<int>(idx % L);
+    const int i = static_cast<int>((idx / L) % n);
+    const int b = static_cast<int>(idx / (static_cast<int64_t>(L) * n));
+    out[idx] = mask_visible(packed, prefix_len, n, W, P, b, i, col);
+  }
+}
+
+template <typename T>
+__global__ void _tree_mask_additive_kernel(const int32_t* __restrict__ packed, const int32_t* __restrict__ prefix_len,
+                                           int B, int n, int W, int P, T zero, T neg_inf, T* __restrict__ out) {
+  const int L = P + n;
+  const int64_t total = static_cast<int64_t>(B) * n * L;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int col = static_cast<int>(idx % L);
+    const int i = static_cast<int>((idx / L) % n);
+    const int b = static_cast<int>(idx / (static_cast<int64_t>(L) * n));
+    out[idx] = mask_visible(packed, prefix_len, n, W, P, b, i, col) ? zero : neg_inf;
+  }
+}
+
+// positions [N] int64: prefix_len[b] + depth(j) - 1 for global node g = cu_nodes[b] + j.
+__global__ void _tree_positions_kernel(const int32_t* __restrict__ parents, const int32_t* __restrict__ cu_nodes,
+                                       const int32_t* __restrict__ prefix_len, int B, int64_t N,
+                                       int64_t* __restrict__ positions) {
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < N;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int b = request_of_node(cu_nodes, B, g);
+    if (b < 0) {  // only reachable when cu_nodes[0] != 0 or cu_nodes[B] != N (rejected by the binding)
+      positions[g] = -1;
+      continue;
+    }
+    const int j = static_cast<int>(g - cu_nodes[b]);
+    positions[g] = static_cast<int64_t>(prefix_len[b]) + node_depth(parents + cu_nodes[b], j) - 1;
+  }
+}
+
+// compact_cache on one tensor [B, H, S, D] with arbitrary strides, elements moved as raw bits (Word has the
+// element's size). One thread per (b, h, d) first gathers the sources of all of request b's moves into its own
+// column of `scratch` [max_depth, B * H * D], then writes them to their destinations: the reference's
+// gather-then-write semantics, so overlapping source and destination slots are handled, without any
+// synchronisation between threads (each thread touches only its own element of every slot). Moves whose slots
+// fall outside [0, S) are skipped (the Python layer rejects them before launching).
+template <typename Word>
+__global__ void _compact_cache_kernel(Word* __restrict__ cache, int B, int H, int64_t S, int D, int64_t sB,
+                                      int64_t sH, int64_t sS, int64_t sD, const int32_t* __restrict__ prefix_len,
+                                      int64_t draft_start, const int32_t* __restrict__ accepted, int max_depth,
+                                      const int32_t* __restrict__ accept_len, Word* __restrict__ scratch) {
+  const int64_t total = static_cast<int64_t>(B) * H * D;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(idx % D);
+    const int h = static_cast<int>((idx / D) % H);
+    const int b = static_cast<int>(idx / (static_cast<int64_t>(D) * H));
+    Word* base = cache + b * sB + h * sH + d * sD;
+    int len = accept_len[b];
+    if (len > max_depth) len = max_depth;
+    const int32_t* acc = accepted + static_cast<int64_t>(b) * max_depth;
+    const int64_t dst0 = prefix_len[b];
+    for (int i = 0; i < len; ++i) {
+      const int64_t src = draft_start + acc[i];
+      if (acc[i] >= 0 && src < S) scratch[i * total + idx] = base[src * sS];
+    }
+    for (int i = 0; i < len; ++i) {
+      const int64_t src = draft_start + acc[i];
+      const int64_t dst = dst0 + i;
+      if (acc[i] >= 0 && src < S && dst >= 0 && dst < S) base[dst * sS] = scratch[i * total + idx];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// bindings
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int kThreads = 256;
+
+void check_tree_inputs(const at::Tensor& parents, const at::Tensor& cu_nodes) {
+  check_cuda(parents, "parents");
+  check_cuda(cu_nodes, "cu_nodes");
+  check_same_device(parents, cu_nodes, "parents", "cu_nodes");
+  check_dtype(parents, at::kInt, "parents");
+  check_dtype(cu_nodes, at::kInt, "cu_nodes");
+  check_dim(parents, 1, "parents");
+  check_dim(cu_nodes, 1, "cu_nodes");
+  TORCH_CHECK(cu_nodes.numel() >= 1, "cu_nodes: expected shape [B + 1] with B >= 0, got ", cu_nodes.sizes());
+}
+
+void check_prefix_len(const at::Tensor& prefix_len, const at::Tensor& cu_nodes) {
+  check_cuda(prefix_len, "prefix_len");
+  check_same_device(prefix_len, cu_nodes, "prefix_len", "cu_nodes");
+  check_dtype(prefix_len, at::kInt, "prefix_len");
+  check_dim(prefix_len, 1, "prefix_len");
+  TORCH_CHECK(prefix_len.numel() == cu_nodes.numel() - 1, "prefix_len: expected shape [B] = [", cu_nodes.numel() - 1,
+              "] (B from cu_nodes), got ", prefix_len.sizes());
+}
+
+at::Tensor packed_mask(const at::Tensor& parents, const at::Tensor& cu_nodes, int64_t n) {
+  TORCH_CHECK(n >= 0 && n <= INT32_MAX, "n: expected 0 <= n < 2^31, got ", n);
+  const int B = static_cast<int>(cu_nodes.numel() - 1);
+  const int W = static_cast<int>((n + 31) / 32);
+  auto packed = at::empty({B, n, W}, cu_nodes.options().dtype(at::kInt));
+  const int64_t total = static_cast<int64_t>(B) * n * W;
+  if (total == 0) return packed;
+  auto par = parents.contiguous();
+  auto cu = cu_nodes.contiguous();
+  _tree_mask_packed_kernel<<<grid_for(total, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      par.data_ptr<int32_t>(), cu.data_ptr<int32_t>(), B, static_cast<int>(n), W, packed.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return packed;
+}
+
+at::Tensor tree_mask_packed_cuda(const at::Tensor& parents, const at::Tensor& cu_nodes, int64_t n) {
+  check_tree_inputs(parents, cu_nodes);
+  const c10::cuda::CUDAGuard guard(cu_nodes.device());
+  return packed_mask(parents, cu_nodes, n);
+}
+
+at::Tensor tree_mask_bool_cuda(const at::Tensor& parents, const at::Tensor& cu_nodes, const at::Tensor& prefix_len,
+                               int64_t n, int64_t P) {
+  check_tree_inputs(parents, cu_nodes);
+  check_prefix_len(prefix_len, cu_nodes);
+  TORCH_CHECK(P >= 0 && P + n <= INT32_MAX, "P: expected 0 <= P and P + n < 2^31, got P = ", P, ", n = ", n);
+  const c10::cuda::CUDAGuard guard(cu_nodes.device());
+  const int B = static_cast<int>(cu_nodes.numel() - 1);
+  auto packed = packed_mask(parents, cu_nodes, n);
+  auto out = at::empty({B, n, P + n}, cu_nodes.options().dtype(at::kBool));
+  const int64_t total = out.numel();
+  if (total == 0) return out;
+  auto pre = prefix_len.contiguous();
+  _tree_mask_bool_kernel<<<grid_for(total, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      packed.data_ptr<int32_t>(), pre.data_ptr<int32_t>(), B, static_cast<int>(n), static_cast<int>(packed.size(2)),
+      static_cast<int>(P), out.data_ptr<bool>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor tree_mask_additive_cuda(const at::Tensor& parents, const at::Tensor& cu_nodes, const at::Tensor& prefix_len,
+                                   int64_t n, int64_t P, at::ScalarType dtype) {
+  check_tree_inputs(parents, cu_nodes);
+  check_prefix_len(prefix_len, cu_nodes);
+  TORCH_CHECK(P >= 0 && P + n <= INT32_MAX, "P: expected 0 <= P and P + n < 2^31, got P = ", P, ", n = ", n);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
+              "dtype: expected float32, float16, bfloat16 or float64, got ", dtype);
+  const c10::cuda::CUDAGuard guard(cu_nodes.device());
+  const int B = static_cast<int>(cu_nodes.numel() - 1);
+  auto packed = packed_mask(parents, cu_nodes, n);
+  auto out = at::empty({B, 1, n, P + n}, cu_nodes.options().dtype(dtype));
+  const int64_t total = out.numel();
+  if (total == 0) return out;
+  auto pre = prefix_len.contiguous();
+  const unsigned grid = grid_for(total, kThreads);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int W = static_cast<int>(packed.size(2));
+  const float inf = INFINITY;
+#define FV_LAUNCH_ADDITIVE(T, ZERO, NEG_INF)                                                                      \
+  _tree_mask_additive_kernel<T><<<grid, kThreads, 0, stream>>>(packed.data_ptr<int32_t>(), pre.data_ptr<int32_t>(), \
+                                                               B, static_cast<int>(n), W, static_cast<int>(P), ZERO,  \
+                                                               NEG_INF, reinterpret_cast<T*>(out.data_ptr()))
+  switch (dtype) {
+    case at::kFloat: FV_LAUNCH_ADDITIVE(float, 0.0f, -inf); break;
+    case at::kDouble: FV_LAUNCH_ADDITIVE(double, 0.0, -static_cast<double>(inf)); break;
+    case at::kHalf: FV_LAUNCH_ADDITIVE(__half, __float2half(0.0f), __float2half(-inf)); break;
+    default: FV_LAUNCH_ADDITIVE(__nv_bfloat16, __float2bfloat16(0.0f), __float2bfloat16(-inf)); break;
+  }
+#undef FV_LAUNCH_ADDITIVE
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor tree_positions_cuda(const at::Tensor& parents, const at::Tensor& cu_nodes, const at::Tensor& prefix_len) {
+  check_tree_inputs(parents, cu_nodes);
+  check_prefix_len(prefix_len, cu_nodes);
+  const c10::cuda::CUDAGuard guard(cu_nodes.device());
+  const int B = static_cast<int>(cu_nodes.numel() - 1);
+  const int64_t N = parents.numel();
+  auto out = at::empty({N}, parents.options().dtype(at::kLong));
+  if (N == 0) return out;
+  auto par = parents.contiguous();
+  auto cu = cu_nodes.contiguous();
+  auto pre = prefix_len.contiguous();
+  _tree_positions_kernel<<<grid_for(N, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      par.data_ptr<int32_t>(), cu.data_ptr<int32_t>(), pre.data_ptr<int32_t>(), B, N, out.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+void compact_one(const at::Tensor& cache, const at::Tensor& prefix_len, int64_t draft_start, const at::Tensor& accepted,
+                 const at::Tensor& accept_len) {
+  const int B = static_cast<int>(cache.size(0)), H = static_cast<int>(cache.size(1)), D = static_cast<int>(cache.size(3));
+  const int64_t S = cache.size(2);
+  const int64_t total = static_cast<int64_t>(B) * H * D;
+  if (total == 0 || accepted.size(1) == 0) return;
+  const unsigned grid = grid_for(total, kThreads);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int max_depth = static_cast<int>(accepted.size(1));
+  // Per-thread gather space, in the cache's dtype (moved as raw bits).
+  auto scratch = at::empty({max_depth, total}, cache.options());
+#define FV_LAUNCH_COMPACT(WORD)                                                                                     \
+  _compact_cache_kernel<WORD><<<grid, kThreads, 0, stream>>>(                                                       \
+      reinterpret_cast<WORD*>(cache.data_ptr()), B, H, S, D, cache.stride(0), cache.stride(1), cache.stride(2),     \
+      cache.stride(3), prefix_len.data_ptr<int32_t>(), draft_start, accepted.data_ptr<int32_t>(), max_depth,        \
+      accept_len.data_ptr<int32_t>(), reinterpret_cast<WORD*>(scratch.data_ptr()))
+  switch (cache.element_size()) {
+    case 1: FV_LAUNCH_COMPACT(uint8_t); break;
+    case 2: FV_LAUNCH_COMPACT(uint16_t); break;
+    case 4: FV_LAUNCH_COMPACT(uint32_t); break;
+    case 8: FV_LAUNCH_COMPACT(uint64_t); break;
+    default: TORCH_CHECK(false, "compact_cache: unsupported element size ", cache.element_size());
+  }
+#undef FV_LAUNCH_COMPACT
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void compact_cache_cuda(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_len, int64_t draft_start,
+                        const at::Tensor& accepted, const at::Tensor& accept_len) {
+  check_cuda(k, "k");
+  check_cuda(v, "v");
+  check_cuda(prefix_len, "prefix_len");
+  check_cuda(accepted, "accepted");
+  check_cuda(accept_len, "accept_len");
+  check_same_device(v, k, "v", "k");
+  check_same_device(prefix_len, k, "prefix_len", "k");
+  check_same_device(accepted, k, "accepted", "k");
+  check_same_device(accept_len, k, "accept_len", "k");
+  check_dim(k, 4, "k");
+  check_dim(v, 4, "v");
+  TORCH_CHECK(v.size(0) == k.size(0) && v.size(2) == k.size(2), "v: expected the batch and sequence sizes of k ",
+              k.sizes(), ", got ", v.sizes());
+  const int64_t B = k.size(0);
+  check_dtype(prefix_len, at::kInt, "prefix_len");
+  check_dtype(accepted, at::kInt, "accepted");
+  check_dtype(accept_len, at::kInt, "accept_len");
+  check_dim(accepted, 2, "accepted");
+  TORCH_CHECK(prefix_len.dim() == 1 && prefix_len.size(0) == B, "prefix_len: expected shape [", B, "], got ",
+              prefix_len.sizes());
+  TORCH_CHECK(accepted.size(0) == B, "accepted: expected shape [", B, ", max_depth], got ", accepted.sizes());
+  TORCH_CHECK(accept_len.dim() == 1 && accept_len.size(0) == B, "accept_len: expected shape [", B, "], got ",
+              accept_len.sizes());
+  TORCH_CHECK(draft_start >= 0 && draft_start <= k.size(2), "draft_start: expected 0 <= draft_start <= S = ",
+              k.size(2), ", got ", draft_start);
+  const c10::cuda::CUDAGuard guard(k.device());
+  auto pre = prefix_len.contiguous();
+  auto acc = accepted.contiguous();
+  auto len = accept_len.contiguous();
+  compact_one(k, pre, draft_start, acc, len);
+  compact_one(v, pre, draft_start, acc, len);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastverify, CUDA, m) {
+  m.impl("tree_mask_packed", &tree_mask_packed_cuda);
+  m.impl("tree_mask_bool", &tree_mask_bool_cuda);
+  m.impl("tree_mask_additive", &tree_mask_additive_cuda);
+  m.impl("tree_positions", &tree_positions_cuda);
+  m.impl("compact_cache", &compact_cache_cuda);
+}
+
+}  // namespace cuda
+}  // namespace fastverify
