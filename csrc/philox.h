@@ -49,8 +49,9 @@ FV_PHILOX_HD Philox4x32 philox4x32_10(Philox4x32 ctr, uint32_t k0, uint32_t k1) 
   return ctr;
 }
 
-// Maps a 32-bit word to a float in (0, 1): the top 24 bits, centred in their bin, so 0 and 1 never occur and
-// the value is exactly representable in float32.
+// Maps a 32-bit word to ((x >> 8) + 0.5) * 2^-24 rounded once to float32 (the float conversion of x >> 8 and
+// the scaling are exact; the + 0.5f rounds, as the reference's single rounding does). Never 0; 1.0 when
+// x >> 8 == 2^24 - 1 (probability 2^-24), which cdf_sample maps to the last token of positive weight.
 FV_PHILOX_HD float philox_word_to_unit(uint32_t x) {
   return (static_cast<float>(x >> 8) + 0.5f) * 5.9604644775390625e-08f;  // 2^-24
 }

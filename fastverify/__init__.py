@@ -17,6 +17,8 @@ from fastverify.ops.tree import block_mask, tree_mask, tree_positions  # noqa: F
 from fastverify.ops.attention import tree_attention  # noqa: F401
 from fastverify.ops.cache import compact_cache  # noqa: F401
 from fastverify import tree  # noqa: F401
+from fastverify.ops.sampling import aux_bits, cdf_invert, cdf_sample, sample_v, uniform  # noqa: F401
+from fastverify import ptp  # noqa: F401
 
 from fastverify.hf import patch, unpatch  # noqa: F401,E402
 from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter  # noqa: F401,E402

@@ -158,11 +158,14 @@ def _check_logits(logits):
     return logits
 
 
-def _check_unit(name, u, R, device, lo_open=True):
+def _check_unit(name, u, R, device):
+    """u in (0, 1]: 1 is allowed because ``uniform`` yields it with probability 2^-24 (the schema's
+    ((x >> 8) + 0.5) * 2^-24 rounds to 1.0 in float32 when x >> 8 = 2^24 - 1); it selects the last token of
+    positive weight."""
     _check_tensor(name, u, device=device, dtypes=(torch.float32, torch.float64), dim=1)
     if u.shape[0] != R:
         raise ValueError(f"{name}: expected shape ({R},) (one per logits row), got {tuple(u.shape)}")
-    _check_range(name, u, lo=0, hi=1, lo_open=True, hi_open=True)
+    _check_range(name, u, lo=0, hi=1, lo_open=True)
 
 
 def _invalid_rows_error(logits, warp, rows):
@@ -212,7 +215,8 @@ def cdf_sample(logits, u, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, backen
 
     Args:
         logits: [R, V] float32 / bfloat16 / float16 (any strides).
-        u: float32 or float64 [R] in the open interval (0, 1), e.g. from ``uniform``.
+        u: float32 or float64 [R] in (0, 1], e.g. from ``uniform`` (u = 1 selects the last token of positive
+            weight; ``uniform`` returns 1.0 with probability 2^-24 because the schema's formula rounds in float32).
         temperature, top_k, top_p, min_p: Python scalars or [R] tensors (warping of
             fastverify.reference.sampling; temperature 0 = argmax, top_k 0 / top_p 1 / min_p 0 = off).
     Returns:
@@ -237,7 +241,7 @@ def cdf_invert(logits, token, v, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
 
     Args:
         logits: [R, V] float32 / bfloat16 / float16. token: integer [R] in [0, V).
-        v: float32 or float64 [R] in (0, 1): the position inside the token's bin (uniform, or Beta(a, a) from
+        v: float32 or float64 [R] in (0, 1] (1 is clamped below 1): the position inside the token's bin (uniform, or Beta(a, a) from
             ``sample_v``, PTP Appendix D).
         temperature, top_k, top_p, min_p: as in ``cdf_sample``.
     Returns:

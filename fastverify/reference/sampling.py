@@ -95,9 +95,10 @@ def uniform(seed, position, stream):
         position: int64 [R] (absolute sequence position).
         stream: int (non-negative, < 2^32).
     Returns:
-        float32 [R]: ((x >> 8) + 0.5) * 2^-24 with x the first output word of Philox 4x32-10 under
-        key (seed low 32 bits, seed high 32 bits) and counter (position low, position high, stream, 0).
-        Exactly representable in float32, never 0 or 1.
+        float32 [R]: ((x >> 8) + 0.5) * 2^-24, rounded once to float32, with x the first output word of
+        Philox 4x32-10 under key (seed low 32 bits, seed high 32 bits) and counter (position low, position
+        high, stream, 0). Never 0; note that the float32 rounding (round half to even, 25 significant bits
+        needed above 0.5) gives exactly 1.0 when x >> 8 == 2^24 - 1, with probability 2^-24.
     """
     seed = seed.to(torch.int64)
     position = position.to(torch.int64)
