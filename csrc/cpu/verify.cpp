@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "sampling.h"
 #include "verify.h"
 
 namespace {
@@ -49,12 +50,13 @@ Layout make_layout(const at::Tensor& cu_nodes, const at::Tensor& draft_tokens, c
   TORCH_CHECK(rows == L.R, "verify: logits: expected N + B = ", L.R, " rows, got ", rows);
   TORCH_CHECK(L.cu[0] == 0 && L.cu[L.B] == L.N, "verify: cu_nodes: expected offsets from 0 to N = ", L.N, ", got ",
               L.cu[0], " .. ", L.cu[L.B]);
+  for (int64_t b = 0; b < L.B; ++b)  // before any indexing: offsets stay inside [0, N]
+    TORCH_CHECK(L.cu[b + 1] >= L.cu[b] && L.cu[b + 1] <= L.N, "verify: cu_nodes: expected non-decreasing offsets in [0, N = ",
+                L.N, "], got cu_nodes[", b, "] = ", L.cu[b], ", cu_nodes[", b + 1, "] = ", L.cu[b + 1]);
   L.depth.assign(L.N, 0);
   std::vector<int64_t> count(L.R + 1, 0);
   std::vector<int64_t> parent_row(L.N);
   for (int64_t b = 0; b < L.B; ++b) {
-    TORCH_CHECK(L.cu[b + 1] >= L.cu[b], "verify: cu_nodes: expected non-decreasing offsets, got cu_nodes[", b + 1,
-                "] = ", L.cu[b + 1], " < cu_nodes[", b, "] = ", L.cu[b]);
     for (int64_t g = L.cu[b]; g < L.cu[b + 1]; ++g) {
       const int64_t j = g - L.cu[b];
       const int64_t p = L.parents[g];
@@ -163,6 +165,112 @@ int64_t walk_deterministic(const Layout& L, int64_t b, int64_t rule, const float
   return deepest;
 }
 
+namespace fs = fastverify::sampling;
+
+// Per-thread buffers of the sampling walks.
+struct SamplingScratch {
+  fs::RowWorkspace ws;
+  std::vector<float> w;     // [V] warped weights of the current row
+  std::vector<double> p;    // [V] current (residual) distribution p'
+  std::vector<double> res;  // [V] max(p' - q, 0)
+};
+
+struct SamplingInputs {
+  const float* warp;       // [B, 4]
+  const float* q;          // [N, V] draft_probs (float32, contiguous) or nullptr
+  const float* u_sample;   // [N + B]
+  const float* u_accept;   // [N] or nullptr
+};
+
+// Phase 2 (speculative, coupled): the walk of one request. Returns false when a warped row on the path has no
+// distribution (the request is then reported as invalid); sets *node (last accepted local node or -1) and *next.
+template <typename S>
+bool walk_sampling(const S* logits, int64_t row_stride, const Layout& L, int64_t b, int64_t rule,
+                   const SamplingInputs& in, const std::vector<RowStats>& stats, SamplingScratch& sc, int64_t* node,
+                   int64_t* next) {
+  const int64_t lo = L.cu[b], row0 = lo + b, V = L.V;
+  const fs::Warp wp = fs::load_warp(in.warp + 4 * b);
+  *node = -1;
+  int64_t r = row0;
+  auto first_child_with = [&](int64_t row, int64_t t) -> int64_t {
+    for (int64_t k = L.row_start[row]; k < L.row_start[row + 1]; ++k)
+      if (L.csr_token[k] == t) return L.csr_node[k] - lo;
+    return -1;
+  };
+  for (;;) {
+    if (wp.temperature == 0.f) {  // greedy: accept the child holding the argmax
+      const int64_t a = stats[r].argmax;
+      const int64_t j = first_child_with(r, a);
+      if (j < 0) {
+        *next = a;
+        return true;
+      }
+      *node = j;
+      r = row0 + j + 1;
+      continue;
+    }
+    const S* row = logits + r * row_stride;
+    const fs::RowDist d = fs::warp_row(row, V, wp, sc.ws);
+    if (!d.valid) return false;
+    if (rule == kCoupled) {  // PTP §2.3: t = F^-1(u) at every row, the same draw as cdf_sample
+      const int64_t t = fs::sample_row(row, d, sc.ws, double(in.u_sample[r]));
+      const int64_t j = first_child_with(r, t);
+      if (j < 0) {
+        *next = t;
+        return true;
+      }
+      *node = j;
+      r = row0 + j + 1;
+      continue;
+    }
+    // speculative (Leviathan et al. Alg. 1; SpecInfer Alg. 2): siblings in node order against the residual.
+    const int64_t k0 = L.row_start[r], k1 = L.row_start[r + 1];
+    bool residual = false;
+    int64_t hit = -1;
+    if (k1 > k0) {
+      sc.w.resize(V);
+      sc.p.resize(V);
+      sc.res.resize(V);
+      fs::row_weights(row, d, sc.ws, sc.w.data());
+      for (int64_t v = 0; v < V; ++v) sc.p[v] = double(sc.w[v]) / d.z;
+      for (int64_t k = k0; k < k1 && hit < 0; ++k) {
+        const int64_t g = L.csr_node[k], x = L.csr_token[k];
+        const float* q = in.q ? in.q + g * V : nullptr;
+        const double qx = q ? double(q[x]) : 1.0, px = sc.p[x];
+        const bool ok = qx > 0.0 ? double(in.u_accept[g]) <= px / qx : px > 0.0;
+        if (ok) {
+          hit = g - lo;
+          break;
+        }
+        double mass = 0.0;
+        if (q) {
+          for (int64_t v = 0; v < V; ++v) {
+            const double e = sc.p[v] - double(q[v]);
+            sc.res[v] = e > 0.0 ? e : 0.0;
+            mass += sc.res[v];
+          }
+        } else {  // one-hot q: remove x
+          for (int64_t v = 0; v < V; ++v) {
+            sc.res[v] = v == x ? std::max(sc.p[v] - 1.0, 0.0) : sc.p[v];
+            mass += sc.res[v];
+          }
+        }
+        if (mass > 0.0) {
+          for (int64_t v = 0; v < V; ++v) sc.p[v] = sc.res[v] / mass;
+          residual = true;
+        }
+      }
+    }
+    if (hit < 0) {
+      const double u = double(in.u_sample[r]);
+      *next = residual ? fs::sample_weights(sc.p.data(), V, u) : fs::sample_row(row, d, sc.ws, u);
+      return true;
+    }
+    *node = hit;
+    r = row0 + hit + 1;
+  }
+}
+
 RowNeeds needs_of(int64_t rule) {
   switch (rule) {
     case kTopk: return {true, false, false};
@@ -241,26 +349,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cpu(
   const at::Tensor root_c = root_tokens.has_value() ? root_tokens->contiguous() : at::Tensor();
   const int64_t* roots = root_tokens.has_value() ? root_c.data_ptr<int64_t>() : nullptr;
 
-  TORCH_CHECK(!sampling_rule, "verify: the C++ kernel of the sampling rules is not built in this version");
-  at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
+  SamplingInputs sin{};
+  at::Tensor warp_c, q_c, us_c, ua_c;
+  if (sampling_rule) {
+    warp_c = warp.contiguous();
+    sin.warp = warp_c.data_ptr<float>();
+    TORCH_CHECK(u_sample.has_value() && u_sample->scalar_type() == at::kFloat && u_sample->numel() == L.R,
+                "verify: u_sample: the sampling rules need float32 [N + B] uniforms");
+    us_c = u_sample->contiguous();
+    sin.u_sample = us_c.data_ptr<float>();
+    if (rule == kSpeculative) {
+      TORCH_CHECK(u_accept.has_value() && u_accept->scalar_type() == at::kFloat && u_accept->numel() == L.N,
+                  "verify: u_accept: rule speculative needs float32 [N] uniforms");
+      ua_c = u_accept->contiguous();
+      sin.u_accept = ua_c.data_ptr<float>();
+      if (draft_probs.has_value()) {
+        TORCH_CHECK(draft_probs->dim() == 2 && draft_probs->size(0) == L.N && draft_probs->size(1) == V &&
+                        at::isFloatingType(draft_probs->scalar_type()),
+                    "verify: draft_probs: expected floating [N, V] = [", L.N, ", ", V, "], got ",
+                    draft_probs->scalar_type(), " ", draft_probs->sizes());
+        q_c = draft_probs->to(at::kFloat).contiguous();
+        sin.q = q_c.data_ptr<float>();
+      }
+    }
+  }
+
+  at::parallel_for(0, B, sampling_rule ? 1 : 16, [&](int64_t b0, int64_t b1) {
     std::vector<char> ok;
     std::vector<int64_t> path;
+    SamplingScratch sc;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = L.cu[b], n = L.cu[b + 1] - lo, row0 = lo + b;
       bool bad = false;
       for (int64_t r = row0; r <= row0 + n; ++r) bad |= stats[r].bad;
+      if (sampling_rule && !bad && sin.warp[4 * b] > 0.f)  // l / T overflowing float32 (as sampling.invalid_rows)
+        for (int64_t r = row0; r <= row0 + n; ++r) bad |= std::isinf(stats[r].max / sin.warp[4 * b]);
+      int64_t node = -1, nxt = -1;
+      if (!bad && sampling_rule) {
+        switch (logits.scalar_type()) {
+          case at::kFloat:
+            bad = !walk_sampling(logits.const_data_ptr<float>(), row_stride, L, b, rule, sin, stats, sc, &node, &nxt);
+            break;
+          case at::kBFloat16:
+            bad = !walk_sampling(logits.const_data_ptr<c10::BFloat16>(), row_stride, L, b, rule, sin, stats, sc,
+                                 &node, &nxt);
+            break;
+          default:
+            bad = !walk_sampling(logits.const_data_ptr<c10::Half>(), row_stride, L, b, rule, sin, stats, sc, &node,
+                                 &nxt);
+        }
+      } else if (!bad) {
+        node = walk_deterministic(L, b, rule, params + 2 * b, roots, min_accept, stats, csr_logit, csr_rank, ok);
+        nxt = stats[row0 + node + 1].argmax;
+      }
       if (bad) {
         out_len[b] = -1;
         out_next[b] = -1;
         continue;
       }
-      const int64_t node =
-          walk_deterministic(L, b, rule, params + 2 * b, roots, min_accept, stats, csr_logit, csr_rank, ok);
       path.clear();
       for (int64_t j = node; j >= 0; j = L.parents[lo + j]) path.push_back(j);
       out_len[b] = int32_t(path.size());
       for (size_t i = 0; i < path.size(); ++i) out_acc[b * max_depth + i] = int32_t(path[path.size() - 1 - i]);
-      out_next[b] = stats[row0 + node + 1].argmax;
+      out_next[b] = nxt;
     }
   });
   return {accept_len, accepted, next_token};

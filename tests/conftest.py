@@ -1,0 +1,130 @@
+"""Shared test helpers: random ragged batches of draft chains / trees, a dtype tolerance table, backend
+parametrisation that skips (with the reason) a backend whose code is not written, not built or not usable here.
+
+Kept generic: any op test may use these. Random inputs come from an explicit torch.Generator so that every test
+is reproducible from its seed.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in the interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from fastverify import _ext  # noqa: E402
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# (atol, rtol) for comparing floating outputs of a fast backend with the float64-safe reference, by input dtype.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1e-2, 1.6e-2),
+    torch.float16: (1e-3, 1e-3),
+    torch.float64: (1e-12, 1e-12),
+}
+
+
+def tolerance(dtype):
+    """(atol, rtol) for outputs computed from inputs of ``dtype``."""
+    return TOLERANCES[dtype]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Random batches
+
+
+def random_parents(n, gen, shape="random"):
+    """Local parents of an n-node tree (parents[j] < j, -1 = child of the root) as a Python list.
+
+    shape: "chain", "star" (every node a child of the root) or "random" (each node's parent uniform among the root
+    and the earlier nodes, which gives bushy trees with some deep paths)."""
+    if shape == "chain":
+        return [j - 1 for j in range(n)]
+    if shape == "star":
+        return [-1] * n
+    return [int(torch.randint(-1, j, (), generator=gen)) if j > 0 else -1 for j in range(n)]
+
+
+def random_batch(B, V, *, max_nodes=6, min_nodes=0, shape="random", dtype=torch.float32, gen=None, device="cpu",
+                 scale=2.0, p_argmax=0.6, p_duplicate=0.15):
+    """A random ragged batch in the verify layout (DESIGN.md "Batch layout").
+
+    Returns a dict with logits [N + B, V] (dtype), draft_tokens int64 [N], cu_nodes int32 [B + 1], parents int32 [N]
+    (``shape`` chain / star / random), counts (list of n_b). A fraction ``p_argmax`` of the nodes take the argmax of
+    their parent's row (so that rules accept something), and a fraction ``p_duplicate`` copy the token of an
+    earlier sibling (duplicates among siblings)."""
+    gen = gen if gen is not None else torch.Generator().manual_seed(0)
+    counts = torch.randint(min_nodes, max_nodes + 1, (B,), generator=gen).tolist()
+    cu = [0]
+    for c in counts:
+        cu.append(cu[-1] + c)
+    N = cu[-1]
+    parents = []
+    for c in counts:
+        parents += random_parents(c, gen, shape)
+    logits = torch.randn(N + B, V, generator=gen, dtype=torch.float32) * scale
+    tokens = torch.randint(0, V, (N,), generator=gen)
+    for b, c in enumerate(counts):
+        for j in range(c):
+            g = cu[b] + j
+            row = cu[b] + b + parents[g] + 1
+            r = float(torch.rand((), generator=gen))
+            if r < p_argmax:
+                tokens[g] = logits[row].to(dtype).float().argmax()
+            elif r < p_argmax + p_duplicate:
+                sibs = [cu[b] + i for i in range(j) if parents[cu[b] + i] == parents[g]]
+                if sibs:
+                    tokens[g] = tokens[sibs[int(torch.randint(0, len(sibs), (), generator=gen))]]
+    return {
+        "logits": logits.to(dtype).to(device),
+        "draft_tokens": tokens.to(device),
+        "cu_nodes": torch.tensor(cu, dtype=torch.int32, device=device),
+        "parents": torch.tensor(parents, dtype=torch.int32, device=device),
+        "counts": counts,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backends
+
+
+def device_of(backend):
+    """The device a backend's tests run on: cuda for "cuda" (and "triton" when a GPU exists), else cpu."""
+    if backend == "cuda" or (backend == "triton" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def backend_skip_reason(backend, implemented):
+    """None when ``backend`` can run here; otherwise why not. ``implemented``: the backends whose code exists for
+    the op under test (e.g. fastverify.ops.verify.available_backends())."""
+    if backend == "torch":
+        return None
+    if backend == "cuda" and not torch.cuda.is_available():
+        return "cuda backend: no CUDA device on this machine"
+    if backend not in implemented:
+        why = {"cpp": "fastverify._C is not built or has no CPU kernel for this op",
+               "cuda": "fastverify._C was built without CUDA kernels for this op",
+               "triton": "the Triton kernel module of this op does not exist (yet) or is not importable"}[backend]
+        return f"{backend} backend: {why}"
+    device = device_of(backend)
+    if not _ext.backends(device)[backend]:
+        return f"{backend} backend is not usable on {device} here (TRITON_INTERPRET / triton / extension)"
+    return None
+
+
+def backend_params(implemented, backends=("torch", "cpp", "triton", "cuda")):
+    """pytest.param per backend, each skipped with its reason when it cannot run here."""
+    out = []
+    for b in backends:
+        reason = backend_skip_reason(b, implemented)
+        out.append(pytest.param(b, marks=pytest.mark.skipif(reason is not None, reason=str(reason)), id=b))
+    return out
+
+
+def to_device(batch, device):
+    """Copy every tensor of a dict to ``device`` (other values unchanged)."""
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
