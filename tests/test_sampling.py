@@ -232,9 +232,9 @@ def test_cdf_invert_round_trip(backend, dtype, V, warp_name):
     c = w.cumsum(0)
     prev = torch.cat([torch.zeros(1, dtype=torch.float64), c[:-1]])
     positive = (w > 0).nonzero()[:, 0]
-    if positive.numel() > 512:  # every kept token is too slow at V = 151936: the smallest ones and a random set
-        smallest = positive[w[positive].argsort()[:256]]
-        pick = positive[torch.randperm(positive.numel(), generator=g)[:256]]
+    if positive.numel() > 256:  # every kept token is too slow at V = 151936: the smallest ones and a random set
+        smallest = positive[w[positive].argsort()[:96]]
+        pick = positive[torch.randperm(positive.numel(), generator=g)[:96]]
         positive = torch.cat([smallest, pick]).unique()
     tokens = positive
     guaranteed = c[tokens] > prev[tokens]
