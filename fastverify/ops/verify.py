@@ -212,7 +212,7 @@ def _uniform(seed, position, stream):
 
 
 def _rand_open(n, device, generator):
-    """float32 [n] uniforms in (0, 1) on the grid ((x + 0.5) * 2^-24) that ``uniform`` also uses."""
+    """float32 [n] uniforms in (0, 1] on the grid ((x + 0.5) * 2^-24) that ``uniform`` also uses (the top value rounds to 1)."""
     x = torch.randint(0, 2**24, (n,), device=device, generator=generator, dtype=torch.int64)
     return ((x.double() + 0.5) * 2.0**-24).float()
 
@@ -428,7 +428,8 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
         if validate:
             for name, val in (("u_sample", u_sample), ("u_accept", u_accept)):
                 if val is not None and val.numel():
-                    _check_range(name, val, lo=0, hi=1, lo_open=True, hi_open=True)
+                    # (0, 1]: uniform() rounds its largest value, 1 - 2^-25, to 1.0 in float32 (probability 2^-24)
+                    _check_range(name, val, lo=0, hi=1, lo_open=True)
     else:
         for name, val in (("draft_probs", draft_probs), ("u_sample", u_sample), ("u_accept", u_accept),
                           ("seed", seed), ("position", position)):
