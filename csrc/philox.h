@@ -5,7 +5,7 @@
 // fastverify keys the generator by (seed, absolute sequence position, stream) so that a request's random stream
 // does not depend on the batch, the drafter or the device (csrc/sampling.cpp has the schema):
 //   key = (seed low 32 bits, seed high 32 bits), counter = (position low, position high, stream, 0),
-//   u = ((word0 >> 8) + 0.5) * 2^-24, in the open interval (0, 1) and exact in float32.
+//   u = ((word0 >> 9) + 0.5) * 2^-23, exact in float32 (24 significant bits), in [2^-24, 1 - 2^-24].
 #pragma once
 
 #include <cstdint>
@@ -49,11 +49,11 @@ FV_PHILOX_HD Philox4x32 philox4x32_10(Philox4x32 ctr, uint32_t k0, uint32_t k1) 
   return ctr;
 }
 
-// Maps a 32-bit word to ((x >> 8) + 0.5) * 2^-24 rounded once to float32 (the float conversion of x >> 8 and
-// the scaling are exact; the + 0.5f rounds, as the reference's single rounding does). Never 0; 1.0 when
-// x >> 8 == 2^24 - 1 (probability 2^-24), which cdf_sample maps to the last token of positive weight.
+// Maps a 32-bit word to ((x >> 9) + 0.5) * 2^-23: x >> 9 < 2^23, so (x >> 9) + 0.5 needs at most 24 significant
+// bits and every step is exact in float32. The result lies in [2^-24, 1 - 2^-24]: never 0, never 1 (with 24 bits
+// kept, (x >> 8) + 0.5 would need 25 and round to 1.0 at the top).
 FV_PHILOX_HD float philox_word_to_unit(uint32_t x) {
-  return (static_cast<float>(x >> 8) + 0.5f) * 5.9604644775390625e-08f;  // 2^-24
+  return (static_cast<float>(x >> 9) + 0.5f) * 1.1920928955078125e-07f;  // 2^-23
 }
 
 // The uniform of fastverify.uniform(seed, position, stream).

@@ -3,7 +3,7 @@
 //
 //   uniform(seed int64 [R], position int64 [R], stream) -> float32 [R]
 //       Philox 4x32-10, key = (seed low 32 bits, seed high 32 bits), counter = (position low, position high,
-//       stream, 0); output word 0 -> ((x >> 8) + 0.5) * 2^-24, in the open interval (0, 1).
+//       stream, 0); output word 0 -> ((x >> 9) + 0.5) * 2^-23, exact in float32, in [2^-24, 1 - 2^-24].
 //   cdf_sample(logits [R, V], u float32/float64 [R], warp float32 [R, 4]) -> int64 [R]
 //       smallest t with C(t) > u * Z, C the float64 prefix sum in token-id order of the warped weights
 //       w = exp(l / T - m) over the kept tokens (warp = temperature, top_k, top_p, min_p as in verify).

@@ -42,7 +42,7 @@ def split64(x):
 @triton.jit
 def philox_uniform(seed, position, stream):
     """The fastverify uniform of csrc/sampling.cpp: key = (seed lo, seed hi), counter = (position lo,
-    position hi, stream, 0); word 0 -> ((x >> 8) + 0.5) * 2^-24. seed, position: int64 blocks; stream: int64
+    position hi, stream, 0); word 0 -> ((x >> 9) + 0.5) * 2^-23. seed, position: int64 blocks; stream: int64
     block or scalar. Returns float32."""
     k0, k1 = split64(seed)
     c0, c1 = split64(position)
@@ -54,10 +54,10 @@ def philox_uniform(seed, position, stream):
 
 @triton.jit
 def uint32_to_open_unit(x):
-    """uint32 -> float32 in (0, 1): ((x >> 8) + 0.5) * 2^-24, i.e. (2 (x >> 8) + 1) / 2^25 computed in
-    float64 and rounded once to float32 (the top 24 bits plus a half, as the schema says)."""
-    k = (x >> 8).to(tl.int64)
-    return ((2 * k + 1).to(tl.float64) * (1.0 / 33554432.0)).to(tl.float32)
+    """uint32 -> float32 in [2^-24, 1 - 2^-24]: ((x >> 9) + 0.5) * 2^-23 = (2 (x >> 9) + 1) / 2^24, exact in
+    float32 (24 significant bits), as the schema says."""
+    k = (x >> 9).to(tl.int64)
+    return ((2 * k + 1).to(tl.float64) * (1.0 / 16777216.0)).to(tl.float32)
 
 
 def next_pow2(x: int, lo: int = 1) -> int:

@@ -87,8 +87,14 @@ def _compare_rows(backend, logits, warp, u, got):
 
 
 def _unit(word):
-    """((x >> 8) + 0.5) * 2^-24 rounded once to float32 (the schema's formula)."""
-    return torch.tensor(((word >> 8) + 0.5) * 2.0**-24, dtype=torch.float32).item()
+    """((x >> 9) + 0.5) * 2^-23, exact in float32 (the schema's formula)."""
+    return ((word >> 9) + 0.5) * 2.0**-23
+
+
+def test_uniform_extremes_inside_open_interval():
+    """The smallest and largest words map strictly inside (0, 1), exactly representable in float32."""
+    assert _unit(0) == 2.0**-24 and _unit(0xFFFFFFFF) == 1 - 2.0**-24
+    assert torch.tensor(_unit(0xFFFFFFFF), dtype=torch.float32).item() == 1 - 2.0**-24
 
 
 def test_philox_known_answers():
@@ -367,8 +373,8 @@ def test_bad_input():
         fastverify.cdf_sample(logits, torch.tensor([0.0, 0.5, 0.5]))
     with pytest.raises(ValueError, match="u:"):
         fastverify.cdf_sample(logits, torch.tensor([1.5, 0.5, 0.5]))
-    # u = 1 is accepted: uniform() returns it with probability 2^-24 (float32 rounding of the schema's formula)
-    assert fastverify.cdf_sample(logits, torch.tensor([1.0, 0.5, 0.5]))[0].item() == 9
+    with pytest.raises(ValueError, match="u:"):
+        fastverify.cdf_sample(logits, torch.tensor([1.0, 0.5, 0.5]))
     with pytest.raises(ValueError, match="u:"):
         fastverify.cdf_sample(logits, torch.rand(4))
     with pytest.raises(TypeError, match="u:"):

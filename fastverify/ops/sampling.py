@@ -159,13 +159,11 @@ def _check_logits(logits):
 
 
 def _check_unit(name, u, R, device):
-    """u in (0, 1]: 1 is allowed because ``uniform`` yields it with probability 2^-24 (the schema's
-    ((x >> 8) + 0.5) * 2^-24 rounds to 1.0 in float32 when x >> 8 = 2^24 - 1); it selects the last token of
-    positive weight."""
+    """u in the open interval (0, 1), one per logits row."""
     _check_tensor(name, u, device=device, dtypes=(torch.float32, torch.float64), dim=1)
     if u.shape[0] != R:
         raise ValueError(f"{name}: expected shape ({R},) (one per logits row), got {tuple(u.shape)}")
-    _check_range(name, u, lo=0, hi=1, lo_open=True)
+    _check_range(name, u, lo=0, hi=1, lo_open=True, hi_open=True)
 
 
 def _invalid_rows_error(logits, warp, rows):
@@ -184,7 +182,7 @@ def uniform(seed, position, stream=0, backend="auto"):
         stream: int in [0, 2^32): independent streams at one position (verify uses 0 for sampling, 1 + j for the
             acceptance test of node j).
     Returns:
-        float32, shape of position: ((x >> 8) + 0.5) * 2^-24 with x the first word of Philox 4x32-10 under
+        float32, shape of position: ((x >> 9) + 0.5) * 2^-23 (exact, in [2^-24, 1 - 2^-24]) with x the first word of Philox 4x32-10 under
         key (seed lo, seed hi) and counter (position lo, position hi, stream, 0). Bit-identical on every backend.
     """
     if isinstance(position, int) and not isinstance(position, bool):
@@ -282,8 +280,8 @@ def sample_v(shape, a=None, generator=None, device=None):
         device = generator.device
     device = torch.device(device if device is not None else "cpu")
     if a is None:
-        x = torch.randint(0, 2**24, shape, generator=generator, device=device, dtype=torch.int64)
-        return ((x.double() + 0.5) * 2.0**-24).float()
+        x = torch.randint(0, 2**23, shape, generator=generator, device=device, dtype=torch.int64)
+        return ((x.double() + 0.5) * 2.0**-23).float()  # exact in float32, strictly inside (0, 1)
     if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0 or not math.isfinite(a):
         raise ValueError(f"a: expected a finite number > 0 (Beta(a, a)), got {a!r}")
     conc = torch.full(shape, float(a), dtype=torch.float64, device=device)

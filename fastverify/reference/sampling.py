@@ -95,10 +95,9 @@ def uniform(seed, position, stream):
         position: int64 [R] (absolute sequence position).
         stream: int (non-negative, < 2^32).
     Returns:
-        float32 [R]: ((x >> 8) + 0.5) * 2^-24, rounded once to float32, with x the first output word of
-        Philox 4x32-10 under key (seed low 32 bits, seed high 32 bits) and counter (position low, position
-        high, stream, 0). Never 0; note that the float32 rounding (round half to even, 25 significant bits
-        needed above 0.5) gives exactly 1.0 when x >> 8 == 2^24 - 1, with probability 2^-24.
+        float32 [R]: ((x >> 9) + 0.5) * 2^-23, exact in float32 and in [2^-24, 1 - 2^-24], with x the first
+        output word of Philox 4x32-10 under key (seed low 32 bits, seed high 32 bits) and counter (position
+        low, position high, stream, 0).
     """
     seed = seed.to(torch.int64)
     position = position.to(torch.int64)
@@ -106,7 +105,7 @@ def uniform(seed, position, stream):
     stream_t = torch.full_like(position, int(stream) & _M32)
     counter = torch.stack([position & _M32, (position >> 32) & _M32, stream_t, torch.zeros_like(position)], -1)
     x = philox4x32_10(counter, key)[..., 0]
-    return (((x >> 8).to(torch.float64) + 0.5) * 2.0**-24).to(torch.float32)
+    return (((x >> 9).to(torch.float64) + 0.5) * 2.0**-23).to(torch.float32)
 
 
 def invalid_rows(logits, warp):
