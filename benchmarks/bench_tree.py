@@ -12,7 +12,8 @@
                    needs are computed analytically (bool mask B * n * (P + n) bytes vs packed B * n * ceil(n / 32) * 4)
                    and, where torch.profiler reports it, the bytes allocated during the call are recorded too.
 
-Default run is short (one shape per group); FASTVERIFY_BENCH_FULL=1 runs the full grid:
+Default run is short (one shape per group); FASTVERIFY_BENCH_FULL=1 runs the full grid; FASTVERIFY_BENCH_THREADS
+sets torch's intra-op threads (default 1, 0 = torch's default):
 
   pytest benchmarks/bench_tree.py --benchmark-columns=median,iqr,min,rounds --benchmark-sort=name
 """
@@ -30,6 +31,11 @@ from fastverify import _ext
 from fastverify.reference import tree as ref_tree
 
 FULL = os.environ.get("FASTVERIFY_BENCH_FULL", "0") == "1"
+# Intra-op threads for every method (torch's own kernels and ours alike). Default 1: on a small shared machine
+# waking a second OpenMP thread can cost more than the work; set FASTVERIFY_BENCH_THREADS=0 for torch's default.
+THREADS = int(os.environ.get("FASTVERIFY_BENCH_THREADS", "1"))
+if THREADS > 0:
+    torch.set_num_threads(THREADS)
 HAS_CPP = "cpp" in fastverify.ops.tree.implemented_backends("tree_mask_additive")
 needs_cpp = pytest.mark.skipif(not HAS_CPP, reason=f"fastverify._C not built: {_ext._EXT_ERROR}")
 MACHINE = f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
