@@ -175,3 +175,16 @@ def test_opcheck(backend, dtype):
     v = torch.randn(2, 2, 43, 64, device=dev, dtype=dtype)
     packed = tree_mask(parents, cu, plen, format="packed").to(dev)
     torch.library.opcheck(torch.ops.fastverify.tree_attention, (q, k, v, packed, plen.to(dev), 0.125))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stray_bits_past_n_are_ignored(backend):
+    """Bits of the last mask word past node n - 1 name no key: they must not be read as visible keys."""
+    dev = device_of(backend)
+    parents, cu, plen = random_batch([5, 3], [4, 2], seed=13)
+    q, k, v = torch.randn(2, 2, 5, 64), torch.randn(2, 2, 9, 64), torch.randn(2, 2, 9, 64)
+    packed = tree_mask(parents, cu, plen, format="packed")
+    dirty = packed | torch.tensor(-(1 << 5), dtype=torch.int32)  # set bits 5..31
+    clean = tree_attention(q.to(dev), k.to(dev), v.to(dev), packed.to(dev), plen.to(dev), backend=backend)
+    got = tree_attention(q.to(dev), k.to(dev), v.to(dev), dirty.to(dev), plen.to(dev), backend=backend)
+    torch.testing.assert_close(got.cpu(), clean.cpu(), atol=0, rtol=0)
