@@ -150,22 +150,20 @@ FV_AVX2_INLINE __m256 load8<F16>(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// exp(x) for x in [-87, 0] (callers clamp): Cephes' expf polynomial, ~1 ulp.
-FV_AVX2_INLINE __m256 exp8(__m256 x) {
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  __m256 r2 = _mm256_mul_ps(r, r);
-  __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+// 2^d for d in [-126, 0] (callers clamp): d = n + f with n = round(d), f in [-1/2, 1/2]; 2^f by its degree-6
+// Taylor polynomial in f ln 2 (relative error < 1.3e-7, about one float ulp), 2^n added to the exponent bits.
+FV_AVX2_INLINE __m256 exp2_8(__m256 d) {
+  const __m256 n = _mm256_round_ps(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(d, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381609e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
 }
 
 FV_AVX2_INLINE float hmax8(__m256 v) {
@@ -191,8 +189,9 @@ constexpr int kMaxVecChildren = 16;  // rank counting in registers for up to thi
 template <typename T>
 FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds needs, RowChildren ch, RowStats& out) {
   const float kInf = std::numeric_limits<float>::infinity();
-  __m256 vmax = _mm256_set1_ps(-kInf);
-  __m256i vidx = _mm256_set1_epi32(0x7fffffff);
+  const __m256 kLog2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 kLn2 = _mm256_set1_ps(0.69314718055994531f);
+  const __m256 kFloor2 = _mm256_set1_ps(-126.0f);  // 2^-126: the smallest normal float; terms below it vanish
   __m256 vbad = _mm256_setzero_ps();
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   // Ranks: children in groups of kMaxVecChildren (a tree row rarely has more); one extra pass per group.
@@ -200,17 +199,30 @@ FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds need
   for (int c = 0; c < ch.n; ++c) ch.rank[c] = 0;
   OnlineSum acc;
   const int64_t V8 = V & ~int64_t(7);
+  // The argmax is located lazily: the first block whose maximum is the row's maximum is rescanned at the end,
+  // so the main loop carries only a max (no index blends).
+  float run_max = -kInf;
+  int64_t best_b0 = -1;
 
   for (int64_t b0 = 0; b0 < V8; b0 += kBlock) {
     const int64_t b1 = b0 + kBlock < V8 ? b0 + kBlock : V8;
-    __m256 bmax = _mm256_set1_ps(-kInf);
-    for (int64_t v = b0; v < b1; v += 8) {
-      __m256 x = load8<T>(row + v);
+    __m256 bmax0 = _mm256_set1_ps(-kInf), bmax1 = bmax0;
+    int64_t v = b0;
+    for (; v + 16 <= b1; v += 16) {
+      const __m256 x0 = load8<T>(row + v), x1 = load8<T>(row + v + 8);
+      vbad = _mm256_or_ps(vbad, _mm256_or_ps(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q), _mm256_cmp_ps(x1, x1, _CMP_UNORD_Q)));
+      bmax0 = _mm256_max_ps(x0, bmax0);  // x first: a NaN x leaves bmax unchanged
+      bmax1 = _mm256_max_ps(x1, bmax1);
+    }
+    for (; v < b1; v += 8) {
+      const __m256 x = load8<T>(row + v);
       vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-      __m256 gt = _mm256_cmp_ps(x, vmax, _CMP_GT_OQ);  // strict: each lane keeps its first maximum
-      vmax = _mm256_blendv_ps(vmax, x, gt);
-      vidx = _mm256_blendv_epi8(vidx, _mm256_add_epi32(_mm256_set1_epi32(int32_t(v)), lane), _mm256_castps_si256(gt));
-      bmax = _mm256_max_ps(bmax, x);
+      bmax0 = _mm256_max_ps(x, bmax0);
+    }
+    const float bm = hmax8(_mm256_max_ps(bmax0, bmax1));
+    if (bm > run_max) {  // strict: the first block holding the maximum
+      run_max = bm;
+      best_b0 = b0;
     }
     for (int g = 0; g < groups; ++g) {
       const int c0 = g * kMaxVecChildren;
@@ -223,64 +235,71 @@ FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds need
         lx[c] = _mm256_set1_ps(ch.logit[c0 + c]);
         tok[c] = _mm256_set1_epi32(int32_t(ch.tokens[c0 + c]));
       }
-      for (int64_t v = b0; v < b1; v += 8) {
-        __m256 x = load8<T>(row + v);
-        __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int32_t(v)), lane);
+      for (int64_t w = b0; w < b1; w += 8) {
+        const __m256 x = load8<T>(row + w);
+        const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int32_t(w)), lane);
         for (int c = 0; c < nc; ++c) {
-          __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(x, lx[c], _CMP_GT_OQ));
-          __m256i eq = _mm256_castps_si256(_mm256_cmp_ps(x, lx[c], _CMP_EQ_OQ));
-          __m256i before = _mm256_and_si256(eq, _mm256_cmpgt_epi32(tok[c], idx));
+          const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(x, lx[c], _CMP_GT_OQ));
+          const __m256i eq = _mm256_castps_si256(_mm256_cmp_ps(x, lx[c], _CMP_EQ_OQ));
+          const __m256i before = _mm256_and_si256(eq, _mm256_cmpgt_epi32(tok[c], idx));
           cnt[c] = _mm256_sub_epi32(cnt[c], _mm256_or_si256(gt, before));  // mask lanes are -1
         }
       }
       for (int c = 0; c < nc; ++c) {
         alignas(32) int32_t f[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(f), cnt[c]);
-        int64_t s = 0;
-        for (int i = 0; i < 8; ++i) s += f[i];
-        ch.rank[c0 + c] += s;
+        int64_t sum = 0;
+        for (int i = 0; i < 8; ++i) sum += f[i];
+        ch.rank[c0 + c] += sum;
       }
     }
     if (needs.softmax) {
-      const float bm = hmax8(bmax);  // NaN-free: _mm256_max_ps returns the second operand on NaN
       const double m_new = bm > acc.m ? double(bm) : acc.m;
       if (m_new == -double(kInf) || bm == kInf) continue;  // all -inf so far, or a bad row
       acc.rebase(m_new);
+      // e = 2^((x - m) log2 e), summed in float lanes per block (at most 256 terms per lane), then in double.
       const __m256 mv = _mm256_set1_ps(float(m_new));
-      const __m256 floor = _mm256_set1_ps(kExpFloor);
-      __m256 s = _mm256_setzero_ps(), t = _mm256_setzero_ps();
-      for (int64_t v = b0; v < b1; v += 8) {
-        __m256 d = _mm256_max_ps(_mm256_sub_ps(load8<T>(row + v), mv), floor);  // also maps -inf to the floor
-        __m256 e = exp8(d);
-        s = _mm256_add_ps(s, e);
-        if (needs.entropy) t = _mm256_fmadd_ps(e, d, t);
+      __m256 s0 = _mm256_setzero_ps(), s1 = s0, t0 = s0, t1 = s0;
+      int64_t w = b0;
+      for (; w + 16 <= b1; w += 16) {
+        const __m256 d0 = _mm256_sub_ps(load8<T>(row + w), mv), d1 = _mm256_sub_ps(load8<T>(row + w + 8), mv);
+        const __m256 e0 = exp2_8(_mm256_max_ps(_mm256_mul_ps(d0, kLog2e), kFloor2));  // max also maps -inf (NaN: floor)
+        const __m256 e1 = exp2_8(_mm256_max_ps(_mm256_mul_ps(d1, kLog2e), kFloor2));
+        s0 = _mm256_add_ps(s0, e0);
+        s1 = _mm256_add_ps(s1, e1);
+        if (needs.entropy) {  // e * d, with d floored like e so that -inf entries add 0 * finite
+          t0 = _mm256_fmadd_ps(e0, _mm256_max_ps(d0, _mm256_mul_ps(kFloor2, kLn2)), t0);
+          t1 = _mm256_fmadd_ps(e1, _mm256_max_ps(d1, _mm256_mul_ps(kFloor2, kLn2)), t1);
+        }
       }
-      acc.s += hsum8d(s);
-      if (needs.entropy) acc.t += hsum8d(t);
+      for (; w < b1; w += 8) {
+        const __m256 d0 = _mm256_sub_ps(load8<T>(row + w), mv);
+        const __m256 e0 = exp2_8(_mm256_max_ps(_mm256_mul_ps(d0, kLog2e), kFloor2));
+        s0 = _mm256_add_ps(s0, e0);
+        if (needs.entropy) t0 = _mm256_fmadd_ps(e0, _mm256_max_ps(d0, _mm256_mul_ps(kFloor2, kLn2)), t0);
+      }
+      acc.s += hsum8d(_mm256_add_ps(s0, s1));
+      if (needs.entropy) acc.t += hsum8d(_mm256_add_ps(t0, t1));
     }
   }
 
-  // Lane reduction: the largest value, then the lowest index holding it.
-  alignas(32) float fm[8];
-  alignas(32) int32_t fi[8];
-  _mm256_store_ps(fm, vmax);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(fi), vidx);
-  float m = -kInf;
+  // The argmax: the first element equal to the maximum inside the first block that holds it.
+  float m = run_max;
   int64_t am = 0;
-  for (int i = 0; i < 8; ++i) m = fm[i] > m ? fm[i] : m;
-  int64_t best = INT64_MAX;
-  for (int i = 0; i < 8; ++i)
-    if (fm[i] == m && fi[i] < best) best = fi[i];
-  if (V8 > 0) am = best;
+  if (best_b0 >= 0) {
+    const int64_t b1 = best_b0 + kBlock < V8 ? best_b0 + kBlock : V8;
+    for (int64_t v = best_b0; v < b1; ++v)
+      if (to_float<T>(row[v]) == m) {
+        am = v;
+        break;
+      }
+  }
   bool bad = _mm256_movemask_ps(vbad) != 0;
   // Tail (V not a multiple of 8), scalar; its ids are larger, so ties keep the earlier argmax.
   for (int64_t v = V8; v < V; ++v) {
-    float x = to_float<T>(row[v]);
+    const float x = to_float<T>(row[v]);
     if (std::isnan(x)) bad = true;
-    if (V8 == 0 && v == 0) {
-      m = x;
-      am = 0;
-    } else if (x > m) {
+    if ((V8 == 0 && v == 0) || x > m) {
       m = x;
       am = v;
     }
@@ -296,9 +315,9 @@ FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds need
   if (out.bad || !needs.softmax) return;
   if (double(m) > acc.m) acc.rebase(double(m));
   for (int64_t v = V8; v < V; ++v) {
-    float d = to_float<T>(row[v]) - float(acc.m);
+    const float d = to_float<T>(row[v]) - float(acc.m);
     if (d < kExpFloor) continue;
-    float e = std::exp(d);
+    const float e = std::exp(d);
     acc.s += e;
     acc.t += double(e) * d;
   }
