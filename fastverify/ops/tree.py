@@ -11,6 +11,7 @@ Backends: torch (reference), cpp (csrc/cpu/tree.cpp), triton (fastverify.kernels
 (csrc/cuda/tree.cu), each used only where its code exists: see ``implemented_backends``.
 """
 
+import functools
 import importlib
 
 import torch
@@ -44,6 +45,7 @@ def _has_compiled(op: str, key: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)  # what is built and importable does not change while the process runs
 def implemented_backends(op: str, module: str = "tree") -> tuple:
     """The backends whose code for ``op`` exists and imports: torch always, cpp / cuda when fastverify._C
     registers a CPU / CUDA kernel for fastverify::<op>, triton when fastverify.kernels.<module> defines it."""
