@@ -122,7 +122,7 @@ def test_tree_ops_match_reference(counts):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 80, 32])
 def test_tree_attention_matches_reference(dtype, D):
     from fastverify.reference import attention as ref_attn
     from fastverify.reference import tree as ref_tree

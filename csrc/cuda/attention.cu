@@ -9,7 +9,8 @@
 //
 // Work split inside the CTA: 4 warps, each owning kQueriesPerWarp queries; lane l scores key l of the tile for
 // each of its warp's queries, then owns output dims l, l + 32, ... when accumulating p * V. A query that sees no
-// key at all gets 0 (as the reference).
+// key at all gets 0 (as the reference). Head dims up to 128 (instances with 64- and 128-wide tiles); larger head
+// dims are rejected with an error naming q.
 #include <torch/library.h>
 
 #include "common.cuh"
@@ -24,7 +25,7 @@ constexpr int kKeyTile = 32;
 
 // q [B, Hq, n, D], k / v [B, Hkv, S, D] (S = P + n), out [B, Hq, n, D]; strides in elements, last dim contiguous.
 struct AttnParams {
-  int B, Hq, Hkv, n, P, S;
+  int B, Hq, Hkv, n, P, S, D;
   int64_t q_sb, q_sh, q_sn;
   int64_t k_sb, k_sh, k_ss;
   int64_t v_sb, v_sh, v_ss;
@@ -33,17 +34,20 @@ struct AttnParams {
   float scale;
 };
 
-template <typename T, int D>
+// DMAX (64 or 128) sizes the shared tiles and the per-lane accumulators; any head dim D <= DMAX runs in it, the
+// dims past D held at zero.
+template <typename T, int DMAX>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     _tree_attention_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const int32_t* __restrict__ packed_mask, const int32_t* __restrict__ prefix_len,
                            T* __restrict__ out, AttnParams p) {
-  static_assert(D % 32 == 0, "head dim must be a multiple of 32");
-  constexpr int kDimsPerLane = D / 32;
+  static_assert(DMAX % 32 == 0, "DMAX must be a multiple of 32");
+  constexpr int kDimsPerLane = DMAX / 32;
+  const int D = p.D;
   // +1 column of padding: lane l reads row l of the key tile, so rows must not share banks.
-  __shared__ float sK[kKeyTile][D + 1];
-  __shared__ float sV[kKeyTile][D];
-  __shared__ float sQ[kQueriesPerCta][D];
+  __shared__ float sK[kKeyTile][DMAX + 1];
+  __shared__ float sV[kKeyTile][DMAX];
+  __shared__ float sQ[kQueriesPerCta][DMAX];
 
   const int tiles_per_head = (p.n + kQueriesPerCta - 1) / kQueriesPerCta;
   const int tile = blockIdx.x % tiles_per_head;
@@ -53,12 +57,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int q0 = tile * kQueriesPerCta;
 
-  // Queries of this CTA, scaled once (fp32), zero for rows past n.
-  for (int idx = threadIdx.x; idx < kQueriesPerCta * D; idx += blockDim.x) {
-    const int qi = idx / D, d = idx % D;
+  // Queries of this CTA in fp32, zero for rows past n and dims past D.
+  for (int idx = threadIdx.x; idx < kQueriesPerCta * DMAX; idx += blockDim.x) {
+    const int qi = idx / DMAX, d = idx % DMAX;
     const int i = q0 + qi;
     float val = 0.0f;
-    if (i < p.n) val = load_as_float(q + b * p.q_sb + h * p.q_sh + i * p.q_sn + d);
+    if (i < p.n && d < D) val = load_as_float(q + b * p.q_sb + h * p.q_sh + i * p.q_sn + d);
     sQ[qi][d] = val;
   }
 
@@ -86,10 +90,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     const int valid = is_prefix ? min(kKeyTile, plen - key0) : min(kKeyTile, p.n - (key0 - p.P));
 
     __syncthreads();  // previous tile fully consumed (and sQ written, on the first pass)
-    for (int idx = threadIdx.x; idx < kKeyTile * D; idx += blockDim.x) {
-      const int j = idx / D, d = idx % D;
+    for (int idx = threadIdx.x; idx < kKeyTile * DMAX; idx += blockDim.x) {
+      const int j = idx / DMAX, d = idx % DMAX;
       float kv = 0.0f, vv = 0.0f;
-      if (j < valid) {
+      if (j < valid && d < D) {
         kv = load_as_float(kb + static_cast<int64_t>(key0 + j) * p.k_ss + d);
         vv = load_as_float(vb + static_cast<int64_t>(key0 + j) * p.v_ss + d);
       }
@@ -141,7 +145,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     const float inv = l[a] > 0.0f ? 1.0f / l[a] : 0.0f;
     T* o = out + b * p.o_sb + h * p.o_sh + i * p.o_sn;
 #pragma unroll
-    for (int e = 0; e < kDimsPerLane; ++e) o[lane + 32 * e] = store_from_float<T>(acc[a][e] * inv);
+    for (int e = 0; e < kDimsPerLane; ++e)
+      if (lane + 32 * e < D) o[lane + 32 * e] = store_from_float<T>(acc[a][e] * inv);
   }
 }
 
@@ -173,7 +178,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   TORCH_CHECK(v_in.sizes() == k_in.sizes(), "v: expected the shape of k ", k_in.sizes(), ", got ", v_in.sizes());
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "k: query heads (", Hq, ") must be a multiple of key/value heads (", Hkv, ")");
   TORCH_CHECK(S >= n, "k: expected at least n = ", n, " key slots (P + n), got ", S);
-  TORCH_CHECK(D == 64 || D == 128, "q: the CUDA tree_attention supports head dims 64 and 128, got ", D);
+  TORCH_CHECK(D >= 1 && D <= 128, "q: the CUDA tree_attention supports head dims 1..128, got ", D);
   const int64_t W = (n + 31) / 32;
   check_dtype(packed_mask, at::kInt, "packed_mask");
   TORCH_CHECK(packed_mask.dim() == 3 && packed_mask.size(0) == B && packed_mask.size(1) == n &&
@@ -201,6 +206,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   p.n = static_cast<int>(n);
   p.S = static_cast<int>(S);
   p.P = static_cast<int>(S - n);
+  p.D = static_cast<int>(D);
   p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_sn = q.stride(2);
   p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_ss = k.stride(2);
   p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_ss = v.stride(2);
@@ -215,7 +221,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
     const auto* kp = reinterpret_cast<const scalar_t*>(k.data_ptr());
     const auto* vp = reinterpret_cast<const scalar_t*>(v.data_ptr());
     auto* op = reinterpret_cast<scalar_t*>(out.data_ptr());
-    if (D == 64) {
+    if (D <= 64) {
       _tree_attention_kernel<scalar_t, 64><<<grid, kAttnWarps * 32, 0, stream>>>(
           qp, kp, vp, mask.data_ptr<int32_t>(), pre.data_ptr<int32_t>(), op, p);
     } else {
