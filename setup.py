@@ -36,9 +36,21 @@ def _default_max_jobs():
     return max(1, min(cores, int(mem_gib // 3)))
 
 
+def _resolve_cuda_home():
+    """torch derives CUDA_HOME from `which nvcc`; where nvcc is a wrapper script (/usr/local/bin/nvcc exec'ing
+    /usr/local/cuda-X.Y/bin/nvcc) that gives /usr/local, whose lib dir has no libcudart. Follow the wrapper."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    for candidate in ("/usr/local/cuda",):
+        if os.path.isfile(os.path.join(candidate, "bin", "nvcc")):
+            os.environ["CUDA_HOME"] = candidate
+            return
+
+
 def _extensions():
     if _flag("FASTVERIFY_NO_EXT"):
         return [], {}
+    _resolve_cuda_home()  # before torch.utils.cpp_extension reads it
     import torch
     from torch.utils import cpp_extension
 
