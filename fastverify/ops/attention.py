@@ -16,6 +16,7 @@ from fastverify.reference import attention as ref
 __all__ = ["tree_attention"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CUDA_MAX_HEAD_DIM = 128  # csrc/cuda/attention.cu rejects larger head dims
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mask: torch.Tensor, prefix_len,
@@ -67,6 +68,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mas
     scale = float(scale)
     # The kernels need only a unit stride in the head dimension; other strides are read as given.
     q, k, v = (t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous() for t in (q, k, v))
+    if backend == "auto" and q.device.type == "cuda" and D > _CUDA_MAX_HEAD_DIM:
+        # The CUDA kernel keeps a query's accumulator in registers for head dims up to 128.
+        backend = "triton" if _ext.backends(q.device)["triton"] else "torch"
     return _call("tree_attention", backend, q.device, q, k, v, packed_mask.contiguous(), plen, scale,
                  module="attention", reference=ref.tree_attention)
 
