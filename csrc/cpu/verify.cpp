@@ -99,7 +99,7 @@ void _verify_rows_kernel(const typename T::raw* logits, int64_t row_stride, cons
       for (int64_t k = k0; k < k1; ++k) csr_logit[k] = to_float<T>(row[L.csr_token[k]]);
       RowChildren ch{int(k1 - k0), L.csr_token.data() + k0, csr_logit.data() + k0, csr_rank.data() + k0};
       RowNeeds nd = needs;
-      if (ch.n == 0) nd.rank = false;
+      if (ch.n == 0) nd = RowNeeds{false, false, false};  // a leaf row only gives the argmax (next token)
       row_stats<T>(row, L.V, nd, ch, stats[r]);
     }
   });
