@@ -329,7 +329,11 @@ def machine_info():
 
 
 def append_results(path, info, command, args, summary, table, notes):
+    new_file = not os.path.exists(path)
     with open(path, "a") as f:
+        if new_file:
+            f.write("# fastverify benchmark results\n\nEach section is appended by the benchmark that produced it, "
+                    "with the machine it ran on and its command line. Numbers are as measured, never edited.\n")
         f.write(f"\n## e2e {'quick' if args.quick else 'Spec-Bench'}, {info['date']}\n\n")
         f.write(f"- machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}; "
                 f"torch {info['torch']}, transformers {info['transformers']}, Python {info['python']}; "
@@ -435,6 +439,10 @@ def main(argv=None):
     info = machine_info()
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} threads), "
           f"transformers {info['transformers']}; load average {info.get('load_before')}")
+    if info.get("load_before", 0) > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {info['load_before']} on {os.cpu_count()} cores: other processes are running, "
+              "timings will be noisy" + ("" if args.threads == 1 else
+                                          " (--threads 1 suffers least from oversubscription)"))
     t0 = time.perf_counter()
     model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), cache_dir=args.cache_dir)
     print(f"model: SmolLM2-135M-Instruct, {args.dtype}, loaded in {time.perf_counter() - t0:.1f} s; "

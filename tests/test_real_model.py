@@ -118,3 +118,69 @@ def test_patched_greedy_equals_generate(smollm2, prompt):
     if prompt is PROMPTS[0]:
         # Rewriting a given function copies most of it: the n-gram drafter's tokens must get accepted.
         assert stats.accepted_tokens > 0
+
+
+# ------------------------------------------------------------------------------- the end-to-end benchmark
+
+def _e2e():
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "e2e.py")
+    spec = importlib.util.spec_from_file_location("fastverify_bench_e2e", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_e2e_summary_arithmetic():
+    e2e = _e2e()
+
+    def rec(cat, secs, same=True):  # 10 new tokens per method; seconds per method
+        m = {k: {"tokens": [1] * 10, "new_tokens": 10, "seconds": s, "forwards": f, "identical": k == "generate" or same}
+             for k, s, f in zip(e2e.METHODS, secs, (10, 5, 4))}
+        return {"category": cat, "methods": m}
+
+    records = [rec("a", (1.0, 1.0, 0.5)), rec("a", (1.0, 2.0, 0.25)), rec("b", (2.0, 1.0, 4.0), same=False)]
+    s = e2e.summarise(records)
+    assert list(s) == ["a", "b", "overall"]
+    fv = s["a"]["fastverify"]
+    assert fv["speedup_vs_generate"] == pytest.approx((2.0 * 4.0) ** 0.5)
+    assert fv["min_speedup_vs_generate"] == pytest.approx(2.0)
+    assert fv["speedup_vs_prompt_lookup"] == pytest.approx((2.0 * 8.0) ** 0.5)
+    assert fv["tok_per_fwd"] == pytest.approx(20 / 8) and fv["tok_per_s"] == pytest.approx(20 / 0.75)
+    assert s["b"]["fastverify"]["identical"] == 0 and s["overall"]["fastverify"]["identical"] == 2
+    assert s["overall"]["fastverify"]["speedup_vs_generate"] == pytest.approx((2.0 * 4.0 * 0.5) ** (1 / 3))
+    assert "speedup_vs_generate" not in s["overall"]["generate"]
+    table = e2e.format_table(s)
+    assert table.count("\n") == 2 + 3 - 1 and "fastverify 2/3" in table
+    assert any("0.5" in line or "0.50x" in line for line in e2e.verdict(s))
+
+
+def test_e2e_questions(tmp_path):
+    e2e = _e2e()
+    root = os.path.dirname(e2e.QUICK_PROMPTS)
+    quick = e2e.load_questions(e2e.QUICK_PROMPTS)
+    assert len(quick) == 12 and all(q["prompt"] for q in quick)
+    spec = os.path.normpath(os.path.join(root, "..", e2e.DEFAULT_QUESTIONS))
+    if os.path.isfile(spec):  # shared/ sits beside the checkout in CI and here
+        qs = e2e.load_questions(spec, per_category=2)
+        cats = [q["category"] for q in qs]
+        assert len(set(cats)) == 13 and all(cats.count(c) == 2 for c in set(cats))
+    with pytest.raises(ValueError, match="categories"):
+        e2e.load_questions(e2e.QUICK_PROMPTS, categories=["no-such-category"])
+    with pytest.raises(FileNotFoundError, match="questions"):
+        e2e.load_questions(str(tmp_path / "missing.jsonl"))
+
+
+def test_e2e_runs_end_to_end(smollm2, tmp_path):
+    # The benchmark script itself, on one of our prompts with a short output: every method runs, outputs compared.
+    e2e = _e2e()
+    out = tmp_path / "e2e.json"
+    summary = e2e.main(["--quick", "--categories", "rewrite", "--max-new-tokens", "24", "--no-results", "--no-plot",
+                        "--no-progress", "--out", str(out)])
+    overall = summary["overall"]
+    assert overall["questions"] == 1
+    assert overall["fastverify"]["identical"] == 1 and overall["prompt_lookup"]["identical"] == 1
+    assert overall["generate"]["tok_per_fwd"] == pytest.approx(1.0)
+    import json
+    dump = json.loads(out.read_text())
+    assert dump["records"][0]["methods"]["fastverify"]["loop"]["steps"] >= 1
