@@ -10,6 +10,8 @@ The backends implement one normalised signature (csrc/verify.cpp):
 
 import importlib.util
 import math
+import os
+import time
 from typing import NamedTuple
 
 import torch
@@ -52,19 +54,38 @@ class VerifyOutput(NamedTuple):
 # Backends
 
 
+_HAS_KERNEL = {}  # dispatch key -> True once found (kernels do not disappear from a running process)
+_FOUND_TRITON = [False, -1.0]  # [found, time of the last negative look-up]
+
+
 def _has_compiled(dispatch_key: str) -> bool:
     if not _ext.HAS_CPP:
         return False
+    if _HAS_KERNEL.get(dispatch_key):
+        return True
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("fastverify::verify", dispatch_key)
+        found = torch._C._dispatch_has_kernel_for_dispatch_key("fastverify::verify", dispatch_key)
     except RuntimeError:  # the schema is not registered (an old build of _C)
+        found = False
+    if found:
+        _HAS_KERNEL[dispatch_key] = True
+    return found
+
+
+def _has_triton_module() -> bool:
+    """Whether kernels/verify.py exists; positive answers are cached, negative ones re-checked once a second."""
+    if _FOUND_TRITON[0]:
+        return True
+    now = time.monotonic()
+    if now - _FOUND_TRITON[1] < 1.0:
         return False
+    _FOUND_TRITON[0] = importlib.util.find_spec("fastverify.kernels.verify") is not None
+    _FOUND_TRITON[1] = now
+    return _FOUND_TRITON[0]
 
 
 def _triton_verify():
-    """fastverify.kernels.verify.verify, or None while that module does not exist."""
-    if importlib.util.find_spec("fastverify.kernels.verify") is None:
-        return None
+    """fastverify.kernels.verify.verify (the module exists: see _has_triton_module)."""
     from fastverify.kernels import verify as triton_verify  # noqa: PLC0415  (triton is optional)
 
     return triton_verify.verify
@@ -77,9 +98,22 @@ def available_backends():
         has.append("cpp")
     if _ext.HAS_CUDA_KERNELS and _has_compiled("CUDA"):
         has.append("cuda")
-    if importlib.util.find_spec("fastverify.kernels.verify") is not None:
+    if _has_triton_module():
         has.append("triton")
     return tuple(has)
+
+
+_RESOLVED = {}
+
+
+def _resolve(backend, device):
+    """_ext.resolve_backend, memoised per (backend, device type, implemented backends, TRITON_INTERPRET): its
+    usability checks (package look-ups) cost more than a small verify call."""
+    has = available_backends()
+    key = (backend, device.type, has, os.environ.get("TRITON_INTERPRET"))
+    if key not in _RESOLVED:
+        _RESOLVED[key] = _ext.resolve_backend(backend, device, has=has)
+    return _RESOLVED[key]
 
 
 if _ext.HAS_CPP:
@@ -122,12 +156,25 @@ def _per_request(name, value, B, device, *, integral=False):
         return value.to(torch.float32).reshape(-1).expand(B).contiguous()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a number or a tensor, got {type(value).__name__}")
-    if integral and value != int(value):
+    if integral and math.isfinite(value) and value != int(value):
         raise ValueError(f"{name}: expected an integer, got {value}")
-    return torch.full((B,), float(value), dtype=torch.float32, device=device)
+    return float(value)  # Python scalars stay on the host: one tensor for all of them (see _columns)
+
+
+def _columns(cols, B, device):
+    """float32 [B, len(cols)] from Python floats and / or float32 [B] tensors."""
+    if not any(isinstance(c, torch.Tensor) for c in cols):
+        return torch.tensor(cols, dtype=torch.float32, device=device).expand(B, len(cols)).contiguous()
+    return torch.stack([c if isinstance(c, torch.Tensor) else torch.full((B,), c, dtype=torch.float32, device=device)
+                        for c in cols], dim=1)
 
 
 def _check_range(name, t, lo=None, hi=None, lo_open=False, hi_open=False, what=None):
+    if not isinstance(t, torch.Tensor):
+        if not (math.isnan(t) or (lo is not None and (t <= lo if lo_open else t < lo))
+                or (hi is not None and (t >= hi if hi_open else t > hi))):
+            return
+        t = torch.tensor([t], dtype=torch.float64)
     bad = torch.isnan(t)
     if lo is not None:
         bad |= (t <= lo) if lo_open else (t < lo)
@@ -169,8 +216,8 @@ def _rule_params(rule, B, device, given, validate):
         elif rule == "confidence":
             _check_range("beta", cols[0], lo=0, hi=1, lo_open=True)
     while len(cols) < 2:
-        cols.append(torch.zeros(B, dtype=torch.float32, device=device))
-    return torch.stack(cols, dim=1)
+        cols.append(0.0)
+    return _columns(cols, B, device)
 
 
 def _warp(B, device, temperature, top_k, top_p, min_p, validate):
@@ -183,7 +230,7 @@ def _warp(B, device, temperature, top_k, top_p, min_p, validate):
         _check_range("top_k", k, lo=0)
         _check_range("top_p", p, lo=0, hi=1, lo_open=True)
         _check_range("min_p", mp, lo=0, hi=1)
-    return torch.stack([t, k, p, mp], dim=1)
+    return _columns([t, k, p, mp], B, device)
 
 
 def _check_tensor(name, t, device, dtypes=None, dim=None):
@@ -319,11 +366,7 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
 
     # ---- parents (chains materialised) and depths
     if parents is None:
-        if N:
-            request = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(counts, device=device))
-            parents = (torch.arange(N, device=device) - cu_nodes.long()[request] - 1).to(torch.int32)
-        else:
-            parents = torch.empty(0, dtype=torch.int32, device=device)
+        parents = torch.tensor([j - 1 for c in counts for j in range(c)], dtype=torch.int32, device=device)
         max_depth = max(counts, default=0)
         depth = None  # computed on demand (seeded uniforms)
     else:
@@ -438,7 +481,7 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
         draft_probs = u_sample = u_accept = None
 
     # ---- dispatch
-    name = _ext.resolve_backend(backend, device, has=available_backends())
+    name = _resolve(backend, device)
     args = (logits, draft_tokens, cu_nodes, parents, rule_params, warp, draft_probs, u_sample, u_accept, root_tokens,
             rule_idx, min_accept, max_depth)
     accept_len, accepted, next_token = _run(name, args)
