@@ -54,9 +54,6 @@
 #if defined(__x86_64__) && !defined(__CUDACC__) && !defined(__HIPCC__) && !defined(FASTVERIFY_NO_SIMD)
 #define FV_SAMPLING_AVX2 1
 #include <immintrin.h>
-// SLEEF's 8-lane expf (1.0-ulp), exported by libtorch_cpu: the function ATen's AVX2 Vectorized<float>::exp
-// calls, so on AVX2 machines this backend's weights equal torch.exp's on CPU bit for bit.
-extern "C" __m256 Sleef_expf8_u10(__m256);
 #define FV_AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #endif
 
@@ -103,6 +100,11 @@ struct RowWorkspace {
   std::vector<int64_t> cand_idx;
   std::vector<float> scratch;
   std::vector<double> hist;
+  // Optional: the next row this thread will warp (its bytes). The dense path's last pass over the current row
+  // (in L2, compute-bound) prefetches it line by line, so the next row's first pass, which would otherwise wait
+  // on DRAM, finds it in cache. warp_row clears it after use; nullptr = no prefetch.
+  const void* prefetch = nullptr;
+  int64_t prefetch_bytes = 0;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -168,9 +170,37 @@ FV_AVX2_FN inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-FV_AVX2_FN inline float exp_avx2_scalar(float x) {
-  return _mm256_cvtss_f32(Sleef_expf8_u10(_mm256_set1_ps(x)));
+// 8-lane expf for d <= 88 (weights only ever need d = l / T - m <= 0): SLEEF's xexpf (1.0 ulp) written out
+// operation for operation as libtorch_cpu's Sleef_expf8_u10avx2 (the function ATen's AVX2 Vectorized<float>::exp,
+// hence torch.exp on CPU, calls) computes it: the same constants and FMA chain. Inline, because a call into
+// libtorch per 8 elements (through SLEEF's dispatch pointer, constants reloaded per call) cost as much as the
+// rest of the weight pass. The final u * 2^q: when every lane has d >= -86.5, q >= -125 and the result is a normal
+// float, so adding q to the exponent field is exact, like SLEEF's two multiplies by 2^(q >> 1) and 2^(q - (q >> 1))
+// (and its d < -104 -> 0 cut-off cannot apply); otherwise SLEEF's own steps. Checked bit for bit against
+// Sleef_expf8_u10 on every float32 d in [-inf, 88] (SLEEF's d > 104 -> inf branch is left out: d <= 88 here).
+FV_AVX2_FN inline __m256 exp8(__m256 d) {
+  const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137f)));
+  const __m256 qf = _mm256_cvtepi32_ps(q);
+  const bool normal = _mm256_movemask_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-86.5f), _CMP_LT_OQ)) == 0;
+  __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);  // -L2U
+  s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);  // -L2L
+  __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+  u = _mm256_add_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+  if (__builtin_expect(normal, 1))
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(u), _mm256_slli_epi32(q, 23)));
+  const __m256i h = _mm256_srai_epi32(q, 1), bias = _mm256_set1_epi32(127);
+  const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, bias), 23));
+  const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_add_epi32(q, bias), h), 23));
+  u = _mm256_mul_ps(_mm256_mul_ps(u, p1), p2);
+  return _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.f), _CMP_LT_OQ), u);
 }
+
+FV_AVX2_FN inline float exp_avx2_scalar(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
 #endif
 
 // The exp of the weights: one function for every element on every path of this backend, so that a weight
@@ -201,44 +231,227 @@ inline float token_weight(const T* logits, const RowDist& d, int64_t t) {
 template <typename T>
 inline void block_weights(const T* logits, int64_t begin, int64_t end, const RowDist& d, float* out);
 
-#if defined(FV_SAMPLING_AVX2)
-template <typename T>
-FV_AVX2_FN inline __m256 weights8_avx2(__m256 x, const RowDist& d) {
-  const __m256 lp = _mm256_div_ps(x, _mm256_set1_ps(d.temperature));
-  const __m256 keep_k = _mm256_cmp_ps(lp, _mm256_set1_ps(d.l_min), _CMP_GE_OQ);
-  const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(lp, _mm256_set1_ps(d.m)));
-  const __m256 keep_w = _mm256_cmp_ps(e, _mm256_set1_ps(d.w_min), _CMP_GE_OQ);
-  return _mm256_and_ps(e, _mm256_and_ps(keep_k, keep_w));
+// Calls fn.template operator()<kDiv, kLMin, kWMin>() with the row's warping as compile-time flags: kDiv when
+// T != 1 (l / 1 == l exactly, so skipping the division changes no weight), kLMin when a top-k threshold is set
+// (lp >= -inf holds for every non-NaN lp), kWMin when w_min > 0 (w >= 0 always holds). Every combination
+// therefore computes the same weights as the full formula; the flags only drop work that cannot change them.
+template <typename Fn>
+inline decltype(auto) dispatch_flags(const RowDist& d, Fn&& fn) {
+  const int f = (d.temperature != 1.f ? 4 : 0) | (d.l_min > -std::numeric_limits<float>::infinity() ? 2 : 0) |
+                (d.w_min > 0.f ? 1 : 0);
+  switch (f) {
+    case 0: return fn.template operator()<false, false, false>();
+    case 1: return fn.template operator()<false, false, true>();
+    case 2: return fn.template operator()<false, true, false>();
+    case 3: return fn.template operator()<false, true, true>();
+    case 4: return fn.template operator()<true, false, false>();
+    case 5: return fn.template operator()<true, false, true>();
+    case 6: return fn.template operator()<true, true, false>();
+    default: return fn.template operator()<true, true, true>();
+  }
 }
 
-template <typename T>
+#if defined(FV_SAMPLING_AVX2)
+// The row's constants, broadcast once per pass.
+struct Weights8 {
+  __m256 t, l_min, m, w_min;
+};
+
+FV_AVX2_FN inline Weights8 weights8_consts(const RowDist& d) {
+  return Weights8{_mm256_set1_ps(d.temperature), _mm256_set1_ps(d.l_min), _mm256_set1_ps(d.m),
+                  _mm256_set1_ps(d.w_min)};
+}
+
+// weight_of on 8 lanes.
+template <bool kDiv, bool kLMin, bool kWMin>
+FV_AVX2_FN inline __m256 weights8(__m256 x, const Weights8& c) {
+  const __m256 lp = kDiv ? _mm256_div_ps(x, c.t) : x;
+  __m256 e = exp8(_mm256_sub_ps(lp, c.m));
+  if constexpr (kWMin) e = _mm256_and_ps(e, _mm256_cmp_ps(e, c.w_min, _CMP_GE_OQ));
+  if constexpr (kLMin) e = _mm256_and_ps(e, _mm256_cmp_ps(lp, c.l_min, _CMP_GE_OQ));
+  return e;
+}
+
+template <typename T, bool kDiv, bool kLMin, bool kWMin>
 FV_AVX2_FN void block_weights_avx2(const T* logits, int64_t begin, int64_t end, const RowDist& d, float* out) {
+  const Weights8 c = weights8_consts(d);
   int64_t i = begin;
-  for (; i + 8 <= end; i += 8) _mm256_storeu_ps(out + (i - begin), weights8_avx2<T>(load8(logits + i), d));
-  if (i < end) {
+  for (; i + 8 <= end; i += 8)
+    _mm256_storeu_ps(out + (i - begin), weights8<kDiv, kLMin, kWMin>(load8(logits + i), c));
+  if (i < end) {  // padding with -inf gives weight 0 under every flag combination
     alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, weights8_avx2<T>(load_tail(logits + i, end - i, -INFINITY), d));
+    _mm256_store_ps(tmp, weights8<kDiv, kLMin, kWMin>(load_tail(logits + i, end - i, -INFINITY), c));
     for (int64_t j = 0; j < end - i; ++j) out[i - begin + j] = tmp[j];
   }
+}
+
+// Sum of 4 doubles in a fixed order.
+FV_AVX2_FN inline double hsum4(__m256d v) {
+  alignas(32) double a[4];
+  _mm256_store_pd(a, v);
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+FV_AVX2_FN inline __m256d lo_pd(__m256 v) { return _mm256_cvtps_pd(_mm256_castps256_ps128(v)); }
+FV_AVX2_FN inline __m256d hi_pd(__m256 v) { return _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)); }
+
+// The fused weight pass: P[b] = float64 sum of the weights of blocks 0..b-1 (P[nblocks] = Z), each block summed
+// in 16 float64 lanes (4 vectors, so the adds do not wait on each other) reduced in a fixed order; the weights
+// themselves are stored to w_out when it is not null (top-p needs them). One read of the row (from L2: the max
+// pass just brought it there), exp and float64 adds in registers, no other memory traffic.
+template <typename T, bool kDiv, bool kLMin, bool kWMin>
+FV_AVX2_FN void dense_sums_avx2(const T* logits, int64_t V, const RowDist& d, double* P, float* w_out,
+                                const char* pf, int64_t pf_bytes) {
+  const Weights8 c = weights8_consts(d);
+  const int64_t nblocks = (V + kBlock - 1) / kBlock;
+  int64_t pf_off = 0;
+  double run = 0.0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
+    const T* x = logits + lo;
+    float* wo = w_out ? w_out + lo : nullptr;
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) {
+      if (pf_off < pf_bytes) {  // one line of the next row per 16 elements (see RowWorkspace::prefetch)
+        _mm_prefetch(pf + pf_off, _MM_HINT_T0);
+        pf_off += 64;
+      }
+      const __m256 w0 = weights8<kDiv, kLMin, kWMin>(load8(x + j), c);
+      const __m256 w1 = weights8<kDiv, kLMin, kWMin>(load8(x + j + 8), c);
+      if (wo) {
+        _mm256_storeu_ps(wo + j, w0);
+        _mm256_storeu_ps(wo + j + 8, w1);
+      }
+      a0 = _mm256_add_pd(a0, lo_pd(w0));
+      a1 = _mm256_add_pd(a1, hi_pd(w0));
+      a2 = _mm256_add_pd(a2, lo_pd(w1));
+      a3 = _mm256_add_pd(a3, hi_pd(w1));
+    }
+    for (; j < len; j += 8) {  // the last 8 of 16, and the padded tail of the row
+      const int64_t n = std::min<int64_t>(8, len - j);
+      const __m256 xv = n == 8 ? load8(x + j) : load_tail(x + j, n, -INFINITY);
+      const __m256 w0 = weights8<kDiv, kLMin, kWMin>(xv, c);
+      if (wo) {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, w0);
+        for (int64_t k = 0; k < n; ++k) wo[j + k] = tmp[k];
+      }
+      if (j % 16 == 0) {  // element i always goes to lane i % 16
+        a0 = _mm256_add_pd(a0, lo_pd(w0));
+        a1 = _mm256_add_pd(a1, hi_pd(w0));
+      } else {
+        a2 = _mm256_add_pd(a2, lo_pd(w0));
+        a3 = _mm256_add_pd(a3, hi_pd(w0));
+      }
+    }
+    P[b] = run;
+    run += hsum4(_mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
+  }
+  P[nblocks] = run;
+}
+
+// P of the weights w[0..V) with those below w_min set to 0 (top-p's second pass, over the stored weights):
+// the same blocks and lane order as dense_sums_avx2.
+FV_AVX2_FN inline void masked_sums_avx2(const float* w, int64_t V, float w_min, double* P, const char* pf,
+                                        int64_t pf_bytes) {
+  const __m256 wm = _mm256_set1_ps(w_min);
+  const int64_t nblocks = (V + kBlock - 1) / kBlock;
+  int64_t pf_off = 0;
+  double run = 0.0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
+    const float* x = w + lo;
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) {
+      if (pf_off < pf_bytes) {
+        _mm_prefetch(pf + pf_off, _MM_HINT_T0);
+        pf_off += 64;
+      }
+      __m256 w0 = _mm256_loadu_ps(x + j), w1 = _mm256_loadu_ps(x + j + 8);
+      w0 = _mm256_and_ps(w0, _mm256_cmp_ps(w0, wm, _CMP_GE_OQ));
+      w1 = _mm256_and_ps(w1, _mm256_cmp_ps(w1, wm, _CMP_GE_OQ));
+      a0 = _mm256_add_pd(a0, lo_pd(w0));
+      a1 = _mm256_add_pd(a1, hi_pd(w0));
+      a2 = _mm256_add_pd(a2, lo_pd(w1));
+      a3 = _mm256_add_pd(a3, hi_pd(w1));
+    }
+    for (; j < len; j += 8) {
+      const int64_t n = std::min<int64_t>(8, len - j);
+      __m256 w0 = n == 8 ? _mm256_loadu_ps(x + j) : load_tail(x + j, n, 0.f);
+      w0 = _mm256_and_ps(w0, _mm256_cmp_ps(w0, wm, _CMP_GE_OQ));
+      if (j % 16 == 0) {
+        a0 = _mm256_add_pd(a0, lo_pd(w0));
+        a1 = _mm256_add_pd(a1, hi_pd(w0));
+      } else {
+        a2 = _mm256_add_pd(a2, lo_pd(w0));
+        a3 = _mm256_add_pd(a3, hi_pd(w0));
+      }
+    }
+    P[b] = run;
+    run += hsum4(_mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
+  }
+  P[nblocks] = run;
 }
 #endif
 
 template <typename T>
 inline void block_weights(const T* logits, int64_t begin, int64_t end, const RowDist& d, float* out) {
 #if defined(FV_SAMPLING_AVX2)
-  if (cpu_has_avx2()) return block_weights_avx2(logits, begin, end, d, out);
+  if (cpu_has_avx2())
+    return dispatch_flags(d, [&]<bool A, bool B, bool C>() { block_weights_avx2<T, A, B, C>(logits, begin, end, d, out); });
 #endif
   for (int64_t i = begin; i < end; ++i) out[i - begin] = weight_of(to_float(logits[i]) / d.temperature, d);
 }
 
-// float64 sum of n weights in 8 lanes, reduced in a fixed order ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
+// float64 sum of n weights in 16 lanes (lane j takes elements i with i % 16 == j), reduced in a fixed order: the
+// association of dense_sums_avx2, so the scalar fallback computes the same P.
 inline double lane_sum(const float* w, int64_t n) {
-  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += static_cast<double>(w[i + j]);
-  for (int j = 0; i + j < n; ++j) acc[j] += static_cast<double>(w[i + j]);
-  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+  double acc[16] = {};
+  for (int64_t i = 0; i < n; ++i) acc[i % 16] += static_cast<double>(w[i]);
+  double v[4];
+  for (int k = 0; k < 4; ++k) v[k] = (acc[k] + acc[4 + k]) + (acc[8 + k] + acc[12 + k]);
+  return (v[0] + v[2]) + (v[1] + v[3]);
+}
+
+// P over the weights of the whole row (w_out: also store them); see dense_sums_avx2.
+template <typename T>
+inline void dense_sums(const T* logits, int64_t V, const RowDist& d, double* P, float* w_out,
+                       const char* pf = nullptr, int64_t pf_bytes = 0) {
+#if defined(FV_SAMPLING_AVX2)
+  if (cpu_has_avx2())
+    return dispatch_flags(
+        d, [&]<bool A, bool B, bool C>() { dense_sums_avx2<T, A, B, C>(logits, V, d, P, w_out, pf, pf_bytes); });
+#endif
+  const int64_t nblocks = (V + kBlock - 1) / kBlock;
+  alignas(32) float tmp[kBlock];
+  double run = 0.0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
+    block_weights(logits, lo, lo + len, d, tmp);
+    if (w_out) std::copy(tmp, tmp + len, w_out + lo);
+    P[b] = run;
+    run += lane_sum(tmp, len);
+  }
+  P[nblocks] = run;
+}
+
+inline void masked_sums(const float* w, int64_t V, float w_min, double* P, const char* pf = nullptr,
+                        int64_t pf_bytes = 0) {
+#if defined(FV_SAMPLING_AVX2)
+  if (cpu_has_avx2()) return masked_sums_avx2(w, V, w_min, P, pf, pf_bytes);
+#endif
+  const int64_t nblocks = (V + kBlock - 1) / kBlock;
+  alignas(32) float tmp[kBlock];
+  double run = 0.0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
+    for (int64_t j = 0; j < len; ++j) tmp[j] = w[lo + j] >= w_min ? w[lo + j] : 0.f;
+    P[b] = run;
+    run += lane_sum(tmp, len);
+  }
+  P[nblocks] = run;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -250,23 +463,30 @@ struct RowScan {
 };
 
 #if defined(FV_SAMPLING_AVX2)
-// Max and NaN / +inf detection over [0, V - V % 16); returns the index where the scalar tail starts.
+// Max and NaN / +inf detection over [0, V - V % 8); returns the index where the scalar tail starts.
 template <typename T>
 FV_AVX2_FN int64_t scan_row_avx2(const T* logits, int64_t V, RowScan& r) {
-  __m256 vmax = _mm256_set1_ps(-INFINITY), vmax2 = vmax;
-  __m256 vbad = _mm256_setzero_ps();
-  const __m256 inf = _mm256_set1_ps(INFINITY);
+  // Four max chains (vmaxps waits 3 cycles on its accumulator); +inf shows up in the max, NaN (which vmaxps may
+  // drop) in an unordered compare of two loads at a time.
+  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+  __m256 vnan = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= V; i += 16) {
-    const __m256 a = load8(logits + i), b = load8(logits + i + 8);
-    vmax = _mm256_max_ps(vmax, a);
-    vmax2 = _mm256_max_ps(vmax2, b);
-    // NaN compares unordered and +inf equal to inf: either makes the row invalid.
-    vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(a, inf, _CMP_EQ_UQ));
-    vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(b, inf, _CMP_EQ_UQ));
+  for (; i + 32 <= V; i += 32) {
+    const __m256 a = load8(logits + i), b = load8(logits + i + 8), c = load8(logits + i + 16),
+                 e = load8(logits + i + 24);
+    m0 = _mm256_max_ps(m0, a);
+    m1 = _mm256_max_ps(m1, b);
+    m2 = _mm256_max_ps(m2, c);
+    m3 = _mm256_max_ps(m3, e);
+    vnan = _mm256_or_ps(vnan, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, e, _CMP_UNORD_Q)));
   }
-  r.max = hmax8(_mm256_max_ps(vmax, vmax2));
-  r.bad = _mm256_movemask_ps(vbad) != 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256 a = load8(logits + i);
+    m0 = _mm256_max_ps(m0, a);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  r.max = hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+  r.bad = _mm256_movemask_ps(vnan) != 0 || r.max == std::numeric_limits<float>::infinity();
   return i;
 }
 #endif
@@ -393,41 +613,106 @@ inline bool topk_candidates(const T* logits, int64_t V, int64_t k, float tempera
   return true;
 }
 
-// Smallest weight kept by top-p: keep i iff sum_{w_j > w_i} w_j < p * Z_k, over w[0..n) (zeros allowed).
-// Radix select on the float bits (w >= 0, so bit patterns order like the values).
-inline float top_p_threshold(const float* w, int64_t n, double target, std::vector<double>& hist) {
-  // (shift, bits) of the levels: bits 31..20, 19..10, 9..0.
-  const int shifts[3] = {20, 10, 0};
-  const int widths[3] = {12, 10, 10};
-  uint32_t prefix = 0, prefix_mask = 0;
+#if defined(FV_SAMPLING_AVX2)
+// Appends to cand the positive w[i] whose exponent field (bits 30..23) equals key, over [0, n - n % 8); returns
+// where the scalar tail starts.
+FV_AVX2_FN inline int64_t select_exponent_avx2(const float* w, int64_t n, uint32_t key, std::vector<float>& cand) {
+  const __m256i k = _mm256_set1_epi32(static_cast<int>(key)), zero = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(w + i));
+    const __m256i hit = _mm256_andnot_si256(_mm256_cmpeq_epi32(b, zero), _mm256_cmpeq_epi32(_mm256_srli_epi32(b, 23), k));
+    int mask = _mm256_movemask_ps(_mm256_castsi256_ps(hit));
+    while (mask) {
+      cand.push_back(w[i + __builtin_ctz(mask)]);
+      mask &= mask - 1;
+    }
+  }
+  return i;
+}
+#endif
+
+// Smallest weight kept by top-p: keep i iff sum_{w_j > w_i} w_j < target (= p * Z_k), over w[0..n) (zeros
+// allowed, never kept). A radix select on the float bits (w >= 0, so bit patterns order like the values) that
+// narrows the candidates at every level instead of rescanning the row:
+//   level 1, all n weights: float64 mass per exponent (bits 30..23; two interleaved histograms so that
+//            consecutive weights of one exponent do not wait on each other's store);
+//   then the weights of the chosen exponent are copied out (cand), and levels on bits 22..12 and 11..0 run over
+//   cand only, each keeping the chosen bucket's members; once at most kSortBelow remain they are sorted and
+//   walked in descending order exactly like the sparse path (equal weights kept or dropped together).
+// `above` is the float64 mass strictly above the current candidates' bucket throughout.
+inline float top_p_threshold(const float* w, int64_t n, double target, std::vector<double>& hist,
+                             std::vector<float>& cand) {
+  constexpr int64_t kSortBelow = 64;
+  auto bits_of = [](float x) {
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    return b;
+  };
+  auto min_positive = [](const float* x, int64_t m) {
+    float mn = std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < m; ++i)
+      if (x[i] > 0.f) mn = std::min(mn, x[i]);
+    return mn;
+  };
+  hist.assign(512, 0.0);
+  double* h0 = hist.data();
+  double* h1 = h0 + 256;
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    h0[bits_of(w[i]) >> 23] += static_cast<double>(w[i]);
+    h1[bits_of(w[i + 1]) >> 23] += static_cast<double>(w[i + 1]);
+  }
+  if (i < n) h0[bits_of(w[i]) >> 23] += static_cast<double>(w[i]);
   double above = 0.0;
-  for (int level = 0; level < 3; ++level) {
+  int e = 255;
+  for (; e >= 0; --e) {
+    const double m = h0[e] + h1[e];
+    if (above + m >= target) break;
+    above += m;
+  }
+  if (e < 0) return min_positive(w, n);  // rounding kept everything: the smallest positive weight
+  // The positive weights of exponent e (e = 0: the subnormals; zeros are never kept).
+  cand.clear();
+  {
+    const uint32_t key = static_cast<uint32_t>(e);
+    int64_t j = 0;
+#if defined(FV_SAMPLING_AVX2)
+    if (cpu_has_avx2()) j = select_exponent_avx2(w, n, key, cand);
+#endif
+    for (; j < n; ++j) {
+      const uint32_t b = bits_of(w[j]);
+      if (b != 0 && (b >> 23) == key) cand.push_back(w[j]);
+    }
+  }
+  const int shifts[2] = {12, 0};
+  const int widths[2] = {11, 12};
+  for (int level = 0; level < 2 && static_cast<int64_t>(cand.size()) > kSortBelow; ++level) {
     const int shift = shifts[level];
     const uint32_t nb = 1u << widths[level];
     hist.assign(nb, 0.0);
-    for (int64_t i = 0; i < n; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &w[i], 4);
-      if (bits == 0 || (bits & prefix_mask) != prefix) continue;
-      hist[(bits >> shift) & (nb - 1)] += static_cast<double>(w[i]);
-    }
+    for (float x : cand) hist[(bits_of(x) >> shift) & (nb - 1)] += static_cast<double>(x);
     int64_t b = nb - 1;
     for (; b >= 0; --b) {
       if (above + hist[b] >= target) break;
       above += hist[b];
     }
-    if (b < 0) {  // rounding kept everything: the threshold is the smallest positive weight
-      float mn = std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < n; ++i)
-        if (w[i] > 0.f) mn = std::min(mn, w[i]);
-      return mn;
-    }
-    prefix |= static_cast<uint32_t>(b) << shift;
-    prefix_mask |= (nb - 1) << shift;
+    if (b < 0) return min_positive(cand.data(), static_cast<int64_t>(cand.size()));  // rounding: all kept
+    size_t out = 0;
+    for (float x : cand)
+      if (((bits_of(x) >> shift) & (nb - 1)) == static_cast<uint32_t>(b)) cand[out++] = x;
+    cand.resize(out);
   }
-  // All 32 bits fixed: one value, whose strictly-greater mass `above` is < target, so it is kept.
-  float thr;
-  std::memcpy(&thr, &prefix, 4);
+  // At most kSortBelow candidates left, or all 32 bits fixed (one value): the descending walk.
+  std::sort(cand.begin(), cand.end(), std::greater<float>());
+  double run = above, group_start = above;
+  float thr = cand.empty() ? min_positive(w, n) : cand[0];
+  for (size_t j = 0; j < cand.size(); ++j) {
+    if (j == 0 || cand[j] != cand[j - 1]) group_start = run;
+    if (!(group_start < target)) break;
+    thr = cand[j];
+    run += static_cast<double>(cand[j]);
+  }
   return thr;
 }
 
@@ -436,6 +721,10 @@ inline float top_p_threshold(const float* w, int64_t n, double target, std::vect
 
 template <typename T>
 inline RowDist warp_row(const T* logits, int64_t V, Warp p, RowWorkspace& ws) {
+  const char* pf = static_cast<const char*>(ws.prefetch);  // a hint for this call only
+  const int64_t pf_bytes = ws.prefetch_bytes;
+  ws.prefetch = nullptr;
+  ws.prefetch_bytes = 0;
   RowDist d;
   d.vocab = V;
   d.temperature = p.temperature;
@@ -526,30 +815,14 @@ inline RowDist warp_row(const T* logits, int64_t V, Warp p, RowWorkspace& ws) {
   ws.prefix.resize(nblocks + 1);
   if (p.top_p < 1.f) {
     ws.w.resize(V);
-    block_weights(logits, 0, V, d, ws.w.data());  // w_min is still 0 here: top-k only
-    const double zk = lane_sum(ws.w.data(), V);
-    const float wp = top_p_threshold(ws.w.data(), V, static_cast<double>(p.top_p) * zk, ws.hist);
+    dense_sums(logits, V, d, ws.prefix.data(), ws.w.data());  // w_min is still 0 here: top-k only
+    const double zk = ws.prefix[nblocks];
+    const float wp = top_p_threshold(ws.w.data(), V, static_cast<double>(p.top_p) * zk, ws.hist, ws.scratch);
     d.w_min = std::max(wp, p.min_p);
-    double c = 0.0;
-    alignas(32) float tmp[kBlock];
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
-      for (int64_t j = 0; j < len; ++j) tmp[j] = ws.w[lo + j] >= d.w_min ? ws.w[lo + j] : 0.f;
-      ws.prefix[b] = c;
-      c += lane_sum(tmp, len);
-    }
-    ws.prefix[nblocks] = c;
+    masked_sums(ws.w.data(), V, d.w_min, ws.prefix.data(), pf, pf_bytes);
   } else {
     d.w_min = p.min_p;
-    double c = 0.0;
-    alignas(32) float tmp[kBlock];
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
-      block_weights(logits, lo, lo + len, d, tmp);
-      ws.prefix[b] = c;
-      c += lane_sum(tmp, len);
-    }
-    ws.prefix[nblocks] = c;
+    dense_sums(logits, V, d, ws.prefix.data(), nullptr, pf, pf_bytes);
   }
   d.z = ws.prefix[nblocks];
   d.valid = d.z > 0.0;

@@ -28,6 +28,14 @@ void check_rows(const at::Tensor& logits, const at::Tensor& warp, const char* op
   TORCH_CHECK(logits.device().is_cpu() && warp.device().is_cpu(), op, ": expected CPU tensors");
 }
 
+// The next row of this thread's chunk: warp_row's compute-bound pass prefetches it (RowWorkspace::prefetch).
+// Rows that repeat (stride 0, e.g. an expanded row) are already in cache: no hint.
+template <typename T>
+void set_prefetch(fs::RowWorkspace& ws, const T* next, int64_t V) {
+  ws.prefetch = next;
+  ws.prefetch_bytes = V * static_cast<int64_t>(sizeof(T));
+}
+
 void check_vec(const at::Tensor& t, int64_t R, const char* op, const char* name) {
   TORCH_CHECK(t.dim() == 1 && t.size(0) == R, op, ": ", name, " must be 1-D [R] with R = ", R, ", got ",
               t.sizes());
@@ -71,6 +79,7 @@ at::Tensor _cdf_sample_kernel(const at::Tensor& logits, const at::Tensor& u, con
       fs::RowWorkspace ws;
       for (int64_t r = b; r < e; ++r) {
         const scalar_t* row = lp + r * row_stride;
+        if (r + 1 < e && row_stride != 0) set_prefetch(ws, row + row_stride, V);
         const fs::RowDist d = fs::warp_row(row, V, fs::load_warp(wq + 4 * r), ws);
         op[r] = fs::sample_row(row, d, ws, up[r]);
       }
@@ -103,6 +112,7 @@ at::Tensor _cdf_invert_kernel(const at::Tensor& logits, const at::Tensor& token,
       fs::RowWorkspace ws;
       for (int64_t r = b; r < e; ++r) {
         const scalar_t* row = lp + r * row_stride;
+        if (r + 1 < e && row_stride != 0) set_prefetch(ws, row + row_stride, V);
         const fs::RowDist d = fs::warp_row(row, V, fs::load_warp(wq + 4 * r), ws);
         op[r] = fs::invert_row(row, d, ws, tp[r], vp[r]);
       }
