@@ -6,6 +6,8 @@
 - ``report_bytes(benchmark, nbytes, ceiling)``: after a benchmark ran, records in ``benchmark.extra_info`` the bytes
   one call reads, the effective bandwidth from the median time, and the fraction of the ceiling.
 - ``full_grid()``: FASTVERIFY_BENCH_FULL=1 selects the full parameter grid; the default is a short subset.
+- FASTVERIFY_BENCH_THREADS=n sets torch's intra-op threads (CPU kernels) for the session: on a machine shared
+  with other jobs, n = 1 avoids timing the scheduler (a parallel region waits for its slowest, descheduled thread).
 - At the end of the session a table (name, median, IQR, GB/s, % of ceiling) is printed, tagged with the machine.
 
 Run: ``pytest benchmarks/bench_verify.py`` (add ``--benchmark-json out.json`` to keep the raw numbers).
@@ -20,6 +22,9 @@ import torch
 
 _RESULTS = []
 _CEILING = {}
+
+if os.environ.get("FASTVERIFY_BENCH_THREADS"):
+    torch.set_num_threads(int(os.environ["FASTVERIFY_BENCH_THREADS"]))
 
 
 def full_grid() -> bool:
