@@ -614,35 +614,76 @@ inline bool topk_candidates(const T* logits, int64_t V, int64_t k, float tempera
 }
 
 #if defined(FV_SAMPLING_AVX2)
-// Appends to cand the positive w[i] whose exponent field (bits 30..23) equals key, over [0, n - n % 8); returns
-// where the scalar tail starts.
-FV_AVX2_FN inline int64_t select_exponent_avx2(const float* w, int64_t n, uint32_t key, std::vector<float>& cand) {
-  const __m256i k = _mm256_set1_epi32(static_cast<int>(key)), zero = _mm256_setzero_si256();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(w + i));
-    const __m256i hit = _mm256_andnot_si256(_mm256_cmpeq_epi32(b, zero), _mm256_cmpeq_epi32(_mm256_srli_epi32(b, 23), k));
-    int mask = _mm256_movemask_ps(_mm256_castsi256_ps(hit));
-    while (mask) {
-      cand.push_back(w[i + __builtin_ctz(mask)]);
-      mask &= mask - 1;
+// Lane indices of the set bits of an 8-bit mask, packed one per byte (the left-packing permutation).
+inline const uint64_t* compress_lut() {
+  static const std::vector<uint64_t> table = [] {
+    std::vector<uint64_t> t(256);
+    for (int m = 0; m < 256; ++m) {
+      uint64_t v = 0;
+      for (int j = 0, k = 0; j < 8; ++j)
+        if (m >> j & 1) v |= static_cast<uint64_t>(j) << (8 * k++);
+      t[m] = v;
     }
-  }
-  return i;
+    return t;
+  }();
+  return table.data();
 }
+
+// out[0..m) = the w[i] >= floor in index order (branch-free left-packing; out has room for n + 8); returns m.
+FV_AVX2_FN inline int64_t compress_ge_avx2(const float* w, int64_t n, float floor, float* out) {
+  const uint64_t* lut = compress_lut();
+  const __m256 fl = _mm256_set1_ps(floor);
+  int64_t m = 0, i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(w + i);
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(x, fl, _CMP_GE_OQ));
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(lut[mask])));
+    _mm256_storeu_ps(out + m, _mm256_permutevar8x32_ps(x, idx));
+    m += __builtin_popcount(mask);
+  }
+  for (; i < n; ++i)
+    if (w[i] >= floor) out[m++] = w[i];
+  return m;
+}
+
+// In place: c[0..out) = the c[i] in [lo, hi], in order; returns out. Safe in place: the 8 lanes stored at out <= i
+// were all loaded already.
+FV_AVX2_FN inline int64_t compress_range_avx2(float* c, int64_t m, float lo, float hi) {
+  const uint64_t* lut = compress_lut();
+  const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+  int64_t out = 0, i = 0;
+  for (; i + 8 <= m; i += 8) {
+    const __m256 x = _mm256_loadu_ps(c + i);
+    const int mask = _mm256_movemask_ps(
+        _mm256_and_ps(_mm256_cmp_ps(x, vlo, _CMP_GE_OQ), _mm256_cmp_ps(x, vhi, _CMP_LE_OQ)));
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(lut[mask])));
+    _mm256_storeu_ps(c + out, _mm256_permutevar8x32_ps(x, idx));
+    out += __builtin_popcount(mask);
+  }
+  for (; i < m; ++i) {
+    const float x = c[i];
+    c[out] = x;
+    out += (x >= lo) & (x <= hi);
+  }
+  return out;
+}
+
 #endif
 
 // Smallest weight kept by top-p: keep i iff sum_{w_j > w_i} w_j < target (= p * Z_k), over w[0..n) (zeros
-// allowed, never kept). A radix select on the float bits (w >= 0, so bit patterns order like the values) that
-// narrows the candidates at every level instead of rescanning the row:
-//   level 1, all n weights: float64 mass per exponent (bits 30..23; two interleaved histograms so that
-//            consecutive weights of one exponent do not wait on each other's store);
-//   then the weights of the chosen exponent are copied out (cand), and levels on bits 22..12 and 11..0 run over
-//   cand only, each keeping the chosen bucket's members; once at most kSortBelow remain they are sorted and
-//   walked in descending order exactly like the sparse path (equal weights kept or dropped together).
-// `above` is the float64 mass strictly above the current candidates' bucket throughout.
+// allowed, never kept). A radix select on the float bits (w >= 0, so bit patterns order like the values) over a
+// shrinking candidate list (cand[0..m)) instead of rescanning the row at every level:
+//   0. cand = the weights >= 2^-12 (branch-free vector compaction): the threshold is among them when their mass
+//      reaches the target, which level 1 finds out exactly; else the weights >= 2^-18, else all of them (and
+//      all of them at once without AVX2). Typical rows keep the mass in few tokens, so level 1 sees a few percent
+//      of the row instead of all of it (its scatter-add costs ~1.5 cycles per weight);
+//   1. float64 mass per exponent field (bits 30..23) of cand (two interleaved histograms, so that neighbours of
+//      one exponent do not wait on each other's store), scanned from the top; cand keeps the chosen exponent;
+//   2, 3. the same on bits 22..12 and 11..0, while more than kSortBelow candidates remain;
+//   then the survivors are sorted and walked in descending order exactly like the sparse path (equal weights kept
+//   or dropped together). `above` is the float64 mass strictly above the candidates' bucket throughout.
 inline float top_p_threshold(const float* w, int64_t n, double target, std::vector<double>& hist,
-                             std::vector<float>& cand) {
+                             std::vector<float>& cand_buf) {
   constexpr int64_t kSortBelow = 64;
   auto bits_of = [](float x) {
     uint32_t b;
@@ -655,59 +696,84 @@ inline float top_p_threshold(const float* w, int64_t n, double target, std::vect
       if (x[i] > 0.f) mn = std::min(mn, x[i]);
     return mn;
   };
-  hist.assign(512, 0.0);
-  double* h0 = hist.data();
-  double* h1 = h0 + 256;
-  int64_t i = 0;
-  for (; i + 2 <= n; i += 2) {
-    h0[bits_of(w[i]) >> 23] += static_cast<double>(w[i]);
-    h1[bits_of(w[i + 1]) >> 23] += static_cast<double>(w[i + 1]);
-  }
-  if (i < n) h0[bits_of(w[i]) >> 23] += static_cast<double>(w[i]);
-  double above = 0.0;
-  int e = 255;
-  for (; e >= 0; --e) {
-    const double m = h0[e] + h1[e];
-    if (above + m >= target) break;
-    above += m;
+  if (static_cast<int64_t>(cand_buf.size()) < n + 8) cand_buf.resize(n + 8);  // grown once, never shrunk
+  float* cand = cand_buf.data();
+  int64_t m = 0;
+  int e_floor = 0;  // cand holds the weights whose exponent field is >= e_floor
+#if defined(FV_SAMPLING_AVX2)
+  const bool simd = cpu_has_avx2();
+  if (simd) e_floor = 127 - 12;
+#endif
+  int e;
+  double above;
+  for (;;) {
+#if defined(FV_SAMPLING_AVX2)
+    if (simd && e_floor > 0) {
+      float floor_w;
+      const uint32_t fb = static_cast<uint32_t>(e_floor) << 23;
+      std::memcpy(&floor_w, &fb, 4);
+      m = compress_ge_avx2(w, n, floor_w, cand);
+    } else
+#endif
+    {
+      std::copy(w, w + n, cand);
+      m = n;
+    }
+    hist.assign(512, 0.0);
+    double* h0 = hist.data();
+    for (int64_t i = 0; i < m; ++i) h0[((i & 1) << 8) + (bits_of(cand[i]) >> 23)] += static_cast<double>(cand[i]);
+    above = 0.0;
+    for (e = 255; e >= e_floor; --e) {
+      const double s = h0[e] + h0[256 + e];
+      if (above + s >= target) break;
+      above += s;
+    }
+    if (e >= e_floor || e_floor == 0) break;
+    e_floor = e_floor > 127 - 18 ? 127 - 18 : 0;  // not enough mass above 2^-12: 2^-18, then everything
   }
   if (e < 0) return min_positive(w, n);  // rounding kept everything: the smallest positive weight
-  // The positive weights of exponent e (e = 0: the subnormals; zeros are never kept).
-  cand.clear();
-  {
-    const uint32_t key = static_cast<uint32_t>(e);
-    int64_t j = 0;
+  // Keeps the candidates whose bits lie in [lo, hi] (positive floats: the same as their values), branch-free.
+  auto keep_bits = [&](uint32_t lo, uint32_t hi) {
+    float flo, fhi;
+    std::memcpy(&flo, &lo, 4);
+    std::memcpy(&fhi, &hi, 4);
 #if defined(FV_SAMPLING_AVX2)
-    if (cpu_has_avx2()) j = select_exponent_avx2(w, n, key, cand);
-#endif
-    for (; j < n; ++j) {
-      const uint32_t b = bits_of(w[j]);
-      if (b != 0 && (b >> 23) == key) cand.push_back(w[j]);
+    if (cpu_has_avx2()) {
+      m = compress_range_avx2(cand, m, flo, fhi);
+      return;
     }
-  }
+#endif
+    int64_t out = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      const float x = cand[i];
+      cand[out] = x;
+      out += (x >= flo) & (x <= fhi);
+    }
+    m = out;
+  };
+  uint32_t prefix = static_cast<uint32_t>(e) << 23;
+  keep_bits(std::max<uint32_t>(prefix, 1u), prefix | ((1u << 23) - 1));  // exponent e, zeros never kept
   const int shifts[2] = {12, 0};
   const int widths[2] = {11, 12};
-  for (int level = 0; level < 2 && static_cast<int64_t>(cand.size()) > kSortBelow; ++level) {
+  for (int level = 0; level < 2 && m > kSortBelow; ++level) {
     const int shift = shifts[level];
     const uint32_t nb = 1u << widths[level];
     hist.assign(nb, 0.0);
-    for (float x : cand) hist[(bits_of(x) >> shift) & (nb - 1)] += static_cast<double>(x);
+    for (int64_t i = 0; i < m; ++i) hist[(bits_of(cand[i]) >> shift) & (nb - 1)] += static_cast<double>(cand[i]);
     int64_t b = nb - 1;
     for (; b >= 0; --b) {
       if (above + hist[b] >= target) break;
       above += hist[b];
     }
-    if (b < 0) return min_positive(cand.data(), static_cast<int64_t>(cand.size()));  // rounding: all kept
-    size_t out = 0;
-    for (float x : cand)
-      if (((bits_of(x) >> shift) & (nb - 1)) == static_cast<uint32_t>(b)) cand[out++] = x;
-    cand.resize(out);
+    if (b < 0) return min_positive(cand, m);  // rounding: all kept
+    prefix |= static_cast<uint32_t>(b) << shift;
+    keep_bits(std::max<uint32_t>(prefix, 1u), prefix | ((1u << shift) - 1));
   }
   // At most kSortBelow candidates left, or all 32 bits fixed (one value): the descending walk.
-  std::sort(cand.begin(), cand.end(), std::greater<float>());
+  std::sort(cand, cand + m, std::greater<float>());
   double run = above, group_start = above;
-  float thr = cand.empty() ? min_positive(w, n) : cand[0];
-  for (size_t j = 0; j < cand.size(); ++j) {
+  float thr = m == 0 ? min_positive(w, n) : cand[0];
+  for (int64_t j = 0; j < m; ++j) {
     if (j == 0 || cand[j] != cand[j - 1]) group_start = run;
     if (!(group_start < target)) break;
     thr = cand[j];
