@@ -89,6 +89,12 @@ struct RowDist {
   double z = 0.0;                                         // Z = C(V - 1)
 };
 
+// Max of a row and whether it holds NaN or +inf.
+struct RowScan {
+  float max = -std::numeric_limits<float>::infinity();
+  bool bad = false;  // NaN or +inf seen
+};
+
 // Scratch space of one row; keep one per thread and reuse it across rows. After warp_row it holds the row's
 // prefix sums, which sample_row / invert_row read.
 struct RowWorkspace {
@@ -100,11 +106,15 @@ struct RowWorkspace {
   std::vector<int64_t> cand_idx;
   std::vector<float> scratch;
   std::vector<double> hist;
-  // Optional: the next row this thread will warp (its bytes). The dense path's last pass over the current row
-  // (in L2, compute-bound) prefetches it line by line, so the next row's first pass, which would otherwise wait
-  // on DRAM, finds it in cache. warp_row clears it after use; nullptr = no prefetch.
+  // Optional: the next row this thread will warp (same dtype and V as the current one; prefetch_bytes = its
+  // size). The dense path's last pass over the current row is compute-bound and works from L2; it pulls the next
+  // row in meanwhile (and, without top-p, takes its max / NaN scan on the way: `scanned`), so that the next
+  // row's own first pass does not wait on DRAM. warp_row clears the hint; nullptr = none.
   const void* prefetch = nullptr;
   int64_t prefetch_bytes = 0;
+  const void* scanned = nullptr;  // the row whose scan is in next_scan (set by warp_row, used by the next call)
+  int64_t scanned_v = 0;
+  RowScan next_scan;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -299,12 +309,17 @@ FV_AVX2_FN inline __m256d hi_pd(__m256 v) { return _mm256_cvtps_pd(_mm256_extrac
 // in 16 float64 lanes (4 vectors, so the adds do not wait on each other) reduced in a fixed order; the weights
 // themselves are stored to w_out when it is not null (top-p needs them). One read of the row (from L2: the max
 // pass just brought it there), exp and float64 adds in registers, no other memory traffic.
+//
+// With nx (the next row, same T and V), the pass also takes nx's max / NaN scan 16 elements at a time (a load and
+// a max where the exp leaves the load and FP-add ports idle), so nx arrives in cache through this pass and its
+// first pass is saved altogether: *nx_scan.
 template <typename T, bool kDiv, bool kLMin, bool kWMin>
 FV_AVX2_FN void dense_sums_avx2(const T* logits, int64_t V, const RowDist& d, double* P, float* w_out,
-                                const char* pf, int64_t pf_bytes) {
+                                const T* nx, RowScan* nx_scan) {
   const Weights8 c = weights8_consts(d);
   const int64_t nblocks = (V + kBlock - 1) / kBlock;
-  int64_t pf_off = 0;
+  __m256 nm0 = _mm256_set1_ps(-INFINITY), nm1 = nm0, nnan = _mm256_setzero_ps();
+  int64_t nx_done = 0;  // nx is scanned over [0, nx_done)
   double run = 0.0;
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
@@ -313,9 +328,13 @@ FV_AVX2_FN void dense_sums_avx2(const T* logits, int64_t V, const RowDist& d, do
     __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
     int64_t j = 0;
     for (; j + 16 <= len; j += 16) {
-      if (pf_off < pf_bytes) {  // one line of the next row per 16 elements (see RowWorkspace::prefetch)
-        _mm_prefetch(pf + pf_off, _MM_HINT_T0);
-        pf_off += 64;
+      if (nx) {
+        _mm_prefetch(reinterpret_cast<const char*>(nx + lo + j) + 2048, _MM_HINT_T0);
+        const __m256 a = load8(nx + lo + j), b = load8(nx + lo + j + 8);
+        nm0 = _mm256_max_ps(nm0, a);
+        nm1 = _mm256_max_ps(nm1, b);
+        nnan = _mm256_or_ps(nnan, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+        nx_done = lo + j + 16;
       }
       const __m256 w0 = weights8<kDiv, kLMin, kWMin>(load8(x + j), c);
       const __m256 w1 = weights8<kDiv, kLMin, kWMin>(load8(x + j + 8), c);
@@ -349,6 +368,18 @@ FV_AVX2_FN void dense_sums_avx2(const T* logits, int64_t V, const RowDist& d, do
     run += hsum4(_mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
   }
   P[nblocks] = run;
+  if (nx) {
+    RowScan s;
+    s.max = hmax8(_mm256_max_ps(nm0, nm1));
+    s.bad = _mm256_movemask_ps(nnan) != 0;
+    for (int64_t i = nx_done; i < V; ++i) {  // the last V % 16
+      const float v = to_float(nx[i]);
+      if (std::isnan(v)) s.bad = true;
+      s.max = std::max(s.max, v);
+    }
+    s.bad = s.bad || s.max == std::numeric_limits<float>::infinity();
+    *nx_scan = s;
+  }
 }
 
 // P of the weights w[0..V) with those below w_min set to 0 (top-p's second pass, over the stored weights):
@@ -416,13 +447,15 @@ inline double lane_sum(const float* w, int64_t n) {
 }
 
 // P over the weights of the whole row (w_out: also store them); see dense_sums_avx2.
+// nx / nx_scan: see dense_sums_avx2 (AVX2 only; without it nx_scan is left alone and false is returned).
 template <typename T>
-inline void dense_sums(const T* logits, int64_t V, const RowDist& d, double* P, float* w_out,
-                       const char* pf = nullptr, int64_t pf_bytes = 0) {
+inline bool dense_sums(const T* logits, int64_t V, const RowDist& d, double* P, float* w_out,
+                       const T* nx = nullptr, RowScan* nx_scan = nullptr) {
 #if defined(FV_SAMPLING_AVX2)
-  if (cpu_has_avx2())
-    return dispatch_flags(
-        d, [&]<bool A, bool B, bool C>() { dense_sums_avx2<T, A, B, C>(logits, V, d, P, w_out, pf, pf_bytes); });
+  if (cpu_has_avx2()) {
+    dispatch_flags(d, [&]<bool A, bool B, bool C>() { dense_sums_avx2<T, A, B, C>(logits, V, d, P, w_out, nx, nx_scan); });
+    return nx != nullptr;
+  }
 #endif
   const int64_t nblocks = (V + kBlock - 1) / kBlock;
   alignas(32) float tmp[kBlock];
@@ -435,6 +468,7 @@ inline void dense_sums(const T* logits, int64_t V, const RowDist& d, double* P, 
     run += lane_sum(tmp, len);
   }
   P[nblocks] = run;
+  return false;
 }
 
 inline void masked_sums(const float* w, int64_t V, float w_min, double* P, const char* pf = nullptr,
@@ -456,11 +490,6 @@ inline void masked_sums(const float* w, int64_t V, float w_min, double* P, const
 
 // ---------------------------------------------------------------------------------------------------------------
 // Row statistics.
-
-struct RowScan {
-  float max = -std::numeric_limits<float>::infinity();
-  bool bad = false;  // NaN or +inf seen
-};
 
 #if defined(FV_SAMPLING_AVX2)
 // Max and NaN / +inf detection over [0, V - V % 8); returns the index where the scalar tail starts.
@@ -556,7 +585,8 @@ struct TopKFilter {
 
 #if defined(FV_SAMPLING_AVX2)
 // The filter over [0, V - V % 8); returns where the scalar tail starts. Sets bad on NaN / +inf.
-template <typename T>
+// kDiv = false when T == 1 (l / 1 == l: the division, ~4 cycles per vector, is skipped).
+template <typename T, bool kDiv>
 FV_AVX2_FN int64_t topk_filter_avx2(const T* logits, int64_t V, float temperature, TopKFilter& f, bool& bad) {
   const __m256 tv = _mm256_set1_ps(temperature);
   const __m256 inf = _mm256_set1_ps(INFINITY);
@@ -566,7 +596,7 @@ FV_AVX2_FN int64_t topk_filter_avx2(const T* logits, int64_t V, float temperatur
   for (; i + 8 <= V; i += 8) {
     const __m256 x = load8(logits + i);
     vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(x, inf, _CMP_EQ_UQ));
-    const __m256 lp = _mm256_div_ps(x, tv);
+    const __m256 lp = kDiv ? _mm256_div_ps(x, tv) : x;
     int mask = _mm256_movemask_ps(_mm256_cmp_ps(lp, vthr, _CMP_GE_OQ));
     if (mask) {
       alignas(32) float tmp[8];
@@ -595,7 +625,9 @@ inline bool topk_candidates(const T* logits, int64_t V, int64_t k, float tempera
   bool bad = false;
   int64_t i = 0;
 #if defined(FV_SAMPLING_AVX2)
-  if (cpu_has_avx2()) i = topk_filter_avx2(logits, V, temperature, f, bad);
+  if (cpu_has_avx2())
+    i = temperature == 1.f ? topk_filter_avx2<T, false>(logits, V, temperature, f, bad)
+                           : topk_filter_avx2<T, true>(logits, V, temperature, f, bad);
 #endif
   for (; i < V; ++i) {
     const float x = to_float(logits[i]);
@@ -787,10 +819,14 @@ inline float top_p_threshold(const float* w, int64_t n, double target, std::vect
 
 template <typename T>
 inline RowDist warp_row(const T* logits, int64_t V, Warp p, RowWorkspace& ws) {
-  const char* pf = static_cast<const char*>(ws.prefetch);  // a hint for this call only
+  // The hint for this call only; the scan the previous call took of this row, if it did.
+  const T* nx = static_cast<const T*>(ws.prefetch);
   const int64_t pf_bytes = ws.prefetch_bytes;
   ws.prefetch = nullptr;
   ws.prefetch_bytes = 0;
+  const bool have_scan = ws.scanned == static_cast<const void*>(logits) && ws.scanned_v == V;
+  ws.scanned = nullptr;
+  auto row_scan = [&] { return have_scan ? ws.next_scan : scan_row(logits, V); };
   RowDist d;
   d.vocab = V;
   d.temperature = p.temperature;
@@ -800,7 +836,7 @@ inline RowDist warp_row(const T* logits, int64_t V, Warp p, RowWorkspace& ws) {
   const bool sparse = use_k && k <= kSparseTopK && 8 * k <= V;
 
   if (p.temperature == 0.f) {
-    const RowScan s = scan_row(logits, V);
+    const RowScan s = row_scan();
     if (s.bad || s.max == -std::numeric_limits<float>::infinity()) return d;
     d.valid = d.greedy = true;
     d.argmax = argmax_row(logits, V, s.max);
@@ -866,7 +902,7 @@ inline RowDist warp_row(const T* logits, int64_t V, Warp p, RowWorkspace& ws) {
   }
 
   // Dense path.
-  const RowScan s = scan_row(logits, V);
+  const RowScan s = row_scan();
   if (s.bad || s.max == -std::numeric_limits<float>::infinity()) return d;
   d.m = s.max / p.temperature;
   if (std::isinf(d.m)) return d;
@@ -885,10 +921,13 @@ inline RowDist warp_row(const T* logits, int64_t V, Warp p, RowWorkspace& ws) {
     const double zk = ws.prefix[nblocks];
     const float wp = top_p_threshold(ws.w.data(), V, static_cast<double>(p.top_p) * zk, ws.hist, ws.scratch);
     d.w_min = std::max(wp, p.min_p);
-    masked_sums(ws.w.data(), V, d.w_min, ws.prefix.data(), pf, pf_bytes);
+    masked_sums(ws.w.data(), V, d.w_min, ws.prefix.data(), reinterpret_cast<const char*>(nx), pf_bytes);
   } else {
     d.w_min = p.min_p;
-    dense_sums(logits, V, d, ws.prefix.data(), nullptr, pf, pf_bytes);
+    if (dense_sums(logits, V, d, ws.prefix.data(), nullptr, nx, &ws.next_scan)) {
+      ws.scanned = nx;
+      ws.scanned_v = V;
+    }
   }
   d.z = ws.prefix[nblocks];
   d.valid = d.z > 0.0;
