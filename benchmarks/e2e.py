@@ -22,6 +22,7 @@ Usage (from the repository root):
   python benchmarks/e2e.py --quick                       # ~2 minutes: our 12 prompts, 64 new tokens
   python benchmarks/e2e.py --per-category 3              # Spec-Bench, every category, 128 new tokens
   python benchmarks/e2e.py --per-category 3 --max-new-tokens 96 --out e2e.json
+  python benchmarks/e2e.py --per-category 2 --methods generate fastverify --ngram min_n=2 width=1
 
 Results are appended to benchmarks/RESULTS.md (``--no-results`` to skip) with the machine, the command line and
 the numbers; a bar plot goes to ``--plot`` when matplotlib is importable (it is not a dependency of fastverify).
@@ -101,14 +102,15 @@ class ForwardCounter:
         self._handle.remove()
 
 
-def run_method(model, method, input_ids, max_new_tokens, counter):
-    """One greedy generation with ``method``. Returns (new tokens list, seconds, forwards, loop stats or None)."""
+def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None):
+    """One greedy generation with ``method``. Returns (new tokens list, seconds, forwards, loop stats or None).
+    ``ngram``: keyword arguments of fastverify's NGramDrafter (None: its defaults)."""
     import fastverify
 
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
     stats = None
     if method == "fastverify":
-        fastverify.patch(model)
+        fastverify.patch(model, drafter=fastverify.NGramDrafter(**ngram) if ngram else None)
     try:
         if method == "prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = 10
@@ -145,14 +147,15 @@ def first_difference(a, b):
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=METHODS, progress=True, log=print):
+def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=METHODS, progress=True, log=print,
+                  ngram=None):
     """Run every method on every question. Returns a list of per-question records."""
     counter = ForwardCounter(model)
     try:
         # Warm-up (not timed): every method once on the first question, short.
         warm = encode(tokenizer, questions[0]["prompt"])
         for m in methods:
-            run_method(model, m, warm, min(16, max_new_tokens), counter)
+            run_method(model, m, warm, min(16, max_new_tokens), counter, ngram)
         bar = _progress(len(questions) * len(methods), progress)
         records = []
         for i, q in enumerate(questions):
@@ -161,7 +164,7 @@ def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=METHODS, 
             rec = {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": ids.shape[1],
                    "order": order, "methods": {}}
             for m in order:
-                tokens, seconds, forwards, stats = run_method(model, m, ids, max_new_tokens, counter)
+                tokens, seconds, forwards, stats = run_method(model, m, ids, max_new_tokens, counter, ngram)
                 r = {"tokens": tokens, "new_tokens": len(tokens), "seconds": seconds, "forwards": forwards}
                 if stats is not None:
                     s = stats.summary()
@@ -342,6 +345,8 @@ def append_results(path, info, command, args, summary, table, notes):
                 " (other processes on the machine make timings noisy)\n")
         f.write(f"- model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised), {args.dtype}; greedy, batch 1, "
                 f"max_new_tokens {args.max_new_tokens}\n")
+        drafter_args = ", ".join(f"{k}={v}" for k, v in args.ngram.items())
+        f.write(f"- fastverify: fastverify.patch(model), NGramDrafter({drafter_args}), greedy\n")
         f.write(f"- command: `{command}`\n\n")
         f.write(table + "\n\n")
         for line in notes:
@@ -393,6 +398,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
                    help="subset of methods (generate is always run: it is the reference)")
+    p.add_argument("--ngram", nargs="+", default=[], metavar="KEY=INT",
+                   help="NGramDrafter arguments for fastverify, e.g. --ngram min_n=2 width=1 (default: its defaults)")
     p.add_argument("--out", help="write every per-question record and the summary to this JSON file")
     p.add_argument("--plot", default=None,
                    help="PNG path (default benchmarks/e2e.png, or benchmarks/e2e_quick.png with --quick)")
@@ -412,6 +419,10 @@ def parse_args(argv=None):
     if "generate" not in args.methods:
         args.methods = ["generate"] + args.methods
     args.methods = [m for m in METHODS if m in args.methods]
+    try:
+        args.ngram = {k: int(v) for k, v in (a.split("=", 1) for a in args.ngram)}
+    except ValueError:
+        p.error(f"--ngram: expected KEY=INT pairs, got {args.ngram}")
     if args.plot is None:
         args.plot = os.path.join(ROOT, "benchmarks", "e2e_quick.png" if args.quick else "e2e.png")
     return args
@@ -451,7 +462,7 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     records = run_benchmark(model, tokenizer, questions, args.max_new_tokens, tuple(args.methods),
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, ngram=args.ngram or None)
     elapsed = time.perf_counter() - t0
     try:
         info["load_after"] = round(os.getloadavg()[0], 2)

@@ -135,7 +135,8 @@ def test_e2e_summary_arithmetic():
     e2e = _e2e()
 
     def rec(cat, secs, same=True):  # 10 new tokens per method; seconds per method
-        m = {k: {"tokens": [1] * 10, "new_tokens": 10, "seconds": s, "forwards": f, "identical": k == "generate" or same}
+        m = {k: {"tokens": [1] * 10, "new_tokens": 10, "seconds": s, "forwards": f,
+                 "identical": k == "generate" or same}
              for k, s, f in zip(e2e.METHODS, secs, (10, 5, 4))}
         return {"category": cat, "methods": m}
 
