@@ -118,7 +118,7 @@ def test_large_vocab(backend, V):
         for rule, params in DET_CASES:
             if rule in rules:
                 _compare(backend, batch, rule, **params)
-    if V == 49152:
+    if V == 49152 and not (backend == "triton" and device_of(backend).type == "cpu"):  # ~1 min in the interpreter
         batch = random_batch(2, V, max_nodes=3, min_nodes=1, gen=gen)
         _compare(backend, batch, "coupled", temperature=0.9, top_p=0.95)
         _compare(backend, batch, "speculative", top_k=50)
@@ -411,7 +411,8 @@ BAD_INPUTS = [
     ("tokens < 0", lambda L, T, C, P: ((L, T.clone().fill_(-1), C, P), {}), ValueError, "draft_tokens"),
     ("tokens device", lambda L, T, C, P: ((L, T.to("meta"), C, P), {}), ValueError, "draft_tokens"),
     ("cu start", lambda L, T, C, P: ((L, T, C + 1, P), {}), ValueError, "cu_nodes"),
-    ("cu decreasing", lambda L, T, C, P: ((L, T, torch.tensor([0, int(C[2]) + 1, int(C[2])], dtype=torch.int32), P), {}),
+    ("cu decreasing", lambda L, T, C, P: ((L, T, torch.tensor([0, int(C[2]) + 1, int(C[2])], dtype=torch.int32), P),
+                                          {}),
      ValueError, "cu_nodes"),
     ("cu float", lambda L, T, C, P: ((L, T, C.float(), P), {}), TypeError, "cu_nodes"),
     ("parents forward", lambda L, T, C, P: ((L, T, C, torch.zeros_like(P)), {}), ValueError, "parents"),

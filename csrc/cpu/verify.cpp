@@ -51,8 +51,9 @@ Layout make_layout(const at::Tensor& cu_nodes, const at::Tensor& draft_tokens, c
   TORCH_CHECK(L.cu[0] == 0 && L.cu[L.B] == L.N, "verify: cu_nodes: expected offsets from 0 to N = ", L.N, ", got ",
               L.cu[0], " .. ", L.cu[L.B]);
   for (int64_t b = 0; b < L.B; ++b)  // before any indexing: offsets stay inside [0, N]
-    TORCH_CHECK(L.cu[b + 1] >= L.cu[b] && L.cu[b + 1] <= L.N, "verify: cu_nodes: expected non-decreasing offsets in [0, N = ",
-                L.N, "], got cu_nodes[", b, "] = ", L.cu[b], ", cu_nodes[", b + 1, "] = ", L.cu[b + 1]);
+    TORCH_CHECK(L.cu[b + 1] >= L.cu[b] && L.cu[b + 1] <= L.N,
+                "verify: cu_nodes: expected non-decreasing offsets in [0, N = ", L.N, "], got cu_nodes[", b,
+                "] = ", L.cu[b], ", cu_nodes[", b + 1, "] = ", L.cu[b + 1]);
   L.depth.assign(L.N, 0);
   std::vector<int64_t> count(L.R + 1, 0);
   std::vector<int64_t> parent_row(L.N);
@@ -301,7 +302,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cpu(
   const int64_t B = cu_nodes.size(0) - 1;
   TORCH_CHECK(rule_params.scalar_type() == at::kFloat && rule_params.dim() == 2 && rule_params.size(0) == B &&
                   rule_params.size(1) == 2,
-              "verify: rule_params: expected float32 [B, 2], got ", rule_params.scalar_type(), " ", rule_params.sizes());
+              "verify: rule_params: expected float32 [B, 2], got ", rule_params.scalar_type(), " ",
+              rule_params.sizes());
   TORCH_CHECK(warp.scalar_type() == at::kFloat && warp.dim() == 2 && warp.size(0) == B && warp.size(1) == 4,
               "verify: warp: expected float32 [B, 4], got ", warp.scalar_type(), " ", warp.sizes());
   TORCH_CHECK(rule >= 0 && rule < kNumRules, "verify: rule: expected an index in [0, ", int64_t(kNumRules), "), got ",

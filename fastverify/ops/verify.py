@@ -259,7 +259,8 @@ def _uniform(seed, position, stream):
 
 
 def _rand_open(n, device, generator):
-    """float32 [n] uniforms in (0, 1] on the grid ((x + 0.5) * 2^-24) that ``uniform`` also uses (the top value rounds to 1)."""
+    """float32 [n] uniforms in (0, 1] on the grid ((x + 0.5) * 2^-24) that ``uniform`` also uses (its top value
+    rounds to 1 in float32)."""
     x = torch.randint(0, 2**24, (n,), device=device, generator=generator, dtype=torch.int64)
     return ((x.double() + 0.5) * 2.0**-24).float()
 
