@@ -4,13 +4,20 @@
   topk_topp:  fastverify.cdf_sample(top_k=50, top_p=0.9) vs the sort-based pipeline (transformers-style top-k
               with torch.topk, top-p with a full sort + cumsum, then softmax + torch.multinomial)
 
+  temp0.7 / topp0.9: fastverify.cdf_sample with temperature 0.7 (a division per logit), and with top-p alone
+              (threshold search over the weights; no sort-based torch counterpart is timed for it)
+
 Run:  pytest benchmarks/bench_sampling.py --benchmark-only  [FASTVERIFY_BENCH_FULL=1 for the full grid
 V in {32000, 128256, 151936} x B in {1, 8, 64}; default: V = 128256, B in {1, 64}]. Each case records the
-effective bandwidth (logits bytes / median time) in extra_info["GB/s"]; the machine is printed in the header.
+effective bandwidth (logits bytes / median time) in extra_info["GB/s"], and, to show how much of the machine the
+run actually had, the process CPU time per call and its ratio to the wall time (extra_info["cpu/wall"]: about
+torch.get_num_threads() on an idle machine for the parallel ops, lower when other processes hold the cores).
+See extra_info with --benchmark-json or --benchmark-verbose.
 """
 
 import os
 import platform
+import time
 
 import pytest
 import torch
@@ -54,6 +61,7 @@ CASES = {
     "topk50_topp0.9/fastverify": lambda l, u: fastverify.cdf_sample(l, u, top_k=50, top_p=0.9),
     "topk50_topp0.9/sort+multinomial": _sort_pipeline,
     "topp0.9/fastverify": lambda l, u: fastverify.cdf_sample(l, u, top_p=0.9),
+    "temp0.7/fastverify": lambda l, u: fastverify.cdf_sample(l, u, temperature=0.7),
 }
 
 
@@ -70,4 +78,11 @@ def test_cdf_sample(benchmark, case, B, V):
     benchmark.pedantic(fn, args=(logits, u), rounds=15 if B * V < 2_000_000 else 7, iterations=1, warmup_rounds=1)
     med = benchmark.stats.stats.median
     benchmark.extra_info["GB/s"] = round(logits.numel() * logits.element_size() / med / 1e9, 2)
+    n = 3
+    c0, w0 = time.process_time(), time.perf_counter()
+    for _ in range(n):
+        fn(logits, u)
+    cpu, wall = (time.process_time() - c0) / n, (time.perf_counter() - w0) / n
+    benchmark.extra_info["cpu_s_per_call"] = round(cpu, 6)
+    benchmark.extra_info["cpu/wall"] = round(cpu / wall, 2)
     benchmark.extra_info["machine"] = f"{platform.machine()} {os.cpu_count()} cores, torch threads={torch.get_num_threads()}"

@@ -8,21 +8,34 @@
 //     compacted with nth_element whenever it fills: selection instead of a sort), or nth_element on a copy
 //     when k is a large fraction of V;
 //   * top-p: the smallest kept weight by a radix select over the float bits of w with per-bucket float64 mass
-//     (levels of 12/10/10 bits; the last level isolates one value, so ties are kept or dropped together), the
-//     CPU analogue of FlashInfer's sorting-free pivot search; on the small top-k set, a sort of those few;
+//     (exponent, then 11 and 12 mantissa bits; the last level isolates one value, so ties are kept or dropped
+//     together), run over a candidate list that shrinks at every level (it starts as the weights >= 2^-12 when
+//     their mass reaches the target), the CPU analogue of FlashInfer's sorting-free pivot search; on the small
+//     top-k set, a sort of those few;
 //   * min-p: a threshold on w (w of the top token is 1).
 // All three reduce to: keep token i iff l'_i >= l_min and w_i >= w_min (RowDist).
 //
 // Sums. C(t) is a float64 prefix sum of w in token-id order. When top-k is small the kept tokens are few and
 // C is the plain sequential sum over them (equal to the reference's cumsum: the zeros in between change
 // nothing). Otherwise C is blocked: P[b] = sequential sum of the float64 sums of blocks 0..b-1 (kBlock tokens
-// each, a block's sum accumulated in 8 lanes in a fixed order), and inside a block the sum runs sequentially
-// from P[b]. Sampling picks the block (smallest b with P[b + 1] > u * Z), then the first token of the block
-// whose running sum exceeds u * Z (the block's last positive token if rounding leaves none). These additions
-// are associated differently from a sequential cumsum, so this backend may pick a neighbouring token of the
-// reference's only when u * Z lies within a few float64 ulps (relative to Z) of a bin edge. Within this
-// backend sample and invert share every sum, and invert checks its answer with sample itself, so
-// sample(invert(t)) == t exactly whenever invert returns a number.
+// each, a block's sum accumulated in 16 float64 lanes in a fixed order), and inside a block the sum runs
+// sequentially from P[b]. Sampling picks the block (smallest b with P[b + 1] > u * Z), then the first token of
+// the block whose running sum exceeds u * Z (the block's last positive token if rounding leaves none). These
+// additions are associated differently from a sequential cumsum, so this backend may pick a neighbouring token
+// of the reference's only when u * Z lies within a few float64 ulps (relative to Z) of a bin edge. (Float32
+// partial sums inside a block would save ~10% of the weight pass but move P by up to 2^-24 Z, enough to make
+// the last tokens of a block with p ~ 1e-9 unreachable: not done.) Within this backend sample and invert share
+// every sum, and invert checks its answer with sample itself, so sample(invert(t)) == t exactly whenever invert
+// returns a number.
+//
+// Speed (AVX2, chosen at run time; setup.py compiles without -mavx2, so the SIMD functions carry a target
+// attribute). A plain dense row costs two passes: the max / NaN scan, and one fused pass computing every weight
+// (an inline copy of SLEEF's expf, bit-identical to torch.exp) and the float64 block sums in registers, the row
+// coming from L2; sampling then recomputes only the selected block. The row kernels pass the next row as a hint
+// (RowWorkspace::prefetch): the fused pass, bound by FMA throughput, loads the next row meanwhile and takes its
+// max scan, so consecutive rows do not wait on DRAM. Top-p stores the weights on the fused pass and adds the
+// threshold search (a vector compaction plus scalar histograms over a few percent of the row) and a masked
+// re-summation.
 //
 // Validity. A row holding NaN or +inf, a row that is all -inf, or a row whose largest l / T overflows to +inf
 // has no distribution: RowDist::valid is false; sample returns -1 and invert NaN.
