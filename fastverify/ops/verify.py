@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from fastverify import _ext
+from fastverify.ops.sampling import sample_v, uniform
 from fastverify.reference import verify as _reference
 from fastverify.reference.verify import DETERMINISTIC_RULES, RULES, SAMPLING_RULES
 
@@ -249,20 +250,12 @@ _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _uniform(seed, position, stream):
-    try:
-        from fastverify.ops.sampling import uniform  # noqa: PLC0415
-    except ImportError:
-        from fastverify.reference.sampling import uniform as ref_uniform  # noqa: PLC0415
-
-        return ref_uniform(seed, position, stream)
     return uniform(seed, position, stream)
 
 
 def _rand_open(n, device, generator):
-    """float32 [n] uniforms in (0, 1] on the grid ((x + 0.5) * 2^-24) that ``uniform`` also uses (its top value
-    rounds to 1 in float32)."""
-    x = torch.randint(0, 2**24, (n,), device=device, generator=generator, dtype=torch.int64)
-    return ((x.double() + 0.5) * 2.0**-24).float()
+    """float32 [n] uniforms strictly inside (0, 1), drawn with ``generator`` on the grid ``uniform`` uses."""
+    return sample_v(n, generator=generator, device=device)
 
 
 def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", k=None, eps=None, beta=None, tau=None,
@@ -472,8 +465,7 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
         if validate:
             for name, val in (("u_sample", u_sample), ("u_accept", u_accept)):
                 if val is not None and val.numel():
-                    # (0, 1]: uniform() rounds its largest value, 1 - 2^-25, to 1.0 in float32 (probability 2^-24)
-                    _check_range(name, val, lo=0, hi=1, lo_open=True)
+                    _check_range(name, val, lo=0, hi=1, lo_open=True, hi_open=True)
     else:
         for name, val in (("draft_probs", draft_probs), ("u_sample", u_sample), ("u_accept", u_accept),
                           ("seed", seed), ("position", position)):
