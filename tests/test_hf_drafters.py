@@ -11,6 +11,9 @@ from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter
 
 transformers = pytest.importorskip("transformers")
 
+# the cost-aware selection turned off: the structure tests below check the candidate trie itself
+OFF = dict(fixed_cost=0, node_cost=0)
+
 
 def _paths(tree):
     """Root-to-leaf token sequences of a tree."""
@@ -32,7 +35,7 @@ def test_ngram_no_match_no_draft():
 
 
 def test_ngram_chain_from_prompt_lookup():
-    d = NGramDrafter(max_n=3, depth=4, width=1)
+    d = NGramDrafter(max_n=3, depth=4, width=1, **OFF)
     d.reset(1)
     ctx = [7, 8, 9, 10, 11, 12, 50, 7, 8, 9]
     (tree,) = d.propose([ctx], [16])
@@ -40,7 +43,7 @@ def test_ngram_chain_from_prompt_lookup():
 
 
 def test_ngram_tree_of_continuations_most_recent_first():
-    d = NGramDrafter(max_n=2, depth=3, width=3)
+    d = NGramDrafter(max_n=2, depth=3, width=3, **OFF)
     d.reset(1)
     # "5 6" was followed by 1 2 3, then 1 2 4, then 9 9 9: a trie with the shared prefix 1 2 merged
     ctx = [5, 6, 1, 2, 3, 0, 5, 6, 1, 2, 4, 0, 5, 6, 9, 9, 9, 0, 5, 6]
@@ -53,14 +56,14 @@ def test_ngram_tree_of_continuations_most_recent_first():
 
 
 def test_ngram_longest_ngram_wins():
-    d = NGramDrafter(min_n=1, max_n=3, depth=2, width=1)
+    d = NGramDrafter(min_n=1, max_n=3, depth=2, width=1, **OFF)
     d.reset(1)
     ctx = [1, 2, 3, 40, 41, 9, 3, 50, 51, 2, 3]  # "2 3" -> 40 41 (n=2) beats "3" -> 50 51 (most recent n=1)
     assert _paths(d.propose([ctx], [16])[0]) == [[40, 41]]
 
 
 def test_ngram_budget_and_finished_requests():
-    d = NGramDrafter(max_n=2, depth=8, width=4)
+    d = NGramDrafter(max_n=2, depth=8, width=4, **OFF)
     d.reset(2)
     ctx = [1, 2] + list(range(10, 20)) + [1, 2] + list(range(30, 40)) + [1, 2]
     trees = d.propose([ctx, ctx], [5, 0])
@@ -70,13 +73,13 @@ def test_ngram_budget_and_finished_requests():
 def test_ngram_index_is_incremental_and_matches_a_fresh_scan():
     rng = random.Random(0)
     ctx = [rng.randrange(6) for _ in range(40)]
-    inc = NGramDrafter(max_n=3, depth=4, width=3)
+    inc = NGramDrafter(max_n=3, depth=4, width=3, **OFF)
     inc.reset(1)
     for _ in range(60):
         inc.propose([ctx], [12])
         inc.states[0].depth, inc.states[0].width = 4, 3  # compare at fixed sizes
         ctx = ctx + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
-        fresh = NGramDrafter(max_n=3, depth=4, width=3)
+        fresh = NGramDrafter(max_n=3, depth=4, width=3, **OFF)
         fresh.reset(1)
         a, b = inc.propose([ctx], [12])[0], fresh.propose([ctx], [12])[0]
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
@@ -85,7 +88,7 @@ def test_ngram_index_is_incremental_and_matches_a_fresh_scan():
 
 
 def test_ngram_adapts_depth_and_width():
-    d = NGramDrafter(max_n=2, depth=4, max_depth=12, min_depth=1, width=2, max_width=4)
+    d = NGramDrafter(max_n=2, depth=4, max_depth=12, min_depth=1, width=2, max_width=4, **OFF)
     d.reset(1)
     ctx = list(range(1, 30)) + [1, 2]
     d.propose([ctx], [32])
@@ -111,6 +114,50 @@ def test_ngram_bad_arguments():
         NGramDrafter(depth=0)
     with pytest.raises(ValueError, match="width"):
         NGramDrafter(width=5, max_width=4)
+    with pytest.raises(ValueError, match="fixed_cost"):
+        NGramDrafter(node_cost=-0.1)
+    with pytest.raises(ValueError, match="min_gain"):
+        NGramDrafter(min_gain=0)
+
+
+def test_ngram_cost_aware_drafts_only_when_it_pays():
+    # a single earlier occurrence of a 1-gram: P(accept) ~ 0.2 does not pay for the larger forward
+    d = NGramDrafter()
+    d.reset(1)
+    assert len(d.propose([[1, 2, 3, 4, 5, 6, 7, 8, 3]], [16])[0]) == 0
+    # a 3-gram repeated several times with the same continuation: drafted, deep
+    ctx = [1, 2, 3, 4, 5, 6, 7, 0] * 3 + [1, 2, 3]
+    (tree,) = d.propose([ctx], [16])
+    assert len(tree) >= 2 and _paths(tree)[0][:2] == [4, 5]
+    # with a free forward every candidate is proposed, also the weak 1-gram one
+    free = NGramDrafter(**OFF)
+    free.reset(1)
+    assert _paths(free.propose([[1, 2, 3, 4, 5, 6, 7, 8, 3]], [16])[0]) == [[4, 5, 6, 7]]
+
+
+def test_ngram_cost_aware_keeps_the_most_probable_nodes_with_their_parents():
+    d = NGramDrafter(max_n=2, depth=6, width=4, fixed_cost=0, node_cost=0.2)
+    d.reset(1)
+    # "5 6" -> 1 2 3 4 5 (three times), -> 9 8 7 (once): the minority branch goes first as cost rises
+    ctx = [5, 6, 1, 2, 3, 4, 5, 0] * 3 + [5, 6, 9, 8, 7, 0, 5, 6]
+    (tree,) = d.propose([ctx], [16])
+    tree.validate()
+    paths = _paths(tree)
+    assert len(paths) == 1 and paths[0][0] == 1  # 9 (1 of 4 matches) dropped
+    assert 1 <= len(tree) <= 6
+
+
+def test_ngram_running_acceptance_statistics():
+    d = NGramDrafter(max_n=2, depth=4, width=1, **OFF)
+    d.reset(1)
+    ctx = [1, 2, 3, 4, 5, 6, 0, 1, 2]
+    (tree,) = d.propose([ctx], [16])
+    assert _paths(tree) == [[3, 4, 5, 6]]
+    d.update([2])  # 3 4 accepted, 5 rejected (the model said 9), 6 never scored
+    d.propose([ctx + [3, 4, 9]], [16])
+    got = {k: tuple(v) for k, v in d.counts.items()}
+    assert got == {(2, 1, 0): (1, 0), (2, 2, 0): (1, 0), (2, 3, 0): (0, 1)}
+    assert d.acceptance((2, 3, 0)) < NGramDrafter._PRIORS[(2, 3, 0)] < d.acceptance((2, 2, 0)) + 1
 
 
 @pytest.fixture(scope="module")
