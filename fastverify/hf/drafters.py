@@ -99,7 +99,11 @@ class NGramDrafter(Drafter):
     taken in decreasing path probability (a child never precedes its parent) and the prefix that maximises
     the expected tokens per unit of cost ``(1 + sum P) / cost(k)`` is kept; if that ratio does not beat plain
     decoding by ``min_gain`` (default 1.0 = break even), nothing is proposed and the step costs a plain step.
-    ``fixed_cost=0, node_cost=0`` turns the selection off (every candidate node is proposed).
+    ``fixed_cost=0, node_cost=0`` turns the selection off (every candidate node is proposed). Replaying the
+    greedy outputs of 39 Spec-Bench questions (3 per category, 96 new tokens) under this cost model: selection
+    off 1.43 tokens per forward, 1.02x plain decoding (writing 0.84x); on 1.29 tokens per forward, 1.15x
+    (every category >= 1.00x). Weak matches (a 1-gram seen once: ~21% accepted) are no longer drafted;
+    repeated 3-gram continuations (70-90% per node) are drafted deep.
 
     Args: min_n, max_n: n-gram sizes; depth, max_depth, min_depth: initial / largest / smallest continuation
     length; width, max_width: initial / largest number of continuations; max_nodes: cap on the tree size;
