@@ -216,3 +216,30 @@ def test_draft_model_bad_arguments(tiny):
         DraftModelDrafter(tiny, k=0)
     with pytest.raises(ValueError, match="tree_topk"):
         DraftModelDrafter(tiny, tree_topk=0)
+
+
+def test_ngram_calibrates_the_fixed_cost_from_step_times():
+    t = [0.0]
+    d = NGramDrafter()
+    d.clock = lambda: t[0]
+    d.reset(1)
+    ctx = [1, 2, 3, 4, 5, 6, 7, 0] * 3 + [1, 2, 3]  # always drafted
+    plain = [9, 8, 7, 6]                              # never drafted
+    for step in range(4):                             # plain steps of 10 ms
+        d.propose([plain], [16])
+        t[0] += 0.010
+    assert d.plain_step == pytest.approx(0.010, rel=1e-3)
+    assert d.step_fixed_cost() == pytest.approx(0.55)
+    k = len(d.propose([ctx], [16])[0])
+    assert k > 0
+    t[0] += 0.040                                     # the drafted step took 4 plain steps
+    d.propose([plain], [16])
+    obs = 4.0 - 1.0 - 0.065 * k
+    assert d.step_fixed_cost() == pytest.approx((4 * 0.55 + obs) / 5)
+    for _ in range(40):                               # expensive drafts: the drafter stops drafting
+        t[0] += 0.040 if len(d.propose([ctx], [16])[0]) else 0.010
+    assert len(d.propose([ctx], [16])[0]) == 0
+    d.reset(1)                                        # the gap over a reset (prefill) is not a step
+    t[0] += 5.0
+    d.propose([plain], [16])
+    assert d.plain_step == pytest.approx(0.010, rel=1e-3)
