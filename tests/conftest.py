@@ -128,3 +128,13 @@ def backend_params(implemented, backends=("torch", "cpp", "triton", "cuda")):
 def to_device(batch, device):
     """Copy every tensor of a dict to ``device`` (other values unchanged)."""
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module that decodes with a model: batch-1 decoding is bandwidth-bound, and intra-op
+    threads only add contention (OpenMP spin-waits stall a step many times over when the machine is shared)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

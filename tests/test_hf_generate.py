@@ -43,13 +43,7 @@ def _tiny(arch: str):
 ARCHS = ["llama", "qwen2", "mistral", "gpt2", "gemma"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models: intra-op threads only add contention (a 2-layer step is ~10x slower with 2 busy threads).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -13,12 +13,7 @@ transformers = pytest.importorskip("transformers")
 hf_patch = importlib.import_module("fastverify.hf.patch")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture()

@@ -12,7 +12,7 @@ import torch
 import fastverify
 from fastverify import models
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 # Our own prompts: two that invite copying from the prompt (where n-gram drafts get accepted), one open-ended.
 PROMPTS = [
@@ -24,14 +24,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Batch-1 decoding of a 135M model is bandwidth-bound; one thread is nearly as fast on 2 idle cores and does
-    # not collapse (OpenMP spin-waits) when the machine is shared.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
