@@ -220,7 +220,7 @@ def test_draft_model_bad_arguments(tiny):
 
 def test_ngram_calibrates_the_fixed_cost_from_step_times():
     t = [0.0]
-    d = NGramDrafter()
+    d = NGramDrafter(calibrate=True)
     d.clock = lambda: t[0]
     d.reset(1)
     ctx = [1, 2, 3, 4, 5, 6, 7, 0] * 3 + [1, 2, 3]  # always drafted
