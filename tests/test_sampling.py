@@ -7,6 +7,7 @@ reference with perturbed top_p / min_p), and (b) on u whose u * Z is at least 1e
 of the reference CDF. The round trip cdf_sample(cdf_invert(t)) == t is exact within a backend and tested as such.
 """
 
+import os
 import math
 
 import pytest
@@ -32,6 +33,8 @@ WARPS = {
     "greedy": (0.0, 0, 1.0, 0.0),
 }
 
+
+SLOW_TESTS = os.environ.get("FASTVERIFY_SLOW_TESTS", "0") not in ("", "0")
 
 def _backends(op):
     return backend_params(S.implemented_backends(op))
@@ -227,8 +230,9 @@ def test_cdf_sample_edge_cases(backend):
 def test_cdf_invert_round_trip(backend, dtype, V, warp_name):
     """cdf_sample(cdf_invert(t, v)) == t exactly for every token of positive probability whose float64 bin is
     not absorbed (C(t) > C(t - 1)); tested with v at 1e-7, 0.5 and 1 - 1e-7 and tiny probabilities."""
-    if backend == "triton" and V > 1000:
-        pytest.skip("triton under the interpreter: kept to V <= 1000 for time")
+    if not SLOW_TESTS and ((backend == "triton" and V > 3) or (backend == "torch" and V > 1000)):
+        pytest.skip("interpreted Triton beyond V = 3 and the torch reference at V = 151936 take minutes here: "
+                    "set FASTVERIFY_SLOW_TESTS=1")
     dev = device_of(backend)
     g = torch.Generator().manual_seed(V + 13)
     # a wide spread of logits gives probabilities down to ~1e-30 and below
