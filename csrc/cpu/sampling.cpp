@@ -65,6 +65,25 @@ at::Tensor _uniform_kernel(const at::Tensor& seed, const at::Tensor& position, i
   return out;
 }
 
+// Warps each row of logits [R, V] (parallel over rows, the next row prefetched on the way) and hands it to
+// fn(row, dist, workspace, r): the one loop cdf_sample and cdf_invert share, so both see identical arithmetic.
+template <typename Fn>
+void for_each_warped_row(const at::Tensor& logits, const float* wq, const Fn& fn) {
+  const int64_t R = logits.size(0), V = logits.size(1), row_stride = logits.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "for_each_warped_row", [&] {
+    const scalar_t* lp = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, R, row_grain(V), [&](int64_t b, int64_t e) {
+      fs::RowWorkspace ws;
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* row = lp + r * row_stride;
+        if (r + 1 < e && row_stride != 0) set_prefetch(ws, row + row_stride, V);
+        const fs::RowDist d = fs::warp_row(row, V, fs::load_warp(wq + 4 * r), ws);
+        fn(row, d, ws, r);
+      }
+    });
+  });
+}
+
 at::Tensor _cdf_sample_kernel(const at::Tensor& logits, const at::Tensor& u, const at::Tensor& warp) {
   check_rows(logits, warp, "cdf_sample");
   const int64_t R = logits.size(0), V = logits.size(1);
@@ -78,18 +97,8 @@ at::Tensor _cdf_sample_kernel(const at::Tensor& logits, const at::Tensor& u, con
   const double* up = ud.data_ptr<double>();
   const float* wq = wp.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  const int64_t row_stride = logits.stride(0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "_cdf_sample_kernel", [&] {
-    const scalar_t* lp = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, R, row_grain(V), [&](int64_t b, int64_t e) {
-      fs::RowWorkspace ws;
-      for (int64_t r = b; r < e; ++r) {
-        const scalar_t* row = lp + r * row_stride;
-        if (r + 1 < e && row_stride != 0) set_prefetch(ws, row + row_stride, V);
-        const fs::RowDist d = fs::warp_row(row, V, fs::load_warp(wq + 4 * r), ws);
-        op[r] = fs::sample_row(row, d, ws, up[r]);
-      }
-    });
+  for_each_warped_row(logits, wq, [&](const auto* row, const fs::RowDist& d, fs::RowWorkspace& ws, int64_t r) {
+    op[r] = fs::sample_row(row, d, ws, up[r]);
   });
   return out;
 }
@@ -111,18 +120,8 @@ at::Tensor _cdf_invert_kernel(const at::Tensor& logits, const at::Tensor& token,
   const int64_t* tp = tk.data_ptr<int64_t>();
   const float* wq = wp.data_ptr<float>();
   double* op = out.data_ptr<double>();
-  const int64_t row_stride = logits.stride(0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "_cdf_invert_kernel", [&] {
-    const scalar_t* lp = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, R, row_grain(V), [&](int64_t b, int64_t e) {
-      fs::RowWorkspace ws;
-      for (int64_t r = b; r < e; ++r) {
-        const scalar_t* row = lp + r * row_stride;
-        if (r + 1 < e && row_stride != 0) set_prefetch(ws, row + row_stride, V);
-        const fs::RowDist d = fs::warp_row(row, V, fs::load_warp(wq + 4 * r), ws);
-        op[r] = fs::invert_row(row, d, ws, tp[r], vp[r]);
-      }
-    });
+  for_each_warped_row(logits, wq, [&](const auto* row, const fs::RowDist& d, fs::RowWorkspace& ws, int64_t r) {
+    op[r] = fs::invert_row(row, d, ws, tp[r], vp[r]);
   });
   return out;
 }
