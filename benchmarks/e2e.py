@@ -45,7 +45,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_QUESTIONS = "../shared/data/spec_bench/question.jsonl"  # relative to the repository root
 QUICK_PROMPTS = os.path.join(ROOT, "benchmarks", "quick_prompts.jsonl")
-METHODS = ("generate", "prompt_lookup", "fastverify")
+# no_draft (opt-in): fastverify's loop with a drafter that proposes nothing, i.e. what the loop's kernels
+# (skinny linears) give without any drafting; it separates the two sources of speed-up.
+METHODS = ("generate", "prompt_lookup", "fastverify", "no_draft")
+DEFAULT_METHODS = ("generate", "prompt_lookup", "fastverify")
 BASELINES = ("generate", "prompt_lookup")
 
 
@@ -109,8 +112,11 @@ def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None):
 
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
     stats = None
+    patched = method in ("fastverify", "no_draft")
     if method == "fastverify":
         fastverify.patch(model, drafter=fastverify.NGramDrafter(**ngram) if ngram else None)
+    elif method == "no_draft":
+        fastverify.patch(model, drafter=fastverify.Drafter())
     try:
         if method == "prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = 10
@@ -120,13 +126,13 @@ def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None):
             out = model.generate(input_ids, **kwargs)
         seconds = time.perf_counter() - t0
         forwards = counter.count
-        if method == "fastverify":
+        if patched:
             stats = _loop_stats(model)
             if stats is None:
                 raise RuntimeError("fastverify.patch(model).generate fell back to the original generate "
                                    "(no loop statistics); see its warning")
     finally:
-        if method == "fastverify":
+        if patched:
             fastverify.unpatch(model)
     return out[0, input_ids.shape[1]:].tolist(), seconds, forwards, stats
 
@@ -147,7 +153,7 @@ def first_difference(a, b):
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=METHODS, progress=True, log=print,
+def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_METHODS, progress=True, log=print,
                   ngram=None):
     """Run every method on every question. Returns a list of per-question records."""
     counter = ForwardCounter(model)
@@ -220,7 +226,7 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def summarise(records, methods=METHODS):
+def summarise(records, methods=DEFAULT_METHODS):
     """Per category (in order of first appearance) and overall: for each method tok/fwd, tok/s, identical count;
     for fastverify and prompt_lookup, speedups (geometric mean and worst question) over each baseline."""
     groups = OrderedDict()
@@ -256,7 +262,7 @@ def summarise(records, methods=METHODS):
     return out
 
 
-def format_table(summary, methods=METHODS):
+def format_table(summary, methods=DEFAULT_METHODS):
     """A markdown table: one row per category, then overall."""
     head = ["category", "n"]
     for m in methods:
@@ -396,9 +402,9 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (64 with --quick)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
                    help="subset of methods (generate is always run: it is the reference)")
-    p.add_argument("--ngram", nargs="+", default=[], metavar="KEY=INT",
+    p.add_argument("--ngram", nargs="+", default=[], metavar="KEY=NUMBER",
                    help="NGramDrafter arguments for fastverify, e.g. --ngram min_n=2 width=1 (default: its defaults)")
     p.add_argument("--out", help="write every per-question record and the summary to this JSON file")
     p.add_argument("--plot", default=None,
@@ -420,9 +426,9 @@ def parse_args(argv=None):
         args.methods = ["generate"] + args.methods
     args.methods = [m for m in METHODS if m in args.methods]
     try:
-        args.ngram = {k: int(v) for k, v in (a.split("=", 1) for a in args.ngram)}
+        args.ngram = {k: (int(v) if v.lstrip("-").isdigit() else float(v)) for k, v in (a.split("=", 1) for a in args.ngram)}
     except ValueError:
-        p.error(f"--ngram: expected KEY=INT pairs, got {args.ngram}")
+        p.error(f"--ngram: expected KEY=NUMBER pairs, got {args.ngram}")
     if args.plot is None:
         args.plot = os.path.join(ROOT, "benchmarks", "e2e_quick.png" if args.quick else "e2e.png")
     return args

@@ -139,7 +139,7 @@ def test_e2e_summary_arithmetic():
     def rec(cat, secs, same=True):  # 10 new tokens per method; seconds per method
         m = {k: {"tokens": [1] * 10, "new_tokens": 10, "seconds": s, "forwards": f,
                  "identical": k == "generate" or same}
-             for k, s, f in zip(e2e.METHODS, secs, (10, 5, 4))}
+             for k, s, f in zip(e2e.DEFAULT_METHODS, secs, (10, 5, 4))}
         return {"category": cat, "methods": m}
 
     records = [rec("a", (1.0, 1.0, 0.5)), rec("a", (1.0, 2.0, 0.25)), rec("b", (2.0, 1.0, 4.0), same=False)]

@@ -16,6 +16,7 @@ tokens do not depend on the drafter: with the ``coupled`` rule they are exactly 
 autoregressive sampling with the same seed (a drafter that proposes nothing).
 """
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ import torch
 
 from fastverify.hf.attention import crop_cache, prefill_inputs, step_inputs
 from fastverify.hf.drafters import empty_tree
+from fastverify.hf.linear import skinny_linears
 from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
 from fastverify.tree import Tree
@@ -99,6 +101,7 @@ class DecodeSettings:
     max_draft: int = 32
     backend: str = "auto"
     sync: bool = False  # synchronise the device around phases (exact CUDA timings; costs a little)
+    skinny_linear: bool = True  # few-row float32 CPU nn.Linear layers through fastverify.skinny_linear
 
 
 def _prune(tree: Tree, max_depth: int) -> Tree:
@@ -284,9 +287,10 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
     t0 = time.perf_counter()
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer)
-    while not dec.done():
-        dec.step()
+    with (skinny_linears(model) if settings.skinny_linear else contextlib.nullcontext()):
+        dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer)
+        while not dec.done():
+            dec.step()
     if streamer is not None:
         streamer.end()
     dec.stats.time_total = time.perf_counter() - t0

@@ -100,15 +100,20 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         "coupled"); default: "greedy" when not sampling, "coupled" when sampling.
     options: the rule's parameters (k, eps, beta, tau, delta, min_accept), ``max_draft`` (most draft nodes per
         request and step, default 32), ``backend`` (verify / compact_cache backend, default "auto"),
-        ``sync`` (synchronise CUDA around phases for exact stats), ``allow_unknown_model`` (skip the model-type
-        registry check).
+        ``sync`` (synchronise CUDA around phases for exact stats), ``skinny_linear`` (default True: while the loop
+        runs, the model's float32 CPU ``nn.Linear`` layers compute inputs of <= 32 rows with
+        ``fastverify.skinny_linear``, which streams the weight once; see fastverify.hf.linear),
+        ``allow_unknown_model`` (skip the model-type registry check).
     Patching a patched model replaces its drafter / rule / options.
     """
     _check_transformers_version()
-    unknown = set(options) - set(RULE_PARAMS) - {"max_draft", "backend", "sync", "allow_unknown_model"}
+    extra = ("max_draft", "backend", "sync", "skinny_linear", "allow_unknown_model")
+    unknown = set(options) - set(RULE_PARAMS) - set(extra)
     if unknown:
         raise TypeError(f"fastverify.patch: unknown option(s) {sorted(unknown)}; expected rule parameters "
-                        f"{RULE_PARAMS} or max_draft, backend, sync, allow_unknown_model")
+                        f"{RULE_PARAMS} or {', '.join(extra)}")
+    if options.get("skinny_linear", True) not in (True, False):
+        raise TypeError(f"skinny_linear: expected a bool, got {options['skinny_linear']!r}")
     if rule is not None and rule not in RULES:
         raise ValueError(f"rule: expected one of {RULES} or None, got {rule!r}")
     if drafter is not None and not (hasattr(drafter, "propose") and hasattr(drafter, "update")):
@@ -278,7 +283,8 @@ def _plan(model, state, args, kwargs):
     rule = state.rule or ("coupled" if sampling else "greedy")
     settings = DecodeSettings(max_new_tokens=int(max_new), eos_token_ids=eos, pad_token_id=pad, rule=rule,
                               max_draft=int(state.options.get("max_draft", 32)),
-                              backend=state.options.get("backend", "auto"), sync=bool(state.options.get("sync")))
+                              backend=state.options.get("backend", "auto"), sync=bool(state.options.get("sync")),
+                              skinny_linear=bool(state.options.get("skinny_linear", True)))
     settings.rule_params = {k: state.options[k] for k in RULE_PARAMS if k in state.options}
     if rule in SAMPLING_RULES:
         if sampling:

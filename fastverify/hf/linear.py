@@ -1,0 +1,55 @@
+"""Route a model's few-row linear layers through ``fastverify.skinny_linear`` while the loop runs.
+
+Within ``skinny_linears(model)``, every ``torch.nn.Linear`` of the model (the exact class, so quantised or
+otherwise specialised subclasses are left alone) whose weight is a float32 CPU tensor computes inputs of at most
+``max_rows`` rows with the skinny kernel; larger inputs (the prefill), other dtypes, devices and anything that
+needs gradients go to ``F.linear`` as before. The forward is rebound on the instance and the instance attribute
+removed on exit, so the model is left exactly as it was. Modules whose forward is already rebound on the
+instance (accelerate hooks) are skipped.
+"""
+
+import contextlib
+import types
+
+import torch
+import torch.nn.functional as F
+
+from fastverify import _ext
+from fastverify.ops.tree import implemented_backends
+
+__all__ = ["skinny_linears", "skinny_available", "MAX_ROWS"]
+
+# SmolLM2-135M fp32 forward over M tokens (cache 200), skinny vs torch: 1.27x faster at M = 17 and 0.96x at M = 33
+# with 2 threads (benchmarks/RESULTS.md); the drafters propose at most 16 nodes + the root.
+MAX_ROWS = 17
+
+
+def skinny_available() -> bool:
+    return _ext.HAS_CPP and "cpp" in implemented_backends("skinny_linear")
+
+
+def _eligible(module) -> bool:
+    return (type(module) is torch.nn.Linear and "forward" not in module.__dict__
+            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
+            and (module.bias is None or module.bias.dtype == torch.float32))
+
+
+@contextlib.contextmanager
+def skinny_linears(model, max_rows: int = MAX_ROWS):
+    """Context manager; yields the number of layers rerouted (0 when the kernel is not built)."""
+    mods = [m for m in model.modules() if _eligible(m)] if skinny_available() else []
+    op = torch.ops.fastverify.skinny_linear if mods else None
+
+    def forward(self, x):
+        if (x.dtype == torch.float32 and x.numel() <= max_rows * x.shape[-1]
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            return op(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    for m in mods:
+        m.forward = types.MethodType(forward, m)
+    try:
+        yield len(mods)
+    finally:
+        for m in mods:
+            m.__dict__.pop("forward", None)
