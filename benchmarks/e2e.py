@@ -352,7 +352,9 @@ def append_results(path, info, command, args, summary, table, notes):
         f.write(f"- model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised), {args.dtype}; greedy, batch 1, "
                 f"max_new_tokens {args.max_new_tokens}\n")
         drafter_args = ", ".join(f"{k}={v}" for k, v in args.ngram.items())
-        f.write(f"- fastverify: fastverify.patch(model), NGramDrafter({drafter_args}), greedy\n")
+        f.write(f"- fastverify: fastverify.patch(model), NGramDrafter({drafter_args}), greedy, skinny linears on"
+                + ("; no_draft: the same loop with a drafter that proposes nothing" if "no_draft" in args.methods
+                   else "") + "\n")
         f.write(f"- command: `{command}`\n\n")
         f.write(table + "\n\n")
         for line in notes:
@@ -368,7 +370,8 @@ def plot(summary, path, title):
         print(f"plot: matplotlib is not installed; skipping {path} (pip install matplotlib to get it)")
         return None
     cats = list(summary)
-    series = [("fastverify", "generate"), ("prompt_lookup", "generate"), ("fastverify", "prompt_lookup")]
+    series = [("fastverify", "generate"), ("prompt_lookup", "generate"), ("fastverify", "prompt_lookup"),
+              ("no_draft", "generate")]
     series = [(m, b) for m, b in series if m in summary["overall"] and f"speedup_vs_{b}" in summary["overall"][m]]
     width = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(cats) + 2), 4))

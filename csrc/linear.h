@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_features.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define FASTVERIFY_X86 1
@@ -107,8 +109,7 @@ FASTVERIFY_AVX2 inline void rows_avx2(const float* x, const float* w, const floa
 
 inline bool have_avx2() {
 #ifdef FASTVERIFY_X86
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+  return cpu_has_avx2_fma();
 #else
   return false;
 #endif

@@ -4,6 +4,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu_features.h"
+
 extern "C" {
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
@@ -19,10 +21,14 @@ bool has_cuda() {
   return false;
 #endif
 }
+
+// Whether the CPU kernels take their AVX2 + FMA paths (false on other CPUs and under FASTVERIFY_NO_SIMD=1).
+bool cpu_simd() { return fastverify::cpu_has_avx2_fma(); }
 }  // namespace
 
 // The namespace owner. Each op declares its schema once, in csrc/<op>.cpp, with TORCH_LIBRARY_FRAGMENT;
 // its CPU kernel lives in csrc/cpu/<op>.cpp, its CUDA kernel in csrc/cuda/<op>.cu.
 TORCH_LIBRARY(fastverify, m) {
   m.def("has_cuda() -> bool", &has_cuda);
+  m.def("cpu_simd() -> bool", &cpu_simd);
 }

@@ -52,6 +52,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_features.h"
+
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define FV_HD __host__ __device__ __forceinline__
 #else
@@ -155,11 +157,7 @@ FV_HD float to_float(T x) {
 }
 
 #if defined(FV_SAMPLING_AVX2)
-inline bool cpu_has_avx2() {
-  static const bool ok =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return ok;
-}
+inline bool cpu_has_avx2() { return cpu_has_avx2_fma(/*f16c=*/true); }
 
 // 8 consecutive elements as float32 (bf16 -> f32 is a 16-bit shift, fp16 -> f32 is F16C's exact vcvtph2ps).
 template <typename T>

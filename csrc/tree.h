@@ -9,6 +9,8 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu_features.h"
+
 namespace fastverify::tree {
 
 // Depth of each node of one request (a child of the root has depth 1). parents[j] < j, so one pass.
@@ -183,8 +185,7 @@ __attribute__((target("avx2,fma"))) inline void attn_tile_avx2(const float* qf, 
 
 inline bool attn_use_avx2() {
 #if defined(FV_TREE_AVX2)
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+  return cpu_has_avx2_fma();
 #else
   return false;
 #endif

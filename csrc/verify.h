@@ -18,6 +18,8 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu_features.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define FASTVERIFY_X86 1
@@ -329,9 +331,7 @@ FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds need
 
 inline bool has_avx2() {
 #ifdef FASTVERIFY_X86
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
+  return cpu_has_avx2_fma(/*f16c=*/true);
 #else
   return false;
 #endif

@@ -2,8 +2,16 @@
 # Set up .venv (scripts/setup_env.sh) and run the whole test suite on the CPU: the torch reference, the C++
 # kernels, the Triton kernels under TRITON_INTERPRET=1, the CUDA build check, tiny Hugging Face models of several
 # architectures and the real SmolLM2-135M model. Tests that need a GPU are skipped here, with the reason.
+# Then the C++ kernels' portable scalar paths (FASTVERIFY_NO_SIMD=1), which AVX2 machines otherwise never take.
+# Arguments go to the first pytest run only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export TRITON_INTERPRET=1
-exec .venv/bin/python -m pytest -q -rs "$@"
+.venv/bin/python -m pytest -q -rs "$@"
+if [ "$#" -eq 0 ]; then
+  echo "--- C++ kernels, scalar paths (FASTVERIFY_NO_SIMD=1)"
+  FASTVERIFY_NO_SIMD=1 .venv/bin/python -m pytest -q -rs tests/test_simd.py tests/test_linear.py
+  FASTVERIFY_NO_SIMD=1 .venv/bin/python -m pytest -q -rs -k cpp tests/test_verify.py tests/test_sampling.py \
+    tests/test_tree_attention.py tests/test_masks.py
+fi

@@ -326,7 +326,8 @@ class DraftModelDrafter(Drafter):
     tokens greedily (k - 1 more single-token forwards); with tree_topk > 1, the draft's top tree_topk
     tokens at each depth become siblings (the greedy token continues the chain, the others are leaves), so a
     tree costs no extra draft forwards. Its cache is cropped back to the committed context after drafting.
-    One DynamicCache per request (requests have ragged contexts); draft models are small.
+    One DynamicCache per request (requests have ragged contexts); draft models are small. Its float32 CPU
+    linear layers run through ``fastverify.skinny_linear`` while it drafts (fastverify.hf.linear).
 
     Args: draft_model: a transformers causal LM (vocabulary must index the target's token ids); k: draft
     depth; tree_topk: candidates per depth (1 = chain).
@@ -356,9 +357,14 @@ class DraftModelDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, contexts, budget):
-        from fastverify.hf.attention import crop_cache
+        from fastverify.hf.linear import skinny_linears
         if len(self.caches) != len(contexts):
             self.reset(len(contexts))
+        with skinny_linears(self.model):  # the draft's 1-token forwards too: its weights streamed once per token
+            return self._propose(contexts, budget)
+
+    def _propose(self, contexts, budget):
+        from fastverify.hf.attention import crop_cache
         trees = []
         for b, (ctx, bud) in enumerate(zip(contexts, budget)):
             ctx = ctx.tolist() if isinstance(ctx, torch.Tensor) else ctx
