@@ -54,15 +54,15 @@ BASELINES = ("generate", "prompt_lookup")
 
 # ----------------------------------------------------------------------------------------------- questions
 
-def load_questions(path, per_category=None, categories=None):
-    """Spec-Bench style jsonl (``question_id``, ``category``, ``turns``): the first ``per_category`` questions of
-    each category in file order (all when None), restricted to ``categories`` when given. Returns a list of
-    dicts with ``question_id``, ``category`` and ``prompt`` (the first turn)."""
+def load_questions(path, per_category=None, categories=None, offset=0):
+    """Spec-Bench style jsonl (``question_id``, ``category``, ``turns``): ``per_category`` questions of each category
+    in file order (all when None) after skipping its first ``offset``, restricted to ``categories`` when given.
+    Returns a list of dicts with ``question_id``, ``category`` and ``prompt`` (the first turn)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--questions: no such file {path!r} (Spec-Bench's question.jsonl is expected at "
                                 f"{DEFAULT_QUESTIONS} relative to the repository root)")
     wanted = None if categories is None else set(categories)
-    taken, out = {}, []
+    taken, seen, out = {}, {}, []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -72,6 +72,9 @@ def load_questions(path, per_category=None, categories=None):
                 raise ValueError(f"{path}:{lineno}: expected an object with 'category' and non-empty 'turns'")
             cat = q["category"]
             if wanted is not None and cat not in wanted:
+                continue
+            seen[cat] = seen.get(cat, 0) + 1
+            if seen[cat] <= offset:
                 continue
             if per_category is not None and taken.get(cat, 0) >= per_category:
                 continue
@@ -400,6 +403,9 @@ def parse_args(argv=None):
                         f"(default {DEFAULT_QUESTIONS})")
     p.add_argument("--per-category", type=int, default=3, help="questions per category (default 3; 0 = all)")
     p.add_argument("--categories", nargs="+", help="only these categories")
+    p.add_argument("--offset", type=int, default=0,
+                   help="skip the first OFFSET questions of each category (e.g. 3: questions the NGramDrafter's "
+                        "acceptance priors were not fitted on)")
     p.add_argument("--quick", action="store_true",
                    help="our 12 prompts (benchmarks/quick_prompts.jsonl), 64 new tokens unless given: ~2 minutes")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (64 with --quick)")
@@ -425,6 +431,8 @@ def parse_args(argv=None):
         p.error("--max-new-tokens: expected >= 1")
     if args.per_category < 0:
         p.error("--per-category: expected >= 0")
+    if args.offset < 0:
+        p.error("--offset: expected >= 0")
     if "generate" not in args.methods:
         args.methods = ["generate"] + args.methods
     args.methods = [m for m in METHODS if m in args.methods]
@@ -447,7 +455,7 @@ def main(argv=None):
         questions = load_questions(QUICK_PROMPTS, None, args.categories)
     else:
         path = args.questions if os.path.isabs(args.questions) else os.path.join(ROOT, args.questions)
-        questions = load_questions(os.path.normpath(path), args.per_category or None, args.categories)
+        questions = load_questions(os.path.normpath(path), args.per_category or None, args.categories, args.offset)
     if not questions:
         raise SystemExit("no questions selected")
 

@@ -229,22 +229,38 @@ FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds need
     for (int g = 0; g < groups; ++g) {
       const int c0 = g * kMaxVecChildren;
       const int nc = ch.n - c0 < kMaxVecChildren ? ch.n - c0 : kMaxVecChildren;
+      // rank(x) counts l_v > l_x, and l_v == l_x for v < x. In a block that does not hold x's own id the tie rule
+      // is the same for every element: after x, l_v > l_x; before x, l_v >= l_x, i.e. l_v > the float below l_x.
+      // So one compare per element against a per-block threshold; the block holding x (and l_x = -inf, which has
+      // no float below it) takes the exact two-compare form.
+      bool exact = false;
       __m256i cnt[kMaxVecChildren];
-      __m256 lx[kMaxVecChildren];
-      __m256i tok[kMaxVecChildren];
+      __m256 thr[kMaxVecChildren];
       for (int c = 0; c < nc; ++c) {
+        const float lx = ch.logit[c0 + c];
+        const int64_t t = ch.tokens[c0 + c];
         cnt[c] = _mm256_setzero_si256();
-        lx[c] = _mm256_set1_ps(ch.logit[c0 + c]);
-        tok[c] = _mm256_set1_epi32(int32_t(ch.tokens[c0 + c]));
+        exact |= (t >= b0 && t < b1) || lx == -kInf;
+        thr[c] = _mm256_set1_ps(t >= b1 ? std::nextafter(lx, -kInf) : lx);
       }
-      for (int64_t w = b0; w < b1; w += 8) {
-        const __m256 x = load8<T>(row + w);
-        const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int32_t(w)), lane);
-        for (int c = 0; c < nc; ++c) {
-          const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(x, lx[c], _CMP_GT_OQ));
-          const __m256i eq = _mm256_castps_si256(_mm256_cmp_ps(x, lx[c], _CMP_EQ_OQ));
-          const __m256i before = _mm256_and_si256(eq, _mm256_cmpgt_epi32(tok[c], idx));
-          cnt[c] = _mm256_sub_epi32(cnt[c], _mm256_or_si256(gt, before));  // mask lanes are -1
+      if (!exact) {
+        for (int64_t w = b0; w < b1; w += 8) {
+          const __m256 x = load8<T>(row + w);
+          for (int c = 0; c < nc; ++c)  // mask lanes are -1
+            cnt[c] = _mm256_sub_epi32(cnt[c], _mm256_castps_si256(_mm256_cmp_ps(x, thr[c], _CMP_GT_OQ)));
+        }
+      } else {
+        for (int c = 0; c < nc; ++c) thr[c] = _mm256_set1_ps(ch.logit[c0 + c]);
+        for (int64_t w = b0; w < b1; w += 8) {
+          const __m256 x = load8<T>(row + w);
+          const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(int32_t(w)), lane);
+          for (int c = 0; c < nc; ++c) {
+            const __m256i tok = _mm256_set1_epi32(int32_t(ch.tokens[c0 + c]));
+            const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(x, thr[c], _CMP_GT_OQ));
+            const __m256i eq = _mm256_castps_si256(_mm256_cmp_ps(x, thr[c], _CMP_EQ_OQ));
+            const __m256i before = _mm256_and_si256(eq, _mm256_cmpgt_epi32(tok, idx));
+            cnt[c] = _mm256_sub_epi32(cnt[c], _mm256_or_si256(gt, before));
+          }
         }
       }
       for (int c = 0; c < nc; ++c) {

@@ -138,6 +138,28 @@ def test_ties(backend):
 
 
 @pytest.mark.parametrize("backend", FAST)
+def test_rank_across_blocks_with_ties(backend):
+    """topk accepts x iff rank(x) < k, rank(x) = #{l_v > l_x} + #{l_v == l_x, v < x}: probe k = rank and rank + 1
+    with many ties spread over a row long enough for several kernel blocks, x at block edges and inside."""
+    gen = torch.Generator().manual_seed(21)
+    V = 10007
+    device = device_of(backend)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randint(0, 5, (2, V), generator=gen).float()
+        logits[0, 9000:] = -math.inf                       # -inf ties too (x = 9500 below)
+        for x in (0, 7, 2047, 2048, 2049, 5000, 9500, V - 1):
+            row = logits.to(dtype).float()[0]
+            lx = row[x]
+            rank = int((row > lx).sum()) + int((row[:x] == lx).sum())
+            for k, accepted in ((rank, 0), (rank + 1, 1)):
+                if k < 1:
+                    continue
+                out = verify(logits.to(dtype).to(device), torch.tensor([x], device=device),
+                             torch.tensor([0, 1], dtype=torch.int32, device=device), rule="topk", k=k, backend=backend)
+                assert int(out.accept_len[0]) == accepted, (dtype, x, k, rank)
+
+
+@pytest.mark.parametrize("backend", FAST)
 def test_non_contiguous_logits(backend):
     gen = torch.Generator().manual_seed(12)
     batch = random_batch(4, 257, max_nodes=5, gen=gen)
