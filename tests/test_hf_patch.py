@@ -200,7 +200,19 @@ def test_registry_and_bad_arguments(model, monkeypatch):
         patch(model, depth=3)
     with pytest.raises(TypeError, match="drafter"):
         patch(model, drafter=object())
+    with pytest.raises(TypeError, match="skinny_linear"):
+        patch(model, skinny_linear="yes")
     assert not is_patched(model)
+
+
+@pytest.mark.parametrize("skinny", [True, False])
+def test_skinny_linear_option(model, skinny):
+    # on or off, greedy output equals the unpatched generate, and no rerouted forward is left on the model
+    ref = model.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    patch(model, skinny_linear=skinny)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=12, do_sample=False), ref)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    unpatch(model)
 
 
 def test_bad_seed_length(model):
