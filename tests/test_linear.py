@@ -121,7 +121,8 @@ class _MyLinear(torch.nn.Linear):
 def test_skinny_linears_reroutes_few_rows_and_restores_the_model():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16, bias=False),
-                                _MyLinear(16, 8), torch.nn.Linear(8, 8).double())
+                                _MyLinear(16, 8), torch.nn.Linear(8, 8).double(), torch.nn.Linear(8, 8))
+    model[5].weight = torch.nn.Parameter(torch.randn(8, 8).T)  # non-contiguous: left to F.linear
     before = [dict(m.__dict__) for m in model]
     op = torch.ops.fastverify.skinny_linear
 
@@ -129,10 +130,10 @@ def test_skinny_linears_reroutes_few_rows_and_restores_the_model():
     with torch.no_grad():
         ref_few, ref_many = model[:4](x_few), model[:4](x_many)
         with skinny_linears(model) as n:
-            assert n == 2  # the exact nn.Linear float32 layers; not the subclass, not the float64 one
+            assert n == 2  # the exact nn.Linear float32 contiguous layers; not the subclass, float64 or transposed
             for i in (0, 2):
                 assert "forward" in model[i].__dict__
-            assert "forward" not in model[3].__dict__ and "forward" not in model[4].__dict__
+            assert not any("forward" in model[i].__dict__ for i in (3, 4, 5))
             few = model[:4](x_few)
             many = model[:4](x_many)
         # the rerouted layers ran the kernel: bit for bit what the op gives

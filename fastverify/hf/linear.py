@@ -2,7 +2,7 @@
 
 Within ``skinny_linears(model)``, every ``torch.nn.Linear`` of the model (the exact class, so quantised or
 otherwise specialised subclasses are left alone) whose weight is a float32 CPU tensor computes inputs of at most
-``max_rows`` rows with the skinny kernel; larger inputs (the prefill), other dtypes, devices and anything that
+``max_rows`` rows with the skinny kernel (a contiguous weight: the kernel streams it in place); larger inputs (the prefill), other dtypes, devices and anything that
 needs gradients go to ``F.linear`` as before. The forward is rebound on the instance and the instance attribute
 removed on exit, so the model is left exactly as it was. Modules whose forward is already rebound on the
 instance (accelerate hooks) are skipped.
@@ -31,6 +31,7 @@ def skinny_available() -> bool:
 def _eligible(module) -> bool:
     return (type(module) is torch.nn.Linear and "forward" not in module.__dict__
             and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
+            and module.weight.is_contiguous()  # else every call would copy the weight
             and (module.bias is None or module.bias.dtype == torch.float32))
 
 
