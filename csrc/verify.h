@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "cpu_features.h"
 
@@ -188,12 +189,39 @@ FV_AVX2_INLINE double hsum8d(__m256 v) {
 constexpr int64_t kBlock = 2048;
 constexpr int kMaxVecChildren = 16;  // rank counting in registers for up to this many children per pass
 
+// Sums over one block of e = 2^(d log2 e), d = max(x - m, -87) (e^-87 ~ 1.6e-38 is still a normal float; the max
+// also maps -inf and NaN to the floor), in float lanes s0 / s1, and with Entropy of e * d (the same floored d, so
+// -inf entries add a vanishing finite amount, never NaN) in t0 / t1. The pass is bound by arithmetic while the
+// block sits in L1, so it prefetches the next block (row + b1 on) meanwhile, overlapping DRAM with the exponentials.
+template <typename T, bool Entropy>
+FV_AVX2_INLINE void block_exp_sums(const typename T::raw* row, int64_t b0, int64_t b1, __m256 mv, __m256& s0,
+                                   __m256& s1, __m256& t0, __m256& t1) {
+  const __m256 kLog2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 kFloorE = _mm256_set1_ps(kExpFloor);
+  int64_t w = b0;
+  for (; w + 16 <= b1; w += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + b1 + (w - b0)), _MM_HINT_T0);
+    const __m256 d0 = _mm256_max_ps(_mm256_sub_ps(load8<T>(row + w), mv), kFloorE);
+    const __m256 d1 = _mm256_max_ps(_mm256_sub_ps(load8<T>(row + w + 8), mv), kFloorE);
+    const __m256 e0 = exp2_8(_mm256_mul_ps(d0, kLog2e)), e1 = exp2_8(_mm256_mul_ps(d1, kLog2e));
+    s0 = _mm256_add_ps(s0, e0);
+    s1 = _mm256_add_ps(s1, e1);
+    if constexpr (Entropy) {
+      t0 = _mm256_fmadd_ps(e0, d0, t0);
+      t1 = _mm256_fmadd_ps(e1, d1, t1);
+    }
+  }
+  for (; w < b1; w += 8) {
+    const __m256 d0 = _mm256_max_ps(_mm256_sub_ps(load8<T>(row + w), mv), kFloorE);
+    const __m256 e0 = exp2_8(_mm256_mul_ps(d0, kLog2e));
+    s0 = _mm256_add_ps(s0, e0);
+    if constexpr (Entropy) t0 = _mm256_fmadd_ps(e0, d0, t0);
+  }
+}
+
 template <typename T>
 FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds needs, RowChildren ch, RowStats& out) {
   const float kInf = std::numeric_limits<float>::infinity();
-  const __m256 kLog2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 kLn2 = _mm256_set1_ps(0.69314718055994531f);
-  const __m256 kFloor2 = _mm256_set1_ps(-126.0f);  // 2^-126: the smallest normal float; terms below it vanish
   __m256 vbad = _mm256_setzero_ps();
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   // Ranks: children in groups of kMaxVecChildren (a tree row rarely has more); one extra pass per group.
@@ -245,6 +273,8 @@ FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds need
       }
       if (!exact) {
         for (int64_t w = b0; w < b1; w += 8) {
+          if (g == 0 && ((w - b0) & 15) == 0)  // the next block, from DRAM while this one is counted from L1
+            _mm_prefetch(reinterpret_cast<const char*>(row + b1 + (w - b0)), _MM_HINT_T0);
           const __m256 x = load8<T>(row + w);
           for (int c = 0; c < nc; ++c)  // mask lanes are -1
             cnt[c] = _mm256_sub_epi32(cnt[c], _mm256_castps_si256(_mm256_cmp_ps(x, thr[c], _CMP_GT_OQ)));
@@ -275,27 +305,13 @@ FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds need
       const double m_new = bm > acc.m ? double(bm) : acc.m;
       if (m_new == -double(kInf) || bm == kInf) continue;  // all -inf so far, or a bad row
       acc.rebase(m_new);
-      // e = 2^((x - m) log2 e), summed in float lanes per block (at most 256 terms per lane), then in double.
+      // Summed in float lanes per block (at most 256 terms per lane), then in double.
       const __m256 mv = _mm256_set1_ps(float(m_new));
       __m256 s0 = _mm256_setzero_ps(), s1 = s0, t0 = s0, t1 = s0;
-      int64_t w = b0;
-      for (; w + 16 <= b1; w += 16) {
-        const __m256 d0 = _mm256_sub_ps(load8<T>(row + w), mv), d1 = _mm256_sub_ps(load8<T>(row + w + 8), mv);
-        const __m256 e0 = exp2_8(_mm256_max_ps(_mm256_mul_ps(d0, kLog2e), kFloor2));  // max also maps -inf (NaN: floor)
-        const __m256 e1 = exp2_8(_mm256_max_ps(_mm256_mul_ps(d1, kLog2e), kFloor2));
-        s0 = _mm256_add_ps(s0, e0);
-        s1 = _mm256_add_ps(s1, e1);
-        if (needs.entropy) {  // e * d, with d floored like e so that -inf entries add 0 * finite
-          t0 = _mm256_fmadd_ps(e0, _mm256_max_ps(d0, _mm256_mul_ps(kFloor2, kLn2)), t0);
-          t1 = _mm256_fmadd_ps(e1, _mm256_max_ps(d1, _mm256_mul_ps(kFloor2, kLn2)), t1);
-        }
-      }
-      for (; w < b1; w += 8) {
-        const __m256 d0 = _mm256_sub_ps(load8<T>(row + w), mv);
-        const __m256 e0 = exp2_8(_mm256_max_ps(_mm256_mul_ps(d0, kLog2e), kFloor2));
-        s0 = _mm256_add_ps(s0, e0);
-        if (needs.entropy) t0 = _mm256_fmadd_ps(e0, _mm256_max_ps(d0, _mm256_mul_ps(kFloor2, kLn2)), t0);
-      }
+      if (needs.entropy)
+        block_exp_sums<T, true>(row, b0, b1, mv, s0, s1, t0, t1);
+      else
+        block_exp_sums<T, false>(row, b0, b1, mv, s0, s1, t0, t1);
       acc.s += hsum8d(_mm256_add_ps(s0, s1));
       if (needs.entropy) acc.t += hsum8d(_mm256_add_ps(t0, t1));
     }
