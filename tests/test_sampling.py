@@ -397,6 +397,15 @@ def test_bad_input():
         fastverify.cdf_sample(logits, u, temperature=-0.1)
     with pytest.raises(ValueError, match="min_p"):
         fastverify.cdf_sample(logits, u, min_p=1.1)
+    # Python scalars are checked as numbers, after rounding to float32 as the kernels see them
+    for bad in (dict(top_k=math.nan), dict(top_k=math.inf), dict(top_p=math.nan), dict(temperature=1e39),
+                dict(temperature=math.nan)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            fastverify.cdf_sample(logits, u, **bad)
+    with pytest.raises(TypeError, match="temperature"):
+        fastverify.cdf_sample(logits, u, temperature=True)
+    with pytest.raises(ValueError, match="top_k"):  # the tensor path says the same
+        fastverify.cdf_sample(logits, u, top_k=torch.tensor([1.0, -2.0, 3.0]))
     with pytest.raises(ValueError, match="temperature"):
         fastverify.cdf_sample(logits, u, temperature=torch.ones(2))
     with pytest.raises(TypeError, match="logits"):
