@@ -437,7 +437,8 @@ def parse_args(argv=None):
         args.methods = ["generate"] + args.methods
     args.methods = [m for m in METHODS if m in args.methods]
     try:
-        args.ngram = {k: (int(v) if v.lstrip("-").isdigit() else float(v)) for k, v in (a.split("=", 1) for a in args.ngram)}
+        pairs = (a.split("=", 1) for a in args.ngram)
+        args.ngram = {k: (int(v) if v.lstrip("-").isdigit() else float(v)) for k, v in pairs}
     except ValueError:
         p.error(f"--ngram: expected KEY=NUMBER pairs, got {args.ngram}")
     if args.plot is None:

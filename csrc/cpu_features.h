@@ -7,6 +7,11 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define FASTVERIFY_X86 1  // the AVX2 paths exist (compiled with target attributes), chosen by cpu_has_avx2_fma()
+#endif
+
 namespace fastverify {
 
 inline bool simd_disabled() {
@@ -19,7 +24,7 @@ inline bool simd_disabled() {
 
 // AVX2 and FMA (and F16C when f16c is true) present and not disabled.
 inline bool cpu_has_avx2_fma(bool f16c = false) {
-#if defined(__x86_64__) || defined(_M_X64)
+#ifdef FASTVERIFY_X86
   static const bool base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   static const bool half = __builtin_cpu_supports("f16c");
   return !simd_disabled() && base && (!f16c || half);

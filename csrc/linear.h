@@ -20,11 +20,6 @@
 
 #include "cpu_features.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define FASTVERIFY_X86 1
-#endif
-
 namespace fastverify {
 namespace linear {
 
@@ -107,19 +102,11 @@ FASTVERIFY_AVX2 inline void rows_avx2(const float* x, const float* w, const floa
 }
 #endif
 
-inline bool have_avx2() {
-#ifdef FASTVERIFY_X86
-  return cpu_has_avx2_fma();
-#else
-  return false;
-#endif
-}
-
 // y[m * N + n] for m < M and n in [n0, n1); x [M, K], w [N, K] row-major, bias [N] or nullptr.
 inline void skinny_rows(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K,
                         int64_t N, int64_t n0, int64_t n1) {
 #ifdef FASTVERIFY_X86
-  if (have_avx2()) return rows_avx2(x, w, bias, y, M, K, N, n0, n1);
+  if (cpu_has_avx2_fma()) return rows_avx2(x, w, bias, y, M, K, N, n0, n1);
 #endif
   rows_scalar(x, w, bias, y, M, K, N, n0, n1);
 }

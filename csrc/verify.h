@@ -21,11 +21,6 @@
 
 #include "cpu_features.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define FASTVERIFY_X86 1
-#endif
-
 namespace fastverify {
 namespace verify_detail {
 

@@ -1,9 +1,9 @@
 """Route a model's few-row linear layers through ``fastverify.skinny_linear`` while the loop runs.
 
 Within ``skinny_linears(model)``, every ``torch.nn.Linear`` of the model (the exact class, so quantised or
-otherwise specialised subclasses are left alone) whose weight is a float32 CPU tensor computes inputs of at most
-``max_rows`` rows with the skinny kernel (a contiguous weight: the kernel streams it in place); larger inputs (the prefill), other dtypes, devices and anything that
-needs gradients go to ``F.linear`` as before. The forward is rebound on the instance and the instance attribute
+otherwise specialised subclasses are left alone) whose weight is a contiguous float32 CPU tensor (streamed in
+place by the kernel) computes inputs of at most ``max_rows`` rows with the skinny kernel; larger inputs (the
+prefill), other dtypes, devices and anything that needs gradients go to ``F.linear`` as before. The forward is rebound on the instance and the instance attribute
 removed on exit, so the model is left exactly as it was. Modules whose forward is already rebound on the
 instance (accelerate hooks) are skipped.
 """
@@ -14,7 +14,6 @@ import types
 import torch
 import torch.nn.functional as F
 
-from fastverify import _ext
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_linears", "skinny_available", "MAX_ROWS"]
@@ -25,7 +24,7 @@ MAX_ROWS = 17
 
 
 def skinny_available() -> bool:
-    return _ext.HAS_CPP and "cpp" in implemented_backends("skinny_linear")
+    return "cpp" in implemented_backends("skinny_linear")  # a CPU kernel registered by fastverify._C
 
 
 def _eligible(module) -> bool:

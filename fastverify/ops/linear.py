@@ -41,9 +41,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = No
     if any(not t.dtype.is_floating_point for t in tensors):
         raise TypeError(f"x, weight, bias: expected floating dtypes, got {[t.dtype for t in tensors]}")
     fits_cpp = all(t.dtype == torch.float32 for t in tensors) and x.device.type == "cpu"
+    has = implemented_backends("skinny_linear")
     if backend == "auto":
-        backend = "cpp" if fits_cpp and "cpp" in implemented_backends("skinny_linear") else "torch"
-    name = _ext.resolve_backend(backend, x.device, has=implemented_backends("skinny_linear"))
+        backend = "cpp" if fits_cpp and "cpp" in has else "torch"
+    name = _ext.resolve_backend(backend, x.device, has=has)
     if name == "torch":
         return F.linear(x, weight, bias)
     if not fits_cpp:
