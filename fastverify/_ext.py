@@ -7,7 +7,8 @@ Backends (DESIGN.md, "Backends and dispatch"):
   triton  Triton kernels in fastverify.kernels; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1
   cuda    CUDA C++ kernels in fastverify._C (csrc/cuda)
 
-``backend="auto"`` picks cuda > triton on a CUDA tensor and cpp > torch on a CPU tensor.
+``backend="auto"`` picks cuda > triton on a CUDA tensor and cpp > torch on a CPU tensor, except for the ops
+in CUDA_ORDER, where the Triton kernel was measured much faster than the CUDA one (benchmarks/RESULTS.md).
 Set FASTVERIFY_DISABLE_EXT=1 to skip loading the compiled extension (torch / Triton only).
 """
 
@@ -60,10 +61,17 @@ def backends(device="cpu"):
     }
 
 
-def resolve_backend(backend: str, device: torch.device, *, has=BACKENDS) -> str:
-    """The backend an op call runs on. ``has`` lists the backends this op implements."""
+# Per-op preference on CUDA tensors where it departs from DESIGN.md's cuda > triton, with the measurement behind
+# it (H100, 2026-11-23, benchmarks/bench_gpu.py): tree_attention B8 Hq32 Hkv8 n16 P4096 D128 bf16 took 2.9 ms in
+# the CUDA kernel (a CTA per query head re-reads its group's K / V; float32 dot products on CUDA cores) and
+# 0.095 ms in the Triton one (tl.dot tiles on the tensor cores).
+CUDA_ORDER = {"tree_attention": ("triton", "cuda")}
+
+
+def resolve_backend(backend: str, device: torch.device, *, has=BACKENDS, op: str = None) -> str:
+    """The backend an op call runs on. ``has`` lists the backends this op implements; ``op`` its name."""
     if backend == "auto":
-        order = ("cuda", "triton") if device.type == "cuda" else ("cpp", "torch")
+        order = CUDA_ORDER.get(op, ("cuda", "triton")) if device.type == "cuda" else ("cpp", "torch")
         usable = backends(device)
         for name in order:
             if name in has and usable[name]:

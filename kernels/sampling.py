@@ -19,6 +19,12 @@ at a time, none of which sorts:
      on this backend. Because a parallel scan need not be monotone to the last ulp, cdf_invert bounds u * Z
      below by the running maximum of C over all tokens before t (not just C(t - 1)), which is what makes
      "the smallest t with C(t) > u Z" land on t.
+     The association order of tl.cumsum follows the register layout the compiler gives the block, and that
+     layout follows what it can prove of the row pointer's alignment (16-byte vector loads or scalar ones).
+     A row stride specialised as "divisible by 16" in one kernel and not in the other (seen on an H100:
+     cdf_invert on an expanded row, stride 0, then cdf_sample on a compacted copy, stride 1000) gave the
+     two kernels different scans and broke the round trip by float64 ulps. So every kernel that evaluates C
+     takes its row stride unspecialised (``do_not_specialize``): the same alignment, layout and sums in each.
 
 The helpers here (``_row_prologue``, ``_warp_params``, ``_warped_block``, ``_cdf_*``) are reused by the
 sampling rules of kernels/verify.py so verify's draws are exactly this backend's cdf_sample draws.
@@ -284,7 +290,7 @@ def _sample_row(row_ptr, V, warp_ptr, u, BLOCK_V: tl.constexpr):
 # --------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_r"])
 def _cdf_sample_kernel(logits_ptr, stride_r, u_ptr, warp_ptr, out_ptr, V, BLOCK_V: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     u = tl.load(u_ptr + r).to(tl.float64)
@@ -301,7 +307,7 @@ def _next_up(x):
     return (x.to(tl.int64, bitcast=True) + 1).to(tl.float64, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_r"])
 def _cdf_invert_kernel(logits_ptr, stride_r, token_ptr, v_ptr, warp_ptr, out_ptr, V, BLOCK_V: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + r * stride_r

@@ -246,7 +246,7 @@ def _verify_walk_kernel(cu_ptr, parents_ptr, cond_ptr, lx_ptr, row_tok_ptr, bad_
 # --------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_r"])  # C(t) summed as cdf_sample does: kernels/sampling.py
 def _verify_speculative_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, parents_ptr, warp_ptr,
                                q_ptr, stride_q, u_sample_ptr, u_accept_ptr, row_tok_ptr, bad_ptr, scratch_ptr,
                                accept_len_ptr, accepted_ptr, next_ptr, max_depth,

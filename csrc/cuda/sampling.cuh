@@ -5,10 +5,10 @@
 // No sort: the top-k threshold (the k-th largest l / T) is found by a binary search over the 32-bit ordered
 // keys of the scaled logits (count of l' >= key, 32 block reductions), the top-p threshold by a binary search
 // over the float bits of w in [0, 1] (float64 mass strictly above the candidate, ~30 block reductions): pivot
-// searches in the spirit of FlashInfer's sorting-free samplers, exact rather than fast. The inverse CDF uses
-// float64 prefix sums in token-id order computed chunk by chunk with cub::BlockScan; C(t) is defined as
-// carry + (inclusive scan within the chunk), the carry being C of the chunk's last element, and Z = C(V - 1).
-// cdf_sample and cdf_invert evaluate C with the same function, so cdf_sample(cdf_invert(t)) == t.
+// searches in the spirit of FlashInfer's sorting-free samplers, exact rather than fast; the passes read the row
+// 16 bytes per load (for_each_owned, common.cuh). The inverse CDF uses float64 prefix sums in token-id order
+// (prefix_walk below defines C exactly); cdf_sample and cdf_invert evaluate C with the same function, so
+// cdf_sample(cdf_invert(t)) == t.
 //
 // Every helper must be called by all threads of the CTA (they synchronise).
 #pragma once
@@ -26,32 +26,10 @@ namespace cuda {
 
 // ---- block reductions (result broadcast to every thread) -----------------------------------------------------
 
-template <int BLOCK>
-__device__ double block_sum(double x) {
-  using R = cub::BlockReduce<double, BLOCK>;
-  __shared__ typename R::TempStorage ts;
-  __shared__ double out;
-  const double r = R(ts).Sum(x);
-  if (threadIdx.x == 0) out = r;
-  __syncthreads();
-  const double res = out;
-  __syncthreads();  // ts and out may be reused by the next call
-  return res;
-}
-
-template <int BLOCK>
-__device__ long long block_sum_ll(long long x) {
-  using R = cub::BlockReduce<long long, BLOCK>;
-  __shared__ typename R::TempStorage ts;
-  __shared__ long long out;
-  const long long r = R(ts).Sum(x);
-  if (threadIdx.x == 0) out = r;
-  __syncthreads();
-  const long long res = out;
-  __syncthreads();
-  return res;
-}
-
+struct SumOp {
+  template <typename T>
+  __device__ T operator()(const T& a, const T& b) const { return a + b; }
+};
 struct MinOp {
   template <typename T>
   __device__ T operator()(const T& a, const T& b) const { return b < a ? b : a; }
@@ -61,31 +39,24 @@ struct MaxOp {
   __device__ T operator()(const T& a, const T& b) const { return a < b ? b : a; }
 };
 
-template <int BLOCK>
-__device__ long long block_min_ll(long long x) {
-  using R = cub::BlockReduce<long long, BLOCK>;
+// op over the CTA's x, returned to every thread. One shared scratch per (type, op) instantiation, rewritten only
+// after the trailing barrier, so calls may follow one another directly.
+template <int BLOCK, typename V, typename Op>
+__device__ V block_reduce(V x, Op op) {
+  using R = cub::BlockReduce<V, BLOCK>;
   __shared__ typename R::TempStorage ts;
-  __shared__ long long out;
-  const long long r = R(ts).Reduce(x, MinOp());
+  __shared__ V out;
+  const V r = R(ts).Reduce(x, op);
   if (threadIdx.x == 0) out = r;
   __syncthreads();
-  const long long res = out;
+  const V res = out;
   __syncthreads();
   return res;
 }
-
 template <int BLOCK>
-__device__ long long block_max_ll(long long x) {
-  using R = cub::BlockReduce<long long, BLOCK>;
-  __shared__ typename R::TempStorage ts;
-  __shared__ long long out;
-  const long long r = R(ts).Reduce(x, MaxOp());
-  if (threadIdx.x == 0) out = r;
-  __syncthreads();
-  const long long res = out;
-  __syncthreads();
-  return res;
-}
+__device__ double block_sum(double x) { return block_reduce<BLOCK>(x, SumOp()); }
+template <int BLOCK>
+__device__ long long block_sum_ll(long long x) { return block_reduce<BLOCK>(x, SumOp()); }
 
 // (value, index) with the larger value winning and, among equal values, the lower index (argmax semantics).
 struct ArgMax {
@@ -101,17 +72,7 @@ struct ArgMaxOp {
 };
 
 template <int BLOCK>
-__device__ ArgMax block_argmax(ArgMax x) {
-  using R = cub::BlockReduce<ArgMax, BLOCK>;
-  __shared__ typename R::TempStorage ts;
-  __shared__ ArgMax out;
-  const ArgMax r = R(ts).Reduce(x, ArgMaxOp());
-  if (threadIdx.x == 0) out = r;
-  __syncthreads();
-  const ArgMax res = out;
-  __syncthreads();
-  return res;
-}
+__device__ ArgMax block_argmax(ArgMax x) { return block_reduce<BLOCK>(x, ArgMaxOp()); }
 
 // ---- per-row statistics of the raw logits ------------------------------------------------------------------------
 
@@ -132,14 +93,13 @@ template <int BLOCK, typename T>
 __device__ RawRowStats raw_row_stats(const T* row, int64_t V) {
   ArgMax best{-INFINITY, 0x7fffffffffffffffLL};
   long long bad = 0;
-  for (int64_t v = threadIdx.x; v < V; v += BLOCK) {
-    const float x = load_as_float(row + v);
+  for_each_owned<BLOCK>(row, V, [&](int64_t v, float x) {
     if (isnan(x) || x == INFINITY) {
       bad = 1;
-      continue;
+    } else if (x > best.v || (x == best.v && v < best.i)) {
+      best = ArgMax{x, v};
     }
-    if (x > best.v || (x == best.v && v < best.i)) best = ArgMax{x, v};
-  }
+  });
   const ArgMax r = block_argmax<BLOCK>(best);
   const long long nbad = block_sum_ll<BLOCK>(bad);
   RawRowStats s;
@@ -166,11 +126,14 @@ struct RowWarp {
 };
 
 // w before the top-p and min-p filters (steps 1, 2, 5); 0 for tokens dropped by top-k.
-template <typename T>
-__device__ __forceinline__ float weight_topk(const T* row, int64_t v, const RowWarp& w) {
-  const float l = __fdiv_rn(load_as_float(row + v), w.T);  // a division, as the reference
+__device__ __forceinline__ float weight_topk_of(float x, const RowWarp& w) {
+  const float l = __fdiv_rn(x, w.T);  // a division, as the reference
   if (w.use_k && ordered_key(l) < w.k_key) return 0.0f;
   return expf(__fsub_rn(l, w.m));
+}
+template <typename T>
+__device__ __forceinline__ float weight_topk(const T* row, int64_t v, const RowWarp& w) {
+  return weight_topk_of(load_as_float(row + v), w);
 }
 
 template <typename T>
@@ -209,8 +172,9 @@ __device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, floa
     while (hi - lo > 1) {
       const unsigned long long mid = lo + (hi - lo) / 2;
       long long c = 0;
-      for (int64_t v = threadIdx.x; v < V; v += BLOCK)
-        c += ordered_key(__fdiv_rn(load_as_float(row + v), w.T)) >= static_cast<uint32_t>(mid);
+      for_each_owned<BLOCK>(row, V, [&](int64_t, float x) {
+        c += ordered_key(__fdiv_rn(x, w.T)) >= static_cast<uint32_t>(mid);
+      });
       if (block_sum_ll<BLOCK>(c) >= k) lo = mid; else hi = mid;
     }
     w.use_k = true;
@@ -221,7 +185,7 @@ __device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, floa
   // non-increasing, so the kept set is {w_i >= X} for the smallest float X in [0, 1] with G(X) < p * Z_k.
   if (top_p < 1.0f) {
     double zk = 0.0;
-    for (int64_t v = threadIdx.x; v < V; v += BLOCK) zk += weight_topk(row, v, w);
+    for_each_owned<BLOCK>(row, V, [&](int64_t, float x) { zk += weight_topk_of(x, w); });
     zk = block_sum<BLOCK>(zk);
     const double target = static_cast<double>(top_p) * zk;
     w.use_p = true;
@@ -234,10 +198,10 @@ __device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, floa
         const long long mid = lo + (hi - lo) / 2;
         const float x = __uint_as_float(static_cast<uint32_t>(mid));
         double g = 0.0;
-        for (int64_t v = threadIdx.x; v < V; v += BLOCK) {
-          const float wv = weight_topk(row, v, w);
+        for_each_owned<BLOCK>(row, V, [&](int64_t, float l) {
+          const float wv = weight_topk_of(l, w);
           if (wv > x) g += wv;
-        }
+        });
         if (block_sum<BLOCK>(g) < target) hi = mid; else lo = mid;
       }
       w.p_min_w = __uint_as_float(static_cast<uint32_t>(hi));
@@ -248,34 +212,48 @@ __device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, floa
 
 // ---- float64 prefix sums in token-id order ----------------------------------------------------------------------
 
-// Walks the row in chunks of BLOCK tokens, calling visit(v, c_excl, c_incl, w_v) on every thread for its token v
-// of the chunk (v may be >= V in the last chunk, with w_v = 0), where c_incl = C(v) and c_excl = C(v - 1), both
-// as defined in the header comment. visit returns true to stop after this chunk (block-uniform decision made by
-// the caller through its own reduction); the walk returns C(V - 1) when it ran to the end.
+// The walk over a row in chunks of BLOCK * kScanItems tokens: thread i owns the kScanItems consecutive tokens
+// base + i * kScanItems + k. Per chunk: the weights w (float64, 0 past V), each thread's sequential sum, one
+// cub::BlockScan of those sums (excl), then, per thread, r = carry + excl and C(v) = (r += w(v)) token by token;
+// carry becomes C of the chunk's last token. That expression *is* C (cdf_sample and cdf_invert both evaluate it
+// through this function, with the same BLOCK), Z = C(V - 1). It is non-decreasing within a thread but need not be
+// across threads to the last ulp, so cdf_invert bounds u * Z below by the maximum of C over all earlier tokens.
 //
-// Weights come from a functor weight(v) -> double, evaluated once per token per walk.
-template <int BLOCK, typename WeightFn, typename ChunkFn>
-__device__ double prefix_walk(int64_t V, WeightFn weight, ChunkFn on_chunk) {
+// visit(v, c_incl, w_v) is called for each owned token v < V (no synchronisation allowed); chunk_done() is called
+// by every thread after each chunk (it may synchronise) and returns true, block-uniformly, to stop the walk.
+// Returns the carry after the last chunk walked (Z when the walk ran to the end).
+constexpr int kScanItems = 8;
+
+template <int BLOCK, typename WeightFn, typename VisitFn, typename DoneFn>
+__device__ double prefix_walk(int64_t V, WeightFn weight, VisitFn visit, DoneFn chunk_done) {
   using Scan = cub::BlockScan<double, BLOCK>;
   __shared__ typename Scan::TempStorage ts;
-  __shared__ double incl_sh[BLOCK];
   __shared__ double last_c;
+  constexpr int64_t kChunk = static_cast<int64_t>(BLOCK) * kScanItems;
   double carry = 0.0;
-  for (int64_t base = 0; base < V; base += BLOCK) {
-    const int64_t v = base + threadIdx.x;
-    const double wv = v < V ? weight(v) : 0.0;
-    double incl;
-    Scan(ts).InclusiveSum(wv, incl);
-    const double c_incl = carry + incl;
-    incl_sh[threadIdx.x] = c_incl;
-    __syncthreads();
-    const double c_excl = threadIdx.x == 0 ? carry : incl_sh[threadIdx.x - 1];
-    const int64_t last = (V - base < BLOCK ? V - base : BLOCK) - 1;  // the chunk's last real token
-    if (threadIdx.x == 0) last_c = incl_sh[last];
+  for (int64_t base = 0; base < V; base += kChunk) {
+    const int64_t v0 = base + static_cast<int64_t>(threadIdx.x) * kScanItems;
+    const int64_t last = (V - base < kChunk ? V : base + kChunk) - 1;  // the chunk's last real token
+    double w[kScanItems];
+    double local = 0.0;
+#pragma unroll
+    for (int k = 0; k < kScanItems; ++k) {
+      w[k] = v0 + k < V ? weight(v0 + k) : 0.0;
+      local += w[k];
+    }
+    double excl;
+    Scan(ts).ExclusiveSum(local, excl);
+    double r = carry + excl;
+#pragma unroll
+    for (int k = 0; k < kScanItems; ++k) {
+      r += w[k];
+      if (v0 + k < V) visit(v0 + k, r, w[k]);
+      if (v0 + k == last) last_c = r;
+    }
     __syncthreads();
     carry = last_c;
-    const bool stop = on_chunk(v, c_excl, c_incl, wv);  // may synchronise; block-uniform result
-    __syncthreads();  // ts, incl_sh and last_c are rewritten by the next chunk
+    const bool stop = chunk_done();
+    __syncthreads();  // ts and last_c are rewritten by the next chunk
     if (stop) return carry;
   }
   return carry;
@@ -285,29 +263,29 @@ __device__ double prefix_walk(int64_t V, WeightFn weight, ChunkFn on_chunk) {
 template <int BLOCK, typename WeightFn>
 __device__ double prefix_total(int64_t V, WeightFn weight, long long* last_pos) {
   long long lp = -1;
-  const double z = prefix_walk<BLOCK>(V, weight, [&](int64_t v, double, double, double wv) {
-    if (v < V && wv > 0.0) lp = v;
-    return false;
-  });
-  *last_pos = block_max_ll<BLOCK>(lp);
+  const double z = prefix_walk<BLOCK>(
+      V, weight, [&](int64_t v, double, double wv) { if (wv > 0.0) lp = v; }, [] { return false; });
+  *last_pos = block_reduce<BLOCK>(lp, MaxOp());
   return z;
 }
 
 // Inverse-CDF draw: the smallest t with C(t) > u * Z; the last token with w > 0 if rounding leaves none; -1 if
-// Z == 0. Two walks (Z first, then the search, which stops at the first chunk holding t).
+// Z == 0. Two walks (Z first, then the search, which stops after the chunk holding t).
 template <int BLOCK, typename WeightFn>
 __device__ long long inverse_cdf_sample(int64_t V, WeightFn weight, double u) {
+  constexpr long long kNone = 0x7fffffffffffffffLL;
   long long last_pos;
   const double z = prefix_total<BLOCK>(V, weight, &last_pos);
   if (!(z > 0.0)) return -1;
   const double target = u * z;
-  long long found = 0x7fffffffffffffffLL;
-  prefix_walk<BLOCK>(V, weight, [&](int64_t v, double, double c_incl, double) {
-    const long long cand = (v < V && c_incl > target) ? static_cast<long long>(v) : 0x7fffffffffffffffLL;
-    found = block_min_ll<BLOCK>(cand);
-    return found != 0x7fffffffffffffffLL;
-  });
-  return found != 0x7fffffffffffffffLL ? found : last_pos;
+  long long cand = kNone, found = kNone;
+  prefix_walk<BLOCK>(
+      V, weight, [&](int64_t v, double c_incl, double) { if (cand == kNone && c_incl > target) cand = v; },
+      [&] {
+        found = block_reduce<BLOCK>(cand, MinOp());
+        return found != kNone;
+      });
+  return found != kNone ? found : last_pos;
 }
 
 // cdf_invert of token t with v_aux in (0, 1): u = (C(t - 1) + v * w(t)) / Z, nudged by float64 ulps until
@@ -333,20 +311,20 @@ __device__ __forceinline__ double invert_from_bin(double c_lo, double c_hi, doub
 
 template <int BLOCK, typename WeightFn>
 __device__ double inverse_cdf_invert(int64_t V, WeightFn weight, long long t, double v_aux) {
-  __shared__ double bin[3];  // C(t - 1), C(t), w(t)
-  if (threadIdx.x == 0) bin[0] = bin[1] = bin[2] = 0.0;
-  __syncthreads();
-  const double z = prefix_walk<BLOCK>(V, weight, [&](int64_t v, double c_excl, double c_incl, double wv) {
-    if (v == t) {
-      bin[0] = c_excl;
-      bin[1] = c_incl;
-      bin[2] = wv;
-    }
-    return false;
-  });
-  __syncthreads();
-  const double c_lo = bin[0], c_hi = bin[1], w_t = bin[2];
-  __syncthreads();
+  double c_lo = 0.0, c_hi = -1.0, w_t = -1.0;  // c_lo: max of C over the tokens before t (and 0)
+  const double z = prefix_walk<BLOCK>(
+      V, weight,
+      [&](int64_t v, double c_incl, double wv) {
+        if (v < t) c_lo = fmax(c_lo, c_incl);
+        if (v == t) {
+          c_hi = c_incl;
+          w_t = wv;
+        }
+      },
+      [] { return false; });
+  c_lo = block_reduce<BLOCK>(c_lo, MaxOp());
+  c_hi = block_reduce<BLOCK>(c_hi, MaxOp());  // only t's owner holds a value >= 0
+  w_t = block_reduce<BLOCK>(w_t, MaxOp());
   return invert_from_bin(c_lo, c_hi, w_t, z, v_aux);
 }
 

@@ -118,19 +118,6 @@ struct SoftMergeOp {
   }
 };
 
-template <int BLOCK>
-__device__ SoftStats block_soft(SoftStats x) {
-  using R = cub::BlockReduce<SoftStats, BLOCK>;
-  __shared__ typename R::TempStorage ts;
-  __shared__ SoftStats out;
-  const SoftStats r = R(ts).Reduce(x, SoftMergeOp());
-  if (threadIdx.x == 0) out = r;
-  __syncthreads();
-  const SoftStats res = out;
-  __syncthreads();
-  return res;
-}
-
 // cond(j) of a deterministic rule (thread 0). x: the node's token; lx: its logit at the parent's row.
 __device__ bool deterministic_cond(int rule, long long x, float lx, long long rank, long long argmax, float row_max,
                                    double lse, double entropy, double p0, double p1, bool has_parent_token,
@@ -198,8 +185,7 @@ __device__ void verify_row_deterministic(const VerifyArgs& a, const T* row, int6
 #pragma unroll
     for (int c = 0; c < kGroup; ++c) cnt[c] = 0;
     if (first || do_rank) {
-      for (int64_t v = threadIdx.x; v < V; v += BLOCK) {
-        const float x = load_as_float(row + v);
+      for_each_owned<BLOCK>(row, V, [&](int64_t v, float x) {
         if (first) {
           if (isnan(x) || x == INFINITY) {
             bad = 1;
@@ -217,14 +203,14 @@ __device__ void verify_row_deterministic(const VerifyArgs& a, const T* row, int6
             }
           }
         }
-      }
+      });
       if (first) {
         const ArgMax r2 = block_argmax<BLOCK>(best);
         stats.bad = block_sum_ll<BLOCK>(bad) > 0;
         stats.max = r2.v;
         stats.argmax = r2.i == 0x7fffffffffffffffLL ? 0 : r2.i;
         if (need_soft) {
-          const SoftStats s = block_soft<BLOCK>(soft);
+          const SoftStats s = block_reduce<BLOCK>(soft, SoftMergeOp());
           if (s.s > 0.0) {
             lse = s.m + log(s.s);
             entropy = log(s.s) - s.t / s.s;

@@ -62,7 +62,7 @@ def implemented_backends(op: str, module: str = "tree") -> tuple:
 
 def _call(op: str, backend: str, device: torch.device, *args, module: str = "tree", reference=None):
     """Run fastverify::<op> on the chosen backend with normalised arguments."""
-    name = _ext.resolve_backend(backend, device, has=implemented_backends(op, module))
+    name = _ext.resolve_backend(backend, device, has=implemented_backends(op, module), op=op)
     if name == "torch":
         return (reference or getattr(ref, op))(*args)
     if name == "triton":

@@ -449,12 +449,13 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
                 u_sample = _rand_open(N + B, device, generator)
         if need_accept and u_accept is None and N:
             if seed is not None:
+                # One Philox stream per local node index j: each stream is drawn for every node and kept
+                # where it belongs (max n_b small launches, no boolean indexing, no host synchronisation).
                 local = torch.arange(N, device=device) - cu_nodes.long()[node_request]
+                node_seed, node_pos = seed[node_request], position[node_request] + node_depth - 1
                 u_accept = torch.empty(N, dtype=torch.float32, device=device)
-                for j in range(max(counts, default=0)):  # one Philox stream per local node index
-                    sel = local == j
-                    u_accept[sel] = _uniform(seed[node_request[sel]], position[node_request[sel]] +
-                                             node_depth[sel] - 1, 1 + j)
+                for j in range(max(counts, default=0)):
+                    u_accept = torch.where(local == j, _uniform(node_seed, node_pos, 1 + j), u_accept)
             else:
                 u_accept = _rand_open(N, device, generator)
         elif need_accept and u_accept is None:

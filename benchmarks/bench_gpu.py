@@ -1,0 +1,160 @@
+"""GPU benchmarks of the CUDA and Triton backends, one table per op, in one process (ratios side by side).
+
+    python benchmarks/bench_gpu.py [--quick] [--json out.json]
+
+Times are medians of CUDA-event-timed calls of the public API (``fastverify.verify(..., backend=X,
+validate=False)``, ``fastverify.cdf_sample(..., backend=X)``, ...), so they include the Python wrapper and its
+host synchronisations; effective bandwidth = logits bytes / median, read against the card's measured read
+bandwidth (a large ``torch.sum``) and copy bandwidth (a large device-to-device copy, bytes read + written).
+Inputs larger than the L2 cache are used where the op is bandwidth-bound; the smallest cases fit in L2 and time
+launch and wrapper overhead rather than memory.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fastverify  # noqa: E402
+from bench_sampling import _softmax_cumsum_searchsorted, _sort_pipeline  # noqa: E402
+from bench_verify import RULE_PARAMS, _inputs, composed_gad, composed_greedy, composed_speculative  # noqa: E402
+
+ROWS = []
+
+
+def timed(fn, reps=30, warmup=3):
+    """Median milliseconds of fn() over reps calls, each bracketed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def record(table, case, impl, ms, nbytes):
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    ROWS.append({"table": table, "case": case, "impl": impl, "ms": ms, "GB/s": gbs})
+    print(f"{table:12s} {case:44s} {impl:28s} {ms * 1e3:10.1f} us {gbs:8.0f} GB/s", flush=True)
+
+
+def ceilings():
+    x = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
+    y = torch.empty_like(x)
+    ms = timed(lambda: y.copy_(x), reps=20)
+    record("ceiling", "copy 1 GiB (read + write)", "torch", ms, 2 * x.numel() * 4)
+    ms = timed(lambda: x.sum(), reps=20)
+    record("ceiling", "read 1 GiB (torch.sum)", "torch", ms, x.numel() * 4)
+
+
+def bench_verify(quick):
+    sizes = [(8, 16, 128256)] if quick else [(1, 8, 49152), (8, 16, 128256), (32, 16, 151936)]
+    rules = ("greedy", "gad", "typical", "speculative", "coupled") if quick else tuple(RULE_PARAMS)
+    backends = [b for b in ("cuda", "triton") if b in fastverify.backends("cuda")]
+    for size in sizes:
+        for dtype in (torch.float32, torch.bfloat16):
+            for shape in ("chain", "tree"):
+                logits, drafts, parents = _inputs(shape, size, dtype)
+                logits = logits.cuda()
+                drafts = drafts.cuda()
+                parents = None if parents is None else parents.cuda()
+                nbytes = logits.numel() * logits.element_size()
+                for rule in rules:
+                    case = f"{rule} {shape} B{size[0]} K{size[1]} V{size[2]} {str(dtype)[6:]}"
+                    outs = {}
+                    for be in backends:
+                        kw = dict(RULE_PARAMS[rule], rule=rule, parents=parents, backend=be, validate=False)
+                        if rule in ("speculative", "coupled"):
+                            kw.update(seed=7, position=torch.arange(size[0], device="cuda"))
+                        fn = lambda: fastverify.verify(logits, drafts, **kw)  # noqa: E731
+                        outs[be] = fn()
+                        record("verify", case, be, timed(fn), nbytes)
+                    if len(outs) == 2 and rule not in ("speculative",):
+                        a, b = outs["cuda"], outs["triton"]
+                        same = torch.equal(a.accept_len, b.accept_len) and torch.equal(a.next_token, b.next_token)
+                        if not same:
+                            print(f"MISMATCH cuda vs triton: {case}", flush=True)
+                    if shape == "chain":
+                        comp = {"greedy": lambda: composed_greedy(logits, drafts),
+                                "gad": lambda: composed_gad(logits, drafts, 4, 2.0),
+                                "speculative": lambda: composed_speculative(logits, drafts)}.get(rule)
+                        if comp is not None:
+                            record("verify", case, "torch composition", timed(comp), nbytes)
+                del logits
+
+
+def bench_sampling(quick):
+    backends = [b for b in ("cuda", "triton") if b in fastverify.backends("cuda")]
+    vocabs = (128256,) if quick else (32000, 128256, 151936)
+    for V in vocabs:
+        for B in (1, 8, 64):
+            logits = torch.randn(B, V, device="cuda") * 3
+            u = fastverify.uniform(0, torch.arange(B, device="cuda"))
+            nbytes = logits.numel() * 4
+            for warp, kw in (("plain", {}), ("topk50 topp0.9", {"top_k": 50, "top_p": 0.9})):
+                case = f"{warp} B{B} V{V} fp32"
+                for be in backends:
+                    record("cdf_sample", case, be, timed(lambda: fastverify.cdf_sample(logits, u, backend=be, **kw)),
+                           nbytes)
+                if warp == "plain":
+                    record("cdf_sample", case, "softmax+cumsum+searchsorted",
+                           timed(lambda: _softmax_cumsum_searchsorted(logits, u)), nbytes)
+                    record("cdf_sample", case, "softmax+multinomial",
+                           timed(lambda: torch.multinomial(torch.softmax(logits, -1), 1)), nbytes)
+                else:
+                    record("cdf_sample", case, "sort pipeline", timed(lambda: _sort_pipeline(logits, u)), nbytes)
+
+
+def bench_attention(quick):
+    backends = [b for b in ("cuda", "triton", "torch") if b in fastverify.backends("cuda")]
+    shapes = [(1, 32, 8, 64, 2048, 128), (8, 32, 8, 16, 4096, 128)]
+    for B, Hq, Hkv, n, P, D in shapes:
+        parents = (torch.arange(B * n, device="cuda", dtype=torch.int32) % n) // 2 - 1
+        cu = torch.arange(0, B * n + 1, n, dtype=torch.int32, device="cuda")
+        packed = fastverify.tree_mask(parents, cu, n, format="packed")
+        q = torch.randn(B, Hq, n, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, Hkv, P + n, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        nbytes = (2 * q.numel() + k.numel() + v.numel()) * 2
+        case = f"B{B} Hq{Hq} Hkv{Hkv} n{n} P{P} D{D} bf16"
+        ref = None
+        for be in backends:
+            fn = lambda: fastverify.tree_attention(q, k, v, packed, P, backend=be)  # noqa: E731
+            out = fn().float()
+            if ref is None:
+                ref = out
+            err = ((out - ref).norm() / ref.norm()).item()
+            record("attention", case + f" (rel err vs {backends[0]} {err:.1e})", be, timed(fn), nbytes)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--only", default="ceilings,verify,sampling,attention")
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  backends(cuda): "
+          f"{fastverify.backends('cuda')}", flush=True)
+    for part in args.only.split(","):
+        try:
+            {"ceilings": ceilings, "verify": lambda: bench_verify(args.quick),
+             "sampling": lambda: bench_sampling(args.quick), "attention": lambda: bench_attention(args.quick)}[part]()
+        except Exception as e:  # keep the other tables when one op fails on the device
+            print(f"FAILED {part}: {type(e).__name__}: {e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": ROWS}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
