@@ -2,10 +2,12 @@
 
     python benchmarks/bench_gpu.py [--quick] [--json out.json]
 
-Times are medians of CUDA-event-timed calls of the public API (``fastverify.verify(..., backend=X,
-validate=False)``, ``fastverify.cdf_sample(..., backend=X)``, ...), so they include the Python wrapper and its
-host synchronisations; effective bandwidth = logits bytes / median, read against the card's measured read
-bandwidth (a large ``torch.sum``) and copy bandwidth (a large device-to-device copy, bytes read + written).
+Times are medians of CUDA-event-timed calls. Two per backend: "api" is the public call (``fastverify.verify(...,
+backend=X, validate=False)``, ``fastverify.cdf_sample(..., backend=X)``), Python wrapper and its host
+synchronisations included; "op" is the registered op alone on the arguments the wrapper normalised
+(torch.ops.fastverify.verify / the Triton custom op), i.e. the kernels plus one dispatch. Effective bandwidth =
+logits bytes / median, read against the card's measured read bandwidth (a large ``torch.sum``) and copy
+bandwidth (a large device-to-device copy, bytes read + written).
 Inputs larger than the L2 cache are used where the op is bandwidth-bound; the smallest cases fit in L2 and time
 launch and wrapper overhead rather than memory.
 """
@@ -19,6 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fastverify  # noqa: E402
+import fastverify.ops.sampling as _ops_sampling  # noqa: E402
+import fastverify.ops.verify as _ops_verify  # noqa: E402
 from bench_sampling import _softmax_cumsum_searchsorted, _sort_pipeline  # noqa: E402
 from bench_verify import RULE_PARAMS, _inputs, composed_gad, composed_greedy, composed_speculative  # noqa: E402
 
@@ -46,6 +50,29 @@ def record(table, case, impl, ms, nbytes):
     gbs = nbytes / (ms * 1e-3) / 1e9
     ROWS.append({"table": table, "case": case, "impl": impl, "ms": ms, "GB/s": gbs})
     print(f"{table:12s} {case:44s} {impl:28s} {ms * 1e3:10.1f} us {gbs:8.0f} GB/s", flush=True)
+
+
+def captured(module, call):
+    """The (backend, args) module._run received during call(): the op's normalised arguments."""
+    seen = []
+    real = module._run
+
+    def spy(*a):
+        seen.append(a)
+        return real(*a)
+
+    module._run = spy
+    try:
+        call()
+    finally:
+        module._run = real
+    return seen[-1]
+
+
+def op_only(module, call):
+    """A function that re-runs just the op call() ends in (same backend, same normalised arguments)."""
+    a = captured(module, call)
+    return lambda: module._run(*a)
 
 
 def ceilings():
@@ -78,7 +105,8 @@ def bench_verify(quick):
                             kw.update(seed=7, position=torch.arange(size[0], device="cuda"))
                         fn = lambda: fastverify.verify(logits, drafts, **kw)  # noqa: E731
                         outs[be] = fn()
-                        record("verify", case, be, timed(fn), nbytes)
+                        record("verify", case, be + " api", timed(fn), nbytes)
+                        record("verify", case, be + " op", timed(op_only(_ops_verify, fn)), nbytes)
                     if len(outs) == 2 and rule not in ("speculative",):
                         a, b = outs["cuda"], outs["triton"]
                         same = torch.equal(a.accept_len, b.accept_len) and torch.equal(a.next_token, b.next_token)
@@ -104,8 +132,9 @@ def bench_sampling(quick):
             for warp, kw in (("plain", {}), ("topk50 topp0.9", {"top_k": 50, "top_p": 0.9})):
                 case = f"{warp} B{B} V{V} fp32"
                 for be in backends:
-                    record("cdf_sample", case, be, timed(lambda: fastverify.cdf_sample(logits, u, backend=be, **kw)),
-                           nbytes)
+                    fn = lambda: fastverify.cdf_sample(logits, u, backend=be, **kw)  # noqa: E731
+                    record("cdf_sample", case, be + " api", timed(fn), nbytes)
+                    record("cdf_sample", case, be + " op", timed(op_only(_ops_sampling, fn)), nbytes)
                 if warp == "plain":
                     record("cdf_sample", case, "softmax+cumsum+searchsorted",
                            timed(lambda: _softmax_cumsum_searchsorted(logits, u)), nbytes)

@@ -1,9 +1,11 @@
 // Schemas of the sampling ops (kernels: csrc/cpu/sampling.cpp, csrc/cuda/sampling.cu, kernels/sampling.py;
 // reference: fastverify/reference/sampling.py; Python API: fastverify/ops/sampling.py).
 //
-//   uniform(seed int64 [R], position int64 [R], stream) -> float32 [R]
+//   uniform(seed int64 [R], position int64 [R], stream int64 [R]) -> float32 [R]
 //       Philox 4x32-10, key = (seed low 32 bits, seed high 32 bits), counter = (position low, position high,
 //       stream, 0); output word 0 -> ((x >> 9) + 0.5) * 2^-23, exact in float32, in [2^-24, 1 - 2^-24].
+//       Streams must lie in [0, 2^32) (the CPU kernel checks; fastverify.uniform validates for every backend).
+//       One stream per element lets verify draw every node's acceptance uniform (stream 1 + j) in one call.
 //   cdf_sample(logits [R, V], u float32/float64 [R], warp float32 [R, 4]) -> int64 [R]
 //       smallest t with C(t) > u * Z, C the float64 prefix sum in token-id order of the warped weights
 //       w = exp(l / T - m) over the kept tokens (warp = temperature, top_k, top_p, min_p as in verify).
@@ -13,7 +15,7 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
-  m.def("uniform(Tensor seed, Tensor position, int stream) -> Tensor");
+  m.def("uniform(Tensor seed, Tensor position, Tensor stream) -> Tensor");
   m.def("cdf_sample(Tensor logits, Tensor u, Tensor warp) -> Tensor");
   m.def("cdf_invert(Tensor logits, Tensor token, Tensor v, Tensor warp) -> Tensor");
   m.def("aux_bits(Tensor u) -> Tensor");

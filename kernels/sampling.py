@@ -54,27 +54,29 @@ def cdf_block_v(V: int) -> int:
 
 
 @triton.jit
-def _uniform_kernel(seed_ptr, position_ptr, out_ptr, R, stream, BLOCK: tl.constexpr):
+def _uniform_kernel(seed_ptr, position_ptr, stream_ptr, out_ptr, R, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < R
     seed = tl.load(seed_ptr + offs, mask=ok, other=0)
     position = tl.load(position_ptr + offs, mask=ok, other=0)
+    stream = tl.load(stream_ptr + offs, mask=ok, other=0)
     tl.store(out_ptr + offs, philox_uniform(seed, position, stream), mask=ok)
 
 
 @torch.library.custom_op("fastverify::uniform_triton", mutates_args=())
-def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
-    """seed int64 [R], position int64 [R], stream int in [0, 2^32) -> float32 [R] in (0, 1): Philox 4x32-10
-    (csrc/sampling.cpp), bit-identical to the reference."""
-    assert seed.dtype == torch.int64 and position.dtype == torch.int64, "uniform: seed/position must be int64"
+def uniform(seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    """seed, position, stream int64 [R] (stream in [0, 2^32), validated by fastverify.uniform) -> float32 [R] in
+    (0, 1): Philox 4x32-10 (csrc/sampling.cpp), bit-identical to the reference."""
+    assert seed.dtype == position.dtype == stream.dtype == torch.int64, "uniform: seed/position/stream must be int64"
     shape = position.shape
     seed = seed.expand(shape).reshape(-1).contiguous()
+    stream = stream.expand(shape).reshape(-1).contiguous()
     position = position.reshape(-1).contiguous()
     R = position.numel()
     out = torch.empty(R, dtype=torch.float32, device=position.device)
     if R:
         BLOCK = 1024
-        _uniform_kernel[(triton.cdiv(R, BLOCK),)](seed, position, out, R, int(stream) & 0xFFFFFFFF, BLOCK=BLOCK)
+        _uniform_kernel[(triton.cdiv(R, BLOCK),)](seed, position, stream, out, R, BLOCK=BLOCK)
     return out.reshape(shape)
 
 

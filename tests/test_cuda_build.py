@@ -92,7 +92,7 @@ def test_uniform_and_aux_bits_bit_identical():
     seed = torch.randint(-2**63, 2**63 - 1, (1000,), dtype=torch.int64)
     pos = torch.randint(0, 2**40, (1000,), dtype=torch.int64)
     for stream in (0, 1, 7, 2**32 - 1):
-        got = torch.ops.fastverify.uniform(seed.cuda(), pos.cuda(), stream).cpu()
+        got = torch.ops.fastverify.uniform(seed.cuda(), pos.cuda(), torch.full_like(pos, stream).cuda()).cpu()
         want = ref.uniform(seed, pos, stream)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     u = torch.rand(77)

@@ -135,6 +135,11 @@ def test_uniform_matches_reference(backend):
         got = fastverify.uniform(seeds.to(dev), pos.to(dev), stream, backend=backend).cpu()
         assert torch.equal(got, want)
         assert bool(((got > 0) & (got < 1)).all())
+    # a stream per element equals the scalar-stream calls element by element
+    streams = torch.tensor([0, 1, 7, 2**32 - 1]).repeat(16)
+    got = fastverify.uniform(seeds.to(dev), pos.to(dev), streams.to(dev), backend=backend).cpu()
+    want = torch.stack([ref.uniform(seeds[i:i + 1], pos[i:i + 1], int(streams[i]))[0] for i in range(64)])
+    assert torch.equal(got, want)
     # broadcasting seed, shape kept
     got = fastverify.uniform(3, torch.arange(6, device=dev).reshape(2, 3), backend=backend)
     assert got.shape == (2, 3)
@@ -365,7 +370,7 @@ def test_opcheck():
     u = torch.rand(4, generator=g)
     tok = torch.ops.fastverify.cdf_sample(logits, u, warp)
     ops = torch.ops.fastverify
-    torch.library.opcheck(ops.uniform.default, (torch.arange(5), torch.arange(5) * 3, 2))
+    torch.library.opcheck(ops.uniform.default, (torch.arange(5), torch.arange(5) * 3, torch.arange(5) % 3))
     torch.library.opcheck(ops.cdf_sample.default, (logits, u, warp))
     torch.library.opcheck(ops.cdf_sample.default, (logits.bfloat16(), u.double(), warp))
     torch.library.opcheck(ops.cdf_invert.default, (logits, tok, torch.rand(4, generator=g), warp))
@@ -418,6 +423,10 @@ def test_bad_input():
         fastverify.cdf_invert(logits, torch.tensor([0, 1, 1]), torch.tensor([0.5, 1.5, 0.5]))
     with pytest.raises(ValueError, match="stream"):
         fastverify.uniform(0, torch.arange(3), stream=-1)
+    with pytest.raises(ValueError, match="stream"):
+        fastverify.uniform(0, torch.arange(3), stream=torch.tensor([0, 2**32, 1]))
+    with pytest.raises(TypeError, match="stream"):
+        fastverify.uniform(0, torch.arange(3), stream=torch.tensor([0.5, 1.0, 2.0]))
     with pytest.raises(TypeError, match="position"):
         fastverify.uniform(0, torch.arange(3).float())
     with pytest.raises(ValueError, match="backend"):

@@ -81,7 +81,7 @@ def test_uniform_bit_identical(stream):
     seed[:3] = torch.tensor([0, -1, 2**63 - 1])
     position = torch.randint(0, 2**62, (777,), generator=g, dtype=torch.int64)
     position[:3] = torch.tensor([0, -1, 2**32])
-    got = ks.uniform(seed.to(DEV), position.to(DEV), stream).cpu()
+    got = ks.uniform(seed.to(DEV), position.to(DEV), torch.full_like(position, stream).to(DEV)).cpu()
     want = rs.uniform(seed, position, stream)
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
@@ -196,7 +196,7 @@ def test_opcheck_sampling_ops():
     ops = torch.ops.fastverify
     seed = torch.randint(0, 2**40, (6,), generator=g).to(DEV)
     pos = torch.arange(6, device=DEV)
-    torch.library.opcheck(ops.uniform_triton, (seed, pos, 3), test_utils=OPCHECK_TESTS)
+    torch.library.opcheck(ops.uniform_triton, (seed, pos, torch.full_like(pos, 3)), test_utils=OPCHECK_TESTS)
     logits = torch.randn(3, 40, generator=g).to(DEV)
     warp = _warps(3, 40, g).to(DEV)
     u = torch.rand(3, generator=g).to(DEV)

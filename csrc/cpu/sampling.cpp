@@ -48,19 +48,26 @@ void check_vec(const at::Tensor& t, int64_t R, const char* op, const char* name)
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor");
 }
 
-at::Tensor _uniform_kernel(const at::Tensor& seed, const at::Tensor& position, int64_t stream) {
-  TORCH_CHECK(seed.scalar_type() == at::kLong, "uniform: seed must be int64, got ", seed.scalar_type());
-  TORCH_CHECK(position.scalar_type() == at::kLong, "uniform: position must be int64, got ", position.scalar_type());
-  TORCH_CHECK(seed.sizes() == position.sizes(), "uniform: seed ", seed.sizes(), " and position ", position.sizes(),
-              " must have the same shape");
-  TORCH_CHECK(stream >= 0 && stream <= 0xFFFFFFFFLL, "uniform: stream must be in [0, 2^32), got ", stream);
-  const at::Tensor s = seed.contiguous(), p = position.contiguous();
+at::Tensor _uniform_kernel(const at::Tensor& seed, const at::Tensor& position, const at::Tensor& stream) {
+  for (const auto& [t, name] : {std::pair{&seed, "seed"}, {&position, "position"}, {&stream, "stream"}}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong, "uniform: ", name, " must be int64, got ", t->scalar_type());
+    TORCH_CHECK(t->sizes() == position.sizes(), "uniform: ", name, " ", t->sizes(), " must have the shape of position ",
+                position.sizes());
+  }
+  const at::Tensor s = seed.contiguous(), p = position.contiguous(), st = stream.contiguous();
+  if (st.numel()) {
+    const auto [lo, hi] = at::aminmax(st);
+    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() <= 0xFFFFFFFFLL,
+                "uniform: stream must be in [0, 2^32), got values in [", lo.item<int64_t>(), ", ",
+                hi.item<int64_t>(), "]");
+  }
   at::Tensor out = at::empty(p.sizes(), p.options().dtype(at::kFloat));
   const int64_t* sp = s.data_ptr<int64_t>();
   const int64_t* pp = p.data_ptr<int64_t>();
+  const int64_t* stp = st.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, p.numel(), 4096, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) op[i] = philox_uniform(sp[i], pp[i], static_cast<uint32_t>(stream));
+    for (int64_t i = b; i < e; ++i) op[i] = philox_uniform(sp[i], pp[i], static_cast<uint32_t>(stp[i]));
   });
   return out;
 }

@@ -14,13 +14,14 @@ namespace cuda {
 // kernels (framework-free)
 // ---------------------------------------------------------------------------------------------
 
-// seed is indexed with its own stride so that a broadcast seed (stride 0) needs no copy.
+// seed and stream are indexed with their own strides so that a broadcast one (stride 0) needs no copy.
 __global__ void _uniform_kernel(const int64_t* __restrict__ seed, int64_t seed_stride,
-                                const int64_t* __restrict__ position, int64_t R, uint32_t stream,
-                                float* __restrict__ out) {
+                                const int64_t* __restrict__ position, const int64_t* __restrict__ stream,
+                                int64_t stream_stride, int64_t R, float* __restrict__ out) {
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < R;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[r] = ::fastverify::philox_uniform(seed[r * seed_stride], position[r], stream);
+    out[r] = ::fastverify::philox_uniform(seed[r * seed_stride], position[r],
+                                          static_cast<uint32_t>(stream[r * stream_stride]));
   }
 }
 
@@ -96,25 +97,25 @@ namespace {
 
 constexpr int kThreads = 256;
 
-at::Tensor uniform_cuda(const at::Tensor& seed, const at::Tensor& position, int64_t stream) {
-  check_cuda(seed, "seed");
-  check_cuda(position, "position");
-  check_same_device(seed, position, "seed", "position");
-  check_dtype(seed, at::kLong, "seed");
-  check_dtype(position, at::kLong, "position");
-  TORCH_CHECK(stream >= 0 && stream <= static_cast<int64_t>(UINT32_MAX), "stream: expected 0 <= stream < 2^32, got ",
-              stream);
-  TORCH_CHECK(seed.numel() == position.numel() || seed.numel() == 1, "seed: expected ", position.numel(),
-              " elements (one per position) or 1, got shape ", seed.sizes());
+// Streams are not range-checked here (that would synchronise with the device): fastverify.uniform validates them.
+at::Tensor uniform_cuda(const at::Tensor& seed, const at::Tensor& position, const at::Tensor& stream) {
+  for (const auto& [t, name] : {std::pair{&seed, "seed"}, {&position, "position"}, {&stream, "stream"}}) {
+    check_cuda(*t, name);
+    check_same_device(*t, position, name, "position");
+    check_dtype(*t, at::kLong, name);
+    TORCH_CHECK(t->numel() == position.numel() || t->numel() == 1, name, ": expected ", position.numel(),
+                " elements (one per position) or 1, got shape ", t->sizes());
+  }
   const c10::cuda::CUDAGuard guard(position.device());
   auto pos = position.contiguous();
   auto sd = seed.contiguous();
+  auto st = stream.contiguous();
   auto out = at::empty(position.sizes(), position.options().dtype(at::kFloat));
   const int64_t R = pos.numel();
   if (R == 0) return out;
   _uniform_kernel<<<grid_for(R, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      sd.data_ptr<int64_t>(), sd.numel() == 1 ? 0 : 1, pos.data_ptr<int64_t>(), R, static_cast<uint32_t>(stream),
-      out.data_ptr<float>());
+      sd.data_ptr<int64_t>(), sd.numel() == 1 ? 0 : 1, pos.data_ptr<int64_t>(), st.data_ptr<int64_t>(),
+      st.numel() == 1 ? 0 : 1, R, out.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -200,8 +200,8 @@ def uniform(seed, position, stream=0, backend="auto"):
     Args:
         seed: int, or int64 tensor broadcastable to position: the request's seed (all 64 bits are used).
         position: int64 tensor (any shape): absolute sequence positions.
-        stream: int in [0, 2^32): independent streams at one position (verify uses 0 for sampling, 1 + j for the
-            acceptance test of node j).
+        stream: int, or int64 tensor broadcastable to position, in [0, 2^32): independent streams at one position
+            (verify uses 0 for sampling, 1 + j for the acceptance test of node j).
     Returns:
         float32, shape of position: ((x >> 9) + 0.5) * 2^-23 (exact, in [2^-24, 1 - 2^-24]) with x the first word of Philox 4x32-10 under
         key (seed lo, seed hi) and counter (position lo, position hi, stream, 0). Bit-identical on every backend.
@@ -216,16 +216,28 @@ def uniform(seed, position, stream=0, backend="auto"):
             raise ValueError(f"seed: expected a 64-bit integer, got {seed}")
         seed = torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64, device=position.device)
     _check_tensor("seed", seed, device=position.device, dtypes=_INT_DTYPES)
-    if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < 2**32:
-        raise ValueError(f"stream: expected an int in [0, 2^32), got {stream!r}")
+    if isinstance(stream, torch.Tensor):
+        _check_tensor("stream", stream, device=position.device, dtypes=_INT_DTYPES)
+        if stream.numel() and bool(((stream < 0) | (stream >= 2**32)).any()):
+            raise ValueError(f"stream: expected values in [0, 2^32), got {stream[(stream < 0) | (stream >= 2**32)][:4]}")
+    elif isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < 2**32:
+        raise ValueError(f"stream: expected an int in [0, 2^32) or an integer tensor, got {stream!r}")
+    else:
+        stream = torch.tensor(stream, dtype=torch.int64, device=position.device)
     try:
-        seed_b, pos_b = torch.broadcast_tensors(seed.to(torch.int64), position.to(torch.int64))
+        seed_b, pos_b, stream_b = torch.broadcast_tensors(seed.to(torch.int64), position.to(torch.int64),
+                                                          stream.to(torch.int64))
     except RuntimeError as e:
-        raise ValueError(f"seed: shape {tuple(seed.shape)} does not broadcast to position's "
-                         f"{tuple(position.shape)}") from e
-    shape = pos_b.shape
+        raise ValueError(f"seed, stream: shapes {tuple(seed.shape)}, {tuple(stream.shape)} do not broadcast to "
+                         f"position's {tuple(position.shape)}") from e
+    return _uniform_op(seed_b, pos_b, stream_b, backend)
+
+
+def _uniform_op(seed, position, stream, backend="auto"):
+    """uniform on validated int64 tensors of one shape (no checks: verify's seeded draws come through here)."""
+    shape = position.shape
     out = _run("uniform", backend, position.device,
-               (seed_b.reshape(-1).contiguous(), pos_b.reshape(-1).contiguous(), stream))
+               (seed.reshape(-1).contiguous(), position.reshape(-1).contiguous(), stream.reshape(-1).contiguous()))
     return out.reshape(shape)
 
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from fastverify import _ext
-from fastverify.ops.sampling import sample_v, uniform
+from fastverify.ops.sampling import _uniform_op, sample_v
 from fastverify.reference import verify as _reference
 from fastverify.reference.verify import DETERMINISTIC_RULES, RULES, SAMPLING_RULES
 
@@ -250,7 +250,11 @@ _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _uniform(seed, position, stream):
-    return uniform(seed, position, stream)
+    """uniform() on int64 tensors of one shape, unchecked; stream an int or a tensor of that shape (verify's
+    streams, 0 and 1 + j, are in [0, 2^32) by construction)."""
+    if isinstance(stream, int):
+        stream = torch.full_like(position, stream)
+    return _uniform_op(seed, position, stream)
 
 
 def _rand_open(n, device, generator):
@@ -449,13 +453,9 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
                 u_sample = _rand_open(N + B, device, generator)
         if need_accept and u_accept is None and N:
             if seed is not None:
-                # One Philox stream per local node index j: each stream is drawn for every node and kept
-                # where it belongs (max n_b small launches, no boolean indexing, no host synchronisation).
+                # local node j draws from Philox stream 1 + j: one call with a stream per node
                 local = torch.arange(N, device=device) - cu_nodes.long()[node_request]
-                node_seed, node_pos = seed[node_request], position[node_request] + node_depth - 1
-                u_accept = torch.empty(N, dtype=torch.float32, device=device)
-                for j in range(max(counts, default=0)):
-                    u_accept = torch.where(local == j, _uniform(node_seed, node_pos, 1 + j), u_accept)
+                u_accept = _uniform(seed[node_request], position[node_request] + node_depth - 1, 1 + local)
             else:
                 u_accept = _rand_open(N, device, generator)
         elif need_accept and u_accept is None:

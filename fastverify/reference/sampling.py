@@ -93,7 +93,7 @@ def uniform(seed, position, stream):
     Args:
         seed: int64 [R] (any int64 value; its two's-complement bits are the Philox key).
         position: int64 [R] (absolute sequence position).
-        stream: int (non-negative, < 2^32).
+        stream: int, or int64 tensor broadcastable to position, in [0, 2^32).
     Returns:
         float32 [R]: ((x >> 9) + 0.5) * 2^-23, exact in float32 and in [2^-24, 1 - 2^-24], with x the first
         output word of Philox 4x32-10 under key (seed low 32 bits, seed high 32 bits) and counter (position
@@ -102,7 +102,7 @@ def uniform(seed, position, stream):
     seed = seed.to(torch.int64)
     position = position.to(torch.int64)
     key = torch.stack([seed & _M32, (seed >> 32) & _M32], dim=-1)
-    stream_t = torch.full_like(position, int(stream) & _M32)
+    stream_t = (torch.as_tensor(stream, dtype=torch.int64, device=position.device) & _M32).expand(position.shape)
     counter = torch.stack([position & _M32, (position >> 32) & _M32, stream_t, torch.zeros_like(position)], -1)
     x = philox4x32_10(counter, key)[..., 0]
     return (((x >> 9).to(torch.float64) + 0.5) * 2.0**-23).to(torch.float32)
