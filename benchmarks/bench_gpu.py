@@ -24,7 +24,8 @@ import fastverify  # noqa: E402
 import fastverify.ops.sampling as _ops_sampling  # noqa: E402
 import fastverify.ops.verify as _ops_verify  # noqa: E402
 from bench_sampling import _softmax_cumsum_searchsorted, _sort_pipeline  # noqa: E402
-from bench_verify import RULE_PARAMS, _inputs, composed_gad, composed_greedy, composed_speculative  # noqa: E402
+from bench_verify import (RULE_PARAMS, _inputs, composed_coupled, composed_gad, composed_greedy,  # noqa: E402
+                          composed_speculative, composed_typical)
 
 ROWS = []
 
@@ -115,7 +116,9 @@ def bench_verify(quick):
                     if shape == "chain":
                         comp = {"greedy": lambda: composed_greedy(logits, drafts),
                                 "gad": lambda: composed_gad(logits, drafts, 4, 2.0),
-                                "speculative": lambda: composed_speculative(logits, drafts)}.get(rule)
+                                "typical": lambda: composed_typical(logits, drafts, 0.09, 0.3),
+                                "speculative": lambda: composed_speculative(logits, drafts),
+                                "coupled": lambda: composed_coupled(logits, drafts)}.get(rule)
                         if comp is not None:
                             record("verify", case, "torch composition", timed(comp), nbytes)
                 del logits

@@ -7,8 +7,10 @@ Implementations:
   composition  what a user writes today, chains only (a tree needs per-path bookkeeping that has no short form):
                greedy:      argmax + compare + cumprod
                gad:         log_softmax + topk + gather + cumprod   (GAD++ top-beta and tau tests)
+               typical:     softmax + entropy + gather + cumprod   (Medusa's p(x) > min(eps, delta exp(-H)))
                speculative: softmax + gather + rand + cumprod + multinomial (one-hot drafts, residual at the
                             rejected row)
+               coupled:     softmax + cumsum + searchsorted (inverse CDF at every row) + cumprod
 
 Default run (short): rules greedy / gad / typical / speculative / coupled, chain and tree, fp32 and bf16, at
 (B, K, V) = (8, 16, 128256), cpp and composition; the torch reference only at (1, 8, 49152).
@@ -36,7 +38,7 @@ RULE_PARAMS = {
     "speculative": {"temperature": 1.0},
     "coupled": {"temperature": 1.0},
 }
-COMPOSED = ("greedy", "gad", "speculative")
+COMPOSED = ("greedy", "gad", "typical", "speculative", "coupled")
 
 
 def _grid():
@@ -110,6 +112,24 @@ def composed_gad(logits, drafts, beta, tau):
     return n, top.indices[:, :, 0].gather(1, n[:, None])[:, 0]
 
 
+def composed_typical(logits, drafts, eps, delta):
+    logp = logits.float().log_softmax(-1)
+    p = logp.exp()
+    entropy = -(p * logp).sum(-1)  # [B, K + 1]
+    threshold = torch.minimum(torch.full_like(entropy, eps), delta * torch.exp(-entropy))
+    px = p[:, :-1].gather(-1, drafts[..., None])[..., 0]
+    n = (px > threshold[:, :-1]).long().cumprod(-1).sum(-1)
+    return n, logits.argmax(-1).gather(1, n[:, None])[:, 0]
+
+
+def composed_coupled(logits, drafts, temperature=1.0):
+    cdf = (logits.float() / temperature).softmax(-1).cumsum(-1)  # [B, K + 1, V]
+    u = torch.rand(cdf.shape[:-1], device=cdf.device) * cdf[..., -1]
+    sampled = torch.searchsorted(cdf, u[..., None], right=True)[..., 0].clamp(max=cdf.shape[-1] - 1)
+    n = (drafts == sampled[:, :-1]).long().cumprod(-1).sum(-1)
+    return n, sampled.gather(1, n[:, None])[:, 0]
+
+
 def composed_speculative(logits, drafts, temperature=1.0):
     p = (logits.float() / temperature).softmax(-1)
     px = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # one-hot drafts: q(x) = 1
@@ -135,6 +155,10 @@ def test_verify(benchmark, read_bandwidth, case):
             fn = lambda: composed_greedy(logits, drafts)  # noqa: E731
         elif rule == "gad":
             fn = lambda: composed_gad(logits, drafts, params["beta"], params["tau"])  # noqa: E731
+        elif rule == "typical":
+            fn = lambda: composed_typical(logits, drafts, params["eps"], params["delta"])  # noqa: E731
+        elif rule == "coupled":
+            fn = lambda: composed_coupled(logits, drafts)  # noqa: E731
         else:
             fn = lambda: composed_speculative(logits, drafts)  # noqa: E731
     else:

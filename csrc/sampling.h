@@ -948,41 +948,86 @@ inline RowDist warp_row(const T* logits, int64_t V, Warp p, RowWorkspace& ws) {
 // ---------------------------------------------------------------------------------------------------------------
 // Sampling and its inverse.
 
-// The token of a valid, non-greedy row for the float64 target u * Z (see the header comment).
+// Tokens taken out of a row's distribution, with their weights: verify's residual after rejecting one-hot
+// drafts (the kept weights minus those tokens, renormalised). Distinct ids, few of them.
+struct Excluded {
+  int64_t n = 0;
+  const int64_t* ids = nullptr;
+  const double* w = nullptr;
+  bool has(int64_t t) const {
+    for (int64_t i = 0; i < n; ++i)
+      if (ids[i] == t) return true;
+    return false;
+  }
+  double before(int64_t t) const {  // weight excluded below id t
+    double s = 0.0;
+    for (int64_t i = 0; i < n; ++i)
+      if (ids[i] < t) s += w[i];
+    return s;
+  }
+};
+
+// The token of a valid, non-greedy row for the float64 target u * Z (see the header comment); with `ex`, of the
+// row without the excluded tokens (target = u * (Z - their weight); C(t) less the excluded weight up to t).
 template <typename T>
-inline int64_t select_target(const T* logits, const RowDist& d, const RowWorkspace& ws, double target) {
+inline int64_t select_target(const T* logits, const RowDist& d, const RowWorkspace& ws, double target,
+                             const Excluded& ex = {}) {
   if (d.sparse) {
     const auto& c = ws.prefix;
-    const auto it = std::upper_bound(c.begin(), c.end(), target);
-    if (it == c.end()) return ws.kept_idx.back();  // rounding: the last kept token (all have w > 0)
-    return ws.kept_idx[it - c.begin()];
+    const auto& ids = ws.kept_idx;
+    if (ex.n == 0) {
+      const auto it = std::upper_bound(c.begin(), c.end(), target);
+      if (it == c.end()) return ids.back();  // rounding: the last kept token (all have w > 0)
+      return ids[it - c.begin()];
+    }
+    int64_t last = -1;
+    for (size_t j = 0; j < ids.size(); ++j) {
+      if (ex.has(ids[j])) continue;
+      if (c[j] - ex.before(ids[j]) > target) return ids[j];
+      last = ids[j];
+    }
+    return last;
   }
   const int64_t V = d.vocab, nblocks = (V + kBlock - 1) / kBlock;
   const auto& P = ws.prefix;
+  auto P_at = [&](int64_t b) { return ex.n ? P[b] - ex.before(b * kBlock) : P[b]; };
   // Smallest b with P[b + 1] > target.
-  const auto it = std::upper_bound(P.begin() + 1, P.begin() + nblocks + 1, target);
-  int64_t b = it - (P.begin() + 1);
+  int64_t b = 0;
+  for (int64_t hi = nblocks; b < hi;) {
+    const int64_t mid = b + (hi - b) / 2;
+    if (P_at(mid + 1) > target) hi = mid; else b = mid + 1;
+  }
   alignas(32) float tmp[kBlock];
-  if (b >= nblocks) {  // rounding: the last token with w > 0
-    for (b = nblocks - 1; b >= 0; --b)
-      if (P[b + 1] > P[b]) break;
-    if (b < 0) return -1;
-    const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
+  auto weights = [&](int64_t lo, int64_t len) {
     block_weights(logits, lo, lo + len, d, tmp);
+    for (int64_t i = 0; i < ex.n; ++i)
+      if (ex.ids[i] >= lo && ex.ids[i] < lo + len) tmp[ex.ids[i] - lo] = 0.f;
+  };
+  // The first positive token whose running sum passes the target; a block that rounding (or an exclusion) left
+  // without one passes the search on to the next block.
+  for (; b < nblocks; ++b) {
+    const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
+    weights(lo, len);
+    double c = P_at(b);
+    int64_t last = -1;
+    for (int64_t j = 0; j < len; ++j) {
+      c += static_cast<double>(tmp[j]);
+      if (tmp[j] > 0.f) {
+        last = j;
+        if (c > target) return lo + j;
+      }
+    }
+    if (last >= 0) return lo + last;  // rounding inside the block: its last positive token
+  }
+  // Rounding past the end: the last token with w > 0.
+  for (b = nblocks - 1; b >= 0; --b) {
+    if (!(P[b + 1] > P[b])) continue;
+    const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
+    weights(lo, len);
     for (int64_t j = len - 1; j >= 0; --j)
       if (tmp[j] > 0.f) return lo + j;
-    return -1;
   }
-  const int64_t lo = b * kBlock, len = std::min(kBlock, V - lo);
-  block_weights(logits, lo, lo + len, d, tmp);
-  double c = P[b];
-  int64_t last = -1;
-  for (int64_t j = 0; j < len; ++j) {
-    c += static_cast<double>(tmp[j]);
-    if (tmp[j] > 0.f) last = j;
-    if (c > target) return lo + j;
-  }
-  return lo + last;  // rounding inside the block: its last positive token
+  return -1;
 }
 
 // cdf_sample of one row: the smallest t with C(t) > u * Z; -1 for an invalid row.

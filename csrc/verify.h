@@ -214,6 +214,39 @@ FV_AVX2_INLINE void block_exp_sums(const typename T::raw* row, int64_t b0, int64
   }
 }
 
+// The max / NaN traversal of block [b0, b1); with NC > 0 children, also rank[c] += #{x > thr[c]} over the block.
+template <typename T, int NC>
+FV_AVX2_INLINE void block_max(const typename T::raw* row, int64_t b0, int64_t b1, const __m256* thr, __m256& vbad,
+                              __m256& bmax0, __m256& bmax1, int64_t* rank) {
+  __m256i cnt[NC > 0 ? NC : 1];  // mask lanes are -1
+  for (int c = 0; c < NC; ++c) cnt[c] = _mm256_setzero_si256();
+  int64_t v = b0;
+  for (; v + 16 <= b1; v += 16) {
+    const __m256 x0 = load8<T>(row + v), x1 = load8<T>(row + v + 8);
+    vbad = _mm256_or_ps(vbad, _mm256_or_ps(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q), _mm256_cmp_ps(x1, x1, _CMP_UNORD_Q)));
+    bmax0 = _mm256_max_ps(x0, bmax0);  // x first: a NaN x leaves bmax unchanged
+    bmax1 = _mm256_max_ps(x1, bmax1);
+    for (int c = 0; c < NC; ++c) {
+      const __m256i m0 = _mm256_castps_si256(_mm256_cmp_ps(x0, thr[c], _CMP_GT_OQ));
+      const __m256i m1 = _mm256_castps_si256(_mm256_cmp_ps(x1, thr[c], _CMP_GT_OQ));
+      cnt[c] = _mm256_sub_epi32(_mm256_sub_epi32(cnt[c], m0), m1);
+    }
+  }
+  for (; v < b1; v += 8) {
+    const __m256 x = load8<T>(row + v);
+    vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    bmax0 = _mm256_max_ps(x, bmax0);
+    for (int c = 0; c < NC; ++c)
+      cnt[c] = _mm256_sub_epi32(cnt[c], _mm256_castps_si256(_mm256_cmp_ps(x, thr[c], _CMP_GT_OQ)));
+  }
+  for (int c = 0; c < NC; ++c) {
+    alignas(32) int32_t f[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(f), cnt[c]);
+    for (int i = 0; i < 8; ++i) rank[c] += f[i];
+  }
+}
+constexpr int kMaxFusedChildren = 4;
+
 template <typename T>
 FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds needs, RowChildren ch, RowStats& out) {
   const float kInf = std::numeric_limits<float>::infinity();
@@ -232,24 +265,29 @@ FV_AVX2 void row_stats_avx2(const typename T::raw* row, int64_t V, RowNeeds need
   for (int64_t b0 = 0; b0 < V8; b0 += kBlock) {
     const int64_t b1 = b0 + kBlock < V8 ? b0 + kBlock : V8;
     __m256 bmax0 = _mm256_set1_ps(-kInf), bmax1 = bmax0;
-    int64_t v = b0;
-    for (; v + 16 <= b1; v += 16) {
-      const __m256 x0 = load8<T>(row + v), x1 = load8<T>(row + v + 8);
-      vbad = _mm256_or_ps(vbad, _mm256_or_ps(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q), _mm256_cmp_ps(x1, x1, _CMP_UNORD_Q)));
-      bmax0 = _mm256_max_ps(x0, bmax0);  // x first: a NaN x leaves bmax unchanged
-      bmax1 = _mm256_max_ps(x1, bmax1);
+    // A row with few children (every row of a chain, most rows of a tree) none of whose ids lies in this block:
+    // their rank compares (the one-compare form below) ride along this traversal, so the block is read once.
+    bool fused = needs.rank && ch.n > 0 && ch.n <= kMaxFusedChildren;
+    __m256 fused_thr[kMaxFusedChildren];
+    for (int c = 0; c < ch.n && fused; ++c) {
+      const float lx = ch.logit[c];
+      const int64_t t = ch.tokens[c];
+      fused = lx != -kInf && !(t >= b0 && t < b1);
+      fused_thr[c] = _mm256_set1_ps(t >= b1 ? std::nextafter(lx, -kInf) : lx);
     }
-    for (; v < b1; v += 8) {
-      const __m256 x = load8<T>(row + v);
-      vbad = _mm256_or_ps(vbad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-      bmax0 = _mm256_max_ps(x, bmax0);
+    switch (fused ? ch.n : 0) {
+      case 1: block_max<T, 1>(row, b0, b1, fused_thr, vbad, bmax0, bmax1, ch.rank); break;
+      case 2: block_max<T, 2>(row, b0, b1, fused_thr, vbad, bmax0, bmax1, ch.rank); break;
+      case 3: block_max<T, 3>(row, b0, b1, fused_thr, vbad, bmax0, bmax1, ch.rank); break;
+      case 4: block_max<T, 4>(row, b0, b1, fused_thr, vbad, bmax0, bmax1, ch.rank); break;
+      default: block_max<T, 0>(row, b0, b1, fused_thr, vbad, bmax0, bmax1, nullptr);
     }
     const float bm = hmax8(_mm256_max_ps(bmax0, bmax1));
     if (bm > run_max) {  // strict: the first block holding the maximum
       run_max = bm;
       best_b0 = b0;
     }
-    for (int g = 0; g < groups; ++g) {
+    for (int g = fused ? groups : 0; g < groups; ++g) {
       const int c0 = g * kMaxVecChildren;
       const int nc = ch.n - c0 < kMaxVecChildren ? ch.n - c0 : kMaxVecChildren;
       // rank(x) counts l_v > l_x, and l_v == l_x for v < x. In a block that does not hold x's own id the tie rule

@@ -110,6 +110,21 @@ def test_speculative_draft_probs_match_reference(backend):
 
 
 @pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("warping", [{}, {"top_k": 7}, {"top_k": 900, "temperature": 1.5}, {"top_p": 0.7},
+                                     {"min_p": 0.02, "temperature": 0.6}], ids=str)
+def test_speculative_one_hot_residual_matches_reference(backend, warping):
+    """One-hot drafts rejected one after another (stars: many siblings, duplicates among them, few argmax drafts):
+    the residual without the rejected tokens, over several sampling blocks (V = 3000) and the top-k sparse path."""
+    if backend == "triton" and device_of(backend).type == "cpu" and warping:
+        pytest.skip("interpreted Triton: the plain case covers the kernel; warpings are covered elsewhere")
+    for i in range(4):
+        gen = torch.Generator().manual_seed(300 + i)
+        batch = random_batch(5, 3000, max_nodes=9, min_nodes=1, shape=("star", "random")[i % 2], gen=gen,
+                             scale=3.0, p_argmax=0.1, p_duplicate=0.3)
+        _compare(backend, batch, "speculative", seed=i, **warping)
+
+
+@pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize("V", [32000, 49152, 151936])
 def test_large_vocab(backend, V):
     gen = torch.Generator().manual_seed(V)
@@ -157,6 +172,21 @@ def test_rank_across_blocks_with_ties(backend):
                 out = verify(logits.to(dtype).to(device), torch.tensor([x], device=device),
                              torch.tensor([0, 1], dtype=torch.int32, device=device), rule="topk", k=k, backend=backend)
                 assert int(out.accept_len[0]) == accepted, (dtype, x, k, rank)
+        # Several children of one row (the C++ kernel counts up to 4 children's ranks within its max traversal,
+        # more in a pass of their own): probe every child's rank.
+        for n_kids in (2, 3, 4, 5):
+            kids = torch.tensor([9500, 2048, 7, 5000, 2049][:n_kids])
+            rows = torch.randint(0, 5, (n_kids + 1, V), generator=gen).float()
+            rows[0, 9000:] = -math.inf
+            batch = {"logits": rows.to(dtype), "draft_tokens": kids,
+                     "cu_nodes": torch.tensor([0, n_kids], dtype=torch.int32),
+                     "parents": torch.full((n_kids,), -1, dtype=torch.int32)}
+            row = rows.to(dtype).float()[0]
+            for x in kids.tolist():
+                rank = int((row > row[x]).sum()) + int((row[:x] == row[x]).sum())
+                for k in (rank, rank + 1):
+                    if k >= 1:
+                        _compare(backend, batch, "topk", k=k)
 
 
 @pytest.mark.parametrize("backend", FAST)

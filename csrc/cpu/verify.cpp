@@ -174,6 +174,8 @@ struct SamplingScratch {
   std::vector<float> w;     // [V] warped weights of the current row
   std::vector<double> p;    // [V] current (residual) distribution p'
   std::vector<double> res;  // [V] max(p' - q, 0)
+  std::vector<int64_t> ex_ids;  // one-hot drafts: the rejected tokens of the current row and their weights
+  std::vector<double> ex_w;
 };
 
 struct SamplingInputs {
@@ -228,7 +230,33 @@ bool walk_sampling(const S* logits, int64_t row_stride, const Layout& L, int64_t
     const int64_t k0 = L.row_start[r], k1 = L.row_start[r + 1];
     bool residual = false;
     int64_t hit = -1;
-    if (k1 > k0) {
+    if (k1 > k0 && !in.q) {
+      // One-hot drafts: max(p' - q, 0) renormalised is p' without x, so the residual is the row's own weights
+      // without the rejected tokens (fs::Excluded), and no dense array is built. Z' = Z - their weight.
+      sc.ex_ids.clear();
+      sc.ex_w.clear();
+      double rest = d.z;
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t g = L.csr_node[k], x = L.csr_token[k];
+        const fs::Excluded ex{int64_t(sc.ex_ids.size()), sc.ex_ids.data(), sc.ex_w.data()};
+        const double wx = ex.has(x) ? 0.0 : double(fs::token_weight(row, d, x));
+        if (rest > 0.0 && double(in.u_accept[g]) <= wx / rest) {
+          hit = g - lo;
+          break;
+        }
+        if (wx > 0.0) {
+          sc.ex_ids.push_back(x);
+          sc.ex_w.push_back(wx);
+          rest -= wx;
+        }
+      }
+      if (hit < 0) {
+        const fs::Excluded ex{int64_t(sc.ex_ids.size()), sc.ex_ids.data(), sc.ex_w.data()};
+        const double u = double(in.u_sample[r]);
+        *next = ex.n ? fs::select_target(row, d, sc.ws, u * rest, ex) : fs::sample_row(row, d, sc.ws, u);
+        return true;
+      }
+    } else if (k1 > k0) {  // draft_probs q
       sc.w.resize(V);
       sc.p.resize(V);
       sc.res.resize(V);
@@ -236,25 +264,18 @@ bool walk_sampling(const S* logits, int64_t row_stride, const Layout& L, int64_t
       for (int64_t v = 0; v < V; ++v) sc.p[v] = double(sc.w[v]) / d.z;
       for (int64_t k = k0; k < k1 && hit < 0; ++k) {
         const int64_t g = L.csr_node[k], x = L.csr_token[k];
-        const float* q = in.q ? in.q + g * V : nullptr;
-        const double qx = q ? double(q[x]) : 1.0, px = sc.p[x];
+        const float* q = in.q + g * V;
+        const double qx = double(q[x]), px = sc.p[x];
         const bool ok = qx > 0.0 ? double(in.u_accept[g]) <= px / qx : px > 0.0;
         if (ok) {
           hit = g - lo;
           break;
         }
         double mass = 0.0;
-        if (q) {
-          for (int64_t v = 0; v < V; ++v) {
-            const double e = sc.p[v] - double(q[v]);
-            sc.res[v] = e > 0.0 ? e : 0.0;
-            mass += sc.res[v];
-          }
-        } else {  // one-hot q: remove x
-          for (int64_t v = 0; v < V; ++v) {
-            sc.res[v] = v == x ? std::max(sc.p[v] - 1.0, 0.0) : sc.p[v];
-            mass += sc.res[v];
-          }
+        for (int64_t v = 0; v < V; ++v) {
+          const double e = sc.p[v] - double(q[v]);
+          sc.res[v] = e > 0.0 ? e : 0.0;
+          mass += sc.res[v];
         }
         if (mass > 0.0) {
           for (int64_t v = 0; v < V; ++v) sc.p[v] = sc.res[v] / mass;
