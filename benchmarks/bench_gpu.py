@@ -24,8 +24,7 @@ import fastverify  # noqa: E402
 import fastverify.ops.sampling as _ops_sampling  # noqa: E402
 import fastverify.ops.verify as _ops_verify  # noqa: E402
 from bench_sampling import _softmax_cumsum_searchsorted, _sort_pipeline  # noqa: E402
-from bench_verify import (RULE_PARAMS, _inputs, composed_coupled, composed_gad, composed_greedy,  # noqa: E402
-                          composed_speculative, composed_typical)
+from bench_verify import RULE_PARAMS, _inputs, composition  # noqa: E402
 
 ROWS = []
 
@@ -114,13 +113,7 @@ def bench_verify(quick):
                         if not same:
                             print(f"MISMATCH cuda vs triton: {case}", flush=True)
                     if shape == "chain":
-                        comp = {"greedy": lambda: composed_greedy(logits, drafts),
-                                "gad": lambda: composed_gad(logits, drafts, 4, 2.0),
-                                "typical": lambda: composed_typical(logits, drafts, 0.09, 0.3),
-                                "speculative": lambda: composed_speculative(logits, drafts),
-                                "coupled": lambda: composed_coupled(logits, drafts)}.get(rule)
-                        if comp is not None:
-                            record("verify", case, "torch composition", timed(comp), nbytes)
+                        record("verify", case, "torch composition", timed(composition(rule, logits, drafts)), nbytes)
                 del logits
 
 

@@ -6,7 +6,10 @@ Implementations:
   torch        fastverify.verify(..., backend="torch", validate=False) (the reference: a readable spec, not fast)
   composition  what a user writes today, chains only (a tree needs per-path bookkeeping that has no short form):
                greedy:      argmax + compare + cumprod
+               topk:        topk + compare + cumprod + argmax
+               distance:    argmax + abs + compare + cumprod
                gad:         log_softmax + topk + gather + cumprod   (GAD++ top-beta and tau tests)
+               confidence:  softmax + gather + compare with the previous token + cumprod + argmax   (LUD)
                typical:     softmax + entropy + gather + cumprod   (Medusa's p(x) > min(eps, delta exp(-H)))
                speculative: softmax + gather + rand + cumprod + multinomial (one-hot drafts, residual at the
                             rejected row)
@@ -38,7 +41,7 @@ RULE_PARAMS = {
     "speculative": {"temperature": 1.0},
     "coupled": {"temperature": 1.0},
 }
-COMPOSED = ("greedy", "gad", "typical", "speculative", "coupled")
+COMPOSED = tuple(RULE_PARAMS)
 
 
 def _grid():
@@ -102,6 +105,27 @@ def composed_greedy(logits, drafts):
     return n, pred.gather(1, n[:, None])[:, 0]
 
 
+def composed_topk(logits, drafts, k):
+    top = logits.topk(k, dim=-1).indices  # [B, K + 1, k]
+    ok = (top[:, :-1] == drafts[..., None]).any(-1)
+    n = ok.long().cumprod(-1).sum(-1)
+    return n, top[:, :, 0].gather(1, n[:, None])[:, 0]
+
+
+def composed_distance(logits, drafts, eps):
+    pred = logits.argmax(-1)
+    n = ((drafts - pred[:, :-1]).abs() <= eps).long().cumprod(-1).sum(-1)
+    return n, pred.gather(1, n[:, None])[:, 0]
+
+
+def composed_confidence(logits, drafts, beta):
+    p = logits.float().softmax(-1)
+    px = p[:, :-1].gather(-1, drafts[..., None])[..., 0]
+    prev = torch.cat([torch.full_like(drafts[:, :1], -1), drafts[:, :-1]], 1)  # the root token is not known here
+    n = ((px >= beta) & (drafts != prev)).long().cumprod(-1).sum(-1)
+    return n, logits.argmax(-1).gather(1, n[:, None])[:, 0]
+
+
 def composed_gad(logits, drafts, beta, tau):
     logp = logits.float().log_softmax(-1)
     top = logp.topk(beta, dim=-1)
@@ -143,6 +167,21 @@ def composed_speculative(logits, drafts, temperature=1.0):
     return n, torch.multinomial(rows, 1)[:, 0]
 
 
+def composition(rule, logits, drafts):
+    """The torch composition of ``rule`` with its RULE_PARAMS, on dense chains: a callable."""
+    p = RULE_PARAMS[rule]
+    return {
+        "greedy": lambda: composed_greedy(logits, drafts),
+        "topk": lambda: composed_topk(logits, drafts, p.get("k")),
+        "distance": lambda: composed_distance(logits, drafts, p.get("eps")),
+        "gad": lambda: composed_gad(logits, drafts, p.get("beta"), p.get("tau")),
+        "typical": lambda: composed_typical(logits, drafts, p.get("eps"), p.get("delta")),
+        "confidence": lambda: composed_confidence(logits, drafts, p.get("beta")),
+        "speculative": lambda: composed_speculative(logits, drafts),
+        "coupled": lambda: composed_coupled(logits, drafts),
+    }[rule]
+
+
 @pytest.mark.parametrize("case", _grid(), ids=_ids)
 def test_verify(benchmark, read_bandwidth, case):
     rule, shape, size, dtype, impl = case
@@ -151,16 +190,7 @@ def test_verify(benchmark, read_bandwidth, case):
     logits, drafts, parents = _inputs(shape, size, dtype)
     params = RULE_PARAMS[rule]
     if impl == "composition":
-        if rule == "greedy":
-            fn = lambda: composed_greedy(logits, drafts)  # noqa: E731
-        elif rule == "gad":
-            fn = lambda: composed_gad(logits, drafts, params["beta"], params["tau"])  # noqa: E731
-        elif rule == "typical":
-            fn = lambda: composed_typical(logits, drafts, params["eps"], params["delta"])  # noqa: E731
-        elif rule == "coupled":
-            fn = lambda: composed_coupled(logits, drafts)  # noqa: E731
-        else:
-            fn = lambda: composed_speculative(logits, drafts)  # noqa: E731
+        fn = composition(rule, logits, drafts)
     else:
         kwargs = dict(params, rule=rule, parents=parents, backend=impl, validate=False)
         if rule in ("speculative", "coupled"):

@@ -1,4 +1,4 @@
-"""Triton kernels of the sampling ops: Philox uniforms, inverse-CDF sampling and its inverse (PTP).
+"""Triton kernels of the sampling ops: Philox uniforms, aux_bits, inverse-CDF sampling and its inverse (PTP).
 
 Schemas: csrc/sampling.cpp; specification: fastverify/reference/sampling.py (its docstring defines the warping:
 temperature, top-k, top-p, min-p, greedy at temperature 0, invalid rows). Each public function takes the
@@ -83,6 +83,34 @@ def uniform(seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor) ->
 @uniform.register_fake
 def _(seed, position, stream):
     return torch.empty_like(position, dtype=torch.float32)
+
+
+@triton.jit
+def _aux_bits_kernel(u_ptr, out_ptr, R, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < R
+    bits = tl.load(u_ptr + rows, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+    j = tl.arange(0, 32)
+    bit = (bits[:, None] >> (31 - j)[None, :]) & 1  # arithmetic shift; & 1 keeps the one bit, sign bit first
+    tl.store(out_ptr + rows[:, None] * 32 + j[None, :], bit.to(tl.float32), mask=ok[:, None])
+
+
+@torch.library.custom_op("fastverify::aux_bits_triton", mutates_args=())
+def aux_bits(u: torch.Tensor) -> torch.Tensor:
+    """u float32 [R] -> float32 [R, 32]: the IEEE-754 bits of u, most significant first (PTP §3.1)."""
+    assert u.dtype == torch.float32 and u.dim() == 1, "aux_bits: u must be float32 [R]"
+    u = u.contiguous()
+    R = u.numel()
+    out = torch.empty((R, 32), dtype=torch.float32, device=u.device)
+    if R:
+        BLOCK = 64
+        _aux_bits_kernel[(triton.cdiv(R, BLOCK),)](u, out, R, BLOCK=BLOCK)
+    return out
+
+
+@aux_bits.register_fake
+def _(u):
+    return u.new_empty((u.shape[0], 32))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -336,6 +336,10 @@ def test_aux_bits(backend):
     dev = device_of(backend)
     u = torch.tensor([0.5, 1.0, 0.1, 2.0**-24, 1 - 2.0**-24], device=dev).reshape(5)
     bits = fastverify.aux_bits(u, backend=backend).cpu()
+    # every bit pattern position, signs and specials included, over more rows than one kernel block
+    many = torch.randint(-2**31, 2**31, (300,), generator=torch.Generator().manual_seed(4), dtype=torch.int64)
+    many = many.to(torch.int32).view(torch.float32).to(dev)
+    assert torch.equal(fastverify.aux_bits(many, backend=backend).cpu(), ref.aux_bits(many.cpu()))
     assert bits.shape == (5, 32) and bits.dtype == torch.float32
     assert bits[0].tolist() == [0, 0, 1, 1, 1, 1, 1, 1] + [0] * 24  # 0x3f000000
     ints = u.cpu().view(torch.int32).tolist()

@@ -203,6 +203,7 @@ def test_opcheck_sampling_ops():
     torch.library.opcheck(ops.cdf_sample_triton, (logits, u, warp), test_utils=OPCHECK_TESTS)
     tok = ops.cdf_sample_triton(logits, u, warp)
     torch.library.opcheck(ops.cdf_invert_triton, (logits, tok, u.double(), warp), test_utils=OPCHECK_TESTS)
+    torch.library.opcheck(ops.aux_bits_triton, (torch.rand(70, generator=g).to(DEV),), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.parametrize("rule", [0, 4, 6, 7])

@@ -318,6 +318,7 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
                              f"got {tuple(draft_tokens.shape)}")
         logits = logits.reshape(B * K1, V)
         draft_tokens = draft_tokens.reshape(B * K)
+        cu = [b * K for b in range(B + 1)]  # known on the host: no device read-back below
         cu_nodes = torch.arange(B + 1, device=device, dtype=torch.int32) * K
         if parents is not None:
             _check_tensor("parents", parents, device, _INT_DTYPES)
@@ -343,6 +344,7 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
             raise ValueError(f"draft_tokens: expected shape [N], got {tuple(draft_tokens.shape)}")
         B = cu_nodes.numel() - 1
         V = logits.shape[1]
+        cu = None
     N = draft_tokens.numel()
     if logits.shape[0] != N + B:
         raise ValueError(f"logits: expected N + B = {N} + {B} = {N + B} rows, got {logits.shape[0]}")
@@ -353,7 +355,8 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
     cu_nodes = cu_nodes.to(torch.int32)
     draft_tokens = draft_tokens.to(torch.int64)
 
-    cu = cu_nodes.tolist()
+    if cu is None:
+        cu = cu_nodes.tolist()
     if validate:
         if cu[0] != 0 or cu[-1] != N or any(b > a for a, b in zip(cu[1:], cu[:-1])):
             raise ValueError(f"cu_nodes: expected non-decreasing offsets from 0 to N = {N}, got {cu}")
@@ -364,7 +367,10 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
 
     # ---- parents (chains materialised) and depths
     if parents is None:
-        parents = torch.tensor([j - 1 for c in counts for j in range(c)], dtype=torch.int32, device=device)
+        if B and len(set(counts)) == 1:  # equal chains (the dense form): built on the device, no host copy
+            parents = (torch.arange(counts[0], dtype=torch.int32, device=device) - 1).repeat(B)
+        else:
+            parents = torch.tensor([j - 1 for c in counts for j in range(c)], dtype=torch.int32, device=device)
         max_depth = max(counts, default=0)
         depth = None  # computed on demand (seeded uniforms)
     else:
