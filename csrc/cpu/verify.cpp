@@ -397,7 +397,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cpu(
     }
   }
 
-  at::parallel_for(0, B, sampling_rule ? 1 : 16, [&](int64_t b0, int64_t b1) {
+  // A sampling walk reads whole rows: one request per task when rows are long, several when they are short.
+  const int64_t walk_grain = sampling_rule ? std::max<int64_t>(1, 32768 / V) : 16;
+  at::parallel_for(0, B, walk_grain, [&](int64_t b0, int64_t b1) {
     std::vector<char> ok;
     std::vector<int64_t> path;
     SamplingScratch sc;

@@ -16,6 +16,7 @@ Backends: torch (reference), cpp (csrc/cpu/sampling.cpp), triton (fastverify.ker
 
 import importlib
 import math
+import os
 
 import torch
 
@@ -82,8 +83,21 @@ if _ext.HAS_CPP:
         return u.new_empty((*u.shape, 32), dtype=torch.float32)
 
 
+_RESOLVED = {}
+
+
+def _resolve(op, backend, device):
+    """_ext.resolve_backend for op, memoised per (op, backend, device type, TRITON_INTERPRET): the look-ups behind
+    it cost more than a small call (verify draws its seeded uniforms through here every step)."""
+    key = (op, backend, device.type, os.environ.get("TRITON_INTERPRET"))
+    name = _RESOLVED.get(key)
+    if name is None:
+        name = _RESOLVED[key] = _ext.resolve_backend(backend, device, has=implemented_backends(op))
+    return name
+
+
 def _run(op, backend, device, args):
-    name = _ext.resolve_backend(backend, device, has=implemented_backends(op))
+    name = _resolve(op, backend, device)
     if name == "torch":
         return getattr(ref, op)(*args)
     if name == "triton":
@@ -329,13 +343,4 @@ def sample_v(shape, a=None, generator=None, device=None):
 def aux_bits(u, backend="auto"):
     """The IEEE-754 bits of float32 u, most significant first (PTP §3.1), as float32 [..., 32] of 0 / 1."""
     _check_tensor("u", u, dtypes=(torch.float32,))
-    flat = u.reshape(-1).contiguous()
-    has = tuple(b for b in implemented_backends("aux_bits"))
-    name = _ext.resolve_backend(backend, u.device, has=has)
-    if name == "torch":
-        out = ref.aux_bits(flat)
-    elif name == "triton":
-        out = _triton_module().aux_bits(flat)
-    else:
-        out = torch.ops.fastverify.aux_bits(flat)
-    return out.reshape(*u.shape, 32)
+    return _run("aux_bits", backend, u.device, (u.reshape(-1).contiguous(),)).reshape(*u.shape, 32)

@@ -162,10 +162,23 @@ def _per_request(name, value, B, device, *, integral=False):
     return float(value)  # Python scalars stay on the host: one tensor for all of them (see _columns)
 
 
+_CONST_COLUMNS = {}  # (values, B, device) -> read-only float32 [B, n]; bounded, see _columns
+
+
 def _columns(cols, B, device):
-    """float32 [B, len(cols)] from Python floats and / or float32 [B] tensors."""
+    """float32 [B, len(cols)] from Python floats and / or float32 [B] tensors. All-scalar parameters (the usual
+    case: the same rule and warping every step) come from a small cache, so that a CUDA call does not pay a
+    host-to-device copy, which waits for the stream, for each of its two parameter tensors. The kernels only
+    read these tensors."""
     if not any(isinstance(c, torch.Tensor) for c in cols):
-        return torch.tensor(cols, dtype=torch.float32, device=device).expand(B, len(cols)).contiguous()
+        key = (tuple(cols), B, device)
+        t = _CONST_COLUMNS.get(key)
+        if t is None:
+            if len(_CONST_COLUMNS) >= 64:
+                _CONST_COLUMNS.clear()
+            t = torch.tensor(cols, dtype=torch.float32, device=device).expand(B, len(cols)).contiguous()
+            _CONST_COLUMNS[key] = t
+        return t
     return torch.stack([c if isinstance(c, torch.Tensor) else torch.full((B,), c, dtype=torch.float32, device=device)
                         for c in cols], dim=1)
 
@@ -433,10 +446,12 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
                                  f"{tuple(position.shape)}")
             seed = seed.to(torch.int64).reshape(-1).expand(B)
             position = position.to(torch.int64).reshape(B)
-            if depth is None:  # chains: depth of local node j is j + 1
-                depth = [j + 1 for c in counts for j in range(c)]
-            node_request = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(counts, device=device))
-            node_depth = torch.tensor(depth, dtype=torch.int64, device=device)
+            # Request and local index of every node, computed where the tensors live (no host round trip).
+            cu_long = cu_nodes.long()
+            node_request = torch.searchsorted(cu_long[1:], torch.arange(N, device=device), right=True)
+            local = torch.arange(N, device=device) - cu_long[node_request]
+            # chains: depth of local node j is j + 1
+            node_depth = local + 1 if depth is None else torch.tensor(depth, dtype=torch.int64, device=device)
         for name, val, n in (("u_sample", u_sample, N + B), ("u_accept", u_accept, N)):
             if val is None:
                 continue
@@ -448,19 +463,16 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
         if u_sample is None:
             if seed is not None:
                 # Row order per request: the root row (depth 0), then the row of node j (depth(j)).
-                row_request = torch.repeat_interleave(torch.arange(B, device=device),
-                                                      torch.tensor(counts, device=device) + 1)
+                row_request = torch.searchsorted(cu_long[1:] + torch.arange(1, B + 1, device=device),
+                                                 torch.arange(N + B, device=device), right=True)
                 row_depth = torch.zeros(N + B, dtype=torch.int64, device=device)
-                is_node_row = torch.ones(N + B, dtype=torch.bool, device=device)
-                is_node_row[cu_nodes.long()[:-1] + torch.arange(B, device=device)] = False
-                row_depth[is_node_row] = node_depth
+                row_depth[torch.arange(N, device=device) + node_request + 1] = node_depth  # node g's own row
                 u_sample = _uniform(seed[row_request], position[row_request] + row_depth, 0)
             else:
                 u_sample = _rand_open(N + B, device, generator)
         if need_accept and u_accept is None and N:
             if seed is not None:
                 # local node j draws from Philox stream 1 + j: one call with a stream per node
-                local = torch.arange(N, device=device) - cu_nodes.long()[node_request]
                 u_accept = _uniform(seed[node_request], position[node_request] + node_depth - 1, 1 + local)
             else:
                 u_accept = _rand_open(N, device, generator)
