@@ -1,4 +1,4 @@
-"""Triton kernels of the tree ops: attention masks (bool, additive, packed) and positions.
+"""Triton kernels of the tree ops: attention masks (bool, additive, packed), positions and compact_cache.
 
 Schemas: csrc/tree.cpp; specification: fastverify/reference/tree.py. Each function takes the normalised
 arguments of its schema (the op wrappers in fastverify/ops/tree.py validate them) and is registered as the torch
@@ -192,3 +192,61 @@ def tree_positions(parents: torch.Tensor, cu_nodes: torch.Tensor, prefix_len: to
 @tree_positions.register_fake
 def _(parents, cu_nodes, prefix_len):
     return parents.new_empty(parents.shape, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# compact_cache: one program per (request, head, block of D); it loads the sources of all of the request's moves
+# ([DEPTH, BLOCK_D] elements, as raw bits), waits for every thread of the program (debug_barrier), then writes
+# them to their destinations: the reference's gather-then-write semantics, so overlapping source and destination
+# slots are safe. Programs touch disjoint elements.
+
+
+@triton.jit
+def _compact_cache_kernel(cache_ptr, sB, sH, sS, sD, H, S, D, prefix_len_ptr, draft_start, accepted_ptr, max_depth,
+                          accept_len_ptr, DEPTH: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    i = tl.arange(0, DEPTH)
+    n = tl.minimum(tl.load(accept_len_ptr + b), max_depth)
+    acc = tl.load(accepted_ptr + b.to(tl.int64) * max_depth + i, mask=i < n, other=-1)
+    src = draft_start + acc.to(tl.int64)
+    dst = tl.load(prefix_len_ptr + b).to(tl.int64) + i
+    ok = (i < n) & (acc >= 0) & (src < S) & (dst >= 0) & (dst < S)  # the wrapper rejects the rest beforehand
+    m = ok[:, None] & (d[None, :] < D)
+    base = cache_ptr + b.to(tl.int64) * sB + h.to(tl.int64) * sH
+    vals = tl.load(base + src[:, None] * sS + d[None, :] * sD, mask=m)
+    tl.debug_barrier()
+    tl.store(base + dst[:, None] * sS + d[None, :] * sD, vals, mask=m)
+
+
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _compact_one(t, prefix_len, draft_start, accepted, accept_len):
+    B, H, S, D = t.shape
+    max_depth = accepted.shape[1]
+    if B * H * D == 0 or max_depth == 0:
+        return
+    raw = t.view(_RAW[t.element_size()])  # moved as bits: any dtype, NaN payloads kept
+    BLOCK_D = min(next_pow2(D, 16), 128)
+    _compact_cache_kernel[(B * H, triton.cdiv(D, BLOCK_D))](
+        raw, *raw.stride(), H, S, D, prefix_len, draft_start, accepted, max_depth, accept_len,
+        DEPTH=next_pow2(max_depth, 1), BLOCK_D=BLOCK_D)
+
+
+@torch.library.custom_op("fastverify::compact_cache_triton", mutates_args=("k", "v"))
+def compact_cache(k: torch.Tensor, v: torch.Tensor, prefix_len: torch.Tensor, draft_start: int,
+                  accepted: torch.Tensor, accept_len: torch.Tensor) -> None:
+    """In place on k and v [B, H, S, D] (any strides; k and v may differ in H, D and dtype): for i < accept_len[b],
+    slot draft_start + accepted[b, i] moves to slot prefix_len[b] + i. prefix_len, accept_len int32 [B],
+    accepted int32 [B, max_depth], validated by fastverify.compact_cache."""
+    prefix_len, accepted, accept_len = prefix_len.contiguous(), accepted.contiguous(), accept_len.contiguous()
+    for t in (k, v):
+        _compact_one(t, prefix_len, draft_start, accepted, accept_len)
+
+
+@compact_cache.register_fake
+def _(k, v, prefix_len, draft_start, accepted, accept_len):
+    return None
