@@ -576,3 +576,19 @@ def test_opcheck(rule):
     args = (b["logits"], b["draft_tokens"], b["cu_nodes"], b["parents"], rp, warp, None, us, ua, None, idx, 0,
             depth)
     torch.library.opcheck(torch.ops.fastverify.verify.default, args)
+
+
+def test_wrapper_under_torch_compile():
+    """The public wrapper traced by torch.compile (graph breaks allowed) gives the eager result, and eager calls
+    after it still do (the wrapper's cached parameter tensors are not traced values)."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(2, 5, 50, generator=gen)
+    drafts = logits.argmax(-1)[:, :-1]
+    drafts[1, 2] = (drafts[1, 2] + 1) % 50
+
+    def f(lg, d):
+        return verify(lg, d, rule="gad", beta=3, tau=1.0, validate=False)
+
+    ref = f(logits, drafts)
+    for out in (torch.compile(f)(logits, drafts), f(logits, drafts)):
+        _assert_same(out, ref, "compiled")

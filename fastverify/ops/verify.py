@@ -171,6 +171,8 @@ def _columns(cols, B, device):
     host-to-device copy, which waits for the stream, for each of its two parameter tensors. The kernels only
     read these tensors."""
     if not any(isinstance(c, torch.Tensor) for c in cols):
+        if torch.compiler.is_compiling():  # traced: a constant tensor, nothing kept across calls
+            return torch.tensor(cols, dtype=torch.float32, device=device).expand(B, len(cols)).contiguous()
         key = (tuple(cols), B, device)
         t = _CONST_COLUMNS.get(key)
         if t is None:
