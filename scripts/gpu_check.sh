@@ -28,7 +28,9 @@ $PY -c "import fastverify; print('backends(cuda):', fastverify.backends('cuda'))
 
 if [[ " $STEPS " == *" test "* ]]; then
   start=$(date +%s)
-  $PY -m pytest -q -rs -p no:cacheprovider -n 8 --timeout 300 -k "cuda or triton" \
+  par=""; $PY -c "import xdist" 2>/dev/null && par="-n 8"      # pytest-xdist where the image has it
+  tmo=""; $PY -c "import pytest_timeout" 2>/dev/null && tmo="--timeout 300"
+  $PY -m pytest -q -rs -p no:cacheprovider $par $tmo -k "cuda or triton" \
     tests/test_cuda_build.py tests/test_verify.py tests/test_sampling.py tests/test_masks.py \
     tests/test_tree_attention.py tests/test_triton_smoke.py tests/test_tree.py tests/test_cache.py \
     tests/test_verify_speculative_stats.py >"$OUT/test.log" 2>&1
