@@ -162,10 +162,34 @@ def bench_attention(quick):
             record("attention", case + f" (rel err vs {backends[0]} {err:.1e})", be, timed(fn), nbytes)
 
 
+def write_markdown(path, argv):
+    """A RESULTS.md section of every row measured, one table per op (append it to benchmarks/RESULTS.md)."""
+    import datetime  # noqa: PLC0415
+    import triton  # noqa: PLC0415
+
+    read = max((r["GB/s"] for r in ROWS if r["table"] == "ceiling" and r["case"].startswith("read")), default=None)
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"## GPU microbenchmarks, {now}: {torch.cuda.get_device_name()}", "",
+             f"torch {torch.__version__}, triton {triton.__version__}; command `python benchmarks/bench_gpu.py "
+             f"{' '.join(argv)}`. Medians of 30 CUDA-event-timed calls; api = the public call (Python wrapper "
+             f"included), op = the registered op on normalised arguments; GB/s = input bytes / median"
+             + (f"; % = of the measured read ceiling {read:.0f} GB/s." if read else "."), ""]
+    for table in dict.fromkeys(r["table"] for r in ROWS):
+        lines += [f"### {table}", "", "| case | implementation | us | GB/s | % of read |", "| --- | --- | --- | --- | --- |"]
+        for r in ROWS:
+            if r["table"] == table:
+                pct = f"{100 * r['GB/s'] / read:.0f}" if read else ""
+                lines.append(f"| {r['case']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['GB/s']:.0f} | {pct} |")
+        lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--markdown", help="also write the tables as a RESULTS.md section to this file")
     ap.add_argument("--only", default="ceilings,verify,sampling,attention")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  backends(cuda): "
@@ -179,6 +203,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": ROWS}, f, indent=1)
+    if args.markdown:
+        write_markdown(args.markdown, sys.argv[1:])
 
 
 if __name__ == "__main__":

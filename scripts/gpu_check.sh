@@ -4,7 +4,9 @@
 #
 #   bash scripts/gpu_check.sh [build] [test] [bench] [quick]    (default: build test bench)
 #
-# Logs go to $OUT (default gpu_out/). The build (16 jobs) took 46 s on the H100 machine.
+# Logs go to $OUT (default gpu_out/); bench.md there is a ready RESULTS.md section: append it to
+# benchmarks/RESULTS.md in the same session (a session cut off before that loses the figures).
+# The build (16 jobs) took 46-80 s on the H100 machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -41,6 +43,6 @@ fi
 
 if [[ " $STEPS " == *" bench "* ]]; then
   quick=""; [[ " $STEPS " == *" quick "* ]] && quick="--quick"
-  $PY benchmarks/bench_gpu.py $quick --json "$OUT/bench.json" >"$OUT/bench.log" 2>&1
+  $PY benchmarks/bench_gpu.py $quick --json "$OUT/bench.json" --markdown "$OUT/bench.md" >"$OUT/bench.log" 2>&1
   echo "bench: rc=$?"; grep -E "FAILED|MISMATCH|Error" "$OUT/bench.log" | head -20
 fi
