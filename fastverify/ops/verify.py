@@ -171,15 +171,15 @@ def _columns(cols, B, device):
     host-to-device copy, which waits for the stream, for each of its two parameter tensors. The kernels only
     read these tensors."""
     if not any(isinstance(c, torch.Tensor) for c in cols):
-        if torch.compiler.is_compiling():  # traced: a constant tensor, nothing kept across calls
-            return torch.tensor(cols, dtype=torch.float32, device=device).expand(B, len(cols)).contiguous()
-        key = (tuple(cols), B, device)
+        # While torch.compile traces, a constant tensor and nothing kept across calls.
+        key = None if torch.compiler.is_compiling() else (tuple(cols), B, device)
         t = _CONST_COLUMNS.get(key)
         if t is None:
-            if len(_CONST_COLUMNS) >= 64:
-                _CONST_COLUMNS.clear()
             t = torch.tensor(cols, dtype=torch.float32, device=device).expand(B, len(cols)).contiguous()
-            _CONST_COLUMNS[key] = t
+            if key is not None:
+                if len(_CONST_COLUMNS) >= 64:
+                    _CONST_COLUMNS.clear()
+                _CONST_COLUMNS[key] = t
         return t
     return torch.stack([c if isinstance(c, torch.Tensor) else torch.full((B,), c, dtype=torch.float32, device=device)
                         for c in cols], dim=1)
@@ -450,8 +450,9 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
             position = position.to(torch.int64).reshape(B)
             # Request and local index of every node, computed where the tensors live (no host round trip).
             cu_long = cu_nodes.long()
-            node_request = torch.searchsorted(cu_long[1:], torch.arange(N, device=device), right=True)
-            local = torch.arange(N, device=device) - cu_long[node_request]
+            node_ids = torch.arange(N, device=device)
+            node_request = torch.searchsorted(cu_long[1:], node_ids, right=True)
+            local = node_ids - cu_long[node_request]
             # chains: depth of local node j is j + 1
             node_depth = local + 1 if depth is None else torch.tensor(depth, dtype=torch.int64, device=device)
         for name, val, n in (("u_sample", u_sample, N + B), ("u_accept", u_accept, N)):
@@ -468,7 +469,7 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
                 row_request = torch.searchsorted(cu_long[1:] + torch.arange(1, B + 1, device=device),
                                                  torch.arange(N + B, device=device), right=True)
                 row_depth = torch.zeros(N + B, dtype=torch.int64, device=device)
-                row_depth[torch.arange(N, device=device) + node_request + 1] = node_depth  # node g's own row
+                row_depth[node_ids + node_request + 1] = node_depth  # node g's own row
                 u_sample = _uniform(seed[row_request], position[row_request] + row_depth, 0)
             else:
                 u_sample = _rand_open(N + B, device, generator)
