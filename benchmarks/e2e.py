@@ -24,8 +24,11 @@ Usage (from the repository root):
   python benchmarks/e2e.py --per-category 3 --max-new-tokens 96 --out e2e.json
   python benchmarks/e2e.py --per-category 2 --methods generate fastverify --ngram min_n=2 width=1
 
-Results are appended to benchmarks/RESULTS.md (``--no-results`` to skip) with the machine, the command line and
-the numbers; a bar plot goes to ``--plot`` when matplotlib is importable (it is not a dependency of fastverify).
+A run writes only under ``--out-dir`` (default benchmarks/out/, ignored by git): the results as a markdown section
+with the machine, the command line and the numbers (e2e.md or e2e_quick.md), and a bar plot (e2e.png or
+e2e_quick.png) when matplotlib is importable. ``--update-results`` also puts the section into
+benchmarks/RESULTS.md, in place of the previous figures of the same benchmark, and the plot next to it: the
+deliberate step that changes tracked files.
 """
 
 import argparse
@@ -35,6 +38,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -45,6 +49,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_QUESTIONS = "../shared/data/spec_bench/question.jsonl"  # relative to the repository root
 QUICK_PROMPTS = os.path.join(ROOT, "benchmarks", "quick_prompts.jsonl")
+OUT_DIR = os.path.join(ROOT, "benchmarks", "out")  # run outputs; ignored by git, so a run leaves the checkout clean
 # no_draft (opt-in): fastverify's loop with a drafter that proposes nothing, i.e. what the loop's kernels
 # (skinny linears) give without any drafting; it separates the two sources of speed-up.
 METHODS = ("generate", "prompt_lookup", "fastverify", "no_draft")
@@ -340,28 +345,42 @@ def machine_info():
     return info
 
 
-def append_results(path, info, command, args, summary, table, notes):
-    new_file = not os.path.exists(path)
-    with open(path, "a") as f:
-        if new_file:
-            f.write("# fastverify benchmark results\n\nEach section is appended by the benchmark that produced it, "
-                    "with the machine it ran on and its command line. Numbers are as measured, never edited.\n")
-        f.write(f"\n## e2e {'quick' if args.quick else 'Spec-Bench'}, {info['date']}\n\n")
-        f.write(f"- machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}; "
-                f"torch {info['torch']}, transformers {info['transformers']}, Python {info['python']}; "
-                f"commit {info.get('commit')}\n")
-        f.write(f"- load average (1 min) before / after: {info.get('load_before')} / {info.get('load_after')}"
-                " (other processes on the machine make timings noisy)\n")
-        f.write(f"- model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised), {args.dtype}; greedy, batch 1, "
-                f"max_new_tokens {args.max_new_tokens}\n")
-        drafter_args = ", ".join(f"{k}={v}" for k, v in args.ngram.items())
-        f.write(f"- fastverify: fastverify.patch(model), NGramDrafter({drafter_args}), greedy, skinny linears on"
-                + ("; no_draft: the same loop with a drafter that proposes nothing" if "no_draft" in args.methods
-                   else "") + "\n")
-        f.write(f"- command: `{command}`\n\n")
-        f.write(table + "\n\n")
-        for line in notes:
-            f.write(f"- {line}\n")
+def results_section(info, command, args, table, notes):
+    """The run as a markdown section of RESULTS.md: heading, machine, date, how to reproduce, table, notes."""
+    drafter_args = ", ".join(f"{k}={v}" for k, v in args.ngram.items())
+    lines = [
+        f"## e2e {'quick' if args.quick else 'Spec-Bench'}",
+        "",
+        f"- machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}; "
+        f"torch {info['torch']}, transformers {info['transformers']}, Python {info['python']}",
+        f"- date: {info['date']}, commit {info.get('commit')}; load average (1 min) before / after: "
+        f"{info.get('load_before')} / {info.get('load_after')} (other processes on the machine make timings noisy)",
+        f"- model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised), {args.dtype}; greedy, batch 1, "
+        f"max_new_tokens {args.max_new_tokens}",
+        f"- fastverify: fastverify.patch(model), NGramDrafter({drafter_args}), greedy, skinny linears on"
+        + ("; no_draft: the same loop with a drafter that proposes nothing" if "no_draft" in args.methods else ""),
+        f"- how to reproduce: `{command}`",
+        "",
+        table,
+        "",
+    ]
+    lines += [f"- {line}" for line in notes]
+    return "\n".join(lines) + "\n"
+
+
+def update_results(path, key, section):
+    """Put ``section`` into the markdown file ``path`` between the markers of ``key``, in place of the previous
+    figures of that benchmark (they stay in git history), or at the end when the markers are absent."""
+    begin, end = f"<!-- {key}: begin -->", f"<!-- {key}: end -->"
+    block = f"{begin}\n{section.rstrip()}\n{end}"
+    text = open(path).read() if os.path.exists(path) else "# fastverify benchmark results\n"
+    i, j = text.find(begin), text.find(end)
+    if 0 <= i < j:
+        text = text[:i] + block + text[j + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def plot(summary, path, title):
@@ -416,12 +435,17 @@ def parse_args(argv=None):
     p.add_argument("--ngram", nargs="+", default=[], metavar="KEY=NUMBER",
                    help="NGramDrafter arguments for fastverify, e.g. --ngram min_n=2 width=1 (default: its defaults)")
     p.add_argument("--out", help="write every per-question record and the summary to this JSON file")
-    p.add_argument("--plot", default=None,
-                   help="PNG path (default benchmarks/e2e.png, or benchmarks/e2e_quick.png with --quick)")
+    p.add_argument("--out-dir", default=OUT_DIR,
+                   help="folder of the run's outputs: the results section (e2e.md / e2e_quick.md) and the plot "
+                        "(default benchmarks/out, ignored by git)")
+    p.add_argument("--plot", default=None, help="PNG path (default OUT_DIR/e2e.png, or OUT_DIR/e2e_quick.png)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-results", action="store_true", help="do not write the results section")
+    p.add_argument("--update-results", action="store_true",
+                   help="also put the results section into --results in place of the benchmark's previous figures, "
+                        "and copy the plot to benchmarks/ (changes tracked files)")
     p.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"),
-                   help="markdown file the results are appended to (default benchmarks/RESULTS.md)")
-    p.add_argument("--no-results", action="store_true", help="do not append to --results")
+                   help="the markdown file --update-results writes (default benchmarks/RESULTS.md)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--cache-dir", default=None, help="load_smollm2's cache folder")
     args = p.parse_args(argv)
@@ -441,8 +465,9 @@ def parse_args(argv=None):
         args.ngram = {k: (int(v) if v.lstrip("-").isdigit() else float(v)) for k, v in pairs}
     except ValueError:
         p.error(f"--ngram: expected KEY=NUMBER pairs, got {args.ngram}")
+    args.name = "e2e_quick" if args.quick else "e2e"
     if args.plot is None:
-        args.plot = os.path.join(ROOT, "benchmarks", "e2e_quick.png" if args.quick else "e2e.png")
+        args.plot = os.path.join(args.out_dir, args.name + ".png")
     return args
 
 
@@ -506,14 +531,26 @@ def main(argv=None):
             json.dump({"machine": info, "command": command, "args": vars(args), "summary": summary,
                        "records": records}, f, indent=1)
         print(f"wrote {args.out}")
+    if not args.no_plot or not args.no_results:
+        os.makedirs(args.out_dir, exist_ok=True)
+    plotted = None
     if not args.no_plot:
         title = (f"SmolLM2-135M-Instruct {args.dtype}, {'quick prompts' if args.quick else 'Spec-Bench'}, "
                  f"{args.max_new_tokens} new tokens; {info['cpu']}, {info['torch_threads']} threads")
-        if plot(summary, args.plot, title):
+        plotted = plot(summary, args.plot, title)
+        if plotted:
             print(f"wrote {args.plot}")
     if not args.no_results:
-        append_results(args.results, info, command, args, summary, table, notes)
-        print(f"appended to {args.results}")
+        section = results_section(info, command, args, table, notes)
+        path = os.path.join(args.out_dir, args.name + ".md")
+        with open(path, "w") as f:
+            f.write(section)
+        print(f"wrote {path}")
+        if args.update_results:
+            update_results(args.results, args.name, section)
+            print(f"updated the {args.name} section of {args.results}")
+            if plotted:
+                shutil.copyfile(plotted, os.path.join(ROOT, "benchmarks", args.name + ".png"))
     return summary
 
 
