@@ -138,6 +138,7 @@ class Decoder:
         self.root = input_ids[:, -1].tolist()
         self.stats = LoopStats(new_tokens=[0] * B)
         self.eos = set(settings.eos_token_ids)
+        self.vocab_size = _vocab_size(model)
         self._prefill(attention_mask)
         drafter.reset(B)
 
@@ -171,6 +172,7 @@ class Decoder:
         remaining = [self.remaining(b) for b in range(B)]
         budget = [min(s.max_draft, max(r - 1, 0)) for r in remaining]
         trees = self.drafter.propose(self.contexts, budget)
+        check_drafts(self.drafter, trees, B, self.vocab_size)
         trees = [_prune(t, r - 1) if r > 0 else empty_tree() for t, r in zip(trees, remaining)]
         trees = [t if len(t) <= bud else _prune_nodes(t, bud) for t, bud in zip(trees, budget)]
         t1 = time.perf_counter()
@@ -199,6 +201,9 @@ class Decoder:
             kw["root_tokens"] = torch.tensor(self.root, device=self.device)
         res = verify(logits, draft_tokens, cu_nodes, parents, rule=s.rule, backend=s.backend, validate=False, **kw)
         accept_len = res.accept_len.tolist()
+        if any(a < 0 and r > 0 for a, r in zip(accept_len, remaining)):  # NaN / inf logits somewhere
+            res = self._verify_around_invalid_rows(res, logits, trees, kw, remaining)
+            accept_len = res.accept_len.tolist()
         accepted = res.accepted.tolist()
         next_token = res.next_token.tolist()
         t4 = time.perf_counter()
@@ -254,6 +259,65 @@ class Decoder:
         st.time_commit += t5 - t4
         st.time_cache += t6 - t5
 
+    def _verify_around_invalid_rows(self, res, logits, trees, kw, remaining):
+        """verify reports accept_len = -1 for a request any of whose rows is invalid (NaN, +inf, all -inf). Plain
+        decoding would only have read the rows along the committed path, so an invalid row elsewhere (the row of a
+        rejected draft node, which the target never scores when decoding one token at a time) must not stop it.
+        Each such request is verified again with the children of its invalid rows dropped (they cannot be judged)
+        and those rows zeroed; if the accepted path then needs an invalid row (the root row, or the row after
+        its last node, which gives the next token), a ValueError names the request and the step. Rare path:
+        never taken while the logits are finite."""
+        s, B = self.s, self.B
+        accept_len = res.accept_len.tolist()
+        accepted = res.accepted.tolist()
+        next_token = res.next_token.tolist()
+        row0 = 0
+        for b, tree in enumerate(trees):
+            n = len(tree)
+            rows = logits[row0:row0 + n + 1]
+            row0 += n + 1
+            if accept_len[b] >= 0 or remaining[b] <= 0:
+                continue
+            kw_b = _request_kwargs(kw, b, B)
+            # which rows are invalid under this rule and warping: each row verified as a request with no draft
+            probe = verify(rows, torch.zeros(0, dtype=torch.int64, device=self.device),
+                           torch.zeros(n + 2, dtype=torch.int32, device=self.device), rule=s.rule, backend=s.backend,
+                           validate=False, **_request_kwargs(kw, b, B, repeat=n + 1))
+            bad = [a < 0 for a in probe.accept_len.tolist()]
+            if bad[0]:
+                self._invalid_logits_error(b, "its root row")
+            par = tree.parents.tolist()
+            kept, new_index = [], {}
+            for j, p in enumerate(par):  # a node is judged at its parent's row: keep it while that row is valid
+                if not bad[p + 1] and (p < 0 or p in new_index):
+                    new_index[j] = len(kept)
+                    kept.append(j)
+            sub_rows = rows[[0] + [j + 1 for j in kept]].clone()
+            sub_rows[[i + 1 for i, j in enumerate(kept) if bad[j + 1]]] = 0  # leaves: read only if the path ends there
+            sub = verify(sub_rows, tree.tokens[kept].to(self.device),
+                         torch.tensor([0, len(kept)], dtype=torch.int32, device=self.device),
+                         torch.tensor([-1 if par[j] < 0 else new_index[par[j]] for j in kept], dtype=torch.int32,
+                                      device=self.device),
+                         rule=s.rule, backend=s.backend, validate=False, **kw_b)
+            a = int(sub.accept_len[0])
+            path = [kept[i] for i in sub.accepted[0, :a].tolist()]
+            if a < 0 or (path and bad[path[-1] + 1]):
+                self._invalid_logits_error(b, f"the row of accepted draft node {path[-1]}" if path else "a row")
+            accept_len[b] = a
+            accepted[b] = path + [-1] * (len(accepted[b]) - a)
+            next_token[b] = int(sub.next_token[0])
+        dev = res.accept_len.device
+        return type(res)(torch.tensor(accept_len, dtype=torch.int32, device=dev),
+                         torch.tensor(accepted, dtype=torch.int32, device=dev).reshape(res.accepted.shape),
+                         torch.tensor(next_token, dtype=torch.int64, device=dev))
+
+    def _invalid_logits_error(self, b, where):
+        raise ValueError(
+            f"fastverify: the model's logits for request {b} at decoding step {self.stats.steps + 1} (after "
+            f"{len(self.generated[b])} new tokens) are invalid (NaN, +inf, or -inf everywhere) on {where}, which "
+            f"the next token depends on. Plain greedy generate would emit an arbitrary token there (argmax of a "
+            f"NaN row). Check the model's weights and dtype (float16 overflow is the usual cause).")
+
     def output(self) -> torch.Tensor:
         """[B, L + T]: the prompt (with its padding) and the emitted tokens, pad_token_id after a request ends."""
         T = max(len(g) for g in self.generated)
@@ -262,6 +326,56 @@ class Decoder:
             if g:
                 out[b, :len(g)] = torch.tensor(g, dtype=torch.int64)
         return torch.cat([self.input_ids, out], dim=1)
+
+
+def _vocab_size(model) -> int:
+    """The token ids a draft may hold: rows of the input embedding (and of the output projection, if smaller)."""
+    sizes = [getattr(model.config, "vocab_size", None)]
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    sizes.append(getattr(emb, "num_embeddings", None))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    sizes.append(getattr(head, "out_features", None))
+    return min(v for v in sizes if isinstance(v, int))
+
+
+def check_drafts(drafter, trees, batch_size: int, vocab_size: int) -> None:
+    """Check a drafter's proposals at the loop's boundary: B trees of token ids in [0, vocab_size) whose parents
+    precede their children. The trees are small and read on the host anyway (step_inputs), so the checks cost
+    a few list scans per step. Raises TypeError / ValueError naming the drafter and what it returned."""
+    name = type(drafter).__name__
+    if not isinstance(trees, (list, tuple)) or len(trees) != batch_size:
+        got = f"{len(trees)} items" if isinstance(trees, (list, tuple)) else type(trees).__name__
+        raise ValueError(f"drafter {name}: propose() must return {batch_size} fastverify.tree.Tree (one per "
+                         f"request), got {got}")
+    for b, tree in enumerate(trees):
+        if not isinstance(tree, Tree):
+            raise TypeError(f"drafter {name}: propose() returned {type(tree).__name__} for request {b}; expected a "
+                            f"fastverify.tree.Tree")
+        tokens, parents = tree.tokens, tree.parents
+        if tokens.dim() != 1 or tokens.shape != parents.shape or tokens.is_floating_point() \
+                or parents.is_floating_point():
+            raise ValueError(f"drafter {name}: request {b}'s tree must hold integer tokens [n] and parents [n], got "
+                             f"{tokens.dtype} {tuple(tokens.shape)} and {parents.dtype} {tuple(parents.shape)}")
+        toks = tokens.tolist()
+        bad = [t for t in toks if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"drafter {name}: proposed token id(s) {bad[:4]} for request {b}; expected ids in "
+                             f"[0, {vocab_size}) (the model's vocabulary)")
+        for j, p in enumerate(parents.tolist()):
+            if not -1 <= p < j:
+                raise ValueError(f"drafter {name}: request {b}'s tree gives node {j} the parent {p}; expected -1 "
+                                 f"(the root) or an earlier node (0 <= parent < {j})")
+
+
+def _request_kwargs(kw, b, batch_size, repeat=1):
+    """verify's keyword arguments for request b alone (per-request tensors [B] sliced), repeated ``repeat``
+    times."""
+    out = {}
+    for key, value in kw.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == batch_size:
+            value = value[b:b + 1].repeat(repeat)
+        out[key] = value
+    return out
 
 
 def _prune_nodes(tree: Tree, n: int) -> Tree:

@@ -13,13 +13,13 @@ streamer (batch 1), and ``seed=`` (int, or one per request) for the sampling rul
 """
 
 import dataclasses
-import types
 import warnings
 
 import torch
 
 from fastverify.hf.drafters import Drafter, NGramDrafter
 from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, decode
+from fastverify.hf.model_limits import sequence_limit
 
 __all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
            "SUPPORTED_TRANSFORMERS"]
@@ -28,13 +28,20 @@ SUPPORTED_TRANSFORMERS = ("4.57", "6")  # [min, max): versions this integration 
 _STATE_ATTR = "_fastverify_patch"
 RULES = ("greedy", "topk", "distance", "gad", "typical", "confidence", "speculative", "coupled")
 RULE_PARAMS = ("k", "eps", "beta", "tau", "delta", "min_accept")
+# the parameters each rule reads (min_accept: the deterministic rules only, Stern et al. Sec. 5.3)
+_PARAMS_OF_RULE = {"greedy": ("min_accept",), "topk": ("k", "min_accept"), "distance": ("eps", "min_accept"),
+                   "gad": ("beta", "tau", "min_accept"), "typical": ("eps", "delta", "min_accept"),
+                   "confidence": ("beta", "min_accept"), "speculative": (), "coupled": ()}
+# rules whose output differs from the target's own decoding (greedy argmax or exact sampling)
+LOSSY_RULES = ("topk", "distance", "gad", "typical", "confidence")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """How the loop may drive a model type: attention implementations that honour a 4D additive mask, and
-    whether the config may carry a sliding window (the loop keeps a full cache and a full mask, so it runs
-    only while the sequence fits in the window)."""
+    optionally the name of one more config attribute that bounds how far back a layer attends (the usual
+    ones, ``sliding_window``, ``attention_chunk_size``, ``window_size`` and ``layer_types``, are read from
+    every config; see ``attention_reach``)."""
 
     model_type: str
     attn_implementations: tuple = ("eager", "sdpa")
@@ -51,9 +58,8 @@ def register_model_type(spec: ModelSpec) -> None:
 
 
 for _spec in (
-    ModelSpec("llama"), ModelSpec("qwen2", sliding_window_attr="sliding_window"), ModelSpec("qwen3"),
-    ModelSpec("mistral", sliding_window_attr="sliding_window"), ModelSpec("gpt2"), ModelSpec("gemma"),
-    ModelSpec("phi3", sliding_window_attr="sliding_window"), ModelSpec("olmo2"), ModelSpec("granite"),
+    ModelSpec("llama"), ModelSpec("qwen2"), ModelSpec("qwen3"), ModelSpec("mistral"), ModelSpec("gpt2"),
+    ModelSpec("gemma"), ModelSpec("phi3"), ModelSpec("olmo2"), ModelSpec("granite"),
 ):
     register_model_type(_spec)
 
@@ -75,10 +81,60 @@ class _PatchState:
     drafter: Drafter
     rule: str
     options: dict
-    original_generate: object
     had_instance_generate: bool
     instance_generate: object
     last_stats: object = None
+
+
+class PatchedGenerate:
+    """``model.generate`` while the model is patched: a bound-method-like callable (``__self__``, ``__func__``).
+
+    A plain bound method of a module-level function would pickle as a look-up of the function's name on the
+    model, which fails on loading; this object pickles with the model (``pickle``, ``torch.save``,
+    ``copy.deepcopy``), so a patched model loads patched."""
+
+    __name__ = "generate"
+
+    def __init__(self, model):
+        self.__self__ = model
+
+    @property
+    def __func__(self):
+        return _patched_generate
+
+    @property
+    def __doc__(self):
+        return _patched_generate.__doc__
+
+    def __call__(self, *args, **kwargs):
+        return _patched_generate(self.__self__, *args, **kwargs)
+
+    def __repr__(self):
+        return f"<fastverify patched generate of {type(self.__self__).__name__} object>"
+
+
+def _original_generate(model, state):
+    """The generate that patch() replaced: the instance's own attribute, or the class's method bound to model."""
+    if state.had_instance_generate:
+        return state.instance_generate
+    return type(model).generate.__get__(model, type(model))
+
+
+def _check_rule_options(rule, options):
+    """Check the rule and its parameters when patching (not at the first generate): a parameter the rule does not
+    read, one it needs and lacks, a value out of range. The values are checked by verify itself, on a
+    one-node batch, so patch and verify cannot disagree."""
+    from fastverify.ops.verify import verify
+    params = {k: options[k] for k in RULE_PARAMS if k in options}
+    rules = (rule,) if rule is not None else ("greedy",)  # no rule: greedy, or coupled when sampling
+    for name in params:
+        if name not in _PARAMS_OF_RULE[rules[0]]:
+            readers = [r for r, ps in _PARAMS_OF_RULE.items() if name in ps]
+            raise ValueError(f"{name}: not a parameter of rule {rules[0]!r}" + (" (the default)" if rule is None
+                             else "") + f"; it is read by rule(s) {readers}: pass rule=... as well")
+    extra = {"seed": 0, "position": torch.zeros(1, dtype=torch.int64)} if rules[0] in SAMPLING_RULES else {}
+    verify(torch.zeros(2, 2), torch.zeros(1, dtype=torch.int64), torch.tensor([0, 1], dtype=torch.int32),
+           rule=rules[0], backend="torch", **params, **extra)
 
 
 def is_patched(model) -> bool:
@@ -97,14 +153,26 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
 
     drafter: a ``fastverify.hf.drafters.Drafter`` (default ``NGramDrafter()``).
     rule: a verify rule ("greedy", "topk", "distance", "gad", "typical", "confidence", "speculative",
-        "coupled"); default: "greedy" when not sampling, "coupled" when sampling.
+        "coupled"); default: "greedy" when not sampling, "coupled" when sampling. The default rules, and
+        "speculative", are exact: greedy output equals ``generate(do_sample=False)`` token for token, sampled
+        output follows the model's own (warped) distribution. The lossy rules "topk", "distance", "gad",
+        "typical" and "confidence", and ``min_accept`` > 0, accept tokens the model would not have chosen: they
+        CHANGE the output (faster, approximately the model's), as in the papers that define them. A lossy or
+        greedy rule with ``generate(do_sample=True)`` samples with "coupled" instead, with a warning.
     options: the rule's parameters (k, eps, beta, tau, delta, min_accept), ``max_draft`` (most draft nodes per
         request and step, default 32), ``backend`` (verify / compact_cache backend, default "auto"),
         ``sync`` (synchronise CUDA around phases for exact stats), ``skinny_linear`` (default True: while the loop
         runs, the model's float32 CPU ``nn.Linear`` layers compute inputs of at most
         ``fastverify.hf.linear.MAX_ROWS`` (17) rows with ``fastverify.skinny_linear``, which streams the weight once; see fastverify.hf.linear),
         ``allow_unknown_model`` (skip the model-type registry check).
-    Patching a patched model replaces its drafter / rule / options.
+    Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
+    the whole model) and loads patched.
+
+    What the patched generate does not run falls back to the original generate with one warning naming the
+    reason; that includes sequences longer than a sliding-window / chunked attention layer's reach or than where
+    a dynamic / longrope RoPE changes its frequencies (see fastverify.hf.model_limits). Logits that are NaN,
+    +inf or all -inf on a row the output depends on raise a ValueError naming the request and the step (plain
+    greedy ``generate`` would emit an arbitrary token there).
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "allow_unknown_model")
@@ -116,6 +184,7 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         raise TypeError(f"skinny_linear: expected a bool, got {options['skinny_linear']!r}")
     if rule is not None and rule not in RULES:
         raise ValueError(f"rule: expected one of {RULES} or None, got {rule!r}")
+    _check_rule_options(rule, options)
     if drafter is not None and not (hasattr(drafter, "propose") and hasattr(drafter, "update")):
         raise TypeError(f"drafter: expected a fastverify Drafter (propose / update), got {type(drafter).__name__}")
     if not hasattr(model, "generate") or not hasattr(model, "config"):
@@ -126,8 +195,10 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         if not options.get("allow_unknown_model", False):
             raise ValueError(f"fastverify.patch: model type {model_type!r} is not in the registry "
                              f"({sorted(MODEL_REGISTRY)}); register it with fastverify.hf.register_model_type "
-                             f"after checking it honours 4D masks and position_ids, or pass "
-                             f"allow_unknown_model=True")
+                             f"after checking that its attention honours a 4D mask and position_ids for every "
+                             f"layer (sliding-window, chunked or local layers: the window must come from the "
+                             f"config, see fastverify.hf.model_limits), that it uses a standard DynamicCache, "
+                             f"or pass allow_unknown_model=True")
         spec = ModelSpec(model_type)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError("fastverify.patch: encoder-decoder models are not supported (decoder-only causal LMs)")
@@ -135,10 +206,10 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         unpatch(model)
     had = "generate" in model.__dict__
     state = _PatchState(spec=spec, drafter=drafter if drafter is not None else NGramDrafter(), rule=rule,
-                        options=dict(options), original_generate=model.generate, had_instance_generate=had,
+                        options=dict(options), had_instance_generate=had,
                         instance_generate=model.__dict__.get("generate"))
     model.__dict__[_STATE_ATTR] = state
-    model.generate = types.MethodType(_patched_generate, model)
+    model.__dict__["generate"] = PatchedGenerate(model)
     return model
 
 
@@ -176,15 +247,29 @@ _IRRELEVANT = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assista
                "assistant_ensemble_weight", "speculation_type"}
 
 
+def _is_set(value) -> bool:
+    """Whether a generate argument / config field asks for something: not None, False, 0 or empty. Tensors
+    are never compared by value (``tensor in (None, False)`` raises for more than one element)."""
+    if value is None or value is False:
+        return False
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value != 0
+    if isinstance(value, (str, tuple, list, dict, set)):
+        return len(value) > 0
+    return True
+
+
 def _unsupported_config(gc) -> list:
     reasons = []
     for name, value in vars(gc).items():
         if name in _HANDLED or name in _IRRELEVANT or value is None:
             continue
         if name in _NEUTRAL:
-            if value != _NEUTRAL[name] and not (name == "cache_implementation" and value in ("dynamic",)):
+            if isinstance(value, torch.Tensor) or value != _NEUTRAL[name]:
                 reasons.append(f"{name}={value!r}")
-        elif value not in (False, 0, (), [], {}) and not name.startswith("_"):
+        elif _is_set(value) and not name.startswith("_"):
             reasons.append(f"{name}={value!r}")
     if gc.use_cache is False:
         reasons.append("use_cache=False")
@@ -227,17 +312,13 @@ def _plan(model, state, args, kwargs):
     else:
         kwargs.pop("input_ids", None)
     streamer = kwargs.pop("streamer", None)
-    for name in ("logits_processor", "stopping_criteria"):
-        value = kwargs.pop(name, None)
-        if value:
+    # generate reads the tokenizer only for stop_strings (refused below as a generation option)
+    kwargs.pop("tokenizer", None)
+    for name in ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model",
+                 "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "synced_gpus",
+                 "past_key_values", "inputs_embeds", "assistant_tokenizer"):
+        if _is_set(kwargs.pop(name, None)):
             return None, f"{name} is not supported"
-    for name in ("prefix_allowed_tokens_fn", "assistant_model", "negative_prompt_ids", "custom_generate",
-                 "synced_gpus", "past_key_values", "inputs_embeds", "assistant_tokenizer", "tokenizer"):
-        if kwargs.pop(name, None) not in (None, False):
-            return None, f"{name} is not supported"
-    negative_mask = kwargs.pop("negative_prompt_attention_mask", None)
-    if negative_mask is not None:
-        return None, "negative_prompt_attention_mask is not supported"
     if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.shape[1] == 0:
         return None, "input_ids must be a non-empty [batch, length] tensor"
     gc, model_kwargs = _generation_config(model, generation_config, kwargs)
@@ -273,19 +354,25 @@ def _plan(model, state, args, kwargs):
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - L
     if max_new is None or max_new <= 0:
         return None, f"max_new_tokens = {max_new} (nothing to generate)"
-    window_attr = state.spec.sliding_window_attr
-    window = getattr(model.config, window_attr, None) if window_attr else None
-    if window_attr == "sliding_window" and getattr(model.config, "use_sliding_window", True) is False:
-        window = None
-    if window is not None and L + max_new > window:
-        return None, f"sequence length {L + max_new} beyond the sliding window {window}"
+    limit, what = sequence_limit(model.config, state.spec.sliding_window_attr)
+    if limit == 0:
+        return None, f"the model's {what}"
+    if limit is not None and L + max_new > limit:
+        return None, (f"sequence length {L} + {max_new} new tokens beyond {what}: the loop attends with full "
+                      f"attention and one RoPE, exact only up to {limit} tokens")
     sampling = bool(gc.do_sample)
     rule = state.rule or ("coupled" if sampling else "greedy")
+    rule_params = {k: state.options[k] for k in RULE_PARAMS if k in state.options}
+    if sampling and rule not in SAMPLING_RULES:
+        warnings.warn(f"fastverify: rule {rule!r} does not sample; generate(do_sample=True) samples with the exact "
+                      f"'coupled' rule instead (patch with rule='speculative' or 'coupled' to choose)", UserWarning,
+                      stacklevel=4)
+        rule, rule_params = "coupled", {}
     settings = DecodeSettings(max_new_tokens=int(max_new), eos_token_ids=eos, pad_token_id=pad, rule=rule,
                               max_draft=int(state.options.get("max_draft", 32)),
                               backend=state.options.get("backend", "auto"), sync=bool(state.options.get("sync")),
                               skinny_linear=bool(state.options.get("skinny_linear", True)))
-    settings.rule_params = {k: state.options[k] for k in RULE_PARAMS if k in state.options}
+    settings.rule_params = rule_params
     if rule in SAMPLING_RULES:
         if sampling:
             settings.warp = {"temperature": float(gc.temperature if gc.temperature is not None else 1.0),
@@ -305,14 +392,33 @@ def _plan(model, state, args, kwargs):
     return {"inputs": inputs, "attention_mask": attention_mask, "settings": settings, "streamer": streamer}, None
 
 
+def _fallback(model, state, reason, args, kwargs):
+    """Run the original generate. A ``seed`` (fastverify's own argument) seeds torch's generators for that call
+    only (``torch.random.fork_rng``): two calls with one seed give one output, though not the tokens of the
+    loop's own seeded sampling (another random stream). Per-request seeds cannot be honoured: the first one
+    seeds the whole batch, and the warning says so."""
+    seed = kwargs.pop("seed", None)
+    seeds = None if seed is None else torch.as_tensor(seed, dtype=torch.int64).reshape(-1).tolist()
+    if seeds:
+        reason += f"; seed {seeds[0]} seeds torch's generators for the original generate"
+        if len(set(seeds)) > 1:
+            reason += " (one seed for the whole batch: the first of the per-request seeds)"
+    warnings.warn(f"fastverify: falling back to the original generate: {reason}", UserWarning, stacklevel=4)
+    state.last_stats = None
+    original = _original_generate(model, state)
+    if not seeds:
+        return original(*args, **kwargs)
+    device = getattr(model, "device", torch.device("cpu"))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seeds[0])
+        return original(*args, **kwargs)
+
+
 def _patched_generate(self, *args, **kwargs):
     state = self.__dict__[_STATE_ATTR]
     plan, reason = _plan(self, state, args, kwargs)
     if plan is None:
-        warnings.warn(f"fastverify: falling back to the original generate: {reason}", UserWarning, stacklevel=2)
-        state.last_stats = None
-        kwargs.pop("seed", None)
-        return state.original_generate(*args, **kwargs)
+        return _fallback(self, state, reason, args, kwargs)
     sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], state.drafter, plan["settings"],
                                    plan["streamer"])
     state.last_stats = loop_stats

@@ -1,0 +1,110 @@
+"""What in a model's config bounds the sequences the draft-and-verify loop can decode exactly.
+
+The loop keeps every committed token in a plain ``DynamicCache`` and hands the model one 4D mask for all of its
+layers, a mask that lets each query see the whole committed prefix. Two kinds of config make a model compute
+something else, and both only from some sequence length on:
+
+- **Attention of limited reach.** A sliding-window layer sees the last ``sliding_window`` tokens, a chunked
+  layer (Llama 4) its own ``attention_chunk_size`` chunk. transformers returns a ready 4D mask as-is, for every
+  layer type, so the window would be ignored. While the whole sequence (prompt + new tokens) fits within the
+  shortest reach, the window excludes nothing and full attention is exact (transformers' sliding mask keeps key
+  k for query q iff q - k < window; the distance never exceeds length - 1). Read per layer type from
+  ``layer_types`` where the config has one, else from the config's window attributes.
+- **Position-dependent RoPE.** ``dynamic`` (NTK) and ``longrope`` recompute their frequencies from the largest
+  position in each forward once it passes ``original_max_position_embeddings``. A verify forward holds draft
+  positions ahead of the committed ones, so past that length it would rotate the committed tokens differently
+  from plain decoding. Below it both use the original frequencies.
+
+``sequence_limit`` turns these into the longest sequence the loop may decode, or a reason it cannot run at all
+(an attention type it does not know). The patched ``generate`` falls back, with a warning, beyond that.
+"""
+
+__all__ = ["sequence_limit"]
+
+# layer types of limited reach -> the config attribute holding the reach, in tokens
+_LIMITED_LAYER_TYPES = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+# window attributes read when a config has no layer_types
+_WINDOW_ATTRS = ("sliding_window", "attention_chunk_size", "window_size")
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    try:
+        return get() if callable(get) else config
+    except TypeError:
+        return config
+
+
+def _positive_int(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _attention_limits(config, extra_attr):
+    """[(reach in tokens, what it is)], or a str: the reason the loop cannot drive this attention."""
+    limits = []
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        for kind in sorted(set(layer_types)):
+            if kind == "full_attention":
+                continue
+            attr = _LIMITED_LAYER_TYPES.get(kind)
+            if attr is None:
+                return f"layer type {kind!r} (the loop drives full, sliding-window and chunked attention only)"
+            reach = getattr(config, attr, None)
+            if not _positive_int(reach):
+                return f"layer type {kind!r} with {attr}={reach!r}"
+            limits.append((reach, f"{kind} layers ({attr}={reach})"))
+    else:
+        for attr in _WINDOW_ATTRS:
+            reach = getattr(config, attr, None)
+            if attr == "sliding_window" and getattr(config, "use_sliding_window", True) is False:
+                reach = None
+            if reach is not None:
+                if not _positive_int(reach):
+                    return f"{attr}={reach!r}"
+                limits.append((reach, f"{attr}={reach}"))
+    if extra_attr:
+        reach = getattr(config, extra_attr, None)
+        if reach is not None:
+            if not _positive_int(reach):
+                return f"{extra_attr}={reach!r}"
+            limits.append((reach, f"{extra_attr}={reach}"))
+    return limits
+
+
+def _rope_limits(config):
+    """[(length from which the RoPE frequencies change, what it is)]."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return []
+    # one dict, or one per layer type ({"full_attention": {...}, "sliding_attention": {...}})
+    params = [rope] if "rope_type" in rope or "type" in rope else [v for v in rope.values() if isinstance(v, dict)]
+    limits = []
+    for p in params:
+        kind = p.get("rope_type", p.get("type"))
+        if kind in _POSITION_DEPENDENT_ROPE:
+            # dynamic grows from max_position_embeddings (its cached length), longrope switches at
+            # original_max_position_embeddings: the shorter of the two present is a safe bound for both
+            known = [v for v in (p.get("original_max_position_embeddings"),
+                                 getattr(config, "max_position_embeddings", None)) if _positive_int(v)]
+            if not known:
+                return [(0, f"{kind} RoPE without original_max_position_embeddings")]
+            limits.append((min(known), f"{kind} RoPE (its frequencies change past {min(known)} positions)"))
+    return limits
+
+
+def sequence_limit(config, extra_attr=None):
+    """(longest sequence the loop decodes exactly, what sets it), (None, None) when nothing does, or
+    (0, reason) when the loop cannot drive this model's attention at all.
+
+    config: a transformers PretrainedConfig (a multimodal one is read through its text config); extra_attr:
+    the name of one more window attribute (``ModelSpec.sliding_window_attr``)."""
+    config = _text_config(config)
+    limits = _attention_limits(config, extra_attr)
+    if isinstance(limits, str):
+        return 0, limits
+    limits = limits + _rope_limits(config)
+    if not limits:
+        return None, None
+    return min(limits)

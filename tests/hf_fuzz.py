@@ -1,0 +1,278 @@
+"""Random generate calls on random tiny models of every registered architecture: patched ``generate`` must give
+exactly the unpatched output, or fall back with a warning (and then, too, give that output).
+
+One case = a random config (architecture; sliding windows, chunk sizes, RoPE scaling type, tied or untied
+embeddings, attention implementation), a random batch (1-4 requests, left padding, random prompt lengths,
+repetitive or random prompts), random ``generate`` options (greedy or sampling, max_new_tokens / max_length,
+eos, options the loop does not run) and a random drafter (n-gram, the target itself as a draft model, none) and
+rule. Checked:
+
+- greedy: patched output == the model's own ``generate(do_sample=False)``, whether the loop ran or fell back;
+- sampling with a seed: where the loop ran with the coupled rule, its output == the loop's own plain
+  autoregressive sampling (a drafter that proposes nothing) with that seed; with the speculative rule (exact in
+  distribution, not token for token: tests/test_verify_speculative_stats.py tests that), two calls with the
+  seed agree; where it fell back, two calls with the seed agree;
+- a fallback always comes with a warning, and the loop never warns without falling back unless it said why
+  (a deterministic rule asked to sample).
+
+``run_case(seed)`` returns a dict describing the case and its outcome; tests/test_hf_fuzz.py runs a bounded slice
+in the test suite and the full sweep on demand (``FASTVERIFY_FUZZ_CASES``). Also runnable as a script:
+
+    python tests/hf_fuzz.py --cases 600          # prints one line per failing case and a summary
+"""
+
+import random
+import re
+import warnings
+
+import torch
+
+from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, unpatch
+
+V = 384
+PAD = 1
+FALLBACK = "falling back to the original generate"
+SWITCH = "does not sample"
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "olmo2", "granite", "gemma2",
+         "gemma3_text")
+UNREGISTERED = ("gemma2", "gemma3_text")  # patched with allow_unknown_model=True
+ROPE_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "granite", "phi3")
+
+
+def _rope(rng: random.Random, arch: str, max_pos: int, head_dim: int):
+    kinds = ["default", "longrope"] if arch == "phi3" else ["default", "default", "linear", "dynamic", "yarn",
+                                                             "llama3", "longrope"]
+    kind = rng.choice(kinds)
+    if kind == "default":
+        return None
+    factor = rng.choice([2.0, 4.0])
+    if kind in ("linear", "dynamic"):
+        return {"rope_type": kind, "factor": factor}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": max_pos // 2}
+    if kind == "llama3":
+        return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": max_pos // 2}
+    half = head_dim // 2
+    return {"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [factor] * half,
+            "original_max_position_embeddings": max_pos // 2}
+
+
+def _window(rng: random.Random):
+    return rng.choice([None, rng.randint(4, 24), rng.randint(24, 80)])
+
+
+def build_model(rng: random.Random):
+    """A random tiny causal LM; returns (model, description dict)."""
+    import transformers
+
+    arch = rng.choice(ARCHS)
+    max_pos = rng.choice([24, 48, 96, 128])
+    head_dim = 16
+    tied = rng.random() < 0.5
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=rng.choice([1, 2, 4]), max_position_embeddings=max_pos,
+                  initializer_range=0.1, tie_word_embeddings=tied, pad_token_id=0, bos_token_id=0, eos_token_id=2)
+    desc = {"arch": arch, "tied": tied, "max_pos": max_pos}
+    rope = _rope(rng, arch, max_pos, head_dim) if arch in ROPE_ARCHS else None
+    if rope is not None:
+        common["rope_parameters"] = dict(rope, rope_theta=10000.0)
+        desc["rope"] = rope["rope_type"]
+    window = _window(rng)
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                      initializer_range=0.1, tie_word_embeddings=tied, bos_token_id=0,
+                                      eos_token_id=2)
+        window = None
+    elif arch == "llama":
+        cfg = transformers.LlamaConfig(**common, head_dim=head_dim)
+        window = None
+    elif arch in ("qwen2", "qwen3"):
+        cls = transformers.Qwen2Config if arch == "qwen2" else transformers.Qwen3Config
+        extra = {"head_dim": head_dim} if arch == "qwen3" else {}
+        cfg = cls(**common, **extra, use_sliding_window=window is not None, sliding_window=window or 4096,
+                  max_window_layers=rng.randint(0, 2))
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, head_dim=head_dim, sliding_window=window)
+    elif arch == "phi3":
+        cfg = transformers.Phi3Config(**common, sliding_window=window)
+    elif arch == "gemma":
+        cfg = transformers.GemmaConfig(**common, head_dim=head_dim)
+        window = None
+    elif arch == "olmo2":
+        cfg = transformers.Olmo2Config(**common)
+        window = None
+    elif arch == "granite":
+        cfg = transformers.GraniteConfig(**common, embedding_multiplier=2.0, logits_scaling=1.5,
+                                         residual_multiplier=0.5, attention_multiplier=0.25)
+        window = None
+    elif arch == "gemma2":
+        cfg = transformers.Gemma2Config(**common, head_dim=head_dim, sliding_window=window or 4096)
+    else:
+        cfg = transformers.Gemma3TextConfig(**common, head_dim=head_dim, sliding_window=window or 4096)
+    desc["window"] = window
+    impl = "eager" if arch == "gemma2" else rng.choice(["eager", "sdpa"])  # gemma2 has no sdpa path
+    desc["attn"] = impl
+    torch.manual_seed(rng.randint(0, 2 ** 31))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return model, desc
+
+
+def build_batch(rng: random.Random):
+    """Left-padded prompts: (input_ids [B, L], attention_mask [B, L])."""
+    B = rng.choice([1, 1, 2, 3, 4])
+    lengths = [rng.randint(1, 24) for _ in range(B)]
+    L = max(lengths)
+    ids = torch.full((B, L), PAD, dtype=torch.int64)
+    mask = torch.zeros(B, L, dtype=torch.int64)
+    for b, n in enumerate(lengths):
+        if rng.random() < 0.7:  # repetitive: the n-gram drafter finds something to draft
+            motif = [rng.randint(3, V - 1) for _ in range(rng.randint(2, 6))]
+            prompt = (motif * (n // len(motif) + 1))[:n]
+        else:
+            prompt = [rng.randint(3, V - 1) for _ in range(n)]
+        ids[b, L - n:] = torch.tensor(prompt)
+        mask[b, L - n:] = 1
+    return ids, mask
+
+
+def build_options(rng: random.Random, ids):
+    """Random generate keyword arguments (besides input_ids / attention_mask / pad_token_id)."""
+    opts = {}
+    if rng.random() < 0.85:
+        opts["max_new_tokens"] = rng.randint(1, 24)
+    else:
+        opts["max_length"] = ids.shape[1] + rng.randint(1, 24)
+    sampling = rng.random() < 0.3
+    if sampling:
+        opts.update(do_sample=True, seed=rng.randint(0, 2 ** 31))
+        for name, values in (("temperature", [0.7, 1.0, 1.3]), ("top_k", [0, 5, 50]), ("top_p", [1.0, 0.9]),
+                             ("min_p", [0.0, 0.1])):
+            if rng.random() < 0.5:
+                opts[name] = rng.choice(values)
+    else:
+        opts["do_sample"] = False
+    if rng.random() < 0.3:  # eos: a token of the prompt, so that it may well be generated
+        opts["eos_token_id"] = int(ids[0, -1]) if rng.random() < 0.5 else [int(ids[0, -1]), int(ids[-1, 0])]
+    if rng.random() < 0.15:  # options the loop does not run: it must fall back
+        name, value = rng.choice([("repetition_penalty", 1.3), ("num_beams", 2), ("min_new_tokens", 3),
+                                  ("no_repeat_ngram_size", 2), ("output_scores", True)])
+        if not (name == "num_beams" and sampling):
+            opts[name] = value
+            if name == "output_scores":
+                opts["return_dict_in_generate"] = True
+    return opts
+
+
+def _drafter(rng: random.Random, model):
+    kind = rng.choice(["ngram", "ngram", "self", "none"])
+    if kind == "ngram":
+        return kind, NGramDrafter(width=rng.randint(1, 3), max_width=4, depth=rng.randint(1, 6))
+    if kind == "self":
+        return kind, DraftModelDrafter(model, k=rng.randint(1, 5), tree_topk=rng.choice([1, 2]))
+    return kind, Drafter()
+
+
+def _sequences(out):
+    return out if isinstance(out, torch.Tensor) else out.sequences
+
+
+def _generate(model, ids, mask, opts):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **opts)
+    texts = [str(w.message) for w in record]
+    return _sequences(out), [t for t in texts if FALLBACK in t], [t for t in texts if SWITCH in t]
+
+
+@torch.no_grad()
+def run_case(seed: int) -> dict:
+    """One random case. Returns a dict: the case's description and ``outcome``: "identical" (the loop ran and
+    matched), "fallback" (it fell back with a warning and matched) or "DIFFERENT" / "NO-WARNING" (a defect),
+    plus ``reason`` for fallbacks and ``detail`` for defects."""
+    rng = random.Random(seed)
+    model, desc = build_model(rng)
+    ids, mask = build_batch(rng)
+    opts = build_options(rng, ids)
+    kind, drafter = _drafter(rng, model)
+    rule = None
+    if rng.random() < 0.2:  # an explicit exact rule (greedy also under do_sample: must switch, with a warning)
+        rule = rng.choice(["greedy", "coupled", "speculative"])
+    desc.update(seed=seed, batch=ids.shape[0], length=ids.shape[1], drafter=kind, rule=rule,
+                options={k: v for k, v in opts.items() if k != "seed"})
+    extra = {"allow_unknown_model": True} if desc["arch"] in UNREGISTERED else {}
+    sampling = opts.get("do_sample", False)
+
+    if not sampling:
+        unpatch(model)
+        ref = _sequences(model.generate(ids, attention_mask=mask, pad_token_id=PAD, **opts))
+    patch(model, drafter=drafter, rule=rule, **extra)
+    out, fallback, switched = _generate(model, ids, mask, opts)
+    if fallback:
+        desc["reason"] = fallback[0].split(FALLBACK + ": ", 1)[-1]
+    if sampling:
+        if fallback:
+            ref, _, _ = _generate(model, ids, mask, opts)  # the seed must make the fallback reproducible
+        else:
+            if rule not in (None, "coupled", "speculative") and not switched:
+                return dict(desc, outcome="NO-WARNING", detail="a deterministic rule sampled without a warning")
+            if rule != "speculative":  # the loop's own autoregressive sampling with that seed
+                patch(model, drafter=Drafter(), rule=None if rule == "greedy" else rule, **extra)
+            ref, _, _ = _generate(model, ids, mask, opts)
+    unpatch(model)
+    if out.shape != ref.shape or not torch.equal(out, ref):
+        first = None
+        if out.shape == ref.shape:
+            diff = (out != ref).nonzero()
+            first = diff[0].tolist() if len(diff) else None
+        return dict(desc, outcome="DIFFERENT", detail=f"shapes {tuple(out.shape)} / {tuple(ref.shape)}, first "
+                                                      f"difference at {first}")
+    return dict(desc, outcome="fallback" if fallback else "identical")
+
+
+def sweep(cases: int, start: int = 0):
+    """Run ``cases`` cases with seeds start .. start + cases - 1; returns the list of results."""
+    return [run_case(seed) for seed in range(start, start + cases)]
+
+
+def summary(results) -> dict:
+    out = {"cases": len(results)}
+    for r in results:
+        out[r["outcome"]] = out.get(r["outcome"], 0) + 1
+    reasons = {}
+    for r in results:
+        if r["outcome"] == "fallback":
+            reason = r["reason"]
+            if " beyond " in reason:  # "sequence length L + n new tokens beyond <what>: ..."
+                key = "beyond " + reason.split(" beyond ", 1)[1].split(" (")[0].split(":")[0]
+            elif reason.startswith("generation option(s) "):
+                key = "option " + reason[len("generation option(s) "):].split("=")[0]
+            else:
+                key = reason.split(";")[0][:60]
+            key = re.sub(r"=\d+", "", key)
+            reasons[key] = reasons.get(key, 0) + 1
+    out["fallback_reasons"] = reasons
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    import time
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=600)
+    ap.add_argument("--start", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    results = sweep(args.cases, args.start)
+    for r in results:
+        if r["outcome"] not in ("identical", "fallback"):
+            print(json.dumps(r))
+    print(json.dumps(summary(results), indent=1))
+    print(f"{time.perf_counter() - t0:.0f} s")

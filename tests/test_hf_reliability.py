@@ -1,0 +1,405 @@
+"""Patched generate never returns a wrong token silently: attention windows and position-dependent RoPE, invalid
+logits, sampling with a deterministic rule, seeds on the fallback path, arguments that used to crash the
+fallback check, pickling, drafter output, rule options checked at patch time, and the fallback messages."""
+
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import fastverify
+from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, is_patched, patch, stats, unpatch
+from fastverify.tree import Tree
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V = 512
+PAD = 1
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.08, pad_token_id=0)
+
+
+def _finish(model):
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _llama(**kw):
+    torch.manual_seed(0)
+    return _finish(transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(COMMON, **kw))))
+
+
+def _prompts(B, L=30, seed=0):
+    """B left-padded repetitive prompts of lengths L, L - 3, ...: (ids, mask)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((B, L), PAD, dtype=torch.int64)
+    mask = torch.zeros(B, L, dtype=torch.int64)
+    for b in range(B):
+        n = L - 3 * b
+        motif = torch.randint(3, V, (4,), generator=g).tolist()
+        ids[b, L - n:] = torch.tensor((motif * L)[:n])
+        mask[b, L - n:] = 1
+    return ids, mask
+
+
+def _run(model, ids, mask, **kw):
+    """(output, fastverify warnings) of one generate call."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kw)
+    return out, [str(w.message) for w in record if "fastverify" in str(w.message)]
+
+
+def _fallbacks(messages):
+    return [m for m in messages if "falling back to the original generate" in m]
+
+
+# ------------------------------------------------------------------------------------ 1. windows and RoPE
+
+def _windowed(arch, window):
+    torch.manual_seed(0)
+    if arch == "qwen3":
+        cfg = transformers.Qwen3Config(**COMMON, head_dim=16, use_sliding_window=True, sliding_window=window,
+                                       max_window_layers=0)
+        return _finish(transformers.Qwen3ForCausalLM(cfg)), {}
+    if arch == "gemma2":
+        cfg = transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=window)
+        return _finish(transformers.Gemma2ForCausalLM(cfg)), {"allow_unknown_model": True}
+    if arch == "gemma3_text":
+        cfg = transformers.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=window)
+        return _finish(transformers.Gemma3ForCausalLM(cfg)), {"allow_unknown_model": True}
+    if arch == "mistral":
+        return _finish(transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=window))), {}
+    raise ValueError(arch)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3_text", "mistral"])
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_sliding_window_shorter_than_sequence_falls_back(arch, B, drafter):
+    model, extra = _windowed(arch, 16)
+    ids, mask = _prompts(B)
+    ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=20, do_sample=False)
+    d = NGramDrafter() if drafter == "ngram" else DraftModelDrafter(model, k=3)
+    patch(model, drafter=d, **extra)
+    out, messages = _run(model, ids, mask, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, ref)
+    fb = _fallbacks(messages)
+    assert len(fb) == 1 and "sliding" in fb[0] and "16" in fb[0], messages
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3_text", "mistral"])
+def test_sliding_window_longer_than_sequence_runs_the_loop(arch):
+    model, extra = _windowed(arch, 64)  # 30 + 20 tokens fit in the window: full attention is exact
+    ids, mask = _prompts(2)
+    ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=20, do_sample=False)
+    patch(model, **extra)
+    out, messages = _run(model, ids, mask, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, ref) and not _fallbacks(messages) and stats(model).steps >= 1
+
+
+def test_window_of_only_some_layers_counts():
+    """Qwen2 windows only the layers from max_window_layers on: none here, so nothing limits the loop."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    assert set(cfg.layer_types) == {"full_attention"}
+    model = _finish(transformers.Qwen2ForCausalLM(cfg))
+    ids, mask = _prompts(1)
+    ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12, do_sample=False)
+    patch(model)
+    out, messages = _run(model, ids, mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref) and not _fallbacks(messages)
+
+
+@pytest.mark.parametrize("rope, falls_back", [({"rope_type": "dynamic", "factor": 2.0}, True),
+                                              ({"rope_type": "linear", "factor": 2.0}, False)])
+def test_position_dependent_rope(rope, falls_back):
+    model = _llama(max_position_embeddings=40, rope_parameters=dict(rope, rope_theta=10000.0))
+    ids, mask = _prompts(1)
+    ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=20, do_sample=False)
+    patch(model)
+    out, messages = _run(model, ids, mask, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, ref)
+    assert bool(_fallbacks(messages)) == falls_back, messages
+    # within the original length the dynamic RoPE keeps its frequencies: the loop runs
+    ref = model.generate(ids[:, :20], pad_token_id=PAD, max_new_tokens=10, do_sample=False)
+    out, messages = _run(model, ids[:, :20], mask[:, :20], max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, ref) and not _fallbacks(messages)
+
+
+def test_unknown_layer_type_falls_back():
+    from fastverify.hf.model_limits import sequence_limit
+    cfg = transformers.LlamaConfig(**COMMON)
+    cfg.layer_types = ["full_attention", "linear_attention"]
+    limit, what = sequence_limit(cfg)
+    assert limit == 0 and "linear_attention" in what
+
+
+def test_unknown_model_refusal_names_windows():
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**COMMON, head_dim=16))
+    with pytest.raises(ValueError, match="sliding-window"):
+        patch(model)
+
+
+# ------------------------------------------------------------------------------------ 2. invalid logits
+
+def _nan_model():
+    model = _llama()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    return model
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 8])
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_nan_logits_raise_naming_request_and_step(max_new_tokens, backend):
+    model = _nan_model()
+    patch(model, backend=backend)
+    ids, mask = _prompts(2)
+    with pytest.raises(ValueError, match=r"request 0 at decoding step 1 .*invalid \(NaN"):
+        model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=max_new_tokens, do_sample=False)
+    with pytest.raises(ValueError, match="request 0 at decoding step 1"):
+        model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=max_new_tokens, do_sample=True,
+                       seed=3)
+
+
+POISON = 7
+
+
+class _PoisonDrafter(Drafter):
+    """Proposes the poison token as a child of the root next to a chain of ``inner`` drafts."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def reset(self, batch_size):
+        self.inner.reset(batch_size)
+
+    def propose(self, contexts, budget):
+        trees = []
+        for t, bud in zip(self.inner.propose(contexts, [max(b - 1, 0) for b in budget]), budget):
+            if bud <= 0:
+                trees.append(t)
+                continue
+            tokens = [POISON] + t.tokens.tolist()
+            parents = [-1] + [p + 1 if p >= 0 else -1 for p in t.parents.tolist()]
+            trees.append(Tree(tokens, parents))
+        return trees
+
+    def update(self, accepted):
+        self.inner.update(accepted)
+
+
+def _poison_rows(model):
+    """A hook that makes the logits row of every position fed the poison token NaN (as float16 overflow on one
+    token would): plain decoding never feeds it, drafts do."""
+    state = {}
+
+    def pre(module, args, kwargs):
+        state["ids"] = kwargs.get("input_ids", args[0] if args else None)
+
+    def post(module, args, kwargs, out):
+        ids = state["ids"]
+        if ids is not None and (ids == POISON).any():
+            out.logits[ids == POISON] = float("nan")
+        return out
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    model.register_forward_hook(post, with_kwargs=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("sampling", [False, True])
+def test_invalid_rows_off_the_committed_path_do_not_stop_decoding(backend, sampling):
+    model = _llama()
+    ids, mask = _prompts(3)
+    kw = dict(max_new_tokens=16, do_sample=sampling)
+    if sampling:
+        kw["seed"] = 11
+        patch(model, drafter=Drafter(), backend=backend)  # the loop's own autoregressive sampling
+        ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kw)
+        unpatch(model)
+    else:
+        ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kw)
+    assert not (ref[:, ids.shape[1]:] == POISON).any()
+    _poison_rows(model)
+    patch(model, drafter=_PoisonDrafter(NGramDrafter()), backend=backend)
+    out, _ = _run(model, ids, mask, **kw)
+    assert torch.equal(out, ref)
+    if not sampling:
+        assert stats(model).accepted_tokens > 0  # the n-gram chain beside the poison was still accepted
+
+
+# ------------------------------------------------------------------------------------ 3. sampling and seeds
+
+@pytest.mark.parametrize("rule, opts", [("greedy", {}), ("topk", {"k": 3})])
+def test_deterministic_rule_with_do_sample_switches_with_a_warning(rule, opts):
+    model = _llama()
+    ids, mask = _prompts(1)
+    patch(model, rule=rule, **opts)
+    one, messages = _run(model, ids, mask, max_new_tokens=16, do_sample=True, seed=1)
+    two, _ = _run(model, ids, mask, max_new_tokens=16, do_sample=True, seed=2)
+    assert any("does not sample" in m and "coupled" in m for m in messages), messages
+    assert not torch.equal(one, two)
+    patch(model, rule="coupled")
+    assert torch.equal(model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16,
+                                      do_sample=True, seed=1), one)
+
+
+def test_fallback_honours_the_seed():
+    model = _llama()
+    ids, mask = _prompts(1)
+    patch(model)
+    kw = dict(max_new_tokens=16, do_sample=True, repetition_penalty=1.2)
+    one, messages = _run(model, ids, mask, seed=5, **kw)
+    two, _ = _run(model, ids, mask, seed=5, **kw)
+    other, _ = _run(model, ids, mask, seed=6, **kw)
+    assert torch.equal(one, two) and not torch.equal(one, other)
+    assert "seed 5 seeds torch's generators" in _fallbacks(messages)[0]
+    # the seed does not leak: torch's global stream is where it was
+    torch.manual_seed(0)
+    a = torch.rand(3)
+    torch.manual_seed(0)
+    _run(model, ids, mask, seed=5, **kw)
+    assert torch.equal(torch.rand(3), a)
+
+
+# ------------------------------------------------------------------------------------ 4. tensor arguments
+
+def test_tensor_arguments_fall_back_instead_of_crashing():
+    model = _llama()
+    ids, mask = _prompts(1)
+    embeds = model.get_input_embeddings()(ids)
+    ref = model.generate(inputs_embeds=embeds, attention_mask=mask, pad_token_id=PAD, max_new_tokens=6)
+    patch(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = model.generate(inputs_embeds=embeds, attention_mask=mask, pad_token_id=PAD, max_new_tokens=6)
+        model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, negative_prompt_ids=ids,
+                       guidance_scale=1.5)
+    messages = [str(w.message) for w in record]
+    assert torch.equal(out, ref)
+    assert any("inputs_embeds is not supported" in m for m in messages)
+    assert any("negative_prompt_ids is not supported" in m for m in messages)
+
+
+# ------------------------------------------------------------------------------------ 5. pickling
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
+def test_patched_model_pickles_and_loads_patched(how):
+    model = _llama()
+    ids, mask = _prompts(1)
+    ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12, do_sample=False)
+    patch(model, rule="greedy", max_draft=8)
+    model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4)
+    if how == "pickle":
+        loaded = pickle.loads(pickle.dumps(model))
+    elif how == "deepcopy":
+        loaded = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+    assert loaded is not model and is_patched(loaded) and loaded.generate.__self__ is loaded
+    out, messages = _run(loaded, ids, mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref) and not _fallbacks(messages) and stats(loaded).steps >= 1
+    unpatch(loaded)
+    assert "generate" not in loaded.__dict__ and not is_patched(loaded)
+    assert torch.equal(loaded.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12), ref)
+
+
+# ------------------------------------------------------------------------------------ 6. drafter output
+
+class _BadDrafter(Drafter):
+    def __init__(self, tokens, parents, count=None):
+        self.tokens, self.parents, self.count = tokens, parents, count
+
+    def propose(self, contexts, budget):
+        n = len(contexts) if self.count is None else self.count
+        return [Tree(self.tokens, self.parents, validate=False) for _ in range(n)]
+
+
+@pytest.mark.parametrize("drafter, match", [
+    (_BadDrafter([5, V], [-1, 0]), rf"drafter _BadDrafter: proposed token id\(s\) \[{V}\] for request 0; "
+                                   rf"expected ids in \[0, {V}\)"),
+    (_BadDrafter([5, -2], [-1, 0]), r"proposed token id\(s\) \[-2\]"),
+    (_BadDrafter([5, 6], [-1, 1]), r"drafter _BadDrafter: request 0's tree gives node 1 the parent 1"),
+    (_BadDrafter([5, 6], [-1, 0], count=3), r"must return 1 fastverify.tree.Tree .* got 3 items"),
+])
+def test_bad_drafter_output_names_the_drafter(drafter, match):
+    model = _llama()
+    ids, mask = _prompts(1)
+    patch(model, drafter=drafter)
+    with pytest.raises(ValueError, match=match):
+        model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4)
+
+
+def test_drafter_returning_no_tree():
+    class NotATree(Drafter):
+        def propose(self, contexts, budget):
+            return [[1, 2] for _ in contexts]
+    model = _llama()
+    patch(model, drafter=NotATree())
+    with pytest.raises(TypeError, match="drafter NotATree: propose.. returned list for request 0"):
+        model.generate(_prompts(1)[0], max_new_tokens=4, pad_token_id=PAD)
+
+
+# ------------------------------------------------------------------------------------ 7. options at patch()
+
+@pytest.mark.parametrize("rule, opts, match", [
+    ("topk", {}, "k"), ("typical", {}, "eps"), ("gad", {"beta": 3}, "tau"), ("gad", {"tau": 1.0}, "beta"),
+    ("distance", {}, "eps"), ("confidence", {}, "beta"), ("topk", {"k": 0}, "k"), ("confidence", {"beta": 2.0}, "beta"),
+    ("greedy", {"k": 2}, "k: not a parameter of rule 'greedy'"), (None, {"tau": 1.0}, "tau: not a parameter"),
+    ("coupled", {"min_accept": 2}, "min_accept"),
+])
+def test_rule_options_checked_at_patch(rule, opts, match):
+    model = _llama()
+    with pytest.raises(ValueError, match=match):
+        patch(model, rule=rule, **opts)
+    assert not is_patched(model)
+
+
+# ------------------------------------------------------------------------------------ 8. docs of lossy rules
+
+def test_lossy_rules_documented():
+    import os
+    from fastverify.hf.patch import LOSSY_RULES
+    doc = fastverify.patch.__doc__
+    assert all(f'"{r}"' in doc for r in LOSSY_RULES) and "CHANGE the output" in doc
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        readme = f.read()
+    assert "change the output" in readme and all(f"`{r}`" in readme for r in LOSSY_RULES)
+
+
+# ------------------------------------------------------------------------------------ 10. stop_strings
+
+def _word_tokenizer():
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(V)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w1")
+
+
+def test_stop_strings_fallback_names_stop_strings():
+    model = _llama()
+    tok = _word_tokenizer()
+    ids, mask = _prompts(1)
+    ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=8, stop_strings=["w9"],
+                         tokenizer=tok)
+    patch(model)
+    out, messages = _run(model, ids, mask, max_new_tokens=8, stop_strings=["w9"], tokenizer=tok)
+    fb = _fallbacks(messages)
+    assert torch.equal(out, ref) and len(fb) == 1 and "stop_strings" in fb[0] and "tokenizer" not in fb[0]
+    # the tokenizer alone asks for nothing the loop does not do
+    out, messages = _run(model, ids, mask, max_new_tokens=8, tokenizer=tok)
+    assert not _fallbacks(messages)
