@@ -7,6 +7,9 @@ rotates from question to question (so slow drift of the machine does not favour 
   generate        the model's own ``generate(do_sample=False)``, unpatched: the reference output and time
   prompt_lookup   transformers' prompt lookup decoding, ``generate(prompt_lookup_num_tokens=10)``
   fastverify      ``fastverify.patch(model)``: NGramDrafter trees + greedy verification
+  bpd             ``--drafter bpd``: proposal heads on the target's hidden state (HeadsDrafter, checkpoint
+                  ``--heads``, default the shipped ``smollm2-bpd``) + greedy verification
+  bpd+ngram       ``--drafter bpd+ngram``: the heads' tree and the n-gram trie merged into one tree
 
 Reported per category and overall:
 
@@ -23,6 +26,7 @@ Usage (from the repository root):
   python benchmarks/e2e.py --per-category 3              # Spec-Bench, every category, 128 new tokens
   python benchmarks/e2e.py --per-category 3 --max-new-tokens 96 --out e2e.json
   python benchmarks/e2e.py --per-category 2 --methods generate fastverify --ngram min_n=2 width=1
+  python benchmarks/e2e.py --per-category 3 --drafter ngram bpd bpd+ngram   # heads beside n-gram, one run
 
 A run writes only under ``--out-dir`` (default benchmarks/out/, ignored by git): the results as a markdown section
 with the machine, the command line and the numbers (e2e.md or e2e_quick.md), and a bar plot (e2e.png or
@@ -52,9 +56,20 @@ QUICK_PROMPTS = os.path.join(ROOT, "benchmarks", "quick_prompts.jsonl")
 OUT_DIR = os.path.join(ROOT, "benchmarks", "out")  # run outputs; ignored by git, so a run leaves the checkout clean
 # no_draft (opt-in): fastverify's loop with a drafter that proposes nothing, i.e. what the loop's kernels
 # (skinny linears) give without any drafting; it separates the two sources of speed-up.
-METHODS = ("generate", "prompt_lookup", "fastverify", "no_draft")
+METHODS = ("generate", "prompt_lookup", "fastverify", "no_draft", "bpd", "bpd+ngram")
 DEFAULT_METHODS = ("generate", "prompt_lookup", "fastverify")
 BASELINES = ("generate", "prompt_lookup")
+# drafters that read the target (proposal heads) are also compared with today's n-gram fastverify
+HEAD_METHODS = ("bpd", "bpd+ngram")
+DRAFTER_METHODS = {"ngram": "fastverify", "bpd": "bpd", "bpd+ngram": "bpd+ngram"}
+
+
+def baselines(method, methods):
+    """The methods ``method`` is compared with (speedup columns)."""
+    if method == "generate":
+        return []
+    extra = ("fastverify",) if method in HEAD_METHODS else ()
+    return [b for b in BASELINES + extra if b != method and b in methods]
 
 
 # ----------------------------------------------------------------------------------------------- questions
@@ -113,15 +128,37 @@ class ForwardCounter:
         self._handle.remove()
 
 
-def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None):
+_HEADS = {}
+
+
+def heads_drafter(model, method, ngram=None, bpd=None):
+    """A fresh HeadsDrafter for ``method`` (bpd / bpd+ngram); the checkpoint is read and checked once per run.
+    ``bpd``: {"heads": name or path, "options": HeadsDrafter keyword arguments}."""
+    import fastverify
+    from fastverify.heads import load_heads
+    bpd = bpd or {}
+    name = bpd.get("heads", "smollm2-bpd")
+    if name not in _HEADS:
+        _HEADS[name] = load_heads(name, model)
+    heads, cfg = _HEADS[name]
+    opts = dict(bpd.get("options", {}))
+    opts.setdefault("head_acceptance", cfg.get("head_acceptance"))
+    opts.setdefault("calibration", cfg.get("calibration"))
+    extra = fastverify.NGramDrafter(**(ngram or {})) if method == "bpd+ngram" else None
+    return fastverify.HeadsDrafter(model, heads, ngram=extra, **opts)
+
+
+def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None, bpd=None):
     """One greedy generation with ``method``. Returns (new tokens list, seconds, forwards, loop stats or None).
-    ``ngram``: keyword arguments of fastverify's NGramDrafter (None: its defaults)."""
+    ``ngram``: keyword arguments of fastverify's NGramDrafter (None: its defaults); ``bpd``: see heads_drafter."""
     import fastverify
 
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
     stats = None
-    patched = method in ("fastverify", "no_draft")
-    if method == "fastverify":
+    patched = method in ("fastverify", "no_draft") + HEAD_METHODS
+    if method in HEAD_METHODS:
+        fastverify.patch(model, drafter=heads_drafter(model, method, ngram, bpd))
+    elif method == "fastverify":
         fastverify.patch(model, drafter=fastverify.NGramDrafter(**ngram) if ngram else None)
     elif method == "no_draft":
         fastverify.patch(model, drafter=fastverify.Drafter())
@@ -162,14 +199,14 @@ def first_difference(a, b):
 
 
 def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_METHODS, progress=True, log=print,
-                  ngram=None):
+                  ngram=None, bpd=None):
     """Run every method on every question. Returns a list of per-question records."""
     counter = ForwardCounter(model)
     try:
         # Warm-up (not timed): every method once on the first question, short.
         warm = encode(tokenizer, questions[0]["prompt"])
         for m in methods:
-            run_method(model, m, warm, min(16, max_new_tokens), counter, ngram)
+            run_method(model, m, warm, min(16, max_new_tokens), counter, ngram, bpd)
         bar = _progress(len(questions) * len(methods), progress)
         records = []
         for i, q in enumerate(questions):
@@ -178,7 +215,7 @@ def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_M
             rec = {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": ids.shape[1],
                    "order": order, "methods": {}}
             for m in order:
-                tokens, seconds, forwards, stats = run_method(model, m, ids, max_new_tokens, counter, ngram)
+                tokens, seconds, forwards, stats = run_method(model, m, ids, max_new_tokens, counter, ngram, bpd)
                 r = {"tokens": tokens, "new_tokens": len(tokens), "seconds": seconds, "forwards": forwards}
                 if stats is not None:
                     s = stats.summary()
@@ -253,12 +290,10 @@ def summarise(records, methods=DEFAULT_METHODS):
                 "identical": sum(r["identical"] for r in rs),
                 "new_tokens": tokens,
             }
-            if m == "fastverify" and all("loop" in r for r in rs):
+            if m in ("fastverify",) + HEAD_METHODS and all("loop" in r for r in rs):
                 steps = sum(r["loop"]["steps"] for r in rs)
                 row[m]["loop_tokens_per_step"] = (sum(r["loop"]["accepted"] for r in rs) + steps) / max(1, steps)
-            for base in BASELINES:
-                if m == "generate" or base == m or base not in methods:
-                    continue
+            for base in baselines(m, methods):
                 # Per-question speedup = time(base) / time(m) for the same question (tokens are equal when the
                 # outputs are identical; with a mismatch, tokens/s ratios keep it fair).
                 ratios = [(r["methods"][m]["new_tokens"] / r["methods"][m]["seconds"])
@@ -275,7 +310,7 @@ def format_table(summary, methods=DEFAULT_METHODS):
     head = ["category", "n"]
     for m in methods:
         head += [f"{m} tok/fwd", f"{m} tok/s"]
-    spd = [(m, b) for m in methods if m != "generate" for b in BASELINES if b != m and b in methods]
+    spd = [(m, b) for m in methods for b in baselines(m, methods)]
     for m, b in spd:
         head += [f"{m}/{b} (geo, min)"]
     head += ["identical to greedy"]
@@ -311,6 +346,18 @@ def verdict(summary):
     if "speedup_vs_prompt_lookup" in fv:
         lines.append(f"fastverify vs prompt lookup: {fv['speedup_vs_prompt_lookup']:.2f}x geometric mean "
                      f"(target >= 1.3x)")
+    for m in HEAD_METHODS:  # proposal heads: targets of blockwise parallel decoding
+        if m not in o:
+            continue
+        r = o[m]
+        lines.append(f"{m}: identical {r['identical']}/{n} (target all); {r['tok_per_fwd']:.2f} tokens per target "
+                     f"forward (target >= 2.0)")
+        if "speedup_vs_fastverify" in r:
+            worst = min(cats.items(), key=lambda kv: kv[1][m]["speedup_vs_fastverify"])
+            lines.append(f"{m} vs n-gram fastverify: {r['speedup_vs_fastverify']:.2f}x (target >= 1.3x); worst "
+                         f"category {worst[0]} {worst[1][m]['speedup_vs_fastverify']:.2f}x (target >= 1.0x)")
+        if "speedup_vs_generate" in r:
+            lines.append(f"{m} vs generate: {r['speedup_vs_generate']:.2f}x (target >= 2.5x)")
     return lines
 
 
@@ -358,7 +405,11 @@ def results_section(info, command, args, table, notes):
         f"- model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised), {args.dtype}; greedy, batch 1, "
         f"max_new_tokens {args.max_new_tokens}",
         f"- fastverify: fastverify.patch(model), NGramDrafter({drafter_args}), greedy, skinny linears on"
-        + ("; no_draft: the same loop with a drafter that proposes nothing" if "no_draft" in args.methods else ""),
+        + ("; no_draft: the same loop with a drafter that proposes nothing" if "no_draft" in args.methods else "")
+        + ("".join(f"; {m}: HeadsDrafter from `{args.heads}`"
+                   + (f" ({', '.join(f'{k}={v}' for k, v in args.bpd.items())})" if args.bpd else "")
+                   + (" merged with NGramDrafter" if m == "bpd+ngram" else "")
+                   for m in HEAD_METHODS if m in args.methods)),
         f"- how to reproduce: `{command}`",
         "",
         table,
@@ -414,6 +465,14 @@ def plot(summary, path, title):
 
 # ----------------------------------------------------------------------------------------------- main
 
+def _is_float(v):
+    try:
+        float(v)
+        return True
+    except ValueError:
+        return False
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -434,6 +493,12 @@ def parse_args(argv=None):
                    help="subset of methods (generate is always run: it is the reference)")
     p.add_argument("--ngram", nargs="+", default=[], metavar="KEY=NUMBER",
                    help="NGramDrafter arguments for fastverify, e.g. --ngram min_n=2 width=1 (default: its defaults)")
+    p.add_argument("--drafter", nargs="+", default=[], choices=list(DRAFTER_METHODS),
+                   help="fastverify drafters to run beside generate and prompt lookup: ngram (method fastverify), "
+                        "bpd (proposal heads), bpd+ngram (both, one tree); n-gram fastverify always runs with bpd*")
+    p.add_argument("--heads", default="smollm2-bpd", help="heads checkpoint for bpd: shipped name or folder")
+    p.add_argument("--bpd", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="HeadsDrafter arguments, e.g. --bpd width=3 max_nodes=12 score=rank")
     p.add_argument("--out", help="write every per-question record and the summary to this JSON file")
     p.add_argument("--out-dir", default=OUT_DIR,
                    help="folder of the run's outputs: the results section (e2e.md / e2e_quick.md) and the plot "
@@ -457,6 +522,12 @@ def parse_args(argv=None):
         p.error("--per-category: expected >= 0")
     if args.offset < 0:
         p.error("--offset: expected >= 0")
+    if args.drafter:
+        if "--methods" not in (sys.argv[1:] if argv is None else list(argv)):
+            args.methods = [m for m in args.methods if m != "fastverify"]
+        args.methods += [DRAFTER_METHODS[d] for d in args.drafter]
+        if any(m in HEAD_METHODS for m in args.methods):
+            args.methods.append("fastverify")  # the n-gram drafter they are compared with
     if "generate" not in args.methods:
         args.methods = ["generate"] + args.methods
     args.methods = [m for m in METHODS if m in args.methods]
@@ -465,6 +536,11 @@ def parse_args(argv=None):
         args.ngram = {k: (int(v) if v.lstrip("-").isdigit() else float(v)) for k, v in pairs}
     except ValueError:
         p.error(f"--ngram: expected KEY=NUMBER pairs, got {args.ngram}")
+    try:
+        pairs = [a.split("=", 1) for a in args.bpd]
+        args.bpd = {k: (int(v) if v.lstrip("-").isdigit() else float(v) if _is_float(v) else v) for k, v in pairs}
+    except ValueError:
+        p.error(f"--bpd: expected KEY=VALUE pairs, got {args.bpd}")
     args.name = "e2e_quick" if args.quick else "e2e"
     if args.plot is None:
         args.plot = os.path.join(args.out_dir, args.name + ".png")
@@ -505,7 +581,8 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     records = run_benchmark(model, tokenizer, questions, args.max_new_tokens, tuple(args.methods),
-                            progress=not args.no_progress, ngram=args.ngram or None)
+                            progress=not args.no_progress, ngram=args.ngram or None,
+                            bpd={"heads": args.heads, "options": args.bpd})
     elapsed = time.perf_counter() - t0
     try:
         info["load_after"] = round(os.getloadavg()[0], 2)

@@ -9,7 +9,9 @@ Ops (each with torch / cpp / triton / cuda backends, see ``fastverify.backends()
   tree_positions, tree_attention, compact_cache
   skinny_linear               x @ W^T for a few rows, streaming W once (CPU; the verify forward's GEMMs)
 
-Hugging Face integration: ``fastverify.patch(model)`` / ``fastverify.unpatch(model)``.
+Hugging Face integration: ``fastverify.patch(model)`` / ``fastverify.unpatch(model)``; drafters NGramDrafter,
+DraftModelDrafter, HeadsDrafter (proposal heads: ``fastverify.load_drafter("smollm2-bpd", model)``; training:
+``python -m fastverify.train heads``).
 """
 
 from fastverify._ext import backends  # noqa: F401  (loads the compiled extension, warning once if missing)
@@ -24,5 +26,6 @@ from fastverify import ptp  # noqa: F401
 
 from fastverify.hf import patch, unpatch  # noqa: F401,E402
 from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter  # noqa: F401,E402
+from fastverify.hf.bpd import HeadsDrafter, load_drafter  # noqa: F401,E402  (proposal heads, Stern et al. 2018)
 
 __version__ = "0.1.0"

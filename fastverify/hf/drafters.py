@@ -11,6 +11,14 @@ Interface (``Drafter``), called by fastverify.hf.loop once per step for the whol
   update(accepted)               after verification: accepted draft nodes per request (None for requests
                                  that were not drafted for / are finished).
 
+Opt-in for drafters that read the target (DESIGN "Drafters that read the target"): a drafter with
+``wants_hidden = True`` also gets, after ``update`` at every step,
+
+  observe_hidden(hidden, active) hidden [B, D]: the target's final hidden state (the input of its output
+                                 projection) at the row whose logits gave each request's next token, taken from
+                                 the verify forward by a hook (no extra forward); active: B bools (False for
+                                 finished requests). The first propose of a generate comes before any of these.
+
 Drafters here:
 
   NGramDrafter       prompt + output lookup (transformers' prompt_lookup_num_tokens, vLLM's n-gram proposer),
@@ -43,6 +51,11 @@ class Drafter:
         return [empty_tree() for _ in contexts]
 
     def update(self, accepted) -> None:
+        pass
+
+    wants_hidden = False  # True: the loop calls observe_hidden after every verify (fastverify.hf.bpd)
+
+    def observe_hidden(self, hidden, active) -> None:
         pass
 
 

@@ -138,6 +138,7 @@ class Decoder:
         self.root = input_ids[:, -1].tolist()
         self.stats = LoopStats(new_tokens=[0] * B)
         self.eos = set(settings.eos_token_ids)
+        self.hidden = _HiddenCapture(model) if getattr(drafter, "wants_hidden", False) else None
         self.vocab_size = _vocab_size(model)
         self._prefill(attention_mask)
         drafter.reset(B)
@@ -232,6 +233,8 @@ class Decoder:
             if self.streamer is not None:
                 self.streamer.put(torch.tensor(new, dtype=torch.int64))
         self.drafter.update([accept_len[b] if remaining[b] > 0 else None for b in range(B)])
+        if self.hidden is not None:  # drafters that read the target: the row that gave each next token
+            self._hand_hidden(inp, cu, accepted, accept_len)
         self.root = [self.contexts[b][-1] if self.remaining(b) > 0 else s.pad_token_id for b in range(B)]
         t5 = time.perf_counter()
 
@@ -318,6 +321,19 @@ class Decoder:
             f"the next token depends on. Plain greedy generate would emit an arbitrary token there (argmax of a "
             f"NaN row). Check the model's weights and dtype (float16 overflow is the usual cause).")
 
+    def _hand_hidden(self, inp, cu, accepted, accept_len):
+        """drafter.observe_hidden(hidden [B, D], active): the output projection's input at the row where each
+        request's accepted path ends (its root row when nothing was accepted), from this step's forward."""
+        rows = [cu[b] + b + (accepted[b][accept_len[b] - 1] + 1 if accept_len[b] > 0 else 0) for b in range(self.B)]
+        rows = torch.tensor(rows, dtype=torch.int64, device=inp.row_batch.device)
+        hidden = self.hidden.value[inp.row_batch[rows], inp.row_local[rows]]
+        self.hidden.value = None
+        self.drafter.observe_hidden(hidden, [self.remaining(b) > 0 for b in range(self.B)])
+
+    def close(self):
+        if self.hidden is not None:
+            self.hidden.close()
+
     def output(self) -> torch.Tensor:
         """[B, L + T]: the prompt (with its padding) and the emitted tokens, pad_token_id after a request ends."""
         T = max(len(g) for g in self.generated)
@@ -378,6 +394,26 @@ def _request_kwargs(kw, b, batch_size, repeat=1):
     return out
 
 
+class _HiddenCapture:
+    """Forward hook on the model's output projection keeping a reference to its input (the final hidden states,
+    [B, S, D]) of the latest forward: the verify forward's, read by drafters with ``wants_hidden``. No copy and
+    no extra forward; installed only for such drafters and removed when the generate call ends."""
+
+    def __init__(self, model):
+        head = model.get_output_embeddings()
+        if head is None:
+            raise ValueError(f"{type(model).__name__} has no output projection (get_output_embeddings() is None); "
+                             f"a drafter that reads the target's hidden state needs one")
+        self.value = None
+        self.handle = head.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        self.value = args[0]
+
+    def close(self):
+        self.handle.remove()
+
+
 def _prune_nodes(tree: Tree, n: int) -> Tree:
     """Keep the first n nodes (parents precede children, so the prefix of the node list is a tree)."""
     return Tree(tree.tokens[:n], tree.parents[:n], validate=False)
@@ -403,8 +439,11 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
         streamer.put(input_ids.cpu())
     with (skinny_linears(model) if settings.skinny_linear else contextlib.nullcontext()):
         dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer)
-        while not dec.done():
-            dec.step()
+        try:
+            while not dec.done():
+                dec.step()
+        finally:
+            dec.close()
     if streamer is not None:
         streamer.end()
     dec.stats.time_total = time.perf_counter() - t0

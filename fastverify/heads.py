@@ -1,0 +1,210 @@
+"""Blockwise proposal heads (Stern et al. 2018 §4; Medusa's ResBlock heads) and their checkpoints.
+
+``ProposalHeads`` holds k - 1 heads p_2..p_k on a frozen causal LM. Head p_i reads the target's final hidden
+state h at a row r (the input of the output projection, after the final norm: the vector whose logits give the
+token at position r + 1) and proposes the token at position r + i:
+
+    h_i = h + SiLU(W_i h + b_i)                     (Medusa-1's zero-initialised residual block)
+    logits_i = h_i @ E^T (+ bias)                   (the target's own output projection E, tied or not)
+
+p_1 is the target itself, so a draft built from the heads is a tree rooted at the target's own next token, and
+greedy verification keeps the output exact. W_i and b_i start at zero (SiLU(0) = 0, so h_i = h): an untrained
+head p_i proposes what the target predicts for the row's next position, and training starts from there.
+
+Vocabulary subset. A head may propose from a subset of the vocabulary (``vocab_subset`` int64 [V']: the
+V' most frequent tokens of the training continuations): its logits are ``h_i @ E[vocab_subset]^T``. The
+drafted tokens are only candidates, so exactness does not depend on it; what it buys is the cost of the
+heads' pass through the output projection, which on SmolLM2-135M (V = 49152, D = 576, 113 MB of fp32
+weights against 540 MB for the whole model) would otherwise add ~20% of a target forward to every step. With
+V' = 8192 it adds ~3.5%. Training computes the cross-entropy over the same subset (positions whose target
+falls outside it are skipped and counted as misses in the evaluation).
+
+Checkpoint (a directory):
+
+    config.json         {"method": "bpd", "format": 1, "num_heads", "hidden_size", "vocab_size",
+                         "vocab_subset_size", "base_model", "base_fingerprint": {...}, "head_acceptance",
+                         "training": {...}, "eval": {...}}
+    heads.safetensors   "weight" fp32 [H, D, D], "bias" fp32 [H, D], "vocab_subset" int64 [V'] (when used)
+
+``base_fingerprint`` identifies the output projection the heads were trained against: its shape, the sha256
+of its fp32 bytes, and ``probe``: the sums of 16 fixed rows in float64. Loading compares shape (a vocabulary
+or hidden-size mismatch is its own error) and then the probe with a tolerance of 1e-2 relative, so the same
+base loaded in bf16/fp16 is accepted and another model is refused. The sha256 is informational.
+"""
+
+import hashlib
+import json
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["ProposalHeads", "fingerprint", "check_fingerprint", "save_heads", "load_heads", "output_projection",
+           "CheckpointError", "BaseModelMismatch", "SHIPPED", "resolve_checkpoint"]
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "heads.safetensors"
+FORMAT = 1
+_PROBE_ROWS = 16
+# Shipped checkpoints: name -> folder inside the package (fastverify/checkpoints/<name>).
+SHIPPED = ("smollm2-bpd",)
+_CHECKPOINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
+
+
+class CheckpointError(ValueError):
+    """A heads checkpoint that is missing, unreadable or inconsistent."""
+
+
+class BaseModelMismatch(ValueError):
+    """A heads checkpoint loaded onto a model it was not trained on."""
+
+
+class ProposalHeads(nn.Module):
+    """k - 1 residual heads. weight fp32 [H, D, D] (zero-initialised), bias fp32 [H, D]; vocab_subset int64 [V']
+    or None (all V tokens)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, vocab_subset=None):
+        super().__init__()
+        if num_heads < 1 or hidden_size < 1:
+            raise ValueError(f"num_heads, hidden_size: expected >= 1, got {num_heads}, {hidden_size}")
+        self.hidden_size, self.num_heads = int(hidden_size), int(num_heads)
+        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))
+        if vocab_subset is not None:
+            vocab_subset = torch.as_tensor(vocab_subset, dtype=torch.int64).reshape(-1)
+        self.register_buffer("vocab_subset", vocab_subset, persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] (any float dtype) -> [H, N, D] fp32: each head's residual output h_i."""
+        h = hidden.to(self.weight.dtype)
+        return h[None] + F.silu(torch.einsum("nd,hed->hne", h, self.weight) + self.bias[:, None, :])
+
+    def extra_repr(self):
+        v = "all" if self.vocab_subset is None else self.vocab_subset.numel()
+        return f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, vocab={v}"
+
+
+def output_projection(model):
+    """(weight [V, D], bias [V] or None) of the model's output projection (``get_output_embeddings()``)."""
+    out = model.get_output_embeddings()
+    if out is None or not hasattr(out, "weight"):
+        raise ValueError(f"{type(model).__name__}: get_output_embeddings() returned no linear layer with a weight; "
+                         "proposal heads need the target's output projection")
+    return out.weight, getattr(out, "bias", None)
+
+
+def fingerprint(model) -> dict:
+    """Identity of the model's output projection: shape, sha256 of its fp32 bytes, probe row sums."""
+    w = output_projection(model)[0].detach()
+    V, D = w.shape
+    rows = torch.linspace(0, V - 1, _PROBE_ROWS).round().long()
+    probe = w[rows.to(w.device)].double().sum(-1).cpu().tolist()
+    digest = hashlib.sha256(w.float().contiguous().cpu().numpy().tobytes()).hexdigest()
+    return {"shape": [int(V), int(D)], "sha256": digest, "probe": probe}
+
+
+def check_fingerprint(expected: dict, model, where: str = "checkpoint") -> None:
+    """Raise BaseModelMismatch when ``model``'s output projection is not the one ``expected`` describes."""
+    w = output_projection(model)[0]
+    V, D = w.shape
+    eV, eD = expected["shape"]
+    if (V, D) != (eV, eD):
+        what = "vocabulary size" if V != eV else "hidden size"
+        raise BaseModelMismatch(
+            f"{where}: {what} mismatch: the heads were trained on an output projection of shape [{eV}, {eD}] "
+            f"(vocabulary {eV}, hidden {eD}); this model's is [{V}, {D}]. Load heads trained on this base model.")
+    got = fingerprint(model)["probe"]
+    ref = expected["probe"]
+    bad = [i for i, (a, b) in enumerate(zip(got, ref)) if abs(a - b) > 1e-2 * max(abs(b), 1.0)]
+    if bad or len(got) != len(ref):
+        raise BaseModelMismatch(
+            f"{where}: base model mismatch: this model's output projection does not match the one the heads "
+            f"were trained on (same shape [{V}, {D}], but its fingerprint differs at {len(bad)} of {len(ref)} "
+            f"probe rows). The heads only work on their base model.")
+
+
+def save_heads(heads: ProposalHeads, path: str, config: dict) -> None:
+    """Write ``path``/heads.safetensors and ``path``/config.json (config: base_model, base_fingerprint, ... ;
+    method / format / sizes are filled in here)."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    tensors = {"weight": heads.weight.detach().float().cpu().contiguous(),
+               "bias": heads.bias.detach().float().cpu().contiguous()}
+    if heads.vocab_subset is not None:
+        tensors["vocab_subset"] = heads.vocab_subset.cpu().contiguous()
+    cfg = dict(config)
+    cfg.update({"method": "bpd", "format": FORMAT, "num_heads": heads.num_heads, "hidden_size": heads.hidden_size,
+                "vocab_subset_size": None if heads.vocab_subset is None else int(heads.vocab_subset.numel())})
+    tmp = os.path.join(path, WEIGHTS_NAME + ".tmp")
+    save_file(tensors, tmp)
+    os.replace(tmp, os.path.join(path, WEIGHTS_NAME))
+    with open(os.path.join(path, CONFIG_NAME + ".tmp"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    os.replace(os.path.join(path, CONFIG_NAME + ".tmp"), os.path.join(path, CONFIG_NAME))
+
+
+def resolve_checkpoint(name_or_path: str) -> str:
+    """A shipped checkpoint's folder by name, or the given folder. Raises FileNotFoundError."""
+    if name_or_path in SHIPPED:
+        path = os.path.join(_CHECKPOINTS, name_or_path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"shipped checkpoint {name_or_path!r}: expected at {path}, not found (is the "
+                                    f"package installed with its package data?)")
+        return path
+    path = os.path.expanduser(str(name_or_path))
+    if not os.path.isdir(path):
+        hint = f"; shipped checkpoints: {', '.join(SHIPPED)}" if not os.path.exists(path) else ""
+        raise FileNotFoundError(f"heads checkpoint: no such directory {path!r} (expected a folder holding "
+                                f"{CONFIG_NAME} and {WEIGHTS_NAME}{hint})")
+    return path
+
+
+def load_heads(name_or_path: str, model=None):
+    """Load (ProposalHeads, config dict). With ``model``, check the base fingerprint (BaseModelMismatch) and put
+    the heads on the model's device. Raises FileNotFoundError (missing folder/file) or CheckpointError
+    (unreadable or inconsistent)."""
+    path = resolve_checkpoint(name_or_path)
+    cfg_path, w_path = os.path.join(path, CONFIG_NAME), os.path.join(path, WEIGHTS_NAME)
+    for p in (cfg_path, w_path):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"heads checkpoint {path!r}: missing {os.path.basename(p)}")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"heads checkpoint {path!r}: {CONFIG_NAME} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or cfg.get("method") != "bpd":
+        raise CheckpointError(f"heads checkpoint {path!r}: {CONFIG_NAME} does not describe proposal heads "
+                              f"(expected \"method\": \"bpd\", got {cfg.get('method') if isinstance(cfg, dict) else cfg!r})")
+    if cfg.get("format") != FORMAT:
+        raise CheckpointError(f"heads checkpoint {path!r}: format {cfg.get('format')!r}, this fastverify reads {FORMAT}")
+    try:
+        from safetensors.torch import load_file
+        tensors = load_file(w_path)
+    except Exception as e:  # safetensors raises its own error types for truncated / garbled files
+        raise CheckpointError(f"heads checkpoint {path!r}: {WEIGHTS_NAME} is unreadable ({type(e).__name__}: "
+                              f"{e}); the file is corrupt or truncated") from None
+    H, D = cfg.get("num_heads"), cfg.get("hidden_size")
+    w, b = tensors.get("weight"), tensors.get("bias")
+    if w is None or b is None or tuple(w.shape) != (H, D, D) or tuple(b.shape) != (H, D):
+        raise CheckpointError(f"heads checkpoint {path!r}: expected weight [{H}, {D}, {D}] and bias [{H}, {D}] as the "
+                              f"config says, got {None if w is None else tuple(w.shape)} and "
+                              f"{None if b is None else tuple(b.shape)}")
+    subset = tensors.get("vocab_subset")
+    V = cfg.get("base_fingerprint", {}).get("shape", [None])[0]
+    if subset is not None and (subset.numel() != cfg.get("vocab_subset_size")
+                               or (V is not None and subset.numel() and int(subset.max()) >= V)):
+        raise CheckpointError(f"heads checkpoint {path!r}: vocab_subset is inconsistent with its config")
+    if model is not None:
+        if "base_fingerprint" not in cfg:
+            raise CheckpointError(f"heads checkpoint {path!r}: config has no base_fingerprint")
+        check_fingerprint(cfg["base_fingerprint"], model, where=f"heads checkpoint {path!r}")
+    heads = ProposalHeads(D, H, subset)
+    with torch.no_grad():
+        heads.weight.copy_(w)
+        heads.bias.copy_(b)
+    heads.requires_grad_(False).eval()
+    if model is not None:
+        heads.to(output_projection(model)[0].device)
+    return heads, cfg

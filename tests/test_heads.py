@@ -1,0 +1,313 @@
+"""Proposal heads (fastverify.heads, fastverify.hf.bpd, fastverify.train.heads) on tiny random models.
+
+- training learns a synthetic pattern within seconds (the loss falls, the per-head top-1 rises);
+- the recipe runs end to end (data from token-id prompts, shards, resume, checkpoint);
+- a checkpoint round-trips; a mismatched base model, a missing file, a corrupt checkpoint are refused clearly;
+- the hidden state the loop hands a drafter equals the one a plain forward computes at that row;
+- greedy output with heads (alone and merged with n-gram trees) equals the model's own generate, batch 1 and 3.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+import fastverify
+from fastverify.heads import (BaseModelMismatch, CheckpointError, ProposalHeads, fingerprint, load_heads,
+                              save_heads)
+from fastverify.hf import Drafter, NGramDrafter, patch, stats, unpatch
+from fastverify.hf.bpd import HeadsDrafter, load_drafter
+from fastverify.train import heads as recipe
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, D = 256, 64
+PAD = 1
+
+
+def _tiny(seed=0, vocab=V, tie=True):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=D, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   initializer_range=0.08, tie_word_embeddings=tie)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny()
+
+
+def _random_heads(num_heads=3, seed=1, subset=None):
+    g = torch.Generator().manual_seed(seed)
+    h = ProposalHeads(D, num_heads, subset)
+    with torch.no_grad():
+        h.weight.copy_(torch.randn(num_heads, D, D, generator=g) * 0.3)
+        h.bias.copy_(torch.randn(num_heads, D, generator=g) * 0.1)
+    return h.eval()
+
+
+def _repetitive(length, seed):
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(3, V, (7,), generator=g).tolist()
+    return (motif * (length // 7 + 1))[:length]
+
+
+def _batch(lengths, seed=0):
+    L = max(lengths)
+    ids = torch.full((len(lengths), L), PAD, dtype=torch.int64)
+    mask = torch.zeros(len(lengths), L, dtype=torch.int64)
+    for b, n in enumerate(lengths):
+        ids[b, L - n:] = torch.tensor(_repetitive(n, seed + b))
+        mask[b, L - n:] = 1
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+def test_training_learns_a_synthetic_pattern(tmp_path):
+    """Hidden states near embedding row c; head p_i must propose token (c + i) mod V': a permutation the residual
+    block has to learn. Within a few hundred small steps the loss falls and every head's top-1 exceeds 0.9."""
+    torch.manual_seed(0)
+    Vs, Dm, N, H = 32, 48, 4096, 3
+    E = torch.nn.functional.normalize(torch.randn(Vs, Dm), dim=-1) * 4
+    c = torch.randint(0, Vs, (N,))
+    hidden = (E[c] + 0.3 * torch.randn(N, Dm)).half()
+    targets = torch.stack([(c + i + 1) % Vs for i in range(H)], dim=1)
+    heads = ProposalHeads(Dm, H)
+    cfg = recipe.HeadsConfig(out="unused", epochs=12, batch_size=256, lr=3e-3, warmup=10, save_every=10 ** 9,
+                             resume=False, progress=False)
+    before = recipe.evaluate(heads, hidden, targets, E, None)
+    hist = recipe.train_loop(heads, hidden, targets, E, None, cfg, state_path=str(tmp_path / "state.pt"), log=lambda *a: 0)
+    after = recipe.evaluate(heads, hidden, targets, E, None)
+    assert hist[-1]["loss"] < 0.3 * hist[0]["loss"]
+    assert max(before["top1"]) < 0.2
+    assert min(after["top1"]) > 0.9, after["top1"]
+
+
+def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path):
+    """train_heads on token-id prompts: data shards, a trained checkpoint that loads onto the model, and a
+    second call that resumes (no new shards, the training state's last step) instead of starting over."""
+    prompts = [_repetitive(12 + i % 5, i) for i in range(20)]
+    cfg = recipe.HeadsConfig(out=str(tmp_path / "ckpt"), data_dir=str(tmp_path / "data"), num_heads=2,
+                             vocab_subset=64, exclude="", num_prompts=16, eval_prompts=4, max_new_tokens=12,
+                             gen_batch=4, epochs=2, batch_size=32, save_every=3, progress=False)
+    logs = []
+    heads, config = recipe.train_heads(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "heads.safetensors", "train_state.pt"]
+    assert len(os.listdir(tmp_path / "data" / "train")) == 4
+    assert config["training"]["train_positions"] == 16 * 12 and config["base_model"] == "tiny-llama"
+    loaded, cfg2 = load_heads(str(tmp_path / "ckpt"), model)
+    assert torch.equal(loaded.weight, heads.weight.detach()) and loaded.vocab_subset.numel() == 64
+    assert len(cfg2["head_acceptance"]) == 2
+    assert len(cfg2["calibration"]["acceptance"]) == 2
+    # the trained checkpoint drafts (calibrated scores) and greedy output stays the model's own
+    ids, mask = _batch([20, 14])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+    drafter = load_drafter(str(tmp_path / "ckpt"), model, min_gain=0.5)
+    assert drafter.score == "calibrated"
+    patch(model, drafter=drafter)
+    try:
+        with torch.no_grad():
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+    finally:
+        unpatch(model)
+    assert torch.equal(got, ref)
+    steps = config["training"]["steps"]
+    logs.clear()
+    _, config2 = recipe.train_heads(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
+    assert any(f"resumed from" in m and f"at step {steps}/{steps}" in m for m in logs)
+    assert config2["training"]["steps"] == steps
+
+
+def test_ngram_filter_drops_prompts_sharing_eight_words(tmp_path):
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"turns": ["Please write a short poem about the sea at night for my friend."]}) + "\n")
+    prompts = ["write a short poem about the sea at night, please",  # 8 words in a row shared
+               "a poem about the sea",                                 # too short to share an 8-gram
+               "Write a SHORT poem: about the sea at night!"]          # case and punctuation do not matter
+    kept, dropped = recipe.ngram_filter(prompts, str(q))
+    assert kept == ["a poem about the sea"] and dropped == 2
+
+
+def test_sharegpt_reader_tolerates_a_truncated_tail():
+    text = '[\n {"id": 1, "conversations": [{"from": "human", "value": "hi"}]},\n {"id": 2, "conv'
+    assert [o["id"] for o in recipe._iter_json_array(text)] == [1]
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+
+def test_checkpoint_round_trip_and_refusals(model, tmp_path):
+    heads = _random_heads(subset=torch.arange(0, V, 2))
+    path = str(tmp_path / "h")
+    save_heads(heads, path, {"base_model": "tiny", "base_fingerprint": fingerprint(model)})
+    loaded, cfg = load_heads(path, model)
+    assert torch.equal(loaded.weight, heads.weight) and torch.equal(loaded.bias, heads.bias)
+    assert torch.equal(loaded.vocab_subset, heads.vocab_subset) and cfg["num_heads"] == 3
+    # the same base in bf16 is accepted (the fingerprint compares probe sums with a tolerance)
+    load_heads(path, _tiny().to(torch.bfloat16))
+    with pytest.raises(BaseModelMismatch, match="does not match the one the heads were trained on"):
+        load_heads(path, _tiny(seed=5))
+    with pytest.raises(BaseModelMismatch, match="vocabulary size mismatch"):
+        load_heads(path, _tiny(vocab=V + 8))
+    with pytest.raises(BaseModelMismatch, match="mismatch"):
+        load_drafter(path, _tiny(seed=5))
+
+
+def test_checkpoint_bad_input_errors(model, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_heads(str(tmp_path / "nope"), model)
+    path = tmp_path / "h"
+    save_heads(_random_heads(), str(path), {"base_model": "tiny", "base_fingerprint": fingerprint(model)})
+    (path / "heads.safetensors").write_bytes(b"\x00garbage, not a safetensors file")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_heads(str(path), model)
+    os.remove(path / "heads.safetensors")
+    with pytest.raises(FileNotFoundError, match="missing heads.safetensors"):
+        load_heads(str(path), model)
+    save_heads(_random_heads(), str(path), {"base_model": "tiny", "base_fingerprint": fingerprint(model)})
+    (path / "config.json").write_text("{ not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_heads(str(path), model)
+    (path / "config.json").write_text(json.dumps({"method": "lora"}))
+    with pytest.raises(CheckpointError, match="does not describe proposal heads"):
+        load_heads(str(path), model)
+
+
+# ----------------------------------------------------------------------------------------------- the loop
+
+class _Recorder(Drafter):
+    """n-gram trees (so accepted paths end at draft rows too) and a record of every hidden state handed over."""
+
+    wants_hidden = True
+
+    def __init__(self):
+        self.ngram = NGramDrafter(fixed_cost=0, node_cost=0)
+        self.log = []
+
+    def reset(self, batch_size):
+        super().reset(batch_size)
+        self.ngram.reset(batch_size)
+
+    def propose(self, contexts, budget):
+        self.contexts = [list(c) for c in contexts]
+        return self.ngram.propose(contexts, budget)
+
+    def update(self, accepted):
+        self.ngram.update(accepted)
+
+    def observe_hidden(self, hidden, active):
+        self.log.append((hidden.clone(), list(active)))
+
+
+def test_hidden_state_handed_to_drafter_equals_plain_forward(model):
+    ids, mask = _batch([30, 22, 26])
+    drafter = _Recorder()
+    patch(model, drafter=drafter)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+        st = stats(model)
+    finally:
+        unpatch(model)
+    assert st.accepted_tokens > 0 and len(drafter.log) == st.steps
+    # after step s, request b's committed sequence is prompt + generated[:n]; the hidden state handed over is
+    # the one at the position of its second-to-last token (the row whose logits gave the last token)
+    captured = {}
+    h = model.get_output_embeddings().register_forward_hook(lambda m, a, o: captured.__setitem__("h", a[0]))
+    L = ids.shape[1]
+    try:
+        new_counts = [0] * 3
+        for s, (hidden, active) in enumerate(drafter.log):
+            for b in range(3):
+                if not active[b]:
+                    continue
+                acc = st.accepted[s][b]
+                new_counts[b] += acc + 1
+                seq = out[b, :L + new_counts[b]][mask[b].bool().tolist() + [True] * new_counts[b]]
+                with torch.no_grad():
+                    model(seq[None, :-1])
+                torch.testing.assert_close(hidden[b], captured["h"][0, -1], atol=1e-4, rtol=1e-4)
+    finally:
+        h.remove()
+
+
+@pytest.mark.parametrize("with_ngram", [False, True], ids=["bpd", "bpd+ngram"])
+@pytest.mark.parametrize("lengths", [[30], [30, 18, 25]], ids=["batch1", "batch3"])
+def test_greedy_exact_with_heads(model, with_ngram, lengths):
+    ids, mask = _batch(lengths, seed=3)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
+    drafter = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), min_gain=0.5,
+                           ngram=NGramDrafter() if with_ngram else None)
+    patch(model, drafter=drafter)
+    try:
+        with torch.no_grad():
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
+        st = stats(model)
+    finally:
+        unpatch(model)
+    assert torch.equal(got, ref)
+    assert st.drafted_tokens > 0
+
+
+def test_heads_that_copy_the_target_are_accepted(model):
+    """Heads trained to the target's own continuations on a repetitive sequence draft what greedy decoding emits:
+    with zero heads (each proposes the target's next-token distribution for the row) on a sequence that repeats
+    one token, every draft is accepted. Checks rows, roots and the heads' vocabulary mapping end to end."""
+    # a model whose greedy output repeats a token forever: the output projection dominated by one row
+    m = _tiny(seed=2)
+    with torch.no_grad():
+        m.lm_head.weight[7] += 5.0 * torch.nn.functional.normalize(m.model.norm.weight, dim=0)
+    ids = torch.tensor([[5, 9, 11, 7]])
+    with torch.no_grad():
+        ref = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                         pad_token_id=PAD)
+    if not bool((ref[0, 4:] == 7).all()):
+        pytest.skip("the perturbed model does not repeat one token")
+    drafter = HeadsDrafter(m, ProposalHeads(D, 3, torch.tensor([1, 7, 9])), fixed_cost=0, node_cost=0, width=1)
+    patch(m, drafter=drafter)
+    try:
+        with torch.no_grad():
+            got = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                             pad_token_id=PAD)
+        st = stats(m)
+    finally:
+        unpatch(m)
+    assert torch.equal(got, ref)
+    assert all(a == d for step in zip(st.accepted, st.drafted) for a, d in zip(*step) if a is not None)
+    assert st.tokens_per_step > 3
+
+
+@pytest.mark.parametrize("rule,params", [("topk", {"k": 3}), ("distance", {"eps": 4}),
+                                         ("greedy", {"min_accept": 1})])
+def test_lossy_rules_run_with_heads(model, rule, params):
+    ids, mask = _batch([20, 16])
+    drafter = HeadsDrafter(model, _random_heads(), min_gain=0.5)
+    patch(model, drafter=drafter, rule=rule, **params)
+    try:
+        with torch.no_grad():
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+    finally:
+        unpatch(model)
+    assert got.shape == (2, ids.shape[1] + 16)
+
+
+def test_hidden_hook_only_for_drafters_that_want_it(model):
+    ids = torch.tensor([_repetitive(20, 0)])
+    lm_head = model.get_output_embeddings()
+    for drafter in (NGramDrafter(), HeadsDrafter(model, _random_heads())):
+        patch(model, drafter=drafter)
+        try:
+            with torch.no_grad():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                               pad_token_id=PAD)
+        finally:
+            unpatch(model)
+        assert not lm_head._forward_hooks  # never installed (n-gram), or removed when generate returned (heads)
