@@ -1,14 +1,14 @@
 """Shared benchmark helpers (pytest-benchmark): a measured read-bandwidth ceiling and bytes/s reporting.
 
-- ``read_bandwidth`` (session fixture): this machine's single-pass read bandwidth in bytes/s, measured once per
-  session as the best of several ``torch.sum`` passes over a tensor far larger than the last-level cache (the
+- ``read_bandwidth`` (fixture): this machine's single-pass read bandwidth in bytes/s, measured once per pytest
+  run as the best of several ``torch.sum`` passes over a tensor far larger than the last-level cache (the
   ceiling a memory-bound kernel that reads its input once can reach; on a GPU, the same on a CUDA tensor).
 - ``report_bytes(benchmark, nbytes, ceiling)``: after a benchmark ran, records in ``benchmark.extra_info`` the bytes
   one call reads, the effective bandwidth from the median time, and the fraction of the ceiling.
 - ``full_grid()``: FASTVERIFY_BENCH_FULL=1 selects the full parameter grid; the default is a short subset.
-- FASTVERIFY_BENCH_THREADS=n sets torch's intra-op threads (CPU kernels) for the session: on a machine shared
+- FASTVERIFY_BENCH_THREADS=n sets torch's intra-op threads (CPU kernels) for the run: on a machine shared
   with other jobs, n = 1 avoids timing the scheduler (a parallel region waits for its slowest, descheduled thread).
-- At the end of the session a table (name, median, IQR, GB/s, % of ceiling) is printed, tagged with the machine.
+- At the end of the run a table (name, median, IQR, GB/s, % of ceiling) is printed, tagged with the machine.
 
 Run: ``pytest benchmarks/bench_verify.py`` (add ``--benchmark-json out.json`` to keep the raw numbers).
 """
@@ -53,7 +53,7 @@ def measure_read_bandwidth(device="cpu", nbytes=512 * 2**20, repeats=7):
 
 @pytest.fixture(scope="session")
 def read_bandwidth():
-    """bytes/s: this machine's single-pass read bandwidth on CPU (measured once per session)."""
+    """bytes/s: this machine's single-pass read bandwidth on CPU (measured once per pytest run)."""
     if "cpu" not in _CEILING:
         _CEILING["cpu"] = measure_read_bandwidth("cpu")
     return _CEILING["cpu"]

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU (the H100/H200 the device tool lends): build fastverify._C with its CUDA kernels
+# On a machine with an NVIDIA GPU (run so far on an H100 SXM 80GB): build fastverify._C with its CUDA kernels
 # in place, run every CUDA and Triton test on the GPU, and time the GPU backends (benchmarks/bench_gpu.py).
 #
 #   bash scripts/gpu_check.sh [build] [test] [bench] [quick]    (default: build test bench)
 #
-# Logs go to $OUT (default gpu_out/); bench.md there is a ready RESULTS.md section: append it to
-# benchmarks/RESULTS.md in the same session (a session cut off before that loses the figures).
+# Logs go to $OUT (default gpu_out/, ignored by git); bench.md there is a ready RESULTS.md section: copy it into
+# benchmarks/RESULTS.md before the machine goes away (gpu_out/ lives on that machine only).
 # The build (16 jobs) took 46-80 s on the H100 machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
