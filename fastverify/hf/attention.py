@@ -15,6 +15,12 @@ max(n_b) across the batch. The root (the last committed token, not yet in the ca
 tree with n_b + 1 nodes, so ``fastverify.tree_mask`` builds the whole block: query i sees request b's prefix
 slots [pad_len[b], cache_len[b]), its ancestors and itself; its position is the number of real tokens before
 the root + its depth (``fastverify.tree_positions``' rule, computed here from the trees' depths).
+
+Slot blocks (drafters that fill placeholder rows in the verify forward, fastverify.hf.slots): a block of m slot
+rows attached to node a (or to the root) is laid out as m more nodes after the request's draft nodes, a chain
+under a: slot i (1-based) sits at a's position + i and sees the prefix, a with its ancestors, and the slots
+before it (causal: LUD, PTP); a bidirectional block (GAD) also sees the slots after it. Slot rows are left out
+of verify's layout, and the cache slots they write are stale after the step (never kept).
 """
 
 from dataclasses import dataclass
@@ -60,7 +66,8 @@ class StepInputs:
     input_ids int64 [B, q]; position_ids int64 [B, q]; mask [B, 1, q, S + q] additive in the model's dtype;
     draft_tokens int64 [N], cu_nodes int32 [B + 1], parents int32 [N] (as ``fastverify.tree.pack``);
     row_batch / row_local int64 [N + B]: logits row r of verify's layout is model output [row_batch[r],
-    row_local[r]] (the root at local 0, draft node j at 1 + j)."""
+    row_local[r]] (the root at local 0, draft node j at 1 + j). slot_rows bool [B, q] or None: the rows of slot
+    blocks (the gate of fastverify.lora); slot_local: per request, per block, the local rows of its slots."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -70,9 +77,12 @@ class StepInputs:
     parents: torch.Tensor
     row_batch: torch.Tensor
     row_local: torch.Tensor
+    slot_rows: torch.Tensor = None
+    slot_local: list = None
 
 
-def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device) -> StepInputs:
+def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device, blocks=None, block_size=0,
+                bidirectional=False, slot_token=0) -> StepInputs:
     """Build one step's inputs.
 
     trees: B ``fastverify.tree.Tree`` (possibly empty); root_tokens, cache_len, pad_len: lists of B ints
@@ -80,28 +90,48 @@ def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device) -> StepIn
     dtype for the additive mask. The small per-node bookkeeping is done on Python lists (trees hold tens of
     nodes; a handful of tensor constructions beats a chain of tiny tensor ops); the mask comes from
     ``fastverify.tree_mask`` on the root-augmented trees.
+
+    blocks: None, or per request a list of attachment nodes (local node index, -1 = the root), each getting a
+    block of ``block_size`` slot rows (module docstring); ``bidirectional``: slots of a block see each other;
+    slot_token: the input id of slot rows (their embeddings are the drafter's, see fastverify.hf.slots).
     """
     B = len(trees)
-    q = max(len(t) for t in trees) + 1
+    m = block_size if blocks is not None else 0
+    q = max(len(t) + m * (len(blocks[b]) if blocks is not None else 0) for b, t in enumerate(trees)) + 1
     S = max(cache_len)
     ids, pos, row_batch, row_local = [], [], [], []
     flat_tokens, flat_parents, cu = [], [], [0]
     parents_aug, cu_aug = [], [0]
+    slot_local = [] if blocks is not None else None
     for b, tree in enumerate(trees):
         toks, par = tree.tokens.tolist(), tree.parents.tolist()
         n = len(toks)
         base = cache_len[b] - pad_len[b]  # the root's position: real tokens before it
-        fill = q - 1 - n
-        ids.append([root_tokens[b]] + toks + [root_tokens[b]] * fill)
-        pos.append([base] + [base + d for d in (tree.depth.tolist() if n else [])] + [base] * fill)
+        depth = tree.depth.tolist() if n else []
         row_batch += [b] * (n + 1)
         row_local += range(n + 1)
         flat_tokens += toks
         flat_parents += par
         cu.append(cu[-1] + n)
-        parents_aug.append(-1)
-        parents_aug += [p + 1 for p in par]  # root-augmented: node j -> j + 1, child of the root -> child of 0
-        cu_aug.append(cu_aug[-1] + n + 1)
+        aug = [-1] + [p + 1 for p in par]  # root-augmented: node j -> j + 1, child of the root -> child of 0
+        row_pos = [base] + [base + d for d in depth]
+        row_ids = [root_tokens[b]] + toks
+        if blocks is not None:
+            slot_local.append([])
+            for a in blocks[b]:
+                if not -1 <= a < n:
+                    raise ValueError(f"blocks: request {b} attaches slots to node {a}; expected -1 (the root) or a "
+                                     f"draft node (0 <= node < {n})")
+                first = len(aug)
+                aug += [a + 1] + list(range(first, first + m - 1))  # a chain under the attachment
+                row_pos += [row_pos[a + 1] + i for i in range(1, m + 1)]
+                row_ids += [slot_token] * m
+                slot_local[b].append(list(range(first, first + m)))
+        fill = q - len(aug)
+        ids.append(row_ids + [root_tokens[b]] * fill)
+        pos.append(row_pos + [base] * fill)
+        parents_aug += aug
+        cu_aug.append(cu_aug[-1] + len(aug))
 
     def t(x, dt=torch.int64):
         return torch.tensor(x, dtype=dt, device=device)
@@ -114,8 +144,17 @@ def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device) -> StepIn
     if q > 1:
         diag = torch.arange(q, device=device)
         visible[:, diag, S + diag] = True  # padding rows see themselves: never an empty row
+    slot_rows = None
+    if blocks is not None:
+        slot_rows = torch.zeros(B, q, dtype=torch.bool, device=device)
+        for b, rows in enumerate(slot_local):
+            for block in rows:
+                r = t(block)
+                slot_rows[b, r] = True
+                if bidirectional:  # every slot of the block sees every other (GAD's non-autoregressive block)
+                    visible[b, r[:, None], S + r[None, :]] = True
     return StepInputs(t(ids), t(pos), _additive(visible, dtype), t(flat_tokens), t(cu, torch.int32),
-                      t(flat_parents, torch.int32), t(row_batch), t(row_local))
+                      t(flat_parents, torch.int32), t(row_batch), t(row_local), slot_rows, slot_local)
 
 
 def _layers(cache):

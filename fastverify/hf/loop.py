@@ -140,6 +140,7 @@ class Decoder:
         self.eos = set(settings.eos_token_ids)
         self.hidden = _HiddenCapture(model) if getattr(drafter, "wants_hidden", False) else None
         self.vocab_size = _vocab_size(model)
+        self.slots = drafter if getattr(drafter, "wants_slots", False) else None
         self._prefill(attention_mask)
         drafter.reset(B)
 
@@ -180,13 +181,20 @@ class Decoder:
 
         # 2. inputs: 4D mask over [cache | root + drafts], positions = committed length + depth.
         cache_len = self.cache_len
-        inp = step_inputs(trees, self.root, cache_len, self.pad_len, self.dtype, self.device)
+        slots = self.slots
+        blocks = slots.slot_attachments(trees, [r > 0 for r in remaining]) if slots is not None else None
+        inp = step_inputs(trees, self.root, cache_len, self.pad_len, self.dtype, self.device, blocks=blocks,
+                          block_size=slots.block_size if slots is not None else 0,
+                          bidirectional=slots is not None and slots.bidirectional)
         draft_tokens, cu_nodes, parents = inp.draft_tokens, inp.cu_nodes, inp.parents
         S = max(cache_len)
         t2 = time.perf_counter()
 
         # 3. one forward over every request's root and draft nodes.
-        out = self._forward(input_ids=inp.input_ids, attention_mask=inp.mask, position_ids=inp.position_ids)
+        if slots is None:
+            out = self._forward(input_ids=inp.input_ids, attention_mask=inp.mask, position_ids=inp.position_ids)
+        else:
+            out = self._forward_with_slots(inp)
         logits = out.logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
         self._sync()
         t3 = time.perf_counter()
@@ -233,6 +241,10 @@ class Decoder:
             if self.streamer is not None:
                 self.streamer.put(torch.tensor(new, dtype=torch.int64))
         self.drafter.update([accept_len[b] if remaining[b] > 0 else None for b in range(B)])
+        if slots is not None:  # the block attached where each accepted path ends drafts the next step
+            ends = [accepted[b][accept_len[b] - 1] if accept_len[b] > 0 else -1 for b in range(B)]
+            slots.observe_slots([out.logits[b, inp.slot_local[b][blocks[b].index(ends[b])]]
+                                 if self.remaining(b) > 0 and ends[b] in blocks[b] else None for b in range(B)])
         if self.hidden is not None:  # drafters that read the target: the row that gave each next token
             self._hand_hidden(inp, cu, accepted, accept_len)
         self.root = [self.contexts[b][-1] if self.remaining(b) > 0 else s.pad_token_id for b in range(B)]
@@ -261,6 +273,23 @@ class Decoder:
         st.time_verify += t4 - t3
         st.time_commit += t5 - t4
         st.time_cache += t6 - t5
+
+    def _forward_with_slots(self, inp):
+        """The verify forward with slot rows: their input embeddings from the drafter, its adapters gated on."""
+        from fastverify.lora import slot_gate
+        embeds = self.model.get_input_embeddings()(inp.input_ids)
+        request, slot = [], []
+        for b, blocks in enumerate(inp.slot_local):
+            for rows in blocks:
+                request += [b] * len(rows)
+                slot += range(len(rows))
+        if request:
+            t = torch.tensor
+            embeds = embeds.index_put((inp.slot_rows,), self.slots.slot_embeddings(
+                t(request, device=self.device), t(slot, device=self.device),
+                inp.position_ids[inp.slot_rows]).to(embeds.dtype))
+        with slot_gate(inp.slot_rows):
+            return self._forward(inputs_embeds=embeds, attention_mask=inp.mask, position_ids=inp.position_ids)
 
     def _verify_around_invalid_rows(self, res, logits, trees, kw, remaining):
         """verify reports accept_len = -1 for a request any of whose rows is invalid (NaN, +inf, all -inf). Plain
@@ -437,7 +466,8 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
     t0 = time.perf_counter()
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    with (skinny_linears(model) if settings.skinny_linear else contextlib.nullcontext()):
+    installed = drafter.installed(model) if getattr(drafter, "wants_slots", False) else contextlib.nullcontext()
+    with installed, (skinny_linears(model) if settings.skinny_linear else contextlib.nullcontext()):
         dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer)
         try:
             while not dec.done():

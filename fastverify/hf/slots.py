@@ -1,0 +1,188 @@
+"""Slot drafting inside the verify forward: the target fills placeholder rows that propose the next step's draft.
+
+GAD's block drafter (Xia et al.: [MASK] positions filled non-autoregressively, attending bidirectionally within
+the block) and Lexical Unit Decoding (Sun et al.: [PAD] positions after the last token, causal) become, on a
+decoder-only target, the target itself plus a small adapter active on the placeholder rows only (BiTA; "Your
+LLM Knows the Future"). Parallel Token Prediction feeds auxiliary variables to the same kind of rows. One
+mechanism serves all three:
+
+- the loop appends, per request, blocks of ``block_size`` slot rows to its verify forward, each attached to a
+  draft node or the root (``slot_attachments``); a slot at offset i sits at its node's position + i and sees
+  the prefix, that node and its ancestors, and the slots of its block (all of them for GAD, the earlier ones
+  for LUD / PTP) (fastverify.hf.attention.step_inputs);
+- the slot rows' input embeddings come from the drafter (``slot_embeddings``); their input ids are ignored;
+- the drafter's gated LoRA adapters (fastverify.lora) act on the slot rows only, so the verify rows compute the
+  base model exactly and the exact rules stay exact; the adapters are installed on the target only while the
+  patched ``generate`` runs (``installed``), so outside it the model is untouched;
+- after verification the loop hands the drafter the logits of the block attached where each request's accepted
+  path ends (``observe_slots``); slot i of that block scored the token i positions after the step's next token,
+  so the block proposes the next step's draft, a chain under the new root;
+- slot rows never enter the committed cache (their cache slots are past every kept one).
+
+Where blocks attach (``attach``): "path" puts a block after the root and after every node of the draft's first
+path, so the next step has a draft however much of the path is accepted, at the cost of (depth + 1) x block_size
+more rows; "last" puts one block after the deepest node of that path (block_size rows), which drafts again only
+when the whole path was accepted (otherwise the next step runs a block after its root alone).
+"""
+
+import contextlib
+
+import torch
+from torch import nn
+
+from fastverify.hf.drafters import Drafter, empty_tree
+from fastverify.lora import GatedLoRALinear, gated_lora_layers
+from fastverify.tree import Tree
+
+__all__ = ["SlotDrafter", "BlockSlotDrafter", "first_path"]
+
+
+def first_path(tree: Tree) -> list:
+    """Local indices of the tree's first path: the root's first child, its first child, and so on."""
+    path, parent = [], -1
+    for j, p in enumerate(tree.parents.tolist()):
+        if p == parent:
+            path.append(j)
+            parent = j
+    return path
+
+
+class SlotDrafter(Drafter):
+    """Opt-in interface of drafters that fill slot rows of the verify forward (module docstring).
+
+    Attributes: ``wants_slots = True``; ``block_size`` (m >= 1); ``bidirectional`` (slots of a block see each
+    other); ``attach`` ("path" or "last"). Methods the loop calls, besides reset / propose / update:
+
+      installed(model)               context manager around one generate call (adapters on the target)
+      slot_attachments(trees, active) per request, the nodes (-1 = root) that get a block
+      slot_embeddings(request, slot, position) -> [R, D]: input embeddings of R slot rows (request index,
+                                     slot offset 0..m-1 in its block, absolute position), int64 [R] each
+      observe_slots(logits)          per request, [m, V] logits of the block at the accepted path's end, or None
+    """
+
+    wants_slots = True
+    block_size = 1
+    bidirectional = False
+    attach = "path"
+
+    def installed(self, model):
+        return contextlib.nullcontext()
+
+    def slot_attachments(self, trees, active):
+        out = []
+        for tree, on in zip(trees, active):
+            if not on:
+                out.append([])
+                continue
+            path = first_path(tree) if len(tree) else []
+            out.append([-1] + path if self.attach == "path" else [path[-1] if path else -1])
+        return out
+
+    def slot_embeddings(self, request, slot, position):
+        raise NotImplementedError
+
+    def observe_slots(self, logits) -> None:
+        pass
+
+
+class BlockSlotDrafter(SlotDrafter, nn.Module):
+    """GAD / LUD slot drafter: one learned input embedding per slot offset ([MASK] / [PAD] in the papers, one per
+    offset here so that each offset may learn its own role) and gated LoRA adapters on the target's projections.
+
+    The draft proposed at a step is the chain of the slots' argmax tokens from the previous step's block (up to
+    the budget), with the top ``tree_topk`` tokens of each slot as siblings when tree_topk > 1 (the argmax
+    continues the chain, the others are leaves). Without a block from the previous step it proposes nothing.
+
+    method: "gad" (bidirectional blocks) or "lud" (causal blocks); hidden_size, num_slots (m); adapters: a
+    ``{qualified layer name: GatedLoRALinear}`` mapping built by ``init_adapters`` or loaded from a checkpoint.
+    """
+
+    def __init__(self, hidden_size: int, num_slots: int = 4, method: str = "gad", attach: str = "path",
+                 tree_topk: int = 1):
+        nn.Module.__init__(self)
+        if method not in ("gad", "lud"):
+            raise ValueError(f"method: expected 'gad' or 'lud', got {method!r}")
+        if attach not in ("path", "last"):
+            raise ValueError(f"attach: expected 'path' or 'last', got {attach!r}")
+        if not (isinstance(num_slots, int) and num_slots >= 1):
+            raise ValueError(f"num_slots: expected an int >= 1, got {num_slots!r}")
+        if not (isinstance(tree_topk, int) and tree_topk >= 1):
+            raise ValueError(f"tree_topk: expected an int >= 1, got {tree_topk!r}")
+        self.method, self.attach, self.tree_topk = method, attach, tree_topk
+        self.block_size = num_slots
+        self.bidirectional = method == "gad"
+        self.slot_embed = nn.Parameter(torch.zeros(num_slots, hidden_size))
+        self.adapters = nn.ModuleDict()  # "model.layers.0.self_attn.q_proj" -> GatedLoRALinear ('.' -> '/')
+        self._pending = []
+
+    def init_adapters(self, model, rank: int = 16, alpha: float = 32.0, targets=None):
+        """Create zero-initialised adapters for ``model``'s projections (fastverify.lora.DEFAULT_TARGETS) and set
+        the slot embeddings to the mean token embedding (a neutral start). The model itself is not modified."""
+        from fastverify.lora import DEFAULT_TARGETS
+        targets = DEFAULT_TARGETS if targets is None else targets
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in targets and type(module) is nn.Linear:
+                self.adapters[name.replace(".", "/")] = GatedLoRALinear(module, rank, alpha)
+        if not len(self.adapters):
+            raise ValueError(f"targets: no nn.Linear named {tuple(targets)} in {type(model).__name__}")
+        with torch.no_grad():
+            self.slot_embed.copy_(model.get_input_embeddings().weight.float().mean(0).expand_as(self.slot_embed))
+        return self
+
+    @contextlib.contextmanager
+    def installed(self, model):
+        """Swap the adapters in for their base layers for the duration (each adapter's ``base`` is re-pointed at
+        the model's own layer, so a drafter loaded from a checkpoint serves the model it is attached to)."""
+        if gated_lora_layers(model):
+            raise ValueError("model: already holds gated LoRA adapters; a BlockSlotDrafter installs its own")
+        swapped = []
+        try:
+            for key, adapter in self.adapters.items():
+                parent_name, _, attr = key.replace("/", ".").rpartition(".")
+                parent = model.get_submodule(parent_name)
+                base = getattr(parent, attr)
+                if type(base) is not nn.Linear or base.weight.shape != adapter.lora_B.shape[:1] + adapter.lora_A.shape[1:]:
+                    raise ValueError(f"adapters: {key.replace('/', '.')} does not match the model's layer "
+                                     f"({type(base).__name__})")
+                adapter.base = base
+                setattr(parent, attr, adapter)
+                swapped.append((parent, attr, base))
+            yield
+        finally:
+            for parent, attr, base in swapped:
+                setattr(parent, attr, base)
+
+    def reset(self, batch_size: int) -> None:
+        super().reset(batch_size)
+        self._pending = [None] * batch_size
+
+    def slot_embeddings(self, request, slot, position):
+        return self.slot_embed[slot]
+
+    def observe_slots(self, logits) -> None:
+        self._pending = list(logits)
+
+    @torch.no_grad()
+    def propose(self, contexts, budget):
+        if len(self._pending) != len(contexts):
+            self.reset(len(contexts))
+        trees = []
+        for b, bud in enumerate(budget):
+            block = self._pending[b]
+            bud = int(bud)
+            if block is None or bud <= 0:
+                trees.append(empty_tree())
+                continue
+            topk = min(self.tree_topk, block.shape[-1], bud)
+            depth = max(1, min(block.shape[0], bud // topk))
+            cand = block[:depth].float().topk(topk, dim=-1).indices.tolist()
+            tokens, parents, chain_parent = [], [], -1
+            for d in range(depth):
+                head = len(tokens)
+                for t in cand[d]:
+                    tokens.append(t)
+                    parents.append(chain_parent)
+                chain_parent = head
+            trees.append(Tree(tokens, parents, validate=False))
+        self._pending = [None] * len(contexts)
+        return trees

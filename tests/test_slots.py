@@ -1,0 +1,195 @@
+"""Slot rows in the verify forward (fastverify.hf.slots) and gated LoRA (fastverify.lora): the layout of slot
+blocks, verify rows untouched by slots and adapters, greedy exactness with a slot drafter on tiny models."""
+
+import copy
+
+import pytest
+import torch
+
+from fastverify.hf import patch, stats, unpatch
+from fastverify.hf.attention import prefill_inputs, step_inputs
+from fastverify.hf.linear import skinny_linears
+from fastverify.hf.slots import BlockSlotDrafter, first_path
+from fastverify.lora import GatedLoRALinear, add_gated_lora, gated_lora_layers, remove_gated_lora, slot_gate
+from fastverify.tree import Tree
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V = 512
+PAD = 1
+
+
+def _tiny(arch="llama", attn="eager"):
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, initializer_range=0.08)
+    cfg = transformers.LlamaConfig(**common) if arch == "llama" else transformers.Qwen2Config(**common)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _drafter(model, method="gad", attach="path", slots=3, seed=1):
+    """A slot drafter with random (not trained) embeddings and adapters that do act on the slot rows."""
+    d = BlockSlotDrafter(model.config.hidden_size, num_slots=slots, method=method, attach=attach).init_adapters(
+        model, rank=4)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for a in d.adapters.values():
+            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
+        d.slot_embed.copy_(torch.randn(d.slot_embed.shape, generator=g) * 0.1)
+    return d
+
+
+# ------------------------------------------------------------------------------------------------ layout
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_slot_layout_matches_a_hand_built_example(bidirectional):
+    # prefix of 3 committed slots (1 of them left padding), root token 9 at position 2; a draft chain 5 -> 6
+    # and a sibling 7; blocks of 2 slots after the root and after node 0 (the first path is [0, 1])
+    tree = Tree([5, 6, 7], [-1, 0, -1])
+    assert first_path(tree) == [0, 1]
+    inp = step_inputs([tree], [9], [3], [1], torch.float32, "cpu", blocks=[[-1, 0]], block_size=2,
+                      bidirectional=bidirectional, slot_token=0)
+    # rows: root, n0, n1, n2, slots (root block) r4 r5, slots (n0 block) r6 r7
+    assert inp.input_ids.tolist() == [[9, 5, 6, 7, 0, 0, 0, 0]]
+    assert inp.position_ids.tolist() == [[2, 3, 4, 3, 3, 4, 4, 5]]
+    assert inp.slot_local == [[[4, 5], [6, 7]]]
+    assert inp.slot_rows.tolist() == [[False] * 4 + [True] * 4]
+    # verify's layout holds the root and the draft nodes only
+    assert inp.draft_tokens.tolist() == [5, 6, 7] and inp.cu_nodes.tolist() == [0, 3]
+    assert inp.row_local.tolist() == [0, 1, 2, 3]
+    visible = (inp.mask[0, 0] == 0).int()
+    prefix = [0, 1, 1]  # slot 0 is padding
+    rows = {  # query row -> visible step rows (0..7), besides the prefix
+        0: [0], 1: [0, 1], 2: [0, 1, 2], 3: [0, 3],
+        4: [0, 4] + ([5] if bidirectional else []), 5: [0, 4, 5],
+        6: [0, 1, 6] + ([7] if bidirectional else []), 7: [0, 1, 6, 7],
+    }
+    for r, seen in rows.items():
+        assert visible[r, :3].tolist() == prefix, r
+        assert [c for c in range(8) if visible[r, 3 + c]] == seen, r
+
+
+def test_slot_layout_rejects_a_bad_attachment():
+    with pytest.raises(ValueError, match="blocks: request 0 attaches slots to node 3"):
+        step_inputs([Tree([5, 6], [-1, 0])], [9], [3], [0], torch.float32, "cpu", blocks=[[3]], block_size=2)
+
+
+# ------------------------------------------------------------------------------------------------ gated LoRA
+
+def test_gated_lora_touches_only_the_gated_rows():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(16, 8)
+    layer = GatedLoRALinear(base, rank=2, alpha=4.0)
+    x = torch.randn(2, 5, 16)
+    assert torch.equal(layer(x), base(x))  # zero-initialised B: a no-op even when gated
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    gate = torch.zeros(2, 5, dtype=torch.bool)
+    gate[0, 3:] = True
+    gate[1, 0] = True
+    assert torch.equal(layer(x), base(x))  # no gate set: the base layer, bit for bit
+    with slot_gate(gate):
+        y = layer(x)
+    ref = base(x)
+    assert torch.equal(y[~gate], ref[~gate])
+    delta = layer.scale * (x[gate] @ layer.lora_A.t()) @ layer.lora_B.t()
+    torch.testing.assert_close(y[gate], ref[gate] + delta)
+
+
+def test_add_and_remove_gated_lora_restore_the_model():
+    model = _tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = add_gated_lora(model, rank=2)
+    assert len(names) == 2 * 7 and len(gated_lora_layers(model)) == 14
+    with pytest.raises(ValueError, match="already holds"):
+        add_gated_lora(model)
+    remove_gated_lora(model)
+    assert not gated_lora_layers(model)
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    with pytest.raises(ValueError, match="rank"):
+        GatedLoRALinear(torch.nn.Linear(4, 4), rank=0, alpha=1.0)
+
+
+def test_installed_adapters_leave_the_model_untouched():
+    model = _tiny()
+    d = _drafter(model)
+    keys = set(model.state_dict())
+    with d.installed(model):
+        assert len(gated_lora_layers(model)) == 14
+    assert not gated_lora_layers(model) and set(model.state_dict()) == keys
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+
+def test_verify_rows_bit_identical_with_and_without_slots():
+    """Eager attention and the skinny linears (a row's result does not depend on the other rows): the root and
+    draft rows' logits do not change by one bit when slot rows with active adapters join the forward."""
+    from transformers import DynamicCache
+    model = _tiny(attn="eager")
+    d = _drafter(model)
+    ids = torch.tensor([[11, 12, 13, 14] * 4])
+    L = ids.shape[1]
+    tree = Tree([13, 14, 11, 99], [-1, 0, 1, 0])
+    with torch.no_grad(), skinny_linears(model) as rerouted, d.installed(model):
+        assert rerouted > 0
+        cache = DynamicCache()
+        mask, pos = prefill_inputs(torch.ones(1, L - 1, dtype=torch.long), torch.float32)
+        model(input_ids=ids[:, :-1], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        logits = []
+        for blocks in (None, [[-1, 0, 1, 2]]):
+            inp = step_inputs([tree], [int(ids[0, -1])], [L - 1], [0], torch.float32, "cpu", blocks=blocks,
+                              block_size=3, bidirectional=True)
+            embeds = model.get_input_embeddings()(inp.input_ids)
+            if blocks is not None:
+                embeds[inp.slot_rows] = torch.randn(int(inp.slot_rows.sum()), 64)
+                assert inp.input_ids.shape[1] == 17  # within the skinny linears' row bound
+            with slot_gate(inp.slot_rows):
+                out = model(inputs_embeds=embeds, attention_mask=inp.mask, position_ids=inp.position_ids,
+                            past_key_values=copy.deepcopy(cache), use_cache=True)
+            logits.append(out.logits[inp.row_batch, inp.row_local])
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("method, attach", [("gad", "path"), ("lud", "path"), ("gad", "last"), ("lud", "last")])
+@pytest.mark.parametrize("B", [1, 3])
+def test_greedy_exact_with_a_slot_drafter(arch, method, attach, B):
+    model = _tiny(arch, attn="sdpa")
+    g = torch.Generator().manual_seed(B)
+    L = 16
+    ids = torch.full((B, L), PAD, dtype=torch.int64)
+    mask = torch.zeros(B, L, dtype=torch.int64)
+    for b in range(B):
+        n = L - 4 * b
+        ids[b, L - n:] = torch.tensor((torch.randint(3, V, (4,), generator=g).tolist() * L)[:n])
+        mask[b, L - n:] = 1
+    ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=20, do_sample=False)
+    keys = set(model.state_dict())
+    patch(model, drafter=_drafter(model, method, attach))
+    out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=20, do_sample=False)
+    st = stats(model)
+    unpatch(model)
+    assert torch.equal(out, ref)
+    assert st.drafted_tokens > 0 and set(model.state_dict()) == keys and not gated_lora_layers(model)
+
+
+def test_slot_drafter_drafts_what_its_block_predicts():
+    """The proposal is the argmax chain of the block observed at the previous step, with the second-best token
+    of each slot as a sibling leaf when tree_topk = 2; a request without a block proposes nothing."""
+    d = BlockSlotDrafter(8, num_slots=3, tree_topk=2)
+    d.reset(2)
+    block = torch.full((3, 10), -1.0)
+    block[0, 4], block[0, 5] = 3.0, 2.0
+    block[1, 6], block[1, 1] = 3.0, 2.0
+    block[2, 2], block[2, 7] = 3.0, 2.0
+    d.observe_slots([block, None])
+    trees = d.propose([[1], [1]], [6, 6])
+    assert trees[0].tokens.tolist() == [4, 5, 6, 1, 2, 7] and trees[0].parents.tolist() == [-1, -1, 0, 0, 2, 2]
+    assert len(trees[1]) == 0
+    assert len(d.propose([[1], [1]], [6, 6])[0]) == 0  # a block drafts once
