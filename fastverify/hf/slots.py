@@ -34,7 +34,7 @@ from fastverify.hf.drafters import Drafter, empty_tree
 from fastverify.lora import GatedLoRALinear, gated_lora_layers
 from fastverify.tree import Tree
 
-__all__ = ["SlotDrafter", "BlockSlotDrafter", "first_path"]
+__all__ = ["SlotDrafter", "BlockSlotDrafter", "first_path", "save_slot_drafter", "load_slot_drafter"]
 
 
 def first_path(tree: Tree) -> list:
@@ -186,3 +186,84 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
             trees.append(Tree(tokens, parents, validate=False))
         self._pending = [None] * len(contexts)
         return trees
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+# DIR/config.json  {"method": "gad" | "lud", "format": 1, "num_slots", "hidden_size", "rank", "alpha",
+#                   "layers": [qualified names], "base_model", "base_fingerprint" (fastverify.heads.fingerprint),
+#                   "training": {...}, "eval": {...}}
+# DIR/slots.safetensors  "slot_embed" [m, D] and, per adapted layer, "<name>.lora_A" [r, in], "<name>.lora_B"
+#                   [out, r] (float32)
+
+SLOTS_WEIGHTS = "slots.safetensors"
+SLOTS_FORMAT = 1
+
+
+def save_slot_drafter(drafter: BlockSlotDrafter, path: str, config: dict) -> None:
+    """Write ``path``/slots.safetensors and ``path``/config.json (config: base_model, base_fingerprint, ...)."""
+    import json
+    import os
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    tensors = {"slot_embed": drafter.slot_embed.detach().float().cpu().contiguous()}
+    ranks, alphas = set(), set()
+    for key, adapter in drafter.adapters.items():
+        name = key.replace("/", ".")
+        tensors[name + ".lora_A"] = adapter.lora_A.detach().float().cpu().contiguous()
+        tensors[name + ".lora_B"] = adapter.lora_B.detach().float().cpu().contiguous()
+        ranks.add(adapter.rank)
+        alphas.add(adapter.alpha)
+    cfg = dict(config)
+    cfg.update({"method": drafter.method, "format": SLOTS_FORMAT, "num_slots": drafter.block_size,
+                "hidden_size": int(drafter.slot_embed.shape[1]), "rank": max(ranks), "alpha": max(alphas),
+                "layers": [k.replace("/", ".") for k in drafter.adapters]})
+    save_file(tensors, os.path.join(path, SLOTS_WEIGHTS + ".tmp"))
+    os.replace(os.path.join(path, SLOTS_WEIGHTS + ".tmp"), os.path.join(path, SLOTS_WEIGHTS))
+    with open(os.path.join(path, "config.json.tmp"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    os.replace(os.path.join(path, "config.json.tmp"), os.path.join(path, "config.json"))
+
+
+def load_slot_drafter(path: str, model, **options) -> BlockSlotDrafter:
+    """A BlockSlotDrafter from a checkpoint folder, for ``model`` (its fingerprint is checked:
+    fastverify.heads.BaseModelMismatch otherwise). options: BlockSlotDrafter's (attach, tree_topk).
+    Raises FileNotFoundError / fastverify.heads.CheckpointError for missing or inconsistent files."""
+    import json
+    import os
+    from fastverify.heads import CheckpointError, check_fingerprint
+    cfg_path, w_path = os.path.join(path, "config.json"), os.path.join(path, SLOTS_WEIGHTS)
+    for p in (cfg_path, w_path):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"slot checkpoint {path!r}: missing {os.path.basename(p)}")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"slot checkpoint {path!r}: config.json is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or cfg.get("method") not in ("gad", "lud") or cfg.get("format") != SLOTS_FORMAT:
+        raise CheckpointError(f"slot checkpoint {path!r}: config.json does not describe a gad / lud slot drafter "
+                              f"of format {SLOTS_FORMAT}")
+    check_fingerprint(cfg["base_fingerprint"], model, where=f"slot checkpoint {path!r}")
+    try:
+        from safetensors.torch import load_file
+        tensors = load_file(w_path)
+    except Exception as e:  # safetensors' own error types for truncated / garbled files
+        raise CheckpointError(f"slot checkpoint {path!r}: {SLOTS_WEIGHTS} is unreadable ({type(e).__name__}: {e}); "
+                              f"the file is corrupt or truncated") from None
+    drafter = BlockSlotDrafter(cfg["hidden_size"], cfg["num_slots"], cfg["method"], **options)
+    device = next(model.parameters()).device
+    try:
+        for name in cfg["layers"]:
+            base = model.get_submodule(name)
+            adapter = GatedLoRALinear(base, int(cfg["rank"]), float(cfg["alpha"]))
+            with torch.no_grad():
+                adapter.lora_A.copy_(tensors[name + ".lora_A"])
+                adapter.lora_B.copy_(tensors[name + ".lora_B"])
+            drafter.adapters[name.replace(".", "/")] = adapter
+        with torch.no_grad():
+            drafter.slot_embed.copy_(tensors["slot_embed"])
+    except (KeyError, AttributeError, RuntimeError) as e:
+        raise CheckpointError(f"slot checkpoint {path!r}: its tensors do not match its config or this model "
+                              f"({type(e).__name__}: {e})") from None
+    drafter.config = cfg
+    return drafter.to(device).requires_grad_(False)

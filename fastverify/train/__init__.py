@@ -1,6 +1,7 @@
 """Training recipes for the drafters that read the target: ``python -m fastverify.train METHOD``.
 
   heads     blockwise proposal heads (Stern et al. 2018; Medusa-1): fastverify.train.heads
+  slots     GAD / LUD slot drafters (gated LoRA on the target; --method gad|lud): fastverify.train.slots
 """
 
-RECIPES = ("heads",)
+RECIPES = ("heads", "slots")

@@ -12,6 +12,8 @@ def main(argv=None):
         sys.exit(2)
     if argv[0] == "heads":
         from fastverify.train.heads import main as run
+    elif argv[0] == "slots":
+        from fastverify.train.slots import main as run
     run(argv[1:])
 
 

@@ -204,6 +204,51 @@ class _HiddenRecorder:
         self.handle.remove()
 
 
+def encode_prompts(tokenizer, prompts, max_prompt_tokens: int = 256):
+    """Token ids of ``prompts`` (the chat template when the tokenizer has one; token-id lists as given), those of
+    at most ``max_prompt_tokens`` kept, sorted by length (stable: equal inputs give equal shards)."""
+    enc = []
+    for p in prompts:
+        if not isinstance(p, str):
+            ids = [int(t) for t in p]
+        elif getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer(p)["input_ids"]
+        if len(ids) <= max_prompt_tokens:
+            enc.append(list(ids))
+    enc.sort(key=len)
+    return enc
+
+
+def select_prompts(cfg, prompts=None, log=print):
+    """(held-out prompts, training prompts, dropped count) of a recipe config (fields prompts, num_prompts,
+    eval_prompts, exclude, seed): read, exact duplicates removed, 8-gram filtered, shuffled with the seed."""
+    if prompts is None:
+        prompts = load_prompts(cfg.prompts, limit=max(4 * (cfg.num_prompts + cfg.eval_prompts), 4000))
+    n_raw = len(prompts)
+    if all(isinstance(p, str) for p in prompts):
+        prompts = list(dict.fromkeys(prompts))  # exact duplicates are common in ShareGPT
+        prompts, dropped = ngram_filter(prompts, cfg.exclude)
+    else:  # token-id prompts (tests, pre-tokenised data): no text to filter
+        dropped = 0
+    log(f"prompts: {n_raw} read, {n_raw - len(prompts) - dropped} duplicates, {dropped} dropped for sharing a "
+        f"word 8-gram with {cfg.exclude or '(nothing)'}, {len(prompts)} left")
+    rng = random.Random(cfg.seed)
+    rng.shuffle(prompts)
+    return prompts[:cfg.eval_prompts], prompts[cfg.eval_prompts:cfg.eval_prompts + cfg.num_prompts], dropped
+
+
+def shard_prompts(shard: dict, index: int, tokenizer, prompts, max_prompt_tokens: int = 256, batch: int = 16):
+    """The prompt token lists of a shard: stored in it, or (shards written before prompts were stored) the
+    ``index``-th chunk of ``encode_prompts(prompts)``, as ``generate_data`` cut them."""
+    if "prompts" in shard:
+        return [list(p) for p in shard["prompts"]]
+    enc = encode_prompts(tokenizer, prompts, max_prompt_tokens)
+    return enc[index * batch:(index + 1) * batch]
+
+
 @torch.no_grad()
 def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_tokens: int = 128,
                   max_prompt_tokens: int = 256, progress: bool = True, desc: str = "data", seconds: float = 0.0,
@@ -220,18 +265,7 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else (min(eos) if eos else 0)
-    enc = []
-    for p in prompts:
-        if not isinstance(p, str):
-            ids = [int(t) for t in p]
-        elif getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            ids = tokenizer(p)["input_ids"]
-        if len(ids) <= max_prompt_tokens:
-            enc.append(list(ids))
-    enc.sort(key=len)  # deterministic: equal inputs, equal shards
+    enc = encode_prompts(tokenizer, prompts, max_prompt_tokens)
     chunks = [enc[i:i + batch] for i in range(0, len(enc), batch)]
     paths = [os.path.join(folder, f"shard_{i:05d}.pt") for i in range(len(chunks))]
     todo = [i for i, p in enumerate(paths) if not os.path.isfile(p)]
@@ -264,7 +298,7 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
                 lengths.append(n)
             tmp = paths[i] + ".tmp"
             torch.save({"tokens": gen.to(torch.int32), "lengths": torch.tensor(lengths, dtype=torch.int32),
-                        "hidden": hidden}, tmp)
+                        "hidden": hidden, "prompts": ch}, tmp)
             os.replace(tmp, paths[i])
             bar.set_postfix(tok_s=f"{sum(lengths) / (time.perf_counter() - t0):.0f}")
             bar.update(1)
@@ -478,19 +512,7 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
 
     # 2. data
     t0 = time.perf_counter()
-    if prompts is None:
-        prompts = load_prompts(cfg.prompts, limit=max(4 * (cfg.num_prompts + cfg.eval_prompts), 4000))
-    n_raw = len(prompts)
-    if all(isinstance(p, str) for p in prompts):
-        prompts = list(dict.fromkeys(prompts))  # exact duplicates are common in ShareGPT
-        prompts, dropped = ngram_filter(prompts, cfg.exclude)
-    else:  # token-id prompts (tests, pre-tokenised data): no text to filter
-        dropped = 0
-    log(f"prompts: {n_raw} read, {n_raw - len(prompts) - dropped} duplicates, {dropped} dropped for sharing a "
-        f"word 8-gram with {cfg.exclude or '(nothing)'}, {len(prompts)} left")
-    rng = random.Random(cfg.seed)
-    rng.shuffle(prompts)
-    eval_p, train_p = prompts[:cfg.eval_prompts], prompts[cfg.eval_prompts:cfg.eval_prompts + cfg.num_prompts]
+    eval_p, train_p, dropped = select_prompts(cfg, prompts, log)
     kw = dict(batch=cfg.gen_batch, max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
               progress=cfg.progress)
     eval_paths = generate_data(model, tokenizer, eval_p, os.path.join(data_dir, "eval"), desc="data (held-out)",

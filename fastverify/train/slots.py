@@ -1,0 +1,347 @@
+"""Training recipe: slot drafters (GAD's [MASK] block, Lexical Unit Decoding's [PAD] lookahead) on the target itself.
+
+``python -m fastverify.train slots --method gad|lud --model smollm2 --out DIR``; ``train_slots(model, tokenizer,
+cfg)`` is the Python API for any Hugging Face causal LM. One file, five stages, driven by ``SlotsConfig``:
+
+  1. setup   load the target, freeze it, seed; a BlockSlotDrafter with zero-initialised gated LoRA adapters
+  2. data    the self-distillation shards of the proposal-heads recipe (fastverify.train.heads: the target's
+             greedy continuations of the training prompts, Spec-Bench-overlapping prompts dropped), shared: made
+             once, by either recipe. Each sequence is prompt + continuation; a no-grad forward over it gives the
+             key/value cache the slots attend to and the target's own probabilities (a consistency check: a
+             sequence whose continuation is not the forward's argmax in >= 95% of positions is skipped, so a
+             shard can never be paired with the wrong prompts; and LUD's unit confidences)
+  3. train   per sequence, blocks of m slot rows attached every ``attach_every`` positions p of the
+             continuation (from a seeded random offset): slot i (1..m) sits at position p + i, sees the sequence
+             up to p and its block (GAD: all of it, bidirectional; LUD: the slots before it), and is trained to
+             output the target's greedy token x[p + 1 + i], the token i positions after the one the target itself
+             predicts at p (exactly what the loop asks of a block at decode time). Loss: mean CE over the slot
+             rows. GAD: every slot. LUD (its data reconfiguration): slot i counts only while x[p + 1 .. p + 1 + i]
+             all have target confidence >= ``unit_alpha`` (the lexical unit that starts after p), so the
+             block learns to continue units and the rest of each block is left as [PAD].
+             Only the adapters and the slot embeddings train (AdamW, warmup then cosine); a tqdm bar shows the
+             loss and slot-1 accuracy; a checkpoint (trainables, optimiser, scheduler, step, sequence order,
+             RNG states) every ``save_every`` steps; ``--resume`` (default) continues from it.
+  4. eval    on the held-out shards: per-slot top-1 / top-5 agreement with the target's greedy tokens, and the
+             mean accepted prefix of a block's argmax chain (the draft tokens a block would get accepted
+             under greedy verification, per block)
+  5. output  DIR/slots.safetensors + DIR/config.json (fastverify.hf.slots.save_slot_drafter: method, sizes,
+             base model, fingerprint of its output projection, training options and evaluation)
+"""
+
+import argparse
+import dataclasses
+import math
+import os
+import random
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastverify.heads import fingerprint
+from fastverify.hf.slots import BlockSlotDrafter, save_slot_drafter
+from fastverify.lora import slot_gate
+from fastverify.train.heads import (DEFAULT_EXCLUDE, generate_data, load_target, select_prompts, shard_prompts,
+                                    _rng_state, _set_rng_state)
+
+__all__ = ["SlotsConfig", "train_slots", "slot_batch", "main"]
+
+
+@dataclass
+class SlotsConfig:
+    out: str                                   # output folder (checkpoint + training state)
+    method: str = "gad"                        # "gad" (bidirectional blocks) or "lud" (causal, unit-masked loss)
+    model: str = "smollm2"
+    num_slots: int = 4                         # m: slots per block
+    rank: int = 8                              # LoRA rank on every projection of every decoder layer
+    alpha: float = 16.0
+    unit_alpha: float = 0.6                    # LUD: confidence threshold of a lexical unit
+    attach_every: int = 3                      # a block every this many continuation positions
+    # data: the proposal-heads recipe's shards (same options, same cache folder)
+    prompts: str = None
+    exclude: str = DEFAULT_EXCLUDE
+    num_prompts: int = 1500
+    eval_prompts: int = 48
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 128
+    gen_batch: int = 16
+    data_minutes: float = 0.0
+    data_dir: str = None
+    # training
+    minutes: float = 60.0                      # time budget of the training stage (0: one epoch)
+    lr: float = 1e-3
+    warmup: int = 20
+    save_every: int = 50
+    resume: bool = True
+    seed: int = 0
+    threads: int = None
+    eval_sequences: int = 48
+    progress: bool = True
+
+
+# ----------------------------------------------------------------------------------------------- 3. train
+
+def _sequences(paths, tokenizer, prompts, cfg):
+    """[(shard index, request, prompt ids, continuation ids)] of the shards."""
+    out = []
+    for path in paths:
+        index = int(re.search(r"shard_(\d+)", path).group(1))
+        shard = torch.load(path)
+        plist = shard_prompts(shard, index, tokenizer, prompts, cfg.max_prompt_tokens, cfg.gen_batch)
+        tokens, lengths = shard["tokens"].tolist(), shard["lengths"].tolist()
+        if len(plist) != len(tokens):
+            continue  # the prompts cannot be reconstructed for this shard
+        for b, n in enumerate(lengths):
+            if n > cfg.num_slots + 2:
+                out.append((index, b, plist[b], tokens[b][:n]))
+    return out
+
+
+@torch.no_grad()
+def _prefix(model, ids):
+    """The key/value cache of the whole sequence and the target's probabilities of each next token.
+    Returns (cache, argmax int64 [T], prob of the actual next token float [T - 1])."""
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    out = model(input_ids=ids[None], past_key_values=cache, use_cache=True)
+    logp = out.logits[0].float().log_softmax(-1)
+    return cache, logp.argmax(-1), logp[:-1].gather(-1, ids[1:, None])[:, 0].exp()
+
+
+def slot_batch(seq_len, prompt_len, attach, m, bidirectional, dtype, device):
+    """Model inputs of the slot rows of one training sequence: blocks of m slots attached at positions ``attach``
+    (the block at p sees positions 0..p and its own slots). Returns (position_ids int64 [1, R], additive mask
+    [1, 1, R, seq_len + R], slot offsets int64 [R], attachment of each row int64 [R]) with R = len(attach) * m."""
+    R = len(attach) * m
+    p = torch.tensor(attach, device=device).repeat_interleave(m)
+    offset = torch.arange(m, device=device).repeat(len(attach))
+    visible = torch.zeros(R, seq_len + R, dtype=torch.bool, device=device)
+    visible[:, :seq_len] = torch.arange(seq_len, device=device)[None, :] <= p[:, None]
+    block = torch.arange(R, device=device) // m
+    same = block[:, None] == block[None, :]
+    if not bidirectional:
+        same &= offset[None, :] <= offset[:, None]
+    visible[:, seq_len:] = same
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
+    return (p + 1 + offset)[None], mask[None, None], offset, p
+
+
+def _slot_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False, check=True):
+    """("skip", None) for a sequence that fails the consistency check (``check``) or has no slot target; else
+    (loss, or None when evaluating; stats: per-slot top-1 hits / top-5 hits / counted [m], and the accepted
+    prefix length of each block whose slots all have targets)."""
+    m = cfg.num_slots
+    cache, argmax, conf = _prefix(model, ids)
+    T = ids.shape[0]
+    cont = ids[prompt_len:]
+    agree = (argmax[prompt_len - 1:T - 1] == cont).float().mean().item()
+    if check and agree < 0.95:
+        return "skip", None
+    first = prompt_len - 1 + (0 if evaluate else rng.randrange(cfg.attach_every))
+    attach = list(range(first, T - 2, cfg.attach_every))
+    if not attach:
+        return "skip", None
+    dev = ids.device
+    pos, mask, offset, p = slot_batch(T, prompt_len, attach, m, drafter.bidirectional, model.dtype, dev)
+    target_pos = p + 1 + offset + 1
+    target = torch.where(target_pos < T, ids[target_pos.clamp(max=T - 1)], torch.full_like(target_pos, -100))
+    if drafter.method == "lud":  # the unit after p: every token from p + 1 up to the target at or above unit_alpha
+        ok = conf >= cfg.unit_alpha                      # ok[j]: token j + 1 is confident
+        run = torch.zeros(T + 1, dtype=torch.long, device=dev)  # run[j]: confident tokens from j + 1 on
+        for j in range(T - 2, -1, -1):
+            run[j] = run[j + 1] + 1 if ok[j] else 0
+        # slot i targets token p + 2 + i; the unit must cover p + 1 .. p + 2 + i, i.e. i + 2 tokens from p + 1
+        in_unit = run[p] >= offset + 2
+        target = torch.where(in_unit, target, torch.full_like(target, -100))
+    embeds = drafter.slot_embed[offset].to(model.dtype)[None]
+    gate = torch.ones(1, embeds.shape[1], dtype=torch.bool, device=dev)
+    with slot_gate(gate), torch.set_grad_enabled(not evaluate):
+        logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       use_cache=True).logits[0].float()
+    valid = target >= 0
+    if not bool(valid.any()):
+        return "skip", None
+    loss = F.cross_entropy(logits[valid], target[valid]) if not evaluate else None
+    with torch.no_grad():
+        top5 = logits.topk(5, -1).indices
+        hit1 = (top5[:, 0] == target) & valid
+        hit5 = (top5 == target[:, None]).any(-1) & valid
+        stats = {"hit1": torch.zeros(m).index_add_(0, offset.cpu(), hit1.float().cpu()),
+                 "hit5": torch.zeros(m).index_add_(0, offset.cpu(), hit5.float().cpu()),
+                 "count": torch.zeros(m).index_add_(0, offset.cpu(), valid.float().cpu())}
+        # accepted prefix of each block's argmax chain (greedy verification accepts while the chain matches)
+        chain = (top5[:, 0] == target).view(len(attach), m).cpu()
+        full = (target >= 0).view(len(attach), m).all(-1).cpu()
+        stats["accepted"] = [int(c.int().cumprod(0).sum()) for c, f in zip(chain, full) if f]
+    return loss, stats
+
+
+def _evaluate(model, drafter, seqs, cfg, log):
+    m = cfg.num_slots
+    agg = {"hit1": torch.zeros(m), "hit5": torch.zeros(m), "count": torch.zeros(m), "accepted": []}
+    skipped = 0
+    rng = random.Random(0)
+    for _, _, prompt, cont in seqs[:cfg.eval_sequences]:
+        ids = torch.tensor(prompt + cont, device=next(model.parameters()).device)
+        _, st = _slot_loss(model, drafter, ids, len(prompt), cfg, rng, evaluate=True)
+        if st is None:
+            skipped += 1
+            continue
+        for k in ("hit1", "hit5", "count"):
+            agg[k] += st[k]
+        agg["accepted"] += st["accepted"]
+    n = agg["count"].clamp(min=1)
+    ev = {"top1": [round(x, 4) for x in (agg["hit1"] / n).tolist()],
+          "top5": [round(x, 4) for x in (agg["hit5"] / n).tolist()],
+          "slots_counted": agg["count"].long().tolist(), "blocks": len(agg["accepted"]),
+          "mean_accepted": round(sum(agg["accepted"]) / max(len(agg["accepted"]), 1), 4),
+          "sequences_skipped": skipped}
+    log("held-out: slot top-1 " + " ".join(f"{x:.3f}" for x in ev["top1"]) + " | top-5 "
+        + " ".join(f"{x:.3f}" for x in ev["top5"]) + f" | mean accepted per block {ev['mean_accepted']:.3f} over "
+        f"{ev['blocks']} blocks")
+    return ev
+
+
+def _trainables(drafter):
+    return [p for n, p in drafter.named_parameters() if n == "slot_embed" or n.endswith(("lora_A", "lora_B"))]
+
+
+def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, prompts=None, log=print):
+    """The Python API: train a GAD / LUD slot drafter for ``model`` and its ``tokenizer``. Writes cfg.out/
+    {slots.safetensors, config.json, train_state.pt}; returns (BlockSlotDrafter, config dict)."""
+    from tqdm.auto import tqdm
+    t_start = time.perf_counter()
+    if cfg.method not in ("gad", "lud"):
+        raise ValueError(f"method: expected 'gad' or 'lud', got {cfg.method!r}")
+    torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model.requires_grad_(False).eval()
+    base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
+    os.makedirs(cfg.out, exist_ok=True)
+    drafter = BlockSlotDrafter(model.config.hidden_size, cfg.num_slots, cfg.method).init_adapters(
+        model, cfg.rank, cfg.alpha)
+    drafter.to(next(model.parameters()).device)
+
+    # 2. data: the shared self-distillation shards
+    data_dir = cfg.data_dir or os.path.join(
+        os.environ.get("FASTVERIFY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastverify"),
+        "heads-data", re.sub(r"[^\w.-]+", "_", cfg.model))
+    eval_p, train_p, dropped = select_prompts(cfg, prompts, log)
+    kw = dict(batch=cfg.gen_batch, max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
+              progress=cfg.progress)
+    eval_paths = generate_data(model, tokenizer, eval_p, os.path.join(data_dir, "eval"), desc="data (held-out)", **kw)
+    train_paths = generate_data(model, tokenizer, train_p, os.path.join(data_dir, "train"), desc="data (train)",
+                                seconds=60 * cfg.data_minutes, seed=cfg.seed, **kw)
+    train_seqs = _sequences(train_paths, tokenizer, train_p, cfg)
+    eval_seqs = _sequences(eval_paths, tokenizer, eval_p, cfg)
+    log(f"data: {len(train_seqs)} training sequences ({sum(len(s[3]) for s in train_seqs)} continuation tokens) "
+        f"from {len(train_paths)} shards; {len(eval_seqs)} held-out sequences")
+
+    # 3. train
+    params = _trainables(drafter)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    order = list(range(len(train_seqs)))
+    random.Random(cfg.seed).shuffle(order)
+    total = len(order) if cfg.minutes <= 0 else None
+    state_path = os.path.join(cfg.out, "train_state.pt")
+    step, history, elapsed = 0, [], 0.0
+    if cfg.resume and os.path.isfile(state_path):
+        st = torch.load(state_path, weights_only=False)
+        drafter.load_state_dict(st["trainables"], strict=False)
+        opt.load_state_dict(st["optimizer"])
+        step, history, elapsed, order = st["step"], st["history"], st["elapsed"], st["order"]
+        _set_rng_state(st["rng"])
+        log(f"resumed at step {step} ({elapsed:.0f} s trained)")
+    rng = random.Random(cfg.seed + step)
+
+    def lr_at(s):
+        warm = min(1.0, (s + 1) / max(cfg.warmup, 1))
+        horizon = total or max(step + 1, int(cfg.minutes * 60 / max(elapsed / max(step, 1), 0.5)))
+        return cfg.lr * warm * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(horizon, 1))))
+
+    def save():
+        torch.save({"trainables": {n: p.detach() for n, p in drafter.named_parameters()
+                                   if n == "slot_embed" or n.endswith(("lora_A", "lora_B"))},
+                    "optimizer": opt.state_dict(), "step": step, "history": history, "elapsed": elapsed,
+                    "order": order, "rng": _rng_state()}, state_path + ".tmp")
+        os.replace(state_path + ".tmp", state_path)
+
+    bar = tqdm(desc=f"train {cfg.method}", total=total, initial=step, disable=not cfg.progress, unit="seq")
+    device = next(model.parameters()).device
+    t_last = time.perf_counter()
+    with drafter.installed(model):
+        while (total is None and elapsed < cfg.minutes * 60) or (total is not None and step < total):
+            _, _, prompt, cont = train_seqs[order[step % len(order)]]
+            ids = torch.tensor(prompt + cont, device=device)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            loss, st = _slot_loss(model, drafter, ids, len(prompt), cfg, rng)
+            if st is not None:
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                acc1 = (st["hit1"][0] / st["count"][0].clamp(min=1)).item()
+                history.append({"step": step, "loss": round(loss.item(), 4), "acc1": round(acc1, 4)})
+                bar.set_postfix(loss=f"{loss.item():.3f}", slot1=f"{acc1:.2f}")
+            step += 1
+            now = time.perf_counter()
+            elapsed += now - t_last
+            t_last = now
+            bar.update(1)
+            if step % cfg.save_every == 0:
+                save()
+        save()
+        bar.close()
+        t_train = elapsed
+
+        # 4. eval
+        drafter.eval()
+        ev = _evaluate(model, drafter, eval_seqs, cfg, log)
+
+    # 5. output
+    recent = history[-50:]
+    config = {
+        "base_model": base_name, "base_fingerprint": fingerprint(model),
+        "training": {"options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "data_dir")},
+                     "prompts_dropped_8gram": dropped, "train_sequences": len(train_seqs),
+                     "sequences_seen": step, "train_seconds": round(t_train, 1),
+                     "final_loss": round(sum(h["loss"] for h in recent) / max(len(recent), 1), 4),
+                     "curve": history[::max(1, len(history) // 40)],
+                     "total_seconds": round(time.perf_counter() - t_start, 1)},
+        "eval": ev,
+    }
+    save_slot_drafter(drafter, cfg.out, config)
+    log(f"wrote {cfg.out}/slots.safetensors and config.json ({time.perf_counter() - t_start:.0f} s in all)")
+    return drafter, config
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+def parse_args(argv=None) -> SlotsConfig:
+    ap = argparse.ArgumentParser(prog="python -m fastverify.train slots", description=__doc__.split("\n\n")[0])
+    for f in dataclasses.fields(SlotsConfig):
+        name = "--" + f.name.replace("_", "-")
+        if f.type is bool or isinstance(f.default, bool):
+            ap.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.name == "out":
+            ap.add_argument(name, required=True)
+        else:
+            typ = {"int": int, "float": float}.get(getattr(f.type, "__name__", str(f.type)), str)
+            ap.add_argument(name, type=typ, default=f.default)
+    return SlotsConfig(**vars(ap.parse_args(argv)))
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model, tok, base = load_target(cfg.model)
+    train_slots(model, tok, cfg, base_name=base)
+
+
+if __name__ == "__main__":
+    main()
