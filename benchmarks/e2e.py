@@ -10,6 +10,9 @@ rotates from question to question (so slow drift of the machine does not favour 
   bpd             ``--drafter bpd``: proposal heads on the target's hidden state (HeadsDrafter, checkpoint
                   ``--heads``, default the shipped ``smollm2-bpd``) + greedy verification
   bpd+ngram       ``--drafter bpd+ngram``: the heads' tree and the n-gram trie merged into one tree
+  gad, lud        ``--drafter gad lud``: slot drafters in the verify forward (fastverify.hf.slots; checkpoints
+                  ``--gad`` / ``--lud``), with ``--rule`` (default greedy: exact; gad / confidence: lossy, their
+                  quality cost is reported: outputs identical to greedy, mean common prefix, math answers kept)
 
 Reported per category and overall:
 
@@ -56,19 +59,20 @@ QUICK_PROMPTS = os.path.join(ROOT, "benchmarks", "quick_prompts.jsonl")
 OUT_DIR = os.path.join(ROOT, "benchmarks", "out")  # run outputs; ignored by git, so a run leaves the checkout clean
 # no_draft (opt-in): fastverify's loop with a drafter that proposes nothing, i.e. what the loop's kernels
 # (skinny linears) give without any drafting; it separates the two sources of speed-up.
-METHODS = ("generate", "prompt_lookup", "fastverify", "no_draft", "bpd", "bpd+ngram")
+METHODS = ("generate", "prompt_lookup", "fastverify", "no_draft", "bpd", "bpd+ngram", "gad", "lud")
 DEFAULT_METHODS = ("generate", "prompt_lookup", "fastverify")
 BASELINES = ("generate", "prompt_lookup")
 # drafters that read the target (proposal heads) are also compared with today's n-gram fastverify
 HEAD_METHODS = ("bpd", "bpd+ngram")
-DRAFTER_METHODS = {"ngram": "fastverify", "bpd": "bpd", "bpd+ngram": "bpd+ngram"}
+SLOT_METHODS = ("gad", "lud")  # slot drafters, compared with n-gram fastverify and the heads too
+DRAFTER_METHODS = {"ngram": "fastverify", "bpd": "bpd", "bpd+ngram": "bpd+ngram", "gad": "gad", "lud": "lud"}
 
 
 def baselines(method, methods):
     """The methods ``method`` is compared with (speedup columns)."""
     if method == "generate":
         return []
-    extra = ("fastverify",) if method in HEAD_METHODS else ()
+    extra = ("fastverify",) if method in HEAD_METHODS else ("fastverify", "bpd") if method in SLOT_METHODS else ()
     return [b for b in BASELINES + extra if b != method and b in methods]
 
 
@@ -148,15 +152,33 @@ def heads_drafter(model, method, ngram=None, bpd=None):
     return fastverify.HeadsDrafter(model, heads, ngram=extra, **opts)
 
 
-def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None, bpd=None):
+_SLOTS = {}
+
+
+def slot_drafter(model, method, slots):
+    """A slot drafter for ``method`` (gad / lud) from ``slots[method]`` (a checkpoint folder or shipped name), read
+    and checked once per run; its block state is reset by the loop at every generate."""
+    from fastverify.hf.bpd import load_drafter
+    name = slots.get(method) or f"smollm2-{method}"
+    if name not in _SLOTS:
+        _SLOTS[name] = load_drafter(name, model, **slots.get("options", {}))
+    return _SLOTS[name]
+
+
+def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None, bpd=None, slots=None):
     """One greedy generation with ``method``. Returns (new tokens list, seconds, forwards, loop stats or None).
-    ``ngram``: keyword arguments of fastverify's NGramDrafter (None: its defaults); ``bpd``: see heads_drafter."""
+    ``ngram``: keyword arguments of fastverify's NGramDrafter (None: its defaults); ``bpd``: see heads_drafter;
+    ``slots``: {"gad" / "lud": checkpoint, "rule": verify rule, "params": its parameters} for the slot drafters."""
     import fastverify
 
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
     stats = None
-    patched = method in ("fastverify", "no_draft") + HEAD_METHODS
-    if method in HEAD_METHODS:
+    patched = method in ("fastverify", "no_draft") + HEAD_METHODS + SLOT_METHODS
+    if method in SLOT_METHODS:
+        slots = slots or {}
+        fastverify.patch(model, drafter=slot_drafter(model, method, slots), rule=slots.get("rule"),
+                         **slots.get("params", {}))
+    elif method in HEAD_METHODS:
         fastverify.patch(model, drafter=heads_drafter(model, method, ngram, bpd))
     elif method == "fastverify":
         fastverify.patch(model, drafter=fastverify.NGramDrafter(**ngram) if ngram else None)
@@ -198,15 +220,27 @@ def first_difference(a, b):
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _number(text):
+    value = float(text)
+    return int(value) if value.is_integer() and "." not in text else value
+
+
+def final_number(text):
+    """The last number in a text (a math answer's result), or None."""
+    import re
+    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return found[-1].replace(",", "") if found else None
+
+
 def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_METHODS, progress=True, log=print,
-                  ngram=None, bpd=None):
+                  ngram=None, bpd=None, slots=None):
     """Run every method on every question. Returns a list of per-question records."""
     counter = ForwardCounter(model)
     try:
         # Warm-up (not timed): every method once on the first question, short.
         warm = encode(tokenizer, questions[0]["prompt"])
         for m in methods:
-            run_method(model, m, warm, min(16, max_new_tokens), counter, ngram, bpd)
+            run_method(model, m, warm, min(16, max_new_tokens), counter, ngram, bpd, slots)
         bar = _progress(len(questions) * len(methods), progress)
         records = []
         for i, q in enumerate(questions):
@@ -215,8 +249,11 @@ def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_M
             rec = {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": ids.shape[1],
                    "order": order, "methods": {}}
             for m in order:
-                tokens, seconds, forwards, stats = run_method(model, m, ids, max_new_tokens, counter, ngram, bpd)
+                tokens, seconds, forwards, stats = run_method(model, m, ids, max_new_tokens, counter, ngram, bpd,
+                                                              slots)
                 r = {"tokens": tokens, "new_tokens": len(tokens), "seconds": seconds, "forwards": forwards}
+                if q["category"] == "math":
+                    r["answer"] = final_number(tokenizer.decode(tokens))
                 if stats is not None:
                     s = stats.summary()
                     r["loop"] = {k: v for k, v in s.items() if k != "new_tokens"}
@@ -290,9 +327,15 @@ def summarise(records, methods=DEFAULT_METHODS):
                 "identical": sum(r["identical"] for r in rs),
                 "new_tokens": tokens,
             }
-            if m in ("fastverify",) + HEAD_METHODS and all("loop" in r for r in rs):
+            if m in ("fastverify",) + HEAD_METHODS + SLOT_METHODS and all("loop" in r for r in rs):
                 steps = sum(r["loop"]["steps"] for r in rs)
                 row[m]["loop_tokens_per_step"] = (sum(r["loop"]["accepted"] for r in rs) + steps) / max(1, steps)
+            if m != "generate":  # the quality cost of a lossy rule: how much of the greedy output survives
+                prefix = [r.get("first_difference", r["new_tokens"]) for r in rs]
+                row[m]["mean_common_prefix"] = sum(prefix) / max(1, len(prefix))
+                if all("answer" in r for r in rs):  # math questions: the final number of the answer
+                    row[m]["answer_kept"] = sum(r["answer"] == rec["methods"]["generate"]["answer"]
+                                                for r, rec in zip(rs, recs))
             for base in baselines(m, methods):
                 # Per-question speedup = time(base) / time(m) for the same question (tokens are equal when the
                 # outputs are identical; with a mismatch, tokens/s ratios keep it fair).
@@ -497,6 +540,13 @@ def parse_args(argv=None):
                    help="fastverify drafters to run beside generate and prompt lookup: ngram (method fastverify), "
                         "bpd (proposal heads), bpd+ngram (both, one tree); n-gram fastverify always runs with bpd*")
     p.add_argument("--heads", default="smollm2-bpd", help="heads checkpoint for bpd: shipped name or folder")
+    p.add_argument("--gad", default="smollm2-gad", help="slot checkpoint for gad: shipped name or folder")
+    p.add_argument("--lud", default="smollm2-lud", help="slot checkpoint for lud: shipped name or folder")
+    p.add_argument("--rule", default=None, help="verify rule of the slot drafters (default greedy: exact); e.g. "
+                   "--rule gad --rule-params beta=3 tau=1.0, or --rule confidence --rule-params beta=0.9")
+    p.add_argument("--rule-params", nargs="+", default=[], metavar="KEY=NUMBER")
+    p.add_argument("--slot-attach", default="path", choices=["path", "last"],
+                   help="where the slot drafters attach their blocks (fastverify.hf.slots)")
     p.add_argument("--bpd", nargs="+", default=[], metavar="KEY=VALUE",
                    help="HeadsDrafter arguments, e.g. --bpd width=3 max_nodes=12 score=rank")
     p.add_argument("--out", help="write every per-question record and the summary to this JSON file")
@@ -526,7 +576,7 @@ def parse_args(argv=None):
         if "--methods" not in (sys.argv[1:] if argv is None else list(argv)):
             args.methods = [m for m in args.methods if m != "fastverify"]
         args.methods += [DRAFTER_METHODS[d] for d in args.drafter]
-        if any(m in HEAD_METHODS for m in args.methods):
+        if any(m in HEAD_METHODS + SLOT_METHODS for m in args.methods):
             args.methods.append("fastverify")  # the n-gram drafter they are compared with
     if "generate" not in args.methods:
         args.methods = ["generate"] + args.methods
@@ -582,7 +632,10 @@ def main(argv=None):
     t0 = time.perf_counter()
     records = run_benchmark(model, tokenizer, questions, args.max_new_tokens, tuple(args.methods),
                             progress=not args.no_progress, ngram=args.ngram or None,
-                            bpd={"heads": args.heads, "options": args.bpd})
+                            bpd={"heads": args.heads, "options": args.bpd},
+                            slots={"gad": args.gad, "lud": args.lud, "rule": args.rule,
+                                   "params": {k: _number(v) for k, v in (a.split("=", 1) for a in args.rule_params)},
+                                   "options": {"attach": args.slot_attach}})
     elapsed = time.perf_counter() - t0
     try:
         info["load_after"] = round(os.getloadavg()[0], 2)
@@ -594,6 +647,15 @@ def main(argv=None):
     notes.append(f"tok/fwd: new tokens per target forward (prefill included; plain decoding = 1.00). "
                  f"speedup: geometric mean over questions of tok/s ratios (worst question in brackets). "
                  f"Wall time of the run: {elapsed / 60:.1f} min.")
+    for m in SLOT_METHODS:
+        if m in summary["overall"]:
+            o = summary["overall"][m]
+            notes.append(f"{m} (rule {args.rule or 'greedy'}, attach {args.slot_attach}): "
+                         f"{o.get('loop_tokens_per_step', float('nan')):.2f} tokens per step; identical to greedy "
+                         f"{o['identical']}/{summary['overall']['questions']}; mean common prefix with greedy "
+                         f"{o['mean_common_prefix']:.1f} of {args.max_new_tokens} tokens"
+                         + (f"; math answers kept {summary['math'][m]['answer_kept']}/{summary['math']['questions']}"
+                            if "math" in summary and "answer_kept" in summary["math"][m] else ""))
     if "fastverify" in summary["overall"] and "loop_tokens_per_step" in summary["overall"]["fastverify"]:
         notes.append(f"fastverify loop: {summary['overall']['fastverify']['loop_tokens_per_step']:.2f} tokens "
                      "per decoding step (prefill excluded)")

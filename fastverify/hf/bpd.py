@@ -219,7 +219,26 @@ def _merge(first: Tree, second: Tree, max_nodes: int) -> Tree:
 def load_drafter(name_or_path: str, model, *, ngram=False, **options) -> HeadsDrafter:
     """A HeadsDrafter from a shipped checkpoint (``"smollm2-bpd"``) or a checkpoint folder, checked against
     ``model`` (fastverify.heads.BaseModelMismatch when it was trained on another base). ngram: True (a default
-    NGramDrafter) or an NGramDrafter instance to merge with ("bpd+ngram"). options: HeadsDrafter's."""
+    NGramDrafter) or an NGramDrafter instance to merge with ("bpd+ngram"). options: HeadsDrafter's.
+
+    A checkpoint of a slot drafter (config "method" "gad" / "lud": ``"smollm2-gad"``, ``"smollm2-lud"``, or a
+    folder written by ``python -m fastverify.train slots``) gives a fastverify.hf.slots.BlockSlotDrafter instead
+    (options: its attach / tree_topk)."""
+    import json
+    import os
+    from fastverify.heads import resolve_checkpoint
+    path = resolve_checkpoint(name_or_path)
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            method = json.load(f).get("method")
+    except (OSError, ValueError, AttributeError):
+        method = None  # load_heads reports what is wrong with the folder
+    if method in ("gad", "lud"):
+        from fastverify.hf.slots import load_slot_drafter
+        if ngram:
+            raise ValueError(f"ngram: merging an n-gram trie is supported for proposal heads, not for the {method} "
+                             f"slot drafter of {name_or_path!r}")
+        return load_slot_drafter(path, model, **options)
     heads, cfg = load_heads(name_or_path, model)
     if ngram is True:
         from fastverify.hf.drafters import NGramDrafter
