@@ -21,8 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fastverify  # noqa: E402
-import fastverify.ops.sampling as _ops_sampling  # noqa: E402
-import fastverify.ops.verify as _ops_verify  # noqa: E402
+from fastverify.ops import dispatch  # noqa: E402
 from bench_sampling import _softmax_cumsum_searchsorted, _sort_pipeline  # noqa: E402
 from bench_verify import RULE_PARAMS, _inputs, composition  # noqa: E402
 
@@ -52,27 +51,28 @@ def record(table, case, impl, ms, nbytes):
     print(f"{table:12s} {case:44s} {impl:28s} {ms * 1e3:10.1f} us {gbs:8.0f} GB/s", flush=True)
 
 
-def captured(module, call):
-    """The (backend, args) module._run received during call(): the op's normalised arguments."""
+def captured(op, call):
+    """The arguments of the last dispatch of ``op`` during call(): (op, backend, device, normalised arguments)."""
     seen = []
-    real = module._run
+    real = dispatch.call
 
     def spy(*a):
-        seen.append(a)
+        if a[0] == op:
+            seen.append(a)
         return real(*a)
 
-    module._run = spy
+    dispatch.call = spy
     try:
         call()
     finally:
-        module._run = real
+        dispatch.call = real
     return seen[-1]
 
 
-def op_only(module, call):
+def op_only(op, call):
     """A function that re-runs just the op call() ends in (same backend, same normalised arguments)."""
-    a = captured(module, call)
-    return lambda: module._run(*a)
+    a = captured(op, call)
+    return lambda: dispatch.call(*a)
 
 
 def ceilings():
@@ -106,7 +106,7 @@ def bench_verify(quick):
                         fn = lambda: fastverify.verify(logits, drafts, **kw)  # noqa: E731
                         outs[be] = fn()
                         record("verify", case, be + " api", timed(fn), nbytes)
-                        record("verify", case, be + " op", timed(op_only(_ops_verify, fn)), nbytes)
+                        record("verify", case, be + " op", timed(op_only("verify", fn)), nbytes)
                     if len(outs) == 2 and rule not in ("speculative",):
                         a, b = outs["cuda"], outs["triton"]
                         same = torch.equal(a.accept_len, b.accept_len) and torch.equal(a.next_token, b.next_token)
@@ -130,7 +130,7 @@ def bench_sampling(quick):
                 for be in backends:
                     fn = lambda: fastverify.cdf_sample(logits, u, backend=be, **kw)  # noqa: E731
                     record("cdf_sample", case, be + " api", timed(fn), nbytes)
-                    record("cdf_sample", case, be + " op", timed(op_only(_ops_sampling, fn)), nbytes)
+                    record("cdf_sample", case, be + " op", timed(op_only("cdf_sample", fn)), nbytes)
                 if warp == "plain":
                     record("cdf_sample", case, "softmax+cumsum+searchsorted",
                            timed(lambda: _softmax_cumsum_searchsorted(logits, u)), nbytes)

@@ -381,6 +381,25 @@ def test_opcheck():
     torch.library.opcheck(ops.aux_bits.default, (u,))
 
 
+def test_unit_interval_is_open_in_code_and_docs():
+    """u and v lie in the open interval (0, 1), where ``uniform`` draws them (DESIGN.md): both ends are refused
+    with a message that names the interval, the docstrings state the same interval, and the extreme values
+    ``uniform`` can return (2^-24 and 1 - 2^-24) are accepted."""
+    logits = torch.randn(2, 10)
+    tok = torch.tensor([3, 4])
+    for end in (0.0, 1.0):
+        x = torch.tensor([0.5, end])
+        with pytest.raises(ValueError, match=r"u: expected values in \(0, 1\), got"):
+            fastverify.cdf_sample(logits, x)
+        with pytest.raises(ValueError, match=r"v: expected values in \(0, 1\), got"):
+            fastverify.cdf_invert(logits, tok, x)
+    for fn, arg in ((fastverify.cdf_sample, "u"), (fastverify.cdf_invert, "v")):
+        assert f"{arg}: float32 or float64 [R] in the open interval (0, 1)" in " ".join(fn.__doc__.split())
+    extremes = torch.tensor([2.0**-24, 1 - 2.0**-24])
+    assert fastverify.cdf_sample(logits, extremes).shape == (2,)
+    assert fastverify.cdf_invert(logits, tok, extremes).shape == (2,)
+
+
 def test_bad_input():
     logits = torch.randn(3, 10)
     u = torch.rand(3)

@@ -10,8 +10,8 @@ import math
 import torch
 
 from fastverify import _ext
-from fastverify.ops.tree import _as_index_tensor, _call
-from fastverify.reference import attention as ref
+from fastverify.ops import dispatch
+from fastverify.ops.checks import index_tensor
 
 __all__ = ["tree_attention"]
 
@@ -59,7 +59,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mas
     if tuple(packed_mask.shape) != (B, n, W):
         raise ValueError(f"packed_mask: expected shape [B, n, ceil(n / 32)] = {(B, n, W)}, "
                          f"got {tuple(packed_mask.shape)}")
-    plen = _as_index_tensor(prefix_len, "prefix_len", q.device, length=B)
+    plen = index_tensor(prefix_len, "prefix_len", q.device, length=B)
     P = S - n
     if B and (bool((plen < 0).any()) or int(plen.max()) > P):
         raise ValueError(f"prefix_len: expected values in [0, P = k.shape[2] - n = {P}], got {plen.tolist()}")
@@ -71,8 +71,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mas
     if backend == "auto" and q.device.type == "cuda" and D > _CUDA_MAX_HEAD_DIM:
         # The CUDA kernel keeps a query's accumulator in registers for head dims up to 128.
         backend = "triton" if _ext.backends(q.device)["triton"] else "torch"
-    return _call("tree_attention", backend, q.device, q, k, v, packed_mask.contiguous(), plen, scale,
-                 module="attention", reference=ref.tree_attention)
+    return dispatch.call("tree_attention", backend, q.device, q, k, v, packed_mask.contiguous(), plen, scale)
 
 
 if _ext.HAS_CPP:

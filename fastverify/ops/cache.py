@@ -8,7 +8,8 @@ over (request, head), gathering the accepted rows into a buffer before writing t
 import torch
 
 from fastverify import _ext
-from fastverify.ops.tree import _as_index_tensor, _call
+from fastverify.ops import dispatch
+from fastverify.ops.checks import index_tensor
 
 __all__ = ["compact_cache"]
 
@@ -25,7 +26,7 @@ def _check_pair(k, v, where):
 
 
 def _normalise(B, S, device, prefix_len, draft_start, accepted, accept_len):
-    plen = _as_index_tensor(prefix_len, "prefix_len", device, length=B)
+    plen = index_tensor(prefix_len, "prefix_len", device, length=B)
     if isinstance(draft_start, torch.Tensor):
         if draft_start.numel() != 1:
             raise ValueError("draft_start: expected an int (the cache slot of draft node 0)")
@@ -39,7 +40,7 @@ def _normalise(B, S, device, prefix_len, draft_start, accepted, accept_len):
     if accepted.device != device:
         raise ValueError(f"accepted: expected a tensor on {device}, got {accepted.device}")
     acc = accepted.to(torch.int32).contiguous()
-    alen = _as_index_tensor(accept_len, "accept_len", device, length=B)
+    alen = index_tensor(accept_len, "accept_len", device, length=B)
     depth = acc.shape[1]
     if B == 0:
         return plen, draft_start, acc, alen
@@ -62,7 +63,7 @@ def _compact_pair(k, v, prefix_len, draft_start, accepted, accept_len, backend, 
     _check_pair(k, v, where)
     plen, ds, acc, alen = _normalise(k.shape[0], k.shape[2], k.device, prefix_len, draft_start, accepted,
                                      accept_len)
-    _call("compact_cache", backend, k.device, k, v, plen, ds, acc, alen)
+    dispatch.call("compact_cache", backend, k.device, k, v, plen, ds, acc, alen)
     return plen, alen
 
 

@@ -11,10 +11,9 @@ tensors). There is no GPU kernel: cuBLAS already keeps small-M GEMMs bandwidth-b
 """
 
 import torch
-import torch.nn.functional as F
 
 from fastverify import _ext
-from fastverify.ops.tree import implemented_backends
+from fastverify.ops import dispatch
 
 __all__ = ["skinny_linear"]
 
@@ -41,16 +40,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = No
     if any(not t.dtype.is_floating_point for t in tensors):
         raise TypeError(f"x, weight, bias: expected floating dtypes, got {[t.dtype for t in tensors]}")
     fits_cpp = all(t.dtype == torch.float32 for t in tensors) and x.device.type == "cpu"
-    has = implemented_backends("skinny_linear")
-    if backend == "auto":
-        backend = "cpp" if fits_cpp and "cpp" in has else "torch"
-    name = _ext.resolve_backend(backend, x.device, has=has)
-    if name == "torch":
-        return F.linear(x, weight, bias)
-    if not fits_cpp:
+    if backend == "auto":  # the C++ kernel where it applies, F.linear (the reference) everywhere else
+        backend = "cpp" if fits_cpp and "cpp" in dispatch.implemented_backends("skinny_linear") else "torch"
+    if not fits_cpp and dispatch.resolve("skinny_linear", backend, x.device) == "cpp":
         raise TypeError(f"x, weight, bias: the cpp backend takes float32 CPU tensors, got "
                         f"{[t.dtype for t in tensors]}")
-    return torch.ops.fastverify.skinny_linear(x, weight, bias)
+    return dispatch.call("skinny_linear", backend, x.device, x, weight, bias)
 
 
 if _ext.HAS_CPP:

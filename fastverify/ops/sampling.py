@@ -14,53 +14,21 @@ Backends: torch (reference), cpp (csrc/cpu/sampling.cpp), triton (fastverify.ker
 (csrc/cuda/sampling.cu), each used only where its code exists (``implemented_backends``).
 """
 
-import importlib
 import math
-import os
 
 import torch
 
 from fastverify import _ext
+from fastverify.ops import dispatch
+from fastverify.ops.checks import INT_DTYPES, LOGIT_DTYPES, check_range, check_tensor
 from fastverify.reference import sampling as ref
 
 __all__ = ["uniform", "cdf_sample", "cdf_invert", "sample_v", "aux_bits", "normalise_warp", "implemented_backends"]
 
-_OPS = ("uniform", "cdf_sample", "cdf_invert", "aux_bits")
-_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-_KERNELS = []
-
-
-def _triton_module():
-    if not _KERNELS:
-        try:
-            _KERNELS.append(importlib.import_module("fastverify.kernels.sampling"))
-        except Exception:  # not written, or triton missing / broken: the op runs on the other backends
-            _KERNELS.append(None)
-    return _KERNELS[0]
-
-
-def _has_compiled(op, key):
-    if not _ext.HAS_CPP:
-        return False
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"fastverify::{op}", key)
-    except RuntimeError:
-        return False
-
 
 def implemented_backends(op):
-    """The backends whose code for ``op`` exists: torch always; cpp / cuda when fastverify._C registers a CPU /
-    CUDA kernel for fastverify::<op>; triton when fastverify.kernels.sampling imports and defines it."""
-    has = ["torch"]
-    if _has_compiled(op, "CPU"):
-        has.append("cpp")
-    mod = _triton_module()
-    if mod is not None and hasattr(mod, op):
-        has.append("triton")
-    if _ext.HAS_CUDA_KERNELS and _has_compiled(op, "CUDA"):
-        has.append("cuda")
-    return tuple(has)
+    """The backends whose code for ``op`` exists (fastverify.ops.dispatch.implemented_backends)."""
+    return dispatch.implemented_backends(op)
 
 
 # Fake (meta) implementations, so the compiled ops trace under torch.compile.
@@ -83,45 +51,12 @@ if _ext.HAS_CPP:
         return u.new_empty((*u.shape, 32), dtype=torch.float32)
 
 
-_RESOLVED = {}
-
-
-def _resolve(op, backend, device):
-    """_ext.resolve_backend for op, memoised per (op, backend, device type, TRITON_INTERPRET): the look-ups behind
-    it cost more than a small call (verify draws its seeded uniforms through here every step)."""
-    key = (op, backend, device.type, os.environ.get("TRITON_INTERPRET"))
-    name = _RESOLVED.get(key)
-    if name is None:
-        name = _RESOLVED[key] = _ext.resolve_backend(backend, device, has=implemented_backends(op))
-    return name
-
-
-def _run(op, backend, device, args):
-    name = _resolve(op, backend, device)
-    if name == "torch":
-        return getattr(ref, op)(*args)
-    if name == "triton":
-        return getattr(_triton_module(), op)(*args)
-    return getattr(torch.ops.fastverify, op)(*args)
-
-
-def _check_tensor(name, t, device=None, dtypes=None, dim=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (the device of logits), got {t.device}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if dim is not None and t.dim() != dim:
-        raise ValueError(f"{name}: expected a {dim}-d tensor, got shape {tuple(t.shape)}")
-
-
 def _per_row(name, x, R, device, integral=False):
     """A scalar or an [R] tensor as float32 [R]."""
     if isinstance(x, torch.Tensor):
         if x.dim() == 0:
             x = x.reshape(1).expand(R)
-        _check_tensor(name, x, device=device)
+        check_tensor(name, x, device=device)
         if x.shape != (R,):
             raise ValueError(f"{name}: expected a scalar or a tensor of shape ({R},), got {tuple(x.shape)}")
         if x.dtype == torch.bool or x.is_complex():
@@ -136,26 +71,9 @@ def _per_row(name, x, R, device, integral=False):
     return torch.full((R,), float(x), dtype=torch.float32, device=device)
 
 
-def _check_range(name, x, lo=None, hi=None, lo_open=False, hi_open=False):
-    bad = torch.isnan(x)
-    if lo is not None:
-        bad |= (x <= lo) if lo_open else (x < lo)
-    if hi is not None:
-        bad |= (x >= hi) if hi_open else (x > hi)
-    if bool(bad.any()):
-        raise _range_error(name, x[bad][0].item(), lo, hi, lo_open, hi_open)
-
-
 # (name, lo, hi, lo_open, hi_open, integral) of the warping parameters, in the column order of the [R, 4] tensor
 _WARP_PARAMS = (("temperature", 0, math.inf, False, True, False), ("top_k", 0, None, False, False, True),
                 ("top_p", 0, 1, True, False, False), ("min_p", 0, 1, False, False, False))
-
-
-def _range_error(name, value, lo, hi, lo_open, hi_open):
-    lb = "(" if lo_open else "["
-    rb = ")" if hi_open else "]"
-    rng = f"{lb}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{rb}"
-    return ValueError(f"{name}: expected values in {rng}, got {value}")
 
 
 def normalise_warp(R, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -172,20 +90,19 @@ def normalise_warp(R, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
                 raise ValueError(f"{name}: expected an integer, got {v}")
         row = torch.tensor([float(v) for v in values], dtype=torch.float32)
         for (name, lo, hi, lo_open, hi_open, _), v in zip(_WARP_PARAMS, row.tolist()):  # as float32, like the kernels
-            if v != v or (v <= lo if lo_open else v < lo) or (hi is not None and (v >= hi if hi_open else v > hi)):
-                raise _range_error(name, v, lo, hi, lo_open, hi_open)
+            check_range(name, v, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, first=True)
         return row.to(device).expand(R, 4).contiguous()
     t = _per_row("temperature", temperature, R, device)
     k = _per_row("top_k", top_k, R, device, integral=True)
     p = _per_row("top_p", top_p, R, device)
     mp = _per_row("min_p", min_p, R, device)
     for (name, lo, hi, lo_open, hi_open, _), x in zip(_WARP_PARAMS, (t, k, p, mp)):
-        _check_range(name, x, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open)
+        check_range(name, x, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, first=True)
     return torch.stack([t, k, p, mp], dim=1)
 
 
 def _check_logits(logits):
-    _check_tensor("logits", logits, dtypes=_LOGIT_DTYPES, dim=2)
+    check_tensor("logits", logits, dtypes=LOGIT_DTYPES, dim=2)
     if logits.shape[1] == 0:
         raise ValueError("logits: expected at least one column (V >= 1)")
     if logits.shape[1] > 1 and logits.stride(1) != 1:
@@ -195,10 +112,10 @@ def _check_logits(logits):
 
 def _check_unit(name, u, R, device):
     """u in the open interval (0, 1), one per logits row."""
-    _check_tensor(name, u, device=device, dtypes=(torch.float32, torch.float64), dim=1)
+    check_tensor(name, u, device=device, dtypes=(torch.float32, torch.float64), dim=1)
     if u.shape[0] != R:
         raise ValueError(f"{name}: expected shape ({R},) (one per logits row), got {tuple(u.shape)}")
-    _check_range(name, u, lo=0, hi=1, lo_open=True, hi_open=True)
+    check_range(name, u, lo=0, hi=1, lo_open=True, hi_open=True, first=True)
 
 
 def _invalid_rows_error(logits, warp, rows):
@@ -222,16 +139,16 @@ def uniform(seed, position, stream=0, backend="auto"):
     """
     if isinstance(position, int) and not isinstance(position, bool):
         position = torch.tensor(position, dtype=torch.int64)
-    _check_tensor("position", position, dtypes=_INT_DTYPES)
+    check_tensor("position", position, dtypes=INT_DTYPES)
     if isinstance(seed, bool) or not isinstance(seed, (int, torch.Tensor)):
         raise TypeError(f"seed: expected an int or an integer tensor, got {type(seed).__name__}")
     if isinstance(seed, int):
         if not -(2**63) <= seed < 2**64:
             raise ValueError(f"seed: expected a 64-bit integer, got {seed}")
         seed = torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64, device=position.device)
-    _check_tensor("seed", seed, device=position.device, dtypes=_INT_DTYPES)
+    check_tensor("seed", seed, device=position.device, dtypes=INT_DTYPES)
     if isinstance(stream, torch.Tensor):
-        _check_tensor("stream", stream, device=position.device, dtypes=_INT_DTYPES)
+        check_tensor("stream", stream, device=position.device, dtypes=INT_DTYPES)
         if stream.numel() and bool(((stream < 0) | (stream >= 2**32)).any()):
             raise ValueError(f"stream: expected values in [0, 2^32), got {stream[(stream < 0) | (stream >= 2**32)][:4]}")
     elif isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < 2**32:
@@ -250,8 +167,8 @@ def uniform(seed, position, stream=0, backend="auto"):
 def _uniform_op(seed, position, stream, backend="auto"):
     """uniform on validated int64 tensors of one shape (no checks: verify's seeded draws come through here)."""
     shape = position.shape
-    out = _run("uniform", backend, position.device,
-               (seed.reshape(-1).contiguous(), position.reshape(-1).contiguous(), stream.reshape(-1).contiguous()))
+    out = dispatch.call("uniform", backend, position.device, seed.reshape(-1).contiguous(),
+                        position.reshape(-1).contiguous(), stream.reshape(-1).contiguous())
     return out.reshape(shape)
 
 
@@ -260,8 +177,9 @@ def cdf_sample(logits, u, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, backen
 
     Args:
         logits: [R, V] float32 / bfloat16 / float16 (any strides).
-        u: float32 or float64 [R] in (0, 1], e.g. from ``uniform`` (u = 1 selects the last token of positive
-            weight; ``uniform`` returns 1.0 with probability 2^-24 because the schema's formula rounds in float32).
+        u: float32 or float64 [R] in the open interval (0, 1), e.g. from ``uniform`` (whose values lie in
+            [2^-24, 1 - 2^-24]). 0 and 1 are refused: u = 1 would select no token (C(t) > Z never holds), and a
+            boundary value would make the result depend on how each backend rounds u * Z.
         temperature, top_k, top_p, min_p: Python scalars or [R] tensors (warping of
             fastverify.reference.sampling; temperature 0 = argmax, top_k 0 / top_p 1 / min_p 0 = off).
     Returns:
@@ -274,7 +192,7 @@ def cdf_sample(logits, u, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, backen
     R = logits.shape[0]
     _check_unit("u", u, R, logits.device)
     warp = normalise_warp(R, logits.device, temperature, top_k, top_p, min_p)
-    out = _run("cdf_sample", backend, logits.device, (logits, u, warp))
+    out = dispatch.call("cdf_sample", backend, logits.device, logits, u, warp)
     bad = out < 0
     if R and bool(bad.any()):
         _invalid_rows_error(logits, warp, bad.nonzero()[:, 0])
@@ -286,8 +204,9 @@ def cdf_invert(logits, token, v, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
 
     Args:
         logits: [R, V] float32 / bfloat16 / float16. token: integer [R] in [0, V).
-        v: float32 or float64 [R] in (0, 1] (1 is clamped below 1): the position inside the token's bin (uniform, or Beta(a, a) from
-            ``sample_v``, PTP Appendix D).
+        v: float32 or float64 [R] in the open interval (0, 1): the position inside the token's bin (uniform, or
+            Beta(a, a) from ``sample_v``, PTP Appendix D). 0 and 1 are refused: they are the bin's edges, which
+            belong to the neighbouring tokens' bins as much as to this one.
         temperature, top_k, top_p, min_p: as in ``cdf_sample``.
     Returns:
         float64 [R], in (0, 1), moved by float64 ulps so that cdf_sample(logits, u, same warping, same backend)
@@ -296,14 +215,14 @@ def cdf_invert(logits, token, v, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
     """
     logits = _check_logits(logits)
     R, V = logits.shape
-    _check_tensor("token", token, device=logits.device, dtypes=_INT_DTYPES, dim=1)
+    check_tensor("token", token, device=logits.device, dtypes=INT_DTYPES, dim=1)
     if token.shape[0] != R:
         raise ValueError(f"token: expected shape ({R},) (one per logits row), got {tuple(token.shape)}")
     if R and bool(((token < 0) | (token >= V)).any()):
         raise ValueError(f"token: expected ids in [0, {V}), got {token[(token < 0) | (token >= V)][0].item()}")
     _check_unit("v", v, R, logits.device)
     warp = normalise_warp(R, logits.device, temperature, top_k, top_p, min_p)
-    out = _run("cdf_invert", backend, logits.device, (logits, token.to(torch.int64), v, warp))
+    out = dispatch.call("cdf_invert", backend, logits.device, logits, token.to(torch.int64), v, warp)
     nan = torch.isnan(out)
     if R and bool(nan.any()):
         rows = nan.nonzero()[:, 0]
@@ -342,5 +261,5 @@ def sample_v(shape, a=None, generator=None, device=None):
 
 def aux_bits(u, backend="auto"):
     """The IEEE-754 bits of float32 u, most significant first (PTP §3.1), as float32 [..., 32] of 0 / 1."""
-    _check_tensor("u", u, dtypes=(torch.float32,))
-    return _run("aux_bits", backend, u.device, (u.reshape(-1).contiguous(),)).reshape(*u.shape, 32)
+    check_tensor("u", u, dtypes=(torch.float32,))
+    return dispatch.call("aux_bits", backend, u.device, u.reshape(-1).contiguous()).reshape(*u.shape, 32)

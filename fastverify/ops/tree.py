@@ -11,74 +11,33 @@ Backends: torch (reference), cpp (csrc/cpu/tree.cpp), triton (fastverify.kernels
 (csrc/cuda/tree.cu), each used only where its code exists: see ``implemented_backends``.
 """
 
-import functools
-import importlib
-
 import torch
 
 from fastverify import _ext
+from fastverify.ops import dispatch
+from fastverify.ops.checks import index_tensor as _as_index_tensor
 from fastverify.reference import tree as ref
 
 __all__ = ["tree_mask", "block_mask", "tree_positions", "normalise_tree", "implemented_backends"]
 
 FORMATS = ("bool", "additive", "packed")
 
-_KERNEL_MODULES = {}
 
-
-def _kernel_module(name: str):
-    """fastverify.kernels.<name>, or None when it does not exist or does not import (triton missing)."""
-    if name not in _KERNEL_MODULES:
-        try:
-            _KERNEL_MODULES[name] = importlib.import_module(f"fastverify.kernels.{name}")
-        except Exception:  # not written yet, or triton not installed / broken
-            _KERNEL_MODULES[name] = None
-    return _KERNEL_MODULES[name]
-
-
-def _has_compiled(op: str, key: str) -> bool:
-    if not _ext.HAS_CPP:
-        return False
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"fastverify::{op}", key)
-    except RuntimeError:  # schema not registered
-        return False
-
-
-@functools.lru_cache(maxsize=None)  # what is built and importable does not change while the process runs
-def implemented_backends(op: str, module: str = "tree") -> tuple:
-    """The backends whose code for ``op`` exists and imports: torch always, cpp / cuda when fastverify._C
-    registers a CPU / CUDA kernel for fastverify::<op>, triton when fastverify.kernels.<module> defines it."""
-    has = ["torch"]
-    if _has_compiled(op, "CPU"):
-        has.append("cpp")
-    mod = _kernel_module(module)
-    if mod is not None and hasattr(mod, op):
-        has.append("triton")
-    if _ext.HAS_CUDA_KERNELS and _has_compiled(op, "CUDA"):
-        has.append("cuda")
-    return tuple(has)
-
-
-def _call(op: str, backend: str, device: torch.device, *args, module: str = "tree", reference=None):
-    """Run fastverify::<op> on the chosen backend with normalised arguments."""
-    name = _ext.resolve_backend(backend, device, has=implemented_backends(op, module), op=op)
-    if name == "torch":
-        return (reference or getattr(ref, op))(*args)
-    if name == "triton":
-        return getattr(_kernel_module(module), op)(*args)
-    return getattr(torch.ops.fastverify, op)(*args)
+def implemented_backends(op: str, module: str = None) -> tuple:
+    """The backends whose code for ``op`` exists (fastverify.ops.dispatch.implemented_backends; ``module`` is
+    accepted for older callers and not needed)."""
+    return dispatch.implemented_backends(op)
 
 
 def _call_tree_op(op: str, backend: str, par, cu, validate: bool, *args):
-    """_call for the mask / position ops. The C++ CPU kernels check the tree layout themselves (one pass over
-    the nodes), so on that backend the Python-side parents check runs only when the kernel rejects its input,
+    """dispatch.call for the mask / position ops. The C++ CPU kernels check the tree layout themselves (one pass
+    over the nodes), so on that backend the Python-side parents check runs only when the kernel rejects its input,
     to turn the kernel's RuntimeError into the wrapper's ValueError naming the node; elsewhere it runs first."""
-    name = _ext.resolve_backend(backend, par.device, has=implemented_backends(op))
+    name = dispatch.resolve(op, backend, par.device)
     if name != "cpp" and validate:
         _check_parents(par, cu)
     try:
-        return _call(op, name, par.device, *args)
+        return dispatch.call(op, name, par.device, *args)
     except RuntimeError:
         if name == "cpp" and validate:
             _check_parents(par, cu)
@@ -87,30 +46,6 @@ def _call_tree_op(op: str, backend: str, par, cu, validate: bool, *args):
 
 # ----------------------------------------------------------------------------------------------------------
 # Validation and normalisation
-
-
-def _as_index_tensor(x, name: str, device, length=None) -> torch.Tensor:
-    if isinstance(x, bool):
-        raise TypeError(f"{name}: expected an int or an integer tensor, got bool")
-    if isinstance(x, int):
-        if length is None:
-            raise TypeError(f"{name}: expected an integer tensor, got int")
-        return torch.full((length,), x, dtype=torch.int32, device=device)
-    if isinstance(x, (list, tuple)):
-        x = torch.tensor(x, dtype=torch.int64, device=device)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected an int or an integer tensor, got {type(x).__name__}")
-    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-        raise TypeError(f"{name}: expected an integer tensor (int32 or int64), got {x.dtype}")
-    if x.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device}, got {x.device}")
-    if x.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
-    if length is not None and x.numel() != length:
-        raise ValueError(f"{name}: expected {length} entries (one per request), got {x.numel()}")
-    if x.dtype == torch.int64 and x.numel() and bool(((x < -2**31) | (x >= 2**31)).any()):
-        raise ValueError(f"{name}: values must fit in int32")
-    return x.to(torch.int32).contiguous()
 
 
 def _check_parents(par, cu):
@@ -266,7 +201,7 @@ def block_mask(block_sizes=None, prefix_len=0, kind: str = "causal", format: str
     if kind == "causal":
         return tree_mask(None, cu, prefix_len, format=format, dtype=dtype, backend=backend)
     _, cu, plen, n, P = normalise_tree(None, cu, prefix_len)
-    _ext.resolve_backend(backend, cu.device)  # reject unusable backend names consistently
+    dispatch.resolve_backend(backend, cu.device)  # reject unusable backend names as the other ops do
     if format == "packed":
         i = torch.arange(n, device=cu.device)
         real = i[None, :] < sizes.long()[:, None]
