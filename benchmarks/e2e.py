@@ -408,17 +408,20 @@ def verdict(summary):
 
 def machine_info():
     cpu = platform.processor() or platform.machine()
+    vm = False
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
                     cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    vm = "hypervisor" in line.split()  # the CPU flag a virtual machine's guest sees
                     break
     except OSError:
         pass
     import transformers
     info = {
-        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu": cpu, "vm": vm, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(),
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
@@ -441,7 +444,8 @@ def results_section(info, command, args, table, notes):
     lines = [
         f"## e2e {'quick' if args.quick else 'Spec-Bench'}",
         "",
-        f"- machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}; "
+        f"- machine: {info['cores']}-core {info['cpu']}{' VM' if info.get('vm') else ''}, torch threads "
+        f"{info['torch_threads']}; "
         f"torch {info['torch']}, transformers {info['transformers']}, Python {info['python']}",
         f"- date: {info['date']}, commit {info.get('commit')}; load average (1 min) before / after: "
         f"{info.get('load_before')} / {info.get('load_after')} (other processes on the machine make timings noisy)",
