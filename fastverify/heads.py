@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["ProposalHeads", "fingerprint", "check_fingerprint", "save_heads", "load_heads", "output_projection",
-           "CheckpointError", "BaseModelMismatch", "SHIPPED", "resolve_checkpoint"]
+           "CheckpointError", "BaseModelMismatch", "SHIPPED", "resolve_checkpoint", "read_checkpoint"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "heads.safetensors"
@@ -160,31 +160,41 @@ def resolve_checkpoint(name_or_path: str) -> str:
     return path
 
 
+def read_checkpoint(path: str, weights_name: str, what: str, methods, fmt: int, describes: str = None):
+    """(config dict, tensors) of a checkpoint folder: ``config.json`` (its "method" one of ``methods``, its "format"
+    ``fmt``) and the safetensors file ``weights_name``. ``what`` names the kind in the errors (``describes``: what
+    its config must describe, default ``what``): FileNotFoundError
+    for a missing file, CheckpointError for invalid JSON, another method or format, or an unreadable file."""
+    cfg_path, w_path = os.path.join(path, CONFIG_NAME), os.path.join(path, weights_name)
+    for p in (cfg_path, w_path):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{what} checkpoint {path!r}: missing {os.path.basename(p)}")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{what} checkpoint {path!r}: {CONFIG_NAME} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or cfg.get("method") not in methods:
+        got = cfg.get("method") if isinstance(cfg, dict) else cfg
+        raise CheckpointError(f"{what} checkpoint {path!r}: {CONFIG_NAME} does not describe {describes or what} "
+                              f"(expected \"method\" in {list(methods)}, got {got!r})")
+    if cfg.get("format") != fmt:
+        raise CheckpointError(f"{what} checkpoint {path!r}: format {cfg.get('format')!r}, this fastverify reads {fmt}")
+    try:
+        from safetensors.torch import load_file
+        tensors = load_file(w_path)
+    except Exception as e:  # safetensors raises its own error types for truncated / garbled files
+        raise CheckpointError(f"{what} checkpoint {path!r}: {weights_name} is unreadable ({type(e).__name__}: "
+                              f"{e}); the file is corrupt or truncated") from None
+    return cfg, tensors
+
+
 def load_heads(name_or_path: str, model=None):
     """Load (ProposalHeads, config dict). With ``model``, check the base fingerprint (BaseModelMismatch) and put
     the heads on the model's device. Raises FileNotFoundError (missing folder/file) or CheckpointError
     (unreadable or inconsistent)."""
     path = resolve_checkpoint(name_or_path)
-    cfg_path, w_path = os.path.join(path, CONFIG_NAME), os.path.join(path, WEIGHTS_NAME)
-    for p in (cfg_path, w_path):
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"heads checkpoint {path!r}: missing {os.path.basename(p)}")
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"heads checkpoint {path!r}: {CONFIG_NAME} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict) or cfg.get("method") != "bpd":
-        raise CheckpointError(f"heads checkpoint {path!r}: {CONFIG_NAME} does not describe proposal heads "
-                              f"(expected \"method\": \"bpd\", got {cfg.get('method') if isinstance(cfg, dict) else cfg!r})")
-    if cfg.get("format") != FORMAT:
-        raise CheckpointError(f"heads checkpoint {path!r}: format {cfg.get('format')!r}, this fastverify reads {FORMAT}")
-    try:
-        from safetensors.torch import load_file
-        tensors = load_file(w_path)
-    except Exception as e:  # safetensors raises its own error types for truncated / garbled files
-        raise CheckpointError(f"heads checkpoint {path!r}: {WEIGHTS_NAME} is unreadable ({type(e).__name__}: "
-                              f"{e}); the file is corrupt or truncated") from None
+    cfg, tensors = read_checkpoint(path, WEIGHTS_NAME, "heads", ("bpd",), FORMAT, "proposal heads")
     H, D = cfg.get("num_heads"), cfg.get("hidden_size")
     w, b = tensors.get("weight"), tensors.get("bias")
     if w is None or b is None or tuple(w.shape) != (H, D, D) or tuple(b.shape) != (H, D):

@@ -24,8 +24,10 @@ from torch import nn
 __all__ = ["GatedLoRALinear", "add_gated_lora", "remove_gated_lora", "gated_lora_layers", "slot_gate",
            "DEFAULT_TARGETS"]
 
-# the projections of a decoder layer (Llama / Qwen / Mistral / Gemma names); the output projection is left alone
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the projections of a decoder layer (Llama / Qwen / Mistral / Gemma names, and Phi-3's fused ones); the output
+# projection is left alone
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                   "gate_up_proj")
 
 _GATE = [None]  # the gate of the forward in progress (bool [..., rows]) or None
 

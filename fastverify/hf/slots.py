@@ -141,7 +141,8 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
                 parent_name, _, attr = key.replace("/", ".").rpartition(".")
                 parent = model.get_submodule(parent_name)
                 base = getattr(parent, attr)
-                if type(base) is not nn.Linear or base.weight.shape != adapter.lora_B.shape[:1] + adapter.lora_A.shape[1:]:
+                shape = (adapter.lora_B.shape[0], adapter.lora_A.shape[1])
+                if type(base) is not nn.Linear or tuple(base.weight.shape) != shape:
                     raise ValueError(f"adapters: {key.replace('/', '.')} does not match the model's layer "
                                      f"({type(base).__name__})")
                 adapter.base = base
@@ -193,7 +194,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
 #                   "layers": [qualified names], "base_model", "base_fingerprint" (fastverify.heads.fingerprint),
 #                   "training": {...}, "eval": {...}}
 # DIR/slots.safetensors  "slot_embed" [m, D] and, per adapted layer, "<name>.lora_A" [r, in], "<name>.lora_B"
-#                   [out, r] (float32)
+#                   [out, r] (float16: half the size; the adapters' values are small and well inside its range)
 
 SLOTS_WEIGHTS = "slots.safetensors"
 SLOTS_FORMAT = 1
@@ -205,12 +206,12 @@ def save_slot_drafter(drafter: BlockSlotDrafter, path: str, config: dict) -> Non
     import os
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
-    tensors = {"slot_embed": drafter.slot_embed.detach().float().cpu().contiguous()}
+    tensors = {"slot_embed": drafter.slot_embed.detach().half().cpu().contiguous()}
     ranks, alphas = set(), set()
     for key, adapter in drafter.adapters.items():
         name = key.replace("/", ".")
-        tensors[name + ".lora_A"] = adapter.lora_A.detach().float().cpu().contiguous()
-        tensors[name + ".lora_B"] = adapter.lora_B.detach().float().cpu().contiguous()
+        tensors[name + ".lora_A"] = adapter.lora_A.detach().half().cpu().contiguous()
+        tensors[name + ".lora_B"] = adapter.lora_B.detach().half().cpu().contiguous()
         ranks.add(adapter.rank)
         alphas.add(adapter.alpha)
     cfg = dict(config)
@@ -228,28 +229,9 @@ def load_slot_drafter(path: str, model, **options) -> BlockSlotDrafter:
     """A BlockSlotDrafter from a checkpoint folder, for ``model`` (its fingerprint is checked:
     fastverify.heads.BaseModelMismatch otherwise). options: BlockSlotDrafter's (attach, tree_topk).
     Raises FileNotFoundError / fastverify.heads.CheckpointError for missing or inconsistent files."""
-    import json
-    import os
-    from fastverify.heads import CheckpointError, check_fingerprint
-    cfg_path, w_path = os.path.join(path, "config.json"), os.path.join(path, SLOTS_WEIGHTS)
-    for p in (cfg_path, w_path):
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"slot checkpoint {path!r}: missing {os.path.basename(p)}")
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"slot checkpoint {path!r}: config.json is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict) or cfg.get("method") not in ("gad", "lud") or cfg.get("format") != SLOTS_FORMAT:
-        raise CheckpointError(f"slot checkpoint {path!r}: config.json does not describe a gad / lud slot drafter "
-                              f"of format {SLOTS_FORMAT}")
+    from fastverify.heads import CheckpointError, check_fingerprint, read_checkpoint
+    cfg, tensors = read_checkpoint(path, SLOTS_WEIGHTS, "slot drafter", ("gad", "lud"), SLOTS_FORMAT)
     check_fingerprint(cfg["base_fingerprint"], model, where=f"slot checkpoint {path!r}")
-    try:
-        from safetensors.torch import load_file
-        tensors = load_file(w_path)
-    except Exception as e:  # safetensors' own error types for truncated / garbled files
-        raise CheckpointError(f"slot checkpoint {path!r}: {SLOTS_WEIGHTS} is unreadable ({type(e).__name__}: {e}); "
-                              f"the file is corrupt or truncated") from None
     drafter = BlockSlotDrafter(cfg["hidden_size"], cfg["num_slots"], cfg["method"], **options)
     device = next(model.parameters()).device
     try:

@@ -33,7 +33,6 @@ the training continuations (0 = the whole vocabulary), which makes both training
 time several times cheaper on CPU.
 """
 
-import argparse
 import dataclasses
 import glob
 import json
@@ -43,12 +42,13 @@ import random
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from fastverify.heads import ProposalHeads, fingerprint, output_projection, save_heads
+from fastverify.train.cli import parse_config
 
 __all__ = ["HeadsConfig", "train_heads", "load_prompts", "ngram_filter", "generate_data", "main"]
 
@@ -603,18 +603,8 @@ def _reevaluate(model, cfg: HeadsConfig, eval_paths, log=print):
 
 
 def parse_args(argv=None) -> HeadsConfig:
-    p = argparse.ArgumentParser(prog="python -m fastverify.train heads",
-                                description="Train blockwise proposal heads on a frozen causal LM by self-distillation.")
-    for f in dataclasses.fields(HeadsConfig):
-        name = "--" + f.name.replace("_", "-")
-        if f.type is bool or isinstance(f.default, bool):
-            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
-        elif f.default is dataclasses.MISSING:
-            p.add_argument(name, required=True)
-        else:
-            typ = f.type if f.type in (int, float) else str
-            p.add_argument(name, type=typ, default=f.default)
-    return HeadsConfig(**vars(p.parse_args(argv)))
+    return parse_config(HeadsConfig, argv, "python -m fastverify.train heads",
+                        "Train blockwise proposal heads on a frozen causal LM by self-distillation.")
 
 
 def main(argv=None):

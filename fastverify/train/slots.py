@@ -28,7 +28,6 @@ cfg)`` is the Python API for any Hugging Face causal LM. One file, five stages, 
              base model, fingerprint of its output projection, training options and evaluation)
 """
 
-import argparse
 import dataclasses
 import math
 import os
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from fastverify.heads import fingerprint
 from fastverify.hf.slots import BlockSlotDrafter, save_slot_drafter
 from fastverify.lora import slot_gate
+from fastverify.train.cli import parse_config
 from fastverify.train.heads import (DEFAULT_EXCLUDE, generate_data, load_target, select_prompts, shard_prompts,
                                     _rng_state, _set_rng_state)
 
@@ -322,17 +322,7 @@ def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, promp
 # ----------------------------------------------------------------------------------------------- CLI
 
 def parse_args(argv=None) -> SlotsConfig:
-    ap = argparse.ArgumentParser(prog="python -m fastverify.train slots", description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(SlotsConfig):
-        name = "--" + f.name.replace("_", "-")
-        if f.type is bool or isinstance(f.default, bool):
-            ap.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
-        elif f.name == "out":
-            ap.add_argument(name, required=True)
-        else:
-            typ = {"int": int, "float": float}.get(getattr(f.type, "__name__", str(f.type)), str)
-            ap.add_argument(name, type=typ, default=f.default)
-    return SlotsConfig(**vars(ap.parse_args(argv)))
+    return parse_config(SlotsConfig, argv, "python -m fastverify.train slots", __doc__.split("\n\n")[0])
 
 
 def main(argv=None):
