@@ -5,13 +5,15 @@ One case = a random config (architecture; sliding windows, chunk sizes, RoPE sca
 embeddings, attention implementation), a random batch (1-4 requests, left padding, random prompt lengths,
 repetitive or random prompts), random ``generate`` options (greedy or sampling, max_new_tokens / max_length,
 eos, options the loop does not run) and a random drafter (n-gram, the target itself as a draft model, none) and
-rule. Checked:
+rule (the slot drafters with random, active adapters, which also checks that verify rows stay the base model).
+Checked:
 
 - greedy: patched output == the model's own ``generate(do_sample=False)``, whether the loop ran or fell back;
 - sampling with a seed: where the loop ran with the coupled rule, its output == the loop's own plain
   autoregressive sampling (a drafter that proposes nothing) with that seed; with the speculative rule (exact in
-  distribution, not token for token: tests/test_verify_speculative_stats.py tests that), two calls with the
-  seed agree; where it fell back, two calls with the seed agree;
+  distribution, not token for token: tests/test_verify_speculative_stats.py tests that; its draws depend on the
+  draft), two calls with the seed and drafters in the same state agree; where it fell back, two calls with the
+  seed agree;
 - a fallback always comes with a warning, and the loop never warns without falling back unless it said why
   (a deterministic rule asked to sample).
 
@@ -21,6 +23,7 @@ in the test suite and the full sweep on demand (``FASTVERIFY_FUZZ_CASES``). Also
     python tests/hf_fuzz.py --cases 600          # prints one line per failing case and a summary
 """
 
+import copy
 import random
 import re
 import warnings
@@ -28,6 +31,7 @@ import warnings
 import torch
 
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, unpatch
+from fastverify.hf.slots import BlockSlotDrafter
 
 V = 384
 PAD = 1
@@ -168,8 +172,26 @@ def build_options(rng: random.Random, ids):
     return opts
 
 
+def _slot_drafter(rng: random.Random, model):
+    """A GAD / LUD slot drafter with random (untrained, but active) adapters and slot embeddings."""
+    d = BlockSlotDrafter(model.config.hidden_size, num_slots=rng.randint(1, 4), method=rng.choice(["gad", "lud"]),
+                         attach=rng.choice(["path", "last"]), tree_topk=rng.choice([1, 2]))
+    d.init_adapters(model, rank=rng.choice([1, 4]))
+    g = torch.Generator().manual_seed(rng.randint(0, 2 ** 31))
+    with torch.no_grad():
+        for a in d.adapters.values():
+            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
+        d.slot_embed.copy_(torch.randn(d.slot_embed.shape, generator=g) * 0.1)
+    return d
+
+
 def _drafter(rng: random.Random, model):
-    kind = rng.choice(["ngram", "ngram", "self", "none"])
+    kind = rng.choice(["ngram", "ngram", "self", "none", "slots"])
+    if kind == "slots":
+        if model.config.model_type == "gpt2":  # no nn.Linear projections (Conv1D): nothing to adapt
+            kind = "ngram"
+        else:
+            return kind, _slot_drafter(rng, model)
     if kind == "ngram":
         return kind, NGramDrafter(width=rng.randint(1, 3), max_width=4, depth=rng.randint(1, 6))
     if kind == "self":
@@ -210,6 +232,7 @@ def run_case(seed: int) -> dict:
     if not sampling:
         unpatch(model)
         ref = _sequences(model.generate(ids, attention_mask=mask, pad_token_id=PAD, **opts))
+    twin = copy.deepcopy(drafter) if sampling and rule == "speculative" else None  # drafters keep state
     patch(model, drafter=drafter, rule=rule, **extra)
     out, fallback, switched = _generate(model, ids, mask, opts)
     if fallback:
@@ -222,6 +245,8 @@ def run_case(seed: int) -> dict:
                 return dict(desc, outcome="NO-WARNING", detail="a deterministic rule sampled without a warning")
             if rule != "speculative":  # the loop's own autoregressive sampling with that seed
                 patch(model, drafter=Drafter(), rule=None if rule == "greedy" else rule, **extra)
+            else:  # the same drafts again
+                patch(model, drafter=twin, rule=rule, **extra)
             ref, _, _ = _generate(model, ids, mask, opts)
     unpatch(model)
     if out.shape != ref.shape or not torch.equal(out, ref):
