@@ -193,3 +193,81 @@ def test_slot_drafter_drafts_what_its_block_predicts():
     assert trees[0].tokens.tolist() == [4, 5, 6, 1, 2, 7] and trees[0].parents.tolist() == [-1, -1, 0, 0, 2, 2]
     assert len(trees[1]) == 0
     assert len(d.propose([[1], [1]], [6, 6])[0]) == 0  # a block drafts once
+
+
+# ------------------------------------------------------------------------------------------------ PTP slots
+
+def _ptp(model, slots=3, seed=2, aux_mode="interp", always=False):
+    """A PTP slot drafter with random active adapters; ``always``: its blocks draft even when slot 0 disagrees
+    with the committed token (an untrained drafter would otherwise hardly ever draft)."""
+    from fastverify.hf.slots import BlockSlotDrafter, PTPSlotDrafter
+
+    class AlwaysDrafts(PTPSlotDrafter):
+        def propose(self, contexts, budget):
+            self._pending = [None if b is None else b[1:] for b in self._pending]
+            return BlockSlotDrafter.propose(self, contexts, budget)
+
+    cls = AlwaysDrafts if always else PTPSlotDrafter
+    d = cls(model.config.hidden_size, num_slots=slots, aux_mode=aux_mode).init_adapters(model, rank=4)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for a in d.adapters.values():
+            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
+        d.slot_embed.copy_(torch.randn(d.slot_embed.shape, generator=g) * 0.1)
+    return d
+
+
+@pytest.mark.parametrize("aux_mode", ["interp", "bits"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_ptp_slots_keep_seeded_sampling_and_greedy_exact(aux_mode, B):
+    """With the coupled rule, PTP slot drafts never change the sampled tokens: the output equals the loop's own
+    autoregressive sampling with the same seed; greedy output equals generate."""
+    from fastverify.hf import Drafter
+    model = _tiny("llama", attn="sdpa")
+    ids = torch.tensor([[11, 12, 13, 14] * 4] * B)
+    kw = dict(max_new_tokens=16, pad_token_id=PAD)
+    for seed, temperature in ((1, 1.0), (2, 0.7)):
+        patch(model, drafter=Drafter())
+        ref = model.generate(ids, do_sample=True, seed=seed, temperature=temperature, **kw)
+        patch(model, drafter=_ptp(model, aux_mode=aux_mode, always=True))
+        out = model.generate(ids, do_sample=True, seed=seed, temperature=temperature, **kw)
+        assert torch.equal(out, ref) and stats(model).drafted_tokens > 0
+    unpatch(model)
+    ref = model.generate(ids, do_sample=False, **kw)
+    patch(model, drafter=_ptp(model, aux_mode=aux_mode, always=True))
+    assert torch.equal(model.generate(ids, do_sample=False, **kw), ref) and stats(model).drafted_tokens > 0
+    unpatch(model)
+
+
+def test_ptp_slot_inputs_are_the_coupled_rules_uniforms():
+    from fastverify import uniform
+    d = _ptp(_tiny())
+    request, slot, position = torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]), torch.tensor([5, 6, 9])
+    seed = torch.tensor([7, 7, 8])
+    got = d.slot_embeddings(request, slot, position, seed)
+    want = d.slot_embed[slot] + d.aux(uniform(seed, position))
+    assert torch.equal(got, want)
+    half = d.slot_embeddings(request, slot, position, None)
+    assert torch.equal(half, d.slot_embed[slot] + d.aux(torch.full((3,), 0.5)))
+
+
+def test_ptp_block_drafts_only_after_its_first_slot_agrees():
+    from fastverify.hf.slots import PTPSlotDrafter
+    d = PTPSlotDrafter(8, num_slots=2)
+    d.reset(2)
+    block = torch.zeros(3, 10)
+    block[0, 4] = block[1, 6] = block[2, 7] = 1.0
+    d.observe_slots([block, block])
+    trees = d.propose([[1, 4], [1, 5]], [4, 4])  # request 0 committed 4 (agrees), request 1 committed 5
+    assert trees[0].tokens.tolist() == [6, 7] and len(trees[1]) == 0
+
+
+def test_ptp_checkpoint_round_trip(tmp_path):
+    from fastverify.heads import fingerprint
+    from fastverify.hf.slots import PTPSlotDrafter, load_slot_drafter, save_slot_drafter
+    model = _tiny()
+    d = _ptp(model, aux_mode="bits")
+    save_slot_drafter(d, str(tmp_path), {"base_model": "tiny", "base_fingerprint": fingerprint(model)})
+    loaded = load_slot_drafter(str(tmp_path), model)
+    assert isinstance(loaded, PTPSlotDrafter) and loaded.block_size == 4 and loaded.aux.mode == "bits"
+    assert torch.equal(loaded.aux.proj.weight, d.aux.proj.weight.detach().half().float())

@@ -221,9 +221,9 @@ def load_drafter(name_or_path: str, model, *, ngram=False, **options) -> HeadsDr
     ``model`` (fastverify.heads.BaseModelMismatch when it was trained on another base). ngram: True (a default
     NGramDrafter) or an NGramDrafter instance to merge with ("bpd+ngram"). options: HeadsDrafter's.
 
-    A checkpoint of a slot drafter (config "method" "gad" / "lud": ``"smollm2-gad"``, ``"smollm2-lud"``, or a
-    folder written by ``python -m fastverify.train slots``) gives a fastverify.hf.slots.BlockSlotDrafter instead
-    (options: its attach / tree_topk)."""
+    A checkpoint of a slot drafter (config "method" "gad" / "lud" / "ptp": ``"smollm2-gad"``, ``"smollm2-lud"``,
+    or a folder written by ``python -m fastverify.train slots``) gives a fastverify.hf.slots.BlockSlotDrafter
+    instead (a PTPSlotDrafter for ptp; options: attach / tree_topk)."""
     import json
     import os
     from fastverify.heads import resolve_checkpoint
@@ -233,7 +233,7 @@ def load_drafter(name_or_path: str, model, *, ngram=False, **options) -> HeadsDr
             method = json.load(f).get("method")
     except (OSError, ValueError, AttributeError):
         method = None  # load_heads reports what is wrong with the folder
-    if method in ("gad", "lud"):
+    if method in ("gad", "lud", "ptp"):
         from fastverify.hf.slots import load_slot_drafter
         if ngram:
             raise ValueError(f"ngram: merging an n-gram trie is supported for proposal heads, not for the {method} "

@@ -285,9 +285,10 @@ class Decoder:
                 slot += range(len(rows))
         if request:
             t = torch.tensor
+            request = t(request, device=self.device)
+            seed = self.s.seed[request] if self.s.seed is not None else None
             embeds = embeds.index_put((inp.slot_rows,), self.slots.slot_embeddings(
-                t(request, device=self.device), t(slot, device=self.device),
-                inp.position_ids[inp.slot_rows]).to(embeds.dtype))
+                request, t(slot, device=self.device), inp.position_ids[inp.slot_rows], seed).to(embeds.dtype))
         with slot_gate(inp.slot_rows):
             return self._forward(inputs_embeds=embeds, attention_mask=inp.mask, position_ids=inp.position_ids)
 

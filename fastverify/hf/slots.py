@@ -34,7 +34,8 @@ from fastverify.hf.drafters import Drafter, empty_tree
 from fastverify.lora import GatedLoRALinear, gated_lora_layers
 from fastverify.tree import Tree
 
-__all__ = ["SlotDrafter", "BlockSlotDrafter", "first_path", "save_slot_drafter", "load_slot_drafter"]
+__all__ = ["SlotDrafter", "BlockSlotDrafter", "PTPSlotDrafter", "first_path", "save_slot_drafter",
+           "load_slot_drafter"]
 
 
 def first_path(tree: Tree) -> list:
@@ -55,8 +56,9 @@ class SlotDrafter(Drafter):
 
       installed(model)               context manager around one generate call (adapters on the target)
       slot_attachments(trees, active) per request, the nodes (-1 = root) that get a block
-      slot_embeddings(request, slot, position) -> [R, D]: input embeddings of R slot rows (request index,
-                                     slot offset 0..m-1 in its block, absolute position), int64 [R] each
+      slot_embeddings(request, slot, position, seed) -> [R, D]: input embeddings of R slot rows (request index,
+                                     slot offset 0..m-1 in its block, absolute position: int64 [R] each; seed:
+                                     int64 [R], the request's sampling seed, or None when not sampling)
       observe_slots(logits)          per request, [m, V] logits of the block at the accepted path's end, or None
     """
 
@@ -78,7 +80,7 @@ class SlotDrafter(Drafter):
             out.append([-1] + path if self.attach == "path" else [path[-1] if path else -1])
         return out
 
-    def slot_embeddings(self, request, slot, position):
+    def slot_embeddings(self, request, slot, position, seed):
         raise NotImplementedError
 
     def observe_slots(self, logits) -> None:
@@ -157,7 +159,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         super().reset(batch_size)
         self._pending = [None] * batch_size
 
-    def slot_embeddings(self, request, slot, position):
+    def slot_embeddings(self, request, slot, position, seed):
         return self.slot_embed[slot]
 
     def observe_slots(self, logits) -> None:
@@ -189,6 +191,46 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         return trees
 
 
+class PTPSlotDrafter(BlockSlotDrafter):
+    """Parallel Token Prediction (Draxler et al.) on the slot mechanism: causal blocks whose slots carry the
+    auxiliary variables of the coupled rule.
+
+    Slot i of a block attached at position P stands at position P + 1 + i (i = 0..m), takes as input its learned
+    offset embedding plus the auxiliary embedding (fastverify.ptp.AuxiliaryEmbedding) of u = uniform(seed,
+    P + 1 + i): the very variable the ``coupled`` rule draws for the token at that position; and outputs that
+    token, t = F^-1(u) of the target's distribution given every earlier token (PTP's O-PTP objective). Slot 0
+    therefore re-predicts the step's own next token (which the target samples with the same u) and slots 1..m
+    draft the m tokens after it; a block whose slot 0 disagrees with the token the target committed drafts
+    nothing (the rest of it is conditioned on another token). Verified with ``coupled``, the output is exactly
+    the target's autoregressive sampling with that seed, whatever the slots propose. Without a seed (greedy
+    decoding) every slot gets u = 1/2 and the greedy rule keeps the output exact.
+
+    num_slots: m draft slots (the block has m + 1 rows); aux_mode: "interp" (the PTP authors' default) or "bits"
+    (PTP Sec. 3.1).
+    """
+
+    def __init__(self, hidden_size: int, num_slots: int = 4, attach: str = "path", aux_mode: str = "interp",
+                 tree_topk: int = 1):
+        from fastverify.ptp import AuxiliaryEmbedding
+        super().__init__(hidden_size, num_slots + 1, "lud", attach, tree_topk)  # "lud": causal blocks
+        self.method = "ptp"
+        self.aux = AuxiliaryEmbedding(hidden_size, aux_mode)
+
+    def slot_embeddings(self, request, slot, position, seed):
+        from fastverify.ops.sampling import uniform
+        u = torch.full(position.shape, 0.5, device=position.device) if seed is None else uniform(seed, position)
+        return self.slot_embed[slot] + self.aux(u).to(self.slot_embed.dtype)
+
+    def propose(self, contexts, budget):
+        if len(self._pending) == len(contexts):
+            for b, block in enumerate(self._pending):
+                if block is not None:  # slot 0 must have re-predicted the token the target committed
+                    last = contexts[b][-1]
+                    agree = int(block[0].argmax()) == int(last)
+                    self._pending[b] = block[1:] if agree and block.shape[0] > 1 else None
+        return super().propose(contexts, budget)
+
+
 # ----------------------------------------------------------------------------------------------- checkpoints
 # DIR/config.json  {"method": "gad" | "lud", "format": 1, "num_slots", "hidden_size", "rank", "alpha",
 #                   "layers": [qualified names], "base_model", "base_fingerprint" (fastverify.heads.fingerprint),
@@ -214,7 +256,13 @@ def save_slot_drafter(drafter: BlockSlotDrafter, path: str, config: dict) -> Non
         tensors[name + ".lora_B"] = adapter.lora_B.detach().half().cpu().contiguous()
         ranks.add(adapter.rank)
         alphas.add(adapter.alpha)
+    aux = getattr(drafter, "aux", None)
+    if aux is not None:
+        for key, value in aux.state_dict().items():
+            tensors["aux." + key] = value.detach().half().cpu().contiguous()
     cfg = dict(config)
+    if aux is not None:
+        cfg["aux_mode"] = aux.mode
     cfg.update({"method": drafter.method, "format": SLOTS_FORMAT, "num_slots": drafter.block_size,
                 "hidden_size": int(drafter.slot_embed.shape[1]), "rank": max(ranks), "alpha": max(alphas),
                 "layers": [k.replace("/", ".") for k in drafter.adapters]})
@@ -230,11 +278,17 @@ def load_slot_drafter(path: str, model, **options) -> BlockSlotDrafter:
     fastverify.heads.BaseModelMismatch otherwise). options: BlockSlotDrafter's (attach, tree_topk).
     Raises FileNotFoundError / fastverify.heads.CheckpointError for missing or inconsistent files."""
     from fastverify.heads import CheckpointError, check_fingerprint, read_checkpoint
-    cfg, tensors = read_checkpoint(path, SLOTS_WEIGHTS, "slot drafter", ("gad", "lud"), SLOTS_FORMAT)
+    cfg, tensors = read_checkpoint(path, SLOTS_WEIGHTS, "slot drafter", ("gad", "lud", "ptp"), SLOTS_FORMAT)
     check_fingerprint(cfg["base_fingerprint"], model, where=f"slot checkpoint {path!r}")
-    drafter = BlockSlotDrafter(cfg["hidden_size"], cfg["num_slots"], cfg["method"], **options)
+    if cfg["method"] == "ptp":
+        drafter = PTPSlotDrafter(cfg["hidden_size"], cfg["num_slots"] - 1, aux_mode=cfg.get("aux_mode", "interp"),
+                                 **options)
+    else:
+        drafter = BlockSlotDrafter(cfg["hidden_size"], cfg["num_slots"], cfg["method"], **options)
     device = next(model.parameters()).device
     try:
+        if cfg["method"] == "ptp":
+            drafter.aux.load_state_dict({k[4:]: v.float() for k, v in tensors.items() if k.startswith("aux.")})
         for name in cfg["layers"]:
             base = model.get_submodule(name)
             adapter = GatedLoRALinear(base, int(cfg["rank"]), float(cfg["alpha"]))
