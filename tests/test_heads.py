@@ -180,6 +180,17 @@ def test_checkpoint_bad_input_errors(model, tmp_path):
         load_heads(str(path), model)
 
 
+def test_shipped_checkpoint_is_found_by_name():
+    from fastverify.heads import resolve_checkpoint
+    path = resolve_checkpoint("smollm2-bpd")
+    assert sorted(os.listdir(path))[:2] == ["config.json", "heads.safetensors"]
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["method"] == "bpd" and cfg["base_fingerprint"]["shape"] == [49152, 576]
+    with pytest.raises(BaseModelMismatch, match="vocabulary size mismatch"):
+        load_drafter("smollm2-bpd", _tiny())
+
+
 # ----------------------------------------------------------------------------------------------- the loop
 
 class _Recorder(Drafter):
@@ -311,3 +322,29 @@ def test_hidden_hook_only_for_drafters_that_want_it(model):
         finally:
             unpatch(model)
         assert not lm_head._forward_hooks  # never installed (n-gram), or removed when generate returned (heads)
+
+
+@pytest.mark.slow
+def test_greedy_exact_with_shipped_heads_on_the_real_model():
+    """SmolLM2-135M-Instruct with the shipped heads, alone and merged with n-gram trees: the patched greedy output
+    equals plain generate, and the heads draft (and get drafts accepted) from the second step on."""
+    from fastverify.models import load_smollm2
+    model, tok = load_smollm2()
+    prompts = ["Write a short paragraph about why people enjoy walking in the mountains.",
+               "List three ways to save water at home, one sentence each."]
+    for prompt in prompts:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        for ngram in (False, True):
+            patch(model, drafter=fastverify.load_drafter("smollm2-bpd", model, ngram=ngram))
+            try:
+                with torch.no_grad():
+                    got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
+                                         do_sample=False)
+                st = stats(model)
+            finally:
+                unpatch(model)
+            assert torch.equal(got, ref), (prompt, ngram)
+            assert st.drafted_tokens > 0

@@ -1,0 +1,120 @@
+"""Batched end-to-end check: B mixed Spec-Bench questions per generate call (left padded), greedy, side by side.
+
+Methods: plain ``generate`` (the reference), n-gram fastverify (``fastverify.patch(model)``), and the proposal-heads
+drafters (bpd, bpd+ngram; checkpoint ``--heads``, default the shipped ``smollm2-bpd``). Batches take one question
+from each of B different categories in turn (mixed prompts), so requests finish and accept at different rates.
+Reports per method: identical rows, tokens per request-step of the loop, tok/s (all requests' new tokens / wall
+time), speedup over generate and over n-gram fastverify (geometric mean over batches). Methods rotate per batch.
+
+  python benchmarks/e2e_batch.py --batch 4 --batches 4 --max-new-tokens 128
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e import DEFAULT_QUESTIONS, ROOT, load_questions, machine_info  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--offset", type=int, default=0, help="skip the first OFFSET questions of each category")
+    p.add_argument("--heads", default="smollm2-bpd")
+    p.add_argument("--methods", nargs="+", default=["generate", "fastverify", "bpd", "bpd+ngram"])
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+    transformers.logging.set_verbosity_error()
+    import fastverify
+    from fastverify.heads import load_heads
+    from fastverify.models import load_smollm2
+
+    info = machine_info()
+    model, tok = load_smollm2()
+    heads, cfg = load_heads(args.heads, model)
+    qs = load_questions(os.path.join(ROOT, DEFAULT_QUESTIONS), None, None, args.offset)
+    by_cat = {}
+    for q in qs:
+        by_cat.setdefault(q["category"], []).append(q)
+    cats = list(by_cat)
+    batches = []
+    for i in range(args.batches):
+        picked = [by_cat[cats[(i * args.batch + j) % len(cats)]][(i * args.batch + j) // len(cats)]
+                  for j in range(args.batch)]
+        batches.append(picked)
+
+    def drafter(m):
+        if m == "fastverify":
+            return fastverify.NGramDrafter()
+        return fastverify.HeadsDrafter(model, heads, head_acceptance=cfg.get("head_acceptance"),
+                                       calibration=cfg.get("calibration"),
+                                       ngram=fastverify.NGramDrafter() if m == "bpd+ngram" else None)
+
+    tok.padding_side = "left"
+    res = {m: {"seconds": [], "tokens": [], "identical": 0, "rows": 0, "tps": []} for m in args.methods}
+    for i, qb in enumerate(batches):
+        texts = [tok.apply_chat_template([{"role": "user", "content": q["prompt"]}], add_generation_prompt=True,
+                                         tokenize=False) for q in qb]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        order = args.methods[i % len(args.methods):] + args.methods[:i % len(args.methods)]
+        outs = {}
+        for m in order:
+            if m != "generate":
+                fastverify.patch(model, drafter=drafter(m))
+            try:
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)
+                dt = time.perf_counter() - t0
+                st = fastverify.hf.stats(model) if m != "generate" else None
+            finally:
+                if m != "generate":
+                    fastverify.unpatch(model)
+            outs[m] = out
+            new = out[:, enc["input_ids"].shape[1]:]
+            ntok = int((new != tok.pad_token_id).sum()) + sum(1 for row in new.tolist() if tok.pad_token_id in row)
+            res[m]["seconds"].append(dt)
+            res[m]["tokens"].append(ntok)
+            if st is not None:
+                res[m]["tps"].append(st.tokens_per_step)
+        for m in args.methods:
+            same = (outs[m] == outs["generate"]).all(dim=1)
+            res[m]["identical"] += int(same.sum())
+            res[m]["rows"] += len(qb)
+        print(f"batch {i + 1}/{len(batches)}: " + ", ".join(
+            f"{m} {res[m]['tokens'][-1] / res[m]['seconds'][-1]:.1f} tok/s" for m in args.methods), flush=True)
+
+    def geo(xs):
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+    print(f"\nmachine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}; batch {args.batch}, "
+          f"{args.batches} batches of mixed categories, {args.max_new_tokens} new tokens, greedy")
+    print("| method | identical rows | tokens per request-step | tok/s | vs generate | vs n-gram fastverify |")
+    print("|---|---|---|---|---|---|")
+    for m in args.methods:
+        r = res[m]
+        tps = sum(r["tokens"]) / sum(r["seconds"])
+        rate = [t / s for t, s in zip(r["tokens"], r["seconds"])]
+        base = [t / s for t, s in zip(res["generate"]["tokens"], res["generate"]["seconds"])]
+        vs_g = geo([a / b for a, b in zip(rate, base)])
+        if "fastverify" in res:
+            fv = [t / s for t, s in zip(res["fastverify"]["tokens"], res["fastverify"]["seconds"])]
+            vs_f = f"{geo([a / b for a, b in zip(rate, fv)]):.2f}x"
+        else:
+            vs_f = "-"
+        step = f"{sum(r['tps']) / len(r['tps']):.2f}" if r["tps"] else "1.00"
+        print(f"| {m} | {r['identical']}/{r['rows']} | {step} | {tps:.1f} | {vs_g:.2f}x | {vs_f} |")
+
+
+if __name__ == "__main__":
+    main()
