@@ -107,8 +107,10 @@ setup(
     description="Fast, exact draft-and-verify decoding kernels for PyTorch and Hugging Face models",
     packages=find_packages(include=["fastverify", "fastverify.*"]) + ["fastverify.kernels"],
     package_dir={"fastverify.kernels": "kernels"},
-    # shipped proposal-heads checkpoints (fastverify.load_drafter("smollm2-bpd", model)): data, not a package
-    package_data={"fastverify": ["checkpoints/*/config.json", "checkpoints/*/heads.safetensors"]},
+    # shipped drafter checkpoints (fastverify.load_drafter("smollm2-bpd" | "smollm2-gad" | "smollm2-lud", model)):
+    # data, not a package
+    package_data={"fastverify": ["checkpoints/*/config.json", "checkpoints/*/heads.safetensors",
+                                 "checkpoints/*/slots.safetensors"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
     extras_require={

@@ -101,3 +101,39 @@ def test_recipe_end_to_end_checkpoint_and_refusals(tmp_path):
         f.truncate(100)
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         load_slot_drafter(str(tmp_path / "ckpt"), model)
+
+
+def test_shipped_slot_checkpoints_are_found_by_name_and_refuse_another_base():
+    from fastverify.heads import resolve_checkpoint
+    from fastverify.hf.bpd import load_drafter
+    for name in ("smollm2-gad", "smollm2-lud"):
+        assert os.path.isfile(os.path.join(resolve_checkpoint(name), "slots.safetensors"))
+        with pytest.raises(BaseModelMismatch):
+            load_drafter(name, _tiny())
+
+
+@pytest.mark.slow
+def test_greedy_exact_and_seeded_sampling_with_shipped_slot_drafters_on_the_real_model():
+    """SmolLM2-135M-Instruct with the shipped GAD and LUD slot drafters: greedy output equals plain generate and
+    the blocks draft; seeded sampling equals the loop's own autoregressive sampling with the seed."""
+    import fastverify
+    from fastverify.hf import Drafter, stats
+    from fastverify.models import load_smollm2
+    model, tok = load_smollm2()
+    ids = tok.apply_chat_template([{"role": "user", "content": "List three ways to save water at home."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=32)
+    with torch.no_grad():
+        ref = model.generate(ids, do_sample=False, **kw)
+    patch(model, drafter=Drafter())
+    sampled = model.generate(ids, do_sample=True, seed=5, temperature=0.7, **kw)
+    for name in ("smollm2-gad", "smollm2-lud"):
+        patch(model, drafter=fastverify.load_drafter(name, model))
+        try:
+            got = model.generate(ids, do_sample=False, **kw)
+            drafted = stats(model).drafted_tokens
+            assert torch.equal(model.generate(ids, do_sample=True, seed=5, temperature=0.7, **kw), sampled), name
+        finally:
+            unpatch(model)
+        assert torch.equal(got, ref), name
+        assert drafted > 0, name
