@@ -657,7 +657,8 @@ def main(argv=None):
             notes.append(f"{m} (rule {args.rule or 'greedy'}, attach {args.slot_attach}): "
                          f"{o.get('loop_tokens_per_step', float('nan')):.2f} tokens per step; identical to greedy "
                          f"{o['identical']}/{summary['overall']['questions']}; mean common prefix with greedy "
-                         f"{o['mean_common_prefix']:.1f} of {args.max_new_tokens} tokens"
+                         f"{o['mean_common_prefix']:.1f} tokens (greedy's mean length "
+                         f"{summary['overall']['generate']['new_tokens'] / summary['overall']['questions']:.1f})"
                          + (f"; math answers kept {summary['math'][m]['answer_kept']}/{summary['math']['questions']}"
                             if "math" in summary and "answer_kept" in summary["math"][m] else ""))
     if "fastverify" in summary["overall"] and "loop_tokens_per_step" in summary["overall"]["fastverify"]:
