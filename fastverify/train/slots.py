@@ -77,6 +77,7 @@ class SlotsConfig:
     resume: bool = True
     seed: int = 0
     threads: int = None
+    device: str = "cpu"                        # where the target runs ("cuda" on a GPU machine)
     eval_sequences: int = 48
     progress: bool = True
 
@@ -329,7 +330,7 @@ def main(argv=None):
     cfg = parse_args(argv)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model, tok, base = load_target(cfg.model)
+    model, tok, base = load_target(cfg.model, cfg.device)
     train_slots(model, tok, cfg, base_name=base)
 
 
