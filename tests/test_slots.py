@@ -34,8 +34,12 @@ def _tiny(arch="llama", attn="eager"):
 
 def _drafter(model, method="gad", attach="path", slots=3, seed=1):
     """A slot drafter with random (not trained) embeddings and adapters that do act on the slot rows."""
-    d = BlockSlotDrafter(model.config.hidden_size, num_slots=slots, method=method, attach=attach).init_adapters(
-        model, rank=4)
+    d = BlockSlotDrafter(model.config.hidden_size, num_slots=slots, method=method, attach=attach)
+    return _randomise(d.init_adapters(model, rank=4), seed)
+
+
+def _randomise(d, seed):
+    """Random slot embeddings and non-zero adapters (a fresh adapter's lora_B is zero: a no-op)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for a in d.adapters.values():
@@ -208,13 +212,8 @@ def _ptp(model, slots=3, seed=2, aux_mode="interp", always=False):
             return BlockSlotDrafter.propose(self, contexts, budget)
 
     cls = AlwaysDrafts if always else PTPSlotDrafter
-    d = cls(model.config.hidden_size, num_slots=slots, aux_mode=aux_mode).init_adapters(model, rank=4)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for a in d.adapters.values():
-            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
-        d.slot_embed.copy_(torch.randn(d.slot_embed.shape, generator=g) * 0.1)
-    return d
+    d = cls(model.config.hidden_size, num_slots=slots, aux_mode=aux_mode)
+    return _randomise(d.init_adapters(model, rank=4), seed)
 
 
 @pytest.mark.parametrize("aux_mode", ["interp", "bits"])
