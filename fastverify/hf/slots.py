@@ -195,44 +195,88 @@ class PTPSlotDrafter(BlockSlotDrafter):
     """Parallel Token Prediction (Draxler et al.) on the slot mechanism: causal blocks whose slots carry the
     auxiliary variables of the coupled rule.
 
-    Slot i of a block attached at position P stands at position P + 1 + i (i = 0..m), takes as input its learned
-    offset embedding plus the auxiliary embedding (fastverify.ptp.AuxiliaryEmbedding) of u = uniform(seed,
-    P + 1 + i): the very variable the ``coupled`` rule draws for the token at that position; and outputs that
-    token, t = F^-1(u) of the target's distribution given every earlier token (PTP's O-PTP objective). Slot 0
-    therefore re-predicts the step's own next token (which the target samples with the same u) and slots 1..m
-    draft the m tokens after it; a block whose slot 0 disagrees with the token the target committed drafts
+    Slot i of a block attached at position P stands at position P + 1 + i (i = 0..m) and drafts the token at that
+    position, which the ``coupled`` rule samples with u_(P+1+i) = uniform(seed, P + 1 + i). Its input is its learned
+    offset embedding plus the auxiliary embedding (fastverify.ptp.AuxiliaryEmbedding) of
+      variant "o" (O-PTP): its own u_(P+1+i); the slot outputs the token t = F^-1(u) of the target's distribution
+                 given every earlier token, and drafts its argmax;
+      variant "c" (C-PTP): the previous position's u_(P+i) (so its block's earlier tokens are determined); the
+                 slot outputs the target's distribution of its token, and drafts its inverse CDF at u_(P+1+i);
+      aux_mode "none": no auxiliary input (the independent per-slot baseline PTP compares with); the slot learns
+                 the marginal distribution of its token and drafts its inverse CDF at u_(P+1+i).
+    Slot 0 therefore re-predicts the step's own next token (which the target samples with the same u) and slots
+    1..m draft the m tokens after it; a block whose slot 0 disagrees with the token the target committed drafts
     nothing (the rest of it is conditioned on another token). Verified with ``coupled``, the output is exactly
     the target's autoregressive sampling with that seed, whatever the slots propose. Without a seed (greedy
-    decoding) every slot gets u = 1/2 and the greedy rule keeps the output exact.
+    decoding) every slot gets u = 1/2, drafts are argmaxes, and the greedy rule keeps the output exact.
 
-    num_slots: m draft slots (the block has m + 1 rows); aux_mode: "interp" (the PTP authors' default) or "bits"
-    (PTP Sec. 3.1).
+    num_slots: m draft slots (the block has m + 1 rows); aux_mode: "interp" (the PTP authors' default), "bits"
+    (PTP Sec. 3.1) or "none"; variant: "o" or "c".
     """
 
+    VARIANTS = ("o", "c")
+
     def __init__(self, hidden_size: int, num_slots: int = 4, attach: str = "path", aux_mode: str = "interp",
-                 tree_topk: int = 1):
+                 tree_topk: int = 1, variant: str = "o"):
         from fastverify.ptp import AuxiliaryEmbedding
         super().__init__(hidden_size, num_slots + 1, "lud", attach, tree_topk)  # "lud": causal blocks
-        self.method = "ptp"
-        self.aux = AuxiliaryEmbedding(hidden_size, aux_mode)
+        if variant not in self.VARIANTS:
+            raise ValueError(f"variant: expected one of {self.VARIANTS}, got {variant!r}")
+        if aux_mode != "none" and aux_mode not in AuxiliaryEmbedding.MODES:
+            raise ValueError(f"aux_mode: expected one of {AuxiliaryEmbedding.MODES + ('none',)}, got {aux_mode!r}")
+        self.method, self.variant = "ptp", variant
+        self.aux = AuxiliaryEmbedding(hidden_size, aux_mode) if aux_mode != "none" else None
+        self._seeds = {}
+
+    @property
+    def aux_mode(self) -> str:
+        return self.aux.mode if self.aux is not None else "none"
+
+    @property
+    def samples(self) -> bool:
+        """Whether a slot drafts the inverse CDF of its own distribution at its u (C-PTP, no auxiliary input)
+        rather than its argmax (O-PTP: the slot was given its u)."""
+        return self.variant == "c" or self.aux is None
+
+    def slot_u(self, position, seed):
+        """The auxiliary input of slots at ``position``: u of the slot's own position (O-PTP) or of the one
+        before it (C-PTP); 1/2 without a seed."""
+        position = position - 1 if self.variant == "c" else position
+        if seed is None:
+            return torch.full(position.shape, 0.5, device=position.device)
+        from fastverify.ops.sampling import uniform
+        return uniform(seed, position.clamp(min=0))
+
+    def reset(self, batch_size: int) -> None:
+        super().reset(batch_size)
+        self._seeds = {}
 
     def slot_embeddings(self, request, slot, position, seed):
-        from fastverify.ops.sampling import uniform
-        u = torch.full(position.shape, 0.5, device=position.device) if seed is None else uniform(seed, position)
-        return self.slot_embed[slot] + self.aux(u).to(self.slot_embed.dtype)
+        if seed is not None and self.samples:
+            self._seeds.update(zip(request.tolist(), seed.tolist()))
+        embed = self.slot_embed[slot]
+        return embed if self.aux is None else embed + self.aux(self.slot_u(position, seed)).to(embed.dtype)
 
     def propose(self, contexts, budget):
+        from fastverify.ops.sampling import cdf_sample, uniform
         if len(self._pending) == len(contexts):
             for b, block in enumerate(self._pending):
-                if block is not None:  # slot 0 must have re-predicted the token the target committed
-                    last = contexts[b][-1]
-                    agree = int(block[0].argmax()) == int(last)
-                    self._pending[b] = block[1:] if agree and block.shape[0] > 1 else None
+                if block is None:
+                    continue
+                if self.samples and b in self._seeds:  # slot i drafts F^-1(u) of its own distribution
+                    first = len(contexts[b]) - 1  # slot 0's position: the token the step committed last
+                    pos = torch.arange(first, first + block.shape[0], device=block.device)
+                    draft = cdf_sample(block, uniform(self._seeds[b], pos))
+                    block = block.float().scatter(1, draft[:, None], float("inf"))  # ranked first
+                last = contexts[b][-1]  # slot 0 must have re-predicted the token the target committed
+                agree = int(block[0].argmax()) == int(last)
+                self._pending[b] = block[1:] if agree and block.shape[0] > 1 else None
         return super().propose(contexts, budget)
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
-# DIR/config.json  {"method": "gad" | "lud", "format": 1, "num_slots", "hidden_size", "rank", "alpha",
+# DIR/config.json  {"method": "gad" | "lud" | "ptp" (with "aux_mode", "variant"), "format": 1, "num_slots",
+#                   "hidden_size", "rank", "alpha",
 #                   "layers": [qualified names], "base_model", "base_fingerprint" (fastverify.heads.fingerprint),
 #                   "training": {...}, "eval": {...}}
 # DIR/slots.safetensors  "slot_embed" [m, D] and, per adapted layer, "<name>.lora_A" [r, in], "<name>.lora_B"
@@ -261,8 +305,8 @@ def save_slot_drafter(drafter: BlockSlotDrafter, path: str, config: dict) -> Non
         for key, value in aux.state_dict().items():
             tensors["aux." + key] = value.detach().half().cpu().contiguous()
     cfg = dict(config)
-    if aux is not None:
-        cfg["aux_mode"] = aux.mode
+    if isinstance(drafter, PTPSlotDrafter):
+        cfg["aux_mode"], cfg["variant"] = drafter.aux_mode, drafter.variant
     cfg.update({"method": drafter.method, "format": SLOTS_FORMAT, "num_slots": drafter.block_size,
                 "hidden_size": int(drafter.slot_embed.shape[1]), "rank": max(ranks), "alpha": max(alphas),
                 "layers": [k.replace("/", ".") for k in drafter.adapters]})
@@ -282,12 +326,12 @@ def load_slot_drafter(path: str, model, **options) -> BlockSlotDrafter:
     check_fingerprint(cfg["base_fingerprint"], model, where=f"slot checkpoint {path!r}")
     if cfg["method"] == "ptp":
         drafter = PTPSlotDrafter(cfg["hidden_size"], cfg["num_slots"] - 1, aux_mode=cfg.get("aux_mode", "interp"),
-                                 **options)
+                                 variant=cfg.get("variant", "o"), **options)
     else:
         drafter = BlockSlotDrafter(cfg["hidden_size"], cfg["num_slots"], cfg["method"], **options)
     device = next(model.parameters()).device
     try:
-        if cfg["method"] == "ptp":
+        if drafter.method == "ptp" and drafter.aux is not None:
             drafter.aux.load_state_dict({k[4:]: v.float() for k, v in tensors.items() if k.startswith("aux.")})
         for name in cfg["layers"]:
             base = model.get_submodule(name)

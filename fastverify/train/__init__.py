@@ -2,6 +2,7 @@
 
   heads     blockwise proposal heads (Stern et al. 2018; Medusa-1): fastverify.train.heads
   slots     GAD / LUD slot drafters (gated LoRA on the target; --method gad|lud): fastverify.train.slots
+  ptp       Parallel Token Prediction slot drafters (O-PTP / C-PTP; --variant o|c): fastverify.train.ptp
 """
 
-RECIPES = ("heads", "slots")
+RECIPES = ("heads", "slots", "ptp")

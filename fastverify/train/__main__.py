@@ -14,6 +14,8 @@ def main(argv=None):
         from fastverify.train.heads import main as run
     elif argv[0] == "slots":
         from fastverify.train.slots import main as run
+    elif argv[0] == "ptp":
+        from fastverify.train.ptp import main as run
     run(argv[1:])
 
 

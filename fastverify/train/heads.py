@@ -252,9 +252,11 @@ def shard_prompts(shard: dict, index: int, tokenizer, prompts, max_prompt_tokens
 @torch.no_grad()
 def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_tokens: int = 128,
                   max_prompt_tokens: int = 256, progress: bool = True, desc: str = "data", seconds: float = 0.0,
-                  seed: int = 0, worker: int = 0, workers: int = 1):
-    """Greedy continuations of ``prompts`` (chat template when the tokenizer has one; or token-id lists as
-    given) in shards of ``batch`` prompts: folder/shard_XXXXX.pt = {"tokens": int32 [b, T], "lengths": int32 [b],
+                  seed: int = 0, worker: int = 0, workers: int = 1, sample: dict = None):
+    """Greedy continuations of ``prompts`` (chat template when the tokenizer has one; or token-id lists as given)
+    or, with ``sample`` (generate's sampling options, e.g. {"temperature": 0.7, "top_k": 50, "top_p": 0.95}),
+    sampled ones (shard i draws from torch's generator seeded with (seed, i): the same whichever run makes it), in
+    shards of ``batch`` prompts: folder/shard_XXXXX.pt = {"tokens": int32 [b, T], "lengths": int32 [b],
     "hidden": fp16 [b, T, D]}. Prompts are grouped by length to limit padding; shards are generated in a seeded
     random order, so a run stopped by ``seconds`` (> 0: the time budget) holds a sample of every length.
     Existing shards are kept (resume). Returns the paths of the shards that exist."""
@@ -286,9 +288,11 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
             mask = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in ch], device=device)
             rec.rows.clear()
             t0 = time.perf_counter()
-            with skinny_linears(model):
+            options = dict(do_sample=True, **sample) if sample else dict(do_sample=False)
+            with skinny_linears(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed * 1_000_003 + i)
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                     do_sample=False, pad_token_id=pad)
+                                     pad_token_id=pad, **options)
             gen = out[:, L:].cpu()
             T = gen.shape[1]
             hidden = torch.stack(rec.rows[:T], dim=1)  # [b, T, D]: row j produced gen[:, j]

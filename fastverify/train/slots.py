@@ -71,6 +71,7 @@ class SlotsConfig:
     data_dir: str = None
     # training
     minutes: float = 60.0                      # time budget of the training stage (0: one epoch)
+    steps: int = 0                             # > 0: exactly this many sequences instead (minutes ignored)
     lr: float = 1e-3
     warmup: int = 20
     save_every: int = 50
@@ -79,6 +80,8 @@ class SlotsConfig:
     threads: int = None
     device: str = "cpu"                        # where the target runs ("cuda" on a GPU machine)
     eval_sequences: int = 48
+    curve_every: int = 0                       # > 0: held-out mean accepted every this many steps (a curve)
+    curve_sequences: int = 12                  # held-out sequences per curve point
     progress: bool = True
 
 
@@ -98,6 +101,29 @@ def _sequences(paths, tokenizer, prompts, cfg):
             if n > cfg.num_slots + 2:
                 out.append((index, b, plist[b], tokens[b][:n]))
     return out
+
+
+def load_data(model, tokenizer, cfg, prompts=None, log=print, sample=None):
+    """(training sequences, held-out sequences, prompts dropped by the 8-gram filter) of a recipe config: the
+    proposal-heads recipe's shards of the target's greedy continuations (fastverify.train.heads.generate_data),
+    made here if missing; with ``sample`` (generate's sampling options), sampled continuations in a folder of
+    their own named by those options."""
+    data_dir = cfg.data_dir or os.path.join(
+        os.environ.get("FASTVERIFY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastverify"),
+        "heads-data", re.sub(r"[^\w.-]+", "_", cfg.model))
+    if sample:
+        data_dir = os.path.join(data_dir, "sampled-" + "-".join(f"{k}{v}" for k, v in sorted(sample.items())))
+    eval_p, train_p, dropped = select_prompts(cfg, prompts, log)
+    kw = dict(batch=cfg.gen_batch, max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
+              progress=cfg.progress, sample=sample)
+    eval_paths = generate_data(model, tokenizer, eval_p, os.path.join(data_dir, "eval"), desc="data (held-out)", **kw)
+    train_paths = generate_data(model, tokenizer, train_p, os.path.join(data_dir, "train"), desc="data (train)",
+                                seconds=60 * cfg.data_minutes, seed=cfg.seed, **kw)
+    train_seqs = _sequences(train_paths, tokenizer, train_p, cfg)
+    eval_seqs = _sequences(eval_paths, tokenizer, eval_p, cfg)
+    log(f"data: {len(train_seqs)} training sequences ({sum(len(s[3]) for s in train_seqs)} continuation tokens) "
+        f"from {len(train_paths)} shards; {len(eval_seqs)} held-out sequences")
+    return train_seqs, eval_seqs, dropped
 
 
 @torch.no_grad()
@@ -179,14 +205,17 @@ def _slot_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False, check=
     return loss, stats
 
 
-def _evaluate(model, drafter, seqs, cfg, log):
-    m = cfg.num_slots
+def _evaluate(model, drafter, seqs, cfg, log, loss_fn=None):
+    """Held-out statistics: per-slot top-1 / top-5 of ``loss_fn`` (default ``_slot_loss``) in evaluation mode
+    over cfg.eval_sequences sequences, and the mean accepted draft tokens per block."""
+    loss_fn = loss_fn or _slot_loss
+    m = drafter.block_size
     agg = {"hit1": torch.zeros(m), "hit5": torch.zeros(m), "count": torch.zeros(m), "accepted": []}
     skipped = 0
     rng = random.Random(0)
     for _, _, prompt, cont in seqs[:cfg.eval_sequences]:
         ids = torch.tensor(prompt + cont, device=next(model.parameters()).device)
-        _, st = _slot_loss(model, drafter, ids, len(prompt), cfg, rng, evaluate=True)
+        _, st = loss_fn(model, drafter, ids, len(prompt), cfg, rng, evaluate=True)
         if st is None:
             skipped += 1
             continue
@@ -205,14 +234,95 @@ def _evaluate(model, drafter, seqs, cfg, log):
     return ev
 
 
-def _trainables(drafter):
-    return [p for n, p in drafter.named_parameters() if n == "slot_embed" or n.endswith(("lora_A", "lora_B"))]
+def _trainables(drafter, named=False):
+    """The parameters a recipe trains: slot embeddings, adapters, and PTP's auxiliary embedding."""
+    out = [(n, p) for n, p in drafter.named_parameters()
+           if n == "slot_embed" or n.startswith("aux.") or n.endswith(("lora_A", "lora_B"))]
+    return out if named else [p for _, p in out]
+
+
+def fit(model, drafter, seqs, loss_fn, cfg, desc="train", log=print, evaluate=None):
+    """Train ``drafter``'s slot embeddings and adapters (``_trainables``) on ``seqs`` [(shard, request, prompt ids,
+    continuation ids)] for cfg.steps sequences, or cfg.minutes (0: one pass over seqs). ``loss_fn(ids,
+    prompt_len, rng)`` -> (loss, stats with "hit1" / "count" per slot) or ("skip", None). AdamW, warmup then
+    cosine; a tqdm bar with the loss and slot-1 accuracy; cfg.out/train_state.pt (trainables, optimiser, step,
+    sequence order, RNG states) every cfg.save_every steps and at the end, continued from when cfg.resume. With
+    cfg.curve_every > 0 and ``evaluate(n)`` (mean accepted per block on n held-out sequences), a curve point every
+    cfg.curve_every steps in the history. Returns (steps, history, seconds)."""
+    from tqdm.auto import tqdm
+    params = _trainables(drafter)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    order = list(range(len(seqs)))
+    random.Random(cfg.seed).shuffle(order)
+    total = cfg.steps if cfg.steps > 0 else len(order) if cfg.minutes <= 0 else None
+    os.makedirs(cfg.out, exist_ok=True)
+    state_path = os.path.join(cfg.out, "train_state.pt")
+    step, history, elapsed, seen = 0, [], 0.0, 0
+    if cfg.resume and os.path.isfile(state_path):
+        st = torch.load(state_path, weights_only=False)
+        drafter.load_state_dict(st["trainables"], strict=False)
+        opt.load_state_dict(st["optimizer"])
+        step, history, elapsed, order = st["step"], st["history"], st["elapsed"], st["order"]
+        seen = max((h["targets"] for h in history), default=0)
+        _set_rng_state(st["rng"])
+        log(f"resumed at step {step} ({elapsed:.0f} s trained)")
+    rng = random.Random(cfg.seed + step)
+
+    def lr_at(s):
+        warm = min(1.0, (s + 1) / max(cfg.warmup, 1))
+        horizon = total or max(step + 1, int(cfg.minutes * 60 / max(elapsed / max(step, 1), 0.5)))
+        return cfg.lr * warm * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(horizon, 1))))
+
+    def save():
+        torch.save({"trainables": {n: p.detach() for n, p in _trainables(drafter, named=True)},
+                    "optimizer": opt.state_dict(), "step": step, "history": history, "elapsed": elapsed,
+                    "order": order, "rng": _rng_state()}, state_path + ".tmp")
+        os.replace(state_path + ".tmp", state_path)
+
+    bar = tqdm(desc=desc, total=total, initial=step, disable=not cfg.progress, unit="seq")
+    device = next(model.parameters()).device
+    t_last = time.perf_counter()
+    with drafter.installed(model):
+        drafter.train()
+        while (total is None and elapsed < cfg.minutes * 60) or (total is not None and step < total):
+            _, _, prompt, cont = seqs[order[step % len(order)]]
+            ids = torch.tensor(prompt + cont, device=device)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            loss, st = loss_fn(ids, len(prompt), rng)
+            if st is not None:
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                acc1 = (st["hit1"][0] / st["count"][0].clamp(min=1)).item()
+                seen += int(st["count"].sum())
+                history.append({"step": step, "loss": round(loss.item(), 4), "acc1": round(acc1, 4),
+                                "targets": seen, "seconds": round(elapsed, 1)})
+                bar.set_postfix(loss=f"{loss.item():.3f}", slot1=f"{acc1:.2f}")
+            step += 1
+            now = time.perf_counter()
+            elapsed += now - t_last
+            t_last = now
+            bar.update(1)
+            if evaluate is not None and cfg.curve_every > 0 and step % cfg.curve_every == 0:
+                drafter.eval()
+                point = {"step": step, "targets": seen, "mean_accepted": evaluate(cfg.curve_sequences)}
+                history.append(point)
+                log(f"curve: {point}")
+                drafter.train()
+                t_last = time.perf_counter()  # evaluation time is not training time
+            if step % cfg.save_every == 0:
+                save()
+        save()
+        bar.close()
+        drafter.eval()
+    return step, history, elapsed
 
 
 def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, prompts=None, log=print):
     """The Python API: train a GAD / LUD slot drafter for ``model`` and its ``tokenizer``. Writes cfg.out/
     {slots.safetensors, config.json, train_state.pt}; returns (BlockSlotDrafter, config dict)."""
-    from tqdm.auto import tqdm
     t_start = time.perf_counter()
     if cfg.method not in ("gad", "lud"):
         raise ValueError(f"method: expected 'gad' or 'lud', got {cfg.method!r}")
@@ -227,80 +337,14 @@ def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, promp
     drafter.to(next(model.parameters()).device)
 
     # 2. data: the shared self-distillation shards
-    data_dir = cfg.data_dir or os.path.join(
-        os.environ.get("FASTVERIFY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastverify"),
-        "heads-data", re.sub(r"[^\w.-]+", "_", cfg.model))
-    eval_p, train_p, dropped = select_prompts(cfg, prompts, log)
-    kw = dict(batch=cfg.gen_batch, max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-              progress=cfg.progress)
-    eval_paths = generate_data(model, tokenizer, eval_p, os.path.join(data_dir, "eval"), desc="data (held-out)", **kw)
-    train_paths = generate_data(model, tokenizer, train_p, os.path.join(data_dir, "train"), desc="data (train)",
-                                seconds=60 * cfg.data_minutes, seed=cfg.seed, **kw)
-    train_seqs = _sequences(train_paths, tokenizer, train_p, cfg)
-    eval_seqs = _sequences(eval_paths, tokenizer, eval_p, cfg)
-    log(f"data: {len(train_seqs)} training sequences ({sum(len(s[3]) for s in train_seqs)} continuation tokens) "
-        f"from {len(train_paths)} shards; {len(eval_seqs)} held-out sequences")
+    train_seqs, eval_seqs, dropped = load_data(model, tokenizer, cfg, prompts, log)
 
     # 3. train
-    params = _trainables(drafter)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    order = list(range(len(train_seqs)))
-    random.Random(cfg.seed).shuffle(order)
-    total = len(order) if cfg.minutes <= 0 else None
-    state_path = os.path.join(cfg.out, "train_state.pt")
-    step, history, elapsed = 0, [], 0.0
-    if cfg.resume and os.path.isfile(state_path):
-        st = torch.load(state_path, weights_only=False)
-        drafter.load_state_dict(st["trainables"], strict=False)
-        opt.load_state_dict(st["optimizer"])
-        step, history, elapsed, order = st["step"], st["history"], st["elapsed"], st["order"]
-        _set_rng_state(st["rng"])
-        log(f"resumed at step {step} ({elapsed:.0f} s trained)")
-    rng = random.Random(cfg.seed + step)
+    step, history, t_train = fit(model, drafter, train_seqs, lambda ids, n, rng: _slot_loss(
+        model, drafter, ids, n, cfg, rng), cfg, desc=f"train {cfg.method}", log=log)
 
-    def lr_at(s):
-        warm = min(1.0, (s + 1) / max(cfg.warmup, 1))
-        horizon = total or max(step + 1, int(cfg.minutes * 60 / max(elapsed / max(step, 1), 0.5)))
-        return cfg.lr * warm * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(horizon, 1))))
-
-    def save():
-        torch.save({"trainables": {n: p.detach() for n, p in drafter.named_parameters()
-                                   if n == "slot_embed" or n.endswith(("lora_A", "lora_B"))},
-                    "optimizer": opt.state_dict(), "step": step, "history": history, "elapsed": elapsed,
-                    "order": order, "rng": _rng_state()}, state_path + ".tmp")
-        os.replace(state_path + ".tmp", state_path)
-
-    bar = tqdm(desc=f"train {cfg.method}", total=total, initial=step, disable=not cfg.progress, unit="seq")
-    device = next(model.parameters()).device
-    t_last = time.perf_counter()
+    # 4. eval
     with drafter.installed(model):
-        while (total is None and elapsed < cfg.minutes * 60) or (total is not None and step < total):
-            _, _, prompt, cont = train_seqs[order[step % len(order)]]
-            ids = torch.tensor(prompt + cont, device=device)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            loss, st = _slot_loss(model, drafter, ids, len(prompt), cfg, rng)
-            if st is not None:
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
-                acc1 = (st["hit1"][0] / st["count"][0].clamp(min=1)).item()
-                history.append({"step": step, "loss": round(loss.item(), 4), "acc1": round(acc1, 4)})
-                bar.set_postfix(loss=f"{loss.item():.3f}", slot1=f"{acc1:.2f}")
-            step += 1
-            now = time.perf_counter()
-            elapsed += now - t_last
-            t_last = now
-            bar.update(1)
-            if step % cfg.save_every == 0:
-                save()
-        save()
-        bar.close()
-        t_train = elapsed
-
-        # 4. eval
-        drafter.eval()
         ev = _evaluate(model, drafter, eval_seqs, cfg, log)
 
     # 5. output

@@ -1,0 +1,149 @@
+"""End-to-end sampling benchmark: seeded sampling through fastverify's drafters on SmolLM2-135M-Instruct, side by side.
+
+Every method samples the same Spec-Bench questions with the same seed and settings (default T = 0.7, top-k 50,
+top-p 0.95: the settings the shipped PTP drafter was trained for):
+
+  generate     plain Hugging Face ``generate(do_sample=True)`` (its own random stream: the time reference)
+  ar           fastverify's loop with a drafter that proposes nothing: seeded autoregressive sampling, the
+               reference every drafter's output must equal token for token
+  ngram        fastverify.patch(model) (NGramDrafter), rule coupled
+  bpd          the shipped proposal heads (smollm2-bpd), rule coupled
+  ptp          a PTP slot drafter (``--ptp``, default the shipped smollm2-ptp), rule coupled
+  ptp-none     a second slot checkpoint (``--ptp-none``: the same slots trained without auxiliary variables)
+
+Reports per method: outputs identical to ``ar``, tokens per target forward (prefill included), tokens per
+decoding step, tok/s, and the speedup over ``generate`` and over ``ngram`` (geometric mean over questions).
+Methods rotate per question.
+
+  python benchmarks/e2e_sampling.py --per-category 1 --methods generate ar ngram bpd ptp
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e import DEFAULT_QUESTIONS, OUT_DIR, ROOT, ForwardCounter, encode, load_questions, machine_info  # noqa: E402
+
+METHODS = ("generate", "ar", "ngram", "bpd", "ptp", "ptp-none")
+
+
+def geomean(xs):
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--questions", default=os.path.join(ROOT, DEFAULT_QUESTIONS))
+    p.add_argument("--per-category", type=int, default=1)
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", nargs="+", default=["generate", "ar", "ngram", "bpd", "ptp"], choices=METHODS)
+    p.add_argument("--ptp", default="smollm2-ptp", help="PTP checkpoint: shipped name or folder")
+    p.add_argument("--ptp-none", default=None, help="checkpoint of the baseline slots without auxiliary input")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0, help="question i samples with seed SEED + i")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=os.path.join(OUT_DIR, "e2e_sampling.json"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+    transformers.logging.set_verbosity_error()
+    import fastverify
+    from fastverify.models import load_smollm2
+
+    info = machine_info()
+    model, tok = load_smollm2()
+    qs = load_questions(args.questions, args.per_category or None, None, args.offset)
+    drafters = {}
+    for m in args.methods:
+        if m == "ngram":
+            drafters[m] = fastverify.NGramDrafter()
+        elif m == "bpd":
+            drafters[m] = fastverify.load_drafter("smollm2-bpd", model)
+        elif m == "ptp":
+            drafters[m] = fastverify.load_drafter(args.ptp, model)
+        elif m == "ptp-none":
+            if not args.ptp_none:
+                p.error("--methods ptp-none needs --ptp-none CHECKPOINT")
+            drafters[m] = fastverify.load_drafter(args.ptp_none, model)
+        elif m == "ar":
+            drafters[m] = fastverify.Drafter()
+    warp = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    counter = ForwardCounter(model)
+    rec = {m: {"seconds": [], "tokens": [], "forwards": [], "steps": [], "identical": 0, "out": []}
+           for m in args.methods}
+    for i, q in enumerate(qs):
+        ids = encode(tok, q["prompt"])
+        kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=True, **warp)
+        order = args.methods[i % len(args.methods):] + args.methods[:i % len(args.methods)]
+        outs = {}
+        for m in order:
+            if m != "generate":
+                fastverify.patch(model, drafter=drafters[m])
+            try:
+                counter.count = 0
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    if m == "generate":
+                        torch.manual_seed(args.seed + i)
+                        out = model.generate(ids, **kw)
+                    else:
+                        out = model.generate(ids, seed=args.seed + i, **kw)
+                dt = time.perf_counter() - t0
+                st = fastverify.hf.stats(model) if m != "generate" else None
+            finally:
+                if m != "generate":
+                    fastverify.unpatch(model)
+            new = out[0, ids.shape[1]:].tolist()
+            outs[m] = new
+            r = rec[m]
+            r["seconds"].append(dt)
+            r["tokens"].append(len(new))
+            r["forwards"].append(counter.count)
+            r["steps"].append(st.steps if st is not None else None)
+        for m in args.methods:
+            if "ar" in outs and m != "generate":
+                rec[m]["identical"] += outs[m] == outs["ar"]
+        line = " ".join(f"{m} {rec[m]['tokens'][-1] / rec[m]['seconds'][-1]:.1f}" for m in args.methods)
+        print(f"[{i + 1}/{len(qs)}] {q['category']}: tok/s {line}", flush=True)
+    counter.close()
+
+    summary = {}
+    for m in args.methods:
+        r = rec[m]
+        row = {"tok_per_fwd": sum(r["tokens"]) / max(1, sum(r["forwards"])),
+               "tok_per_s": sum(r["tokens"]) / sum(r["seconds"]), "new_tokens": sum(r["tokens"])}
+        if m != "generate":
+            row["identical_to_ar"] = f"{r['identical']}/{len(qs)}" if "ar" in rec else "n/a"
+            row["tok_per_step"] = sum(r["tokens"]) / max(1, sum(s for s in r["steps"] if s))
+        for base in ("generate", "ngram"):
+            if base in rec and base != m:
+                row[f"speedup_vs_{base}"] = geomean([(a / s) / (b / t) for a, s, b, t in zip(
+                    r["tokens"], r["seconds"], rec[base]["tokens"], rec[base]["seconds"]) if a and b])
+        summary[m] = row
+    head = ["method", "identical to ar", "tok/fwd", "tok/step", "tok/s", "x generate", "x ngram"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for m, row in summary.items():
+        cells = [m, row.get("identical_to_ar", "-"), f"{row['tok_per_fwd']:.2f}",
+                 f"{row['tok_per_step']:.2f}" if "tok_per_step" in row else "-", f"{row['tok_per_s']:.1f}",
+                 f"{row['speedup_vs_generate']:.2f}x" if "speedup_vs_generate" in row else "-",
+                 f"{row['speedup_vs_ngram']:.2f}x" if "speedup_vs_ngram" in row else "-"]
+        print("| " + " | ".join(cells) + " |")
+    print(f"{len(qs)} questions, max_new_tokens {args.max_new_tokens}, {warp}, seed {args.seed}; {info}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "machine": info, "summary": summary, "records": rec}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Training recipe: Parallel Token Prediction slot drafters (Draxler et al.; O-PTP and C-PTP) on the target itself.
+
+``python -m fastverify.train ptp --model smollm2 --out DIR``; ``train_ptp(model, tokenizer, cfg)`` is the Python API
+for any Hugging Face causal LM. The stages are those of the slot recipe (fastverify.train.slots), with sampled
+data and PTP's targets:
+
+  1. setup   load the target, freeze it, seed; a PTPSlotDrafter (fastverify.hf.slots) of m + 1 causal slots with
+             zero-initialised gated LoRA adapters and an auxiliary embedding (``--aux-mode interp|bits``, or
+             ``none``: the independent per-slot baseline, the same slots without auxiliary variables)
+  2. data    the teacher (the target) samples continuations of the training prompts at generation settings
+             (``--temperature 0.7 --top-k 50 --top-p 0.95``; cached shards, resumable; Spec-Bench-overlapping
+             prompts dropped). A no-grad forward over each sequence gives the cache the slots attend to and the
+             teacher's logits; each sampled token x_q gets its auxiliary variable u_q = cdf_invert(warped teacher
+             logits at q - 1, x_q, v), v ~ Beta(a, a) inside the token's bin (PTP Appendix D; ``--beta-a 0``:
+             uniform), so that cdf_sample(warped teacher logits, u_q) = x_q: the u the coupled rule would have
+             drawn. A sequence where more than 5% of the tokens have no bin under these settings is skipped.
+  3. train   blocks of m + 1 slots attached every ``attach_every`` positions p of the continuation; slot i sits at
+             position q = p + 1 + i, sees the sequence up to p and the earlier slots of its block, and learns
+               O-PTP (``--variant o``): input u_q, CE on x_q (the slot computes t = F^-1(u));
+               C-PTP (``--variant c``): input u_(q-1), cross-entropy against the teacher's warped distribution
+                 of x_q (the slot learns the distribution; the draft is its inverse CDF at u_q);
+               no auxiliary input: CE on x_q (the slot learns the marginal; the draft is its inverse CDF at u_q).
+             Slots after a token without a bin get no target. The rest as the slot recipe (fit: AdamW, warmup and
+             cosine, progress bar, checkpoint and resume).
+  4. eval    on held-out sampled sequences with uniform v (the distribution u has at decode time): per slot, how
+             often its draft is the teacher's token, and the accepted draft tokens per block as the coupled rule
+             counts them (0 unless slot 0 re-predicts the step's token; then the leading run of slots 1..m whose
+             drafts match): tokens per step = 1 + that
+  5. output  DIR/slots.safetensors + DIR/config.json (fastverify.hf.slots.save_slot_drafter), loaded by
+             fastverify.load_drafter(DIR, model); the sampling settings are recorded: the drafter is trained for
+             them, and under other settings it stays exact but drafts worse
+"""
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastverify.heads import fingerprint
+from fastverify.hf.slots import PTPSlotDrafter, save_slot_drafter
+from fastverify.lora import slot_gate
+from fastverify.train.cli import parse_config
+from fastverify.train.heads import load_target
+from fastverify.train.slots import SlotsConfig, _evaluate, fit, load_data, slot_batch
+
+__all__ = ["PTPConfig", "train_ptp", "ptp_targets", "main"]
+
+
+
+@dataclass
+class PTPConfig(SlotsConfig):
+    method: str = "ptp"
+    variant: str = "o"                         # "o" (O-PTP: one-hot targets) or "c" (C-PTP: the distribution)
+    aux_mode: str = "interp"                   # "interp", "bits", or "none" (the independent baseline)
+    temperature: float = 0.7                   # the teacher's sampling settings (data and u)
+    top_k: int = 50
+    top_p: float = 0.95
+    beta_a: float = 2.0                        # v ~ Beta(a, a) inside a token's bin; 0: uniform
+    lr: float = 2e-3
+
+    @property
+    def warp(self) -> dict:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+
+def ptp_targets(teacher_logits, ids, prompt_len, warp, v):
+    """Auxiliary variables of a sampled sequence: float64 [T], u[q] = cdf_invert(teacher_logits[q - 1], ids[q],
+    v[q - prompt_len], warp) for the continuation q >= prompt_len (NaN where ids[q] has no bin under ``warp``;
+    NaN for the prompt). teacher_logits [T, V] (row j scores token j + 1); v float [T - prompt_len] in (0, 1)."""
+    from fastverify.ops.sampling import cdf_invert
+    T = ids.shape[0]
+    u = torch.full((T,), float("nan"), dtype=torch.float64, device=ids.device)
+    if T > prompt_len:
+        rows = teacher_logits[prompt_len - 1:T - 1].float()
+        u[prompt_len:] = cdf_invert(rows, ids[prompt_len:], v, **warp)
+    return u
+
+
+def _ptp_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False):
+    """("skip", None) for a sequence without usable blocks; else (loss, or None when evaluating; stats as
+    fastverify.train.slots._slot_loss: per-slot hits of the draft, and the accepted draft tokens per block)."""
+    from fastverify.ops.sampling import cdf_sample, normalise_warp, sample_v
+    from fastverify.reference.sampling import warp_weights
+    from transformers import DynamicCache
+    m1, T, dev = drafter.block_size, ids.shape[0], ids.device
+    with torch.no_grad():
+        cache = DynamicCache()
+        teacher = model(input_ids=ids[None], past_key_values=cache, use_cache=True).logits[0].float()
+        g = torch.Generator().manual_seed(rng.randrange(2**62))
+        a = None if evaluate or not cfg.beta_a else cfg.beta_a
+        v = sample_v(T - prompt_len, a=a, generator=g).to(dev)
+        u = ptp_targets(teacher, ids, prompt_len, cfg.warp, v)
+    known = ~torch.isnan(u)
+    if float(known[prompt_len:].float().mean()) < 0.95:
+        return "skip", None
+    first = prompt_len - 1 + (0 if evaluate else rng.randrange(cfg.attach_every))
+    attach = list(range(first, T - 1, cfg.attach_every))
+    if not attach:
+        return "skip", None
+    pos, mask, offset, p = slot_batch(T, prompt_len, attach, m1, False, model.dtype, dev)
+    q = pos[0]                                           # the position of each slot's token
+    inside = q < T
+    qc = q.clamp(max=T - 1)
+    # a slot's target exists while its token and every earlier token of its block have a bin
+    ok = (inside & known[qc]).view(len(attach), m1).int().cumprod(-1).bool().view(-1)
+    target = torch.where(ok, ids[qc], torch.full_like(q, -100))
+    embeds = drafter.slot_embed[offset]
+    if drafter.aux is not None:
+        u_in = u[(q - 1).clamp(min=0, max=T - 1)] if drafter.variant == "c" else u[qc]
+        embeds = embeds + drafter.aux(torch.nan_to_num(u_in, nan=0.5).float()).to(embeds.dtype)
+    gate = torch.ones(1, embeds.shape[0], dtype=torch.bool, device=dev)
+    with slot_gate(gate), torch.set_grad_enabled(not evaluate):
+        logits = model(inputs_embeds=embeds.to(model.dtype)[None], attention_mask=mask, position_ids=pos,
+                       past_key_values=cache, use_cache=True).logits[0].float()
+    valid = target >= 0
+    if not bool(valid.any()):
+        return "skip", None
+    loss = None
+    if not evaluate:
+        if drafter.variant == "c":  # the teacher's warped distribution of each slot's token
+            rows = teacher[(q - 1).clamp(max=T - 2)[valid]]
+            w = warp_weights(rows, normalise_warp(rows.shape[0], dev, **cfg.warp))
+            soft = w / w.sum(-1, keepdim=True)
+            loss = -(soft * logits[valid].log_softmax(-1)).sum(-1).mean()
+        else:
+            loss = F.cross_entropy(logits[valid], target[valid])
+    with torch.no_grad():
+        if drafter.samples:  # the draft is the inverse CDF of the slot's own distribution at u_q
+            u_draft = torch.nan_to_num(u[qc], nan=0.5)
+            draft = cdf_sample(logits.detach(), u_draft)
+        else:
+            draft = logits.argmax(-1)
+        hit = (draft == target) & valid
+        top5 = (logits.topk(5, -1).indices == target[:, None]).any(-1) & valid
+        cnt = lambda x: torch.zeros(m1).index_add_(0, offset.cpu(), x.float().cpu())  # noqa: E731
+        stats = {"hit1": cnt(hit), "hit5": cnt(top5), "count": cnt(valid)}
+        hits = hit.view(len(attach), m1).cpu()
+        full = valid.view(len(attach), m1).all(-1).cpu()
+        stats["accepted"] = [int(h[1:].int().cumprod(0).sum()) if h[0] else 0 for h, f in zip(hits, full) if f]
+    return loss, stats
+
+
+def train_ptp(model, tokenizer, cfg: PTPConfig, base_name: str = None, prompts=None, log=print):
+    """The Python API: train a PTP slot drafter for ``model`` and its ``tokenizer``. Writes cfg.out/
+    {slots.safetensors, config.json, train_state.pt}; returns (PTPSlotDrafter, config dict)."""
+    t_start = time.perf_counter()
+    if cfg.variant not in PTPSlotDrafter.VARIANTS:
+        raise ValueError(f"variant: expected one of {PTPSlotDrafter.VARIANTS}, got {cfg.variant!r}")
+    torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model.requires_grad_(False).eval()
+    base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
+    drafter = PTPSlotDrafter(model.config.hidden_size, cfg.num_slots, aux_mode=cfg.aux_mode, variant=cfg.variant)
+    drafter.init_adapters(model, cfg.rank, cfg.alpha).to(next(model.parameters()).device)
+
+    train_seqs, eval_seqs, dropped = load_data(model, tokenizer, cfg, prompts, log, sample=cfg.warp)
+    loss_fn = lambda ids, n, rng: _ptp_loss(model, drafter, ids, n, cfg, rng)  # noqa: E731
+    name = f"train ptp-{cfg.variant}" + ("" if cfg.aux_mode != "none" else " (no aux)")
+    def curve_point(n):
+        return _evaluate(model, drafter, eval_seqs[:n], cfg, lambda *a: None, loss_fn=_ptp_loss)["mean_accepted"]
+
+    step, history, t_train = fit(model, drafter, train_seqs, loss_fn, cfg, desc=name, log=log, evaluate=curve_point)
+    with drafter.installed(model):
+        ev = _evaluate(model, drafter, eval_seqs, cfg, log, loss_fn=_ptp_loss)
+
+    curve = [h for h in history if "mean_accepted" in h]
+    history = [h for h in history if "loss" in h]
+    recent = history[-50:]
+    config = {
+        "base_model": base_name, "base_fingerprint": fingerprint(model), "sampling": cfg.warp,
+        "training": {"options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "data_dir")},
+                     "prompts_dropped_8gram": dropped, "train_sequences": len(train_seqs),
+                     "sequences_seen": step, "train_seconds": round(t_train, 1),
+                     "final_loss": round(sum(h["loss"] for h in recent) / max(len(recent), 1), 4),
+                     "curve": history[::max(1, len(history) // 40)], "accepted_curve": curve,
+                     "total_seconds": round(time.perf_counter() - t_start, 1)},
+        "eval": ev,
+    }
+    save_slot_drafter(drafter, cfg.out, config)
+    log(f"wrote {cfg.out}/slots.safetensors and config.json ({time.perf_counter() - t_start:.0f} s in all)")
+    return drafter, config
+
+
+def parse_args(argv=None) -> PTPConfig:
+    return parse_config(PTPConfig, argv, "python -m fastverify.train ptp", __doc__.split("\n\n")[0])
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model, tok, base = load_target(cfg.model, cfg.device)
+    train_ptp(model, tok, cfg, base_name=base)
+
+
+if __name__ == "__main__":
+    main()

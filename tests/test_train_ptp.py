@@ -1,0 +1,184 @@
+"""The Parallel Token Prediction recipe (fastverify.train.ptp) and PTP slot drafting (fastverify.hf.slots)."""
+
+import os
+import random
+
+import pytest
+import torch
+
+from fastverify.heads import BaseModelMismatch
+from fastverify.hf import Drafter, patch, stats, unpatch
+from fastverify.hf.slots import PTPSlotDrafter, load_slot_drafter
+from fastverify.ops.sampling import cdf_sample, uniform
+from fastverify.train import ptp as recipe
+from fastverify.train.slots import _trainables
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, D = 64, 64
+PAD = 1
+WARP = {"temperature": 0.5, "top_k": 4, "top_p": 1.0}  # four tokens per position: a small synthetic distribution
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   initializer_range=0.3)
+    model = transformers.LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ptp_targets_round_trip(dtype):
+    """u = cdf_invert(teacher, x, v) maps back to x under the same warping; a token outside the warped support
+    (beyond top-k) has no bin (NaN); the prompt gets none."""
+    g = torch.Generator().manual_seed(3)
+    T, P = 40, 7
+    logits = (torch.randn(T, 101, generator=g) * 3).to(dtype)
+    warp = {"temperature": 0.7, "top_k": 20, "top_p": 0.9}
+    inside = logits.float().topk(2, -1).indices[:, 0]                  # the argmax is always kept
+    ids = torch.cat([torch.zeros(1, dtype=torch.long), inside[:-1]])  # ids[q] scored by row q - 1
+    outside = logits.float().topk(30, -1).indices[:, -1]               # rank 30 > top_k: no bin
+    ids[P + 5] = outside[P + 4]
+    v = torch.rand(T - P, generator=g).clamp(1e-6, 1 - 1e-6)
+    u = recipe.ptp_targets(logits, ids, P, warp, v)
+    assert torch.isnan(u[:P]).all() and torch.isnan(u[P + 5])
+    ok = ~torch.isnan(u)
+    rows = logits[:-1][ok[1:]]
+    back = cdf_sample(rows, u[ok], **warp)
+    assert torch.equal(back, ids[ok]) and int(ok.sum()) == T - P - 1
+
+
+def _iid_teacher():
+    """A tiny model whose next-token distribution is one fixed distribution whatever the context: every token
+    has the same input embedding, so every row computes the same hidden state, and a scaled-down output
+    projection makes its top 4 tokens similarly likely (the synthetic distribution)."""
+    model = _tiny()
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.copy_(emb[3].expand_as(emb))
+        model.get_output_embeddings().weight.mul_(0.1)
+    return model
+
+
+def _sampled(model, n, length, seed, warp):
+    """n sequences sampled from ``model`` under ``warp``: a prompt of 4 tokens and a continuation of ``length``."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, V, (n, 4), generator=g)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return model.generate(prompts, do_sample=True, max_new_tokens=length, pad_token_id=PAD, **warp)
+
+
+@pytest.mark.parametrize("aux_mode", ["interp", "bits"])
+def test_ptp_slots_learn_u_to_token_on_a_synthetic_distribution(aux_mode):
+    """Tokens drawn from one fixed distribution over 4 tokens: slot 0 of an O-PTP block, given u, learns to
+    output t = F^-1(u); a slot without auxiliary input cannot know which token u selects (it can at best name
+    the mode). Same data, steps and seed: held-out agreement of O-PTP beats the independent slot clearly."""
+    model = _iid_teacher()
+    warp = {"temperature": 1.0, "top_k": 4, "top_p": 1.0}
+    train, held = _sampled(model, 32, 16, 0, warp), _sampled(model, 8, 16, 1, warp)
+    acc = {}
+    for mode in (aux_mode, "none"):
+        cfg = recipe.PTPConfig(out="unused", num_slots=1, attach_every=1, beta_a=2.0, **warp)
+        drafter = PTPSlotDrafter(D, 1, aux_mode=mode).init_adapters(model, rank=8, alpha=16.0)
+        opt = torch.optim.AdamW(_trainables(drafter), lr=1e-2)
+        rng = random.Random(0)
+        with drafter.installed(model):
+            for step in range(100):
+                loss, _ = recipe._ptp_loss(model, drafter, train[step % len(train)], 4, cfg, rng)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            hits = count = 0
+            for ids in held:
+                _, st = recipe._ptp_loss(model, drafter, ids, 4, cfg, rng, evaluate=True)
+                hits, count = hits + st["hit1"][:2].sum(), count + st["count"][:2].sum()
+        acc[mode] = float(hits / count)
+    assert acc[aux_mode] > acc["none"] + 0.2, acc
+
+
+@pytest.mark.parametrize("variant,aux_mode", [("o", "interp"), ("c", "bits"), ("o", "none")])
+def test_recipe_end_to_end_checkpoint_resume_and_refusal(tmp_path, variant, aux_mode):
+    model = _tiny()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, V, (6 + i % 3,), generator=g).tolist() for i in range(12)]
+    cfg = recipe.PTPConfig(out=str(tmp_path / "ckpt"), data_dir=str(tmp_path / "data"), variant=variant,
+                           aux_mode=aux_mode, num_slots=2, rank=4, exclude="", num_prompts=8, eval_prompts=4,
+                           max_new_tokens=10, gen_batch=4, minutes=0, save_every=3, progress=False,
+                           curve_every=4, curve_sequences=2, **WARP)
+    logs = []
+    drafter, config = recipe.train_ptp(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "slots.safetensors", "train_state.pt"]
+    assert config["sampling"] == {k: WARP[k] for k in ("temperature", "top_k", "top_p")}
+    assert config["training"]["sequences_seen"] == 8 and [p["step"] for p in config["training"][
+        "accepted_curve"]] == [4, 8]
+    assert config["eval"]["blocks"] > 0 and len(config["eval"]["top1"]) == 3  # m + 1 slots
+    # the sampled data lives in a folder named by its sampling settings, beside (not in) the greedy shards
+    assert os.listdir(tmp_path / "data") == ["sampled-temperature0.5-top_k4-top_p1.0"]
+    # resume: a second run with the same options continues from the state (no steps left), same checkpoint
+    _, again = recipe.train_ptp(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
+    assert any(line.startswith("resumed at step 8") for line in logs) and again["training"]["sequences_seen"] == 8
+    loaded = load_slot_drafter(str(tmp_path / "ckpt"), model)
+    assert isinstance(loaded, PTPSlotDrafter) and (loaded.variant, loaded.aux_mode) == (variant, aux_mode)
+    assert loaded.samples == (variant == "c" or aux_mode == "none")
+    # seeded sampling through the trained drafter is the loop's own autoregressive sampling; greedy is exact
+    ids = torch.tensor([prompts[0]])
+    kw = dict(max_new_tokens=16, pad_token_id=PAD)
+    patch(model, drafter=Drafter())
+    ref = model.generate(ids, do_sample=True, seed=9, **WARP, **kw)
+    patch(model, drafter=loaded)
+    try:
+        assert torch.equal(model.generate(ids, do_sample=True, seed=9, **WARP, **kw), ref)
+    finally:
+        unpatch(model)
+    with pytest.raises(BaseModelMismatch):
+        load_slot_drafter(str(tmp_path / "ckpt"), _tiny(seed=1))
+
+
+def test_sampling_drafters_draft_the_inverse_cdf_of_their_slots_at_the_coupled_rules_uniforms():
+    """C-PTP and the no-auxiliary baseline draft slot i's inverse CDF at u = uniform(seed, position of slot i),
+    after slot 0 re-predicted the committed token."""
+    d = PTPSlotDrafter(8, num_slots=3, variant="c")
+    d.reset(1)
+    g = torch.Generator().manual_seed(0)
+    block = torch.randn(4, 10, generator=g)
+    context = [5, 6, 7]                     # slot 0 stands at position 2, the committed token's
+    pos = torch.arange(2, 6)
+    d.slot_embeddings(torch.zeros(4, dtype=torch.long), torch.arange(4), pos, torch.full((4,), 11))
+    draft = cdf_sample(block, uniform(11, pos))
+    context[-1] = int(draft[0])
+    d.observe_slots([block])
+    tree = d.propose([context], [3])[0]
+    assert tree.tokens.tolist() == draft[1:].tolist() and tree.parents.tolist() == [-1, 0, 1]
+    # C-PTP's auxiliary input is the previous position's u
+    assert torch.equal(d.slot_u(pos, torch.full((4,), 11)), uniform(11, pos - 1))
+    with pytest.raises(ValueError, match="variant"):
+        PTPSlotDrafter(8, variant="x")
+    with pytest.raises(ValueError, match="aux_mode"):
+        PTPSlotDrafter(8, aux_mode="bytes")
+
+
+@pytest.mark.parametrize("variant,aux_mode", [("c", "interp"), ("o", "none")])
+def test_sampling_drafters_keep_seeded_sampling_exact_in_batches(variant, aux_mode):
+    """Random (untrained, active) C-PTP / no-aux drafters in a ragged batch: output equals the loop's own
+    autoregressive sampling with the same seeds, and drafts are made."""
+    model = _tiny()
+    d = PTPSlotDrafter(D, num_slots=3, variant=variant, aux_mode=aux_mode).init_adapters(model, rank=4)
+    ids = torch.tensor([[PAD, PAD, 11, 12, 13], [14, 15, 16, 17, 18]])
+    mask = (ids != PAD).long()
+    kw = dict(attention_mask=mask, max_new_tokens=24, pad_token_id=PAD, **WARP)
+    patch(model, drafter=Drafter())
+    ref = model.generate(ids, do_sample=True, seed=4, **kw)
+    patch(model, drafter=d)
+    try:
+        out = model.generate(ids, do_sample=True, seed=4, **kw)
+        assert torch.equal(out, ref) and stats(model).drafted_tokens > 0
+    finally:
+        unpatch(model)
+
