@@ -29,7 +29,7 @@ __all__ = ["GatedLoRALinear", "add_gated_lora", "remove_gated_lora", "gated_lora
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                    "gate_up_proj")
 
-_GATE = [None]  # the gate of the forward in progress (bool [..., rows]) or None
+_GATE = [None]  # (gate bool [..., rows], its flat row indices int64 [n]) of the forward in progress, or None
 
 
 @contextlib.contextmanager
@@ -39,7 +39,8 @@ def slot_gate(gate):
     if gate is not None and gate.dtype != torch.bool:
         raise TypeError(f"gate: expected a bool tensor, got {gate.dtype}")
     previous = _GATE[0]
-    _GATE[0] = gate
+    # the selected rows' flat indices, found once per forward rather than once per adapted layer
+    _GATE[0] = None if gate is None else (gate, gate.reshape(-1).nonzero().squeeze(1))
     try:
         yield
     finally:
@@ -82,14 +83,14 @@ class GatedLoRALinear(nn.Module):
 
     def forward(self, x):
         y = self.base(x)
-        gate = _GATE[0]
-        if gate is None or gate.shape != x.shape[:-1]:
+        state = _GATE[0]
+        if state is None or state[0].shape != x.shape[:-1] or state[1].numel() == 0:
             return y
-        rows = x[gate]
-        if rows.shape[0] == 0:
-            return y
+        idx = state[1]
+        rows = x.reshape(-1, x.shape[-1]).index_select(0, idx)
         delta = (rows.to(self.lora_A.dtype) @ self.lora_A.t()) @ self.lora_B.t()
-        return y.index_put((gate,), y[gate] + (self.scale * delta).to(y.dtype))
+        # out of place: the other rows of y are copied, never recomputed
+        return y.reshape(-1, y.shape[-1]).index_add(0, idx, (self.scale * delta).to(y.dtype)).view_as(y)
 
     def extra_repr(self):
         return f"rank={self.rank}, alpha={self.alpha}"
