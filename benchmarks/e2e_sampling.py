@@ -9,7 +9,8 @@ top-p 0.95: the settings the shipped PTP drafter was trained for):
   ngram        fastverify.patch(model) (NGramDrafter), rule coupled
   bpd          the shipped proposal heads (smollm2-bpd), rule coupled
   ptp          a PTP slot drafter (``--ptp``, default the shipped smollm2-ptp), rule coupled
-  ptp-none     a second slot checkpoint (``--ptp-none``: the same slots trained without auxiliary variables)
+  ptp-none     a second slot checkpoint (``--ptp-none``: the same slots trained without auxiliary variables),
+               drafting each slot's argmax
 
 Reports per method: outputs identical to ``ar``, tokens per target forward (prefill included), tokens per
 decoding step, tok/s, and the speedup over ``generate`` and over ``ngram`` (geometric mean over questions).
@@ -75,7 +76,8 @@ def main(argv=None):
         elif m == "ptp-none":
             if not args.ptp_none:
                 p.error("--methods ptp-none needs --ptp-none CHECKPOINT")
-            drafters[m] = fastverify.load_drafter(args.ptp_none, model)
+            # its argmax: the better of its two draft rules on held-out data (fastverify.train.ptp's evaluation)
+            drafters[m] = fastverify.load_drafter(args.ptp_none, model, draft="argmax")
         elif m == "ar":
             drafters[m] = fastverify.Drafter()
     warp = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)

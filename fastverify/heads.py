@@ -48,7 +48,7 @@ WEIGHTS_NAME = "heads.safetensors"
 FORMAT = 1
 _PROBE_ROWS = 16
 # Shipped checkpoints: name -> folder inside the package (fastverify/checkpoints/<name>).
-SHIPPED = ("smollm2-bpd", "smollm2-gad", "smollm2-lud")
+SHIPPED = ("smollm2-bpd", "smollm2-gad", "smollm2-lud", "smollm2-ptp")
 _CHECKPOINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
 
 

@@ -201,18 +201,10 @@ def test_slot_drafter_drafts_what_its_block_predicts():
 
 # ------------------------------------------------------------------------------------------------ PTP slots
 
-def _ptp(model, slots=3, seed=2, aux_mode="interp", always=False):
-    """A PTP slot drafter with random active adapters; ``always``: its blocks draft even when slot 0 disagrees
-    with the committed token (an untrained drafter would otherwise hardly ever draft)."""
-    from fastverify.hf.slots import BlockSlotDrafter, PTPSlotDrafter
-
-    class AlwaysDrafts(PTPSlotDrafter):
-        def propose(self, contexts, budget):
-            self._pending = [None if b is None else b[1:] for b in self._pending]
-            return BlockSlotDrafter.propose(self, contexts, budget)
-
-    cls = AlwaysDrafts if always else PTPSlotDrafter
-    d = cls(model.config.hidden_size, num_slots=slots, aux_mode=aux_mode)
+def _ptp(model, slots=3, seed=2, aux_mode="interp"):
+    """A PTP slot drafter with random active adapters (no slot-0 gate: an untrained drafter drafts anyway)."""
+    from fastverify.hf.slots import PTPSlotDrafter
+    d = PTPSlotDrafter(model.config.hidden_size, num_slots=slots, aux_mode=aux_mode)
     return _randomise(d.init_adapters(model, rank=4), seed)
 
 
@@ -228,12 +220,12 @@ def test_ptp_slots_keep_seeded_sampling_and_greedy_exact(aux_mode, B):
     for seed, temperature in ((1, 1.0), (2, 0.7)):
         patch(model, drafter=Drafter())
         ref = model.generate(ids, do_sample=True, seed=seed, temperature=temperature, **kw)
-        patch(model, drafter=_ptp(model, aux_mode=aux_mode, always=True))
+        patch(model, drafter=_ptp(model, aux_mode=aux_mode))
         out = model.generate(ids, do_sample=True, seed=seed, temperature=temperature, **kw)
         assert torch.equal(out, ref) and stats(model).drafted_tokens > 0
     unpatch(model)
     ref = model.generate(ids, do_sample=False, **kw)
-    patch(model, drafter=_ptp(model, aux_mode=aux_mode, always=True))
+    patch(model, drafter=_ptp(model, aux_mode=aux_mode))
     assert torch.equal(model.generate(ids, do_sample=False, **kw), ref) and stats(model).drafted_tokens > 0
     unpatch(model)
 
@@ -250,15 +242,17 @@ def test_ptp_slot_inputs_are_the_coupled_rules_uniforms():
     assert torch.equal(half, d.slot_embed[slot] + d.aux(torch.full((3,), 0.5)))
 
 
-def test_ptp_block_drafts_only_after_its_first_slot_agrees():
+@pytest.mark.parametrize("first_gate", [True, False])
+def test_ptp_block_drafts_after_its_first_slot_with_the_gate_only_when_it_agrees(first_gate):
     from fastverify.hf.slots import PTPSlotDrafter
-    d = PTPSlotDrafter(8, num_slots=2)
+    d = PTPSlotDrafter(8, num_slots=2, first_gate=first_gate)
     d.reset(2)
     block = torch.zeros(3, 10)
     block[0, 4] = block[1, 6] = block[2, 7] = 1.0
     d.observe_slots([block, block])
     trees = d.propose([[1, 4], [1, 5]], [4, 4])  # request 0 committed 4 (agrees), request 1 committed 5
-    assert trees[0].tokens.tolist() == [6, 7] and len(trees[1]) == 0
+    assert trees[0].tokens.tolist() == [6, 7]
+    assert trees[1].tokens.tolist() == ([] if first_gate else [6, 7])
 
 
 def test_ptp_checkpoint_round_trip(tmp_path):

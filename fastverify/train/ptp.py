@@ -24,8 +24,9 @@ data and PTP's targets:
              cosine, progress bar, checkpoint and resume).
   4. eval    on held-out sampled sequences with uniform v (the distribution u has at decode time): per slot, how
              often its draft is the teacher's token, and the accepted draft tokens per block as the coupled rule
-             counts them (0 unless slot 0 re-predicts the step's token; then the leading run of slots 1..m whose
-             drafts match): tokens per step = 1 + that
+             counts them (the leading run of slots 1..m whose drafts match; with the drafter's ``first_gate``,
+             0 unless slot 0 re-predicted the step's token): tokens per step = 1 + that; also for both draft
+             rules (argmax, inverse CDF) with and without the gate
   5. output  DIR/slots.safetensors + DIR/config.json (fastverify.hf.slots.save_slot_drafter), loaded by
              fastverify.load_drafter(DIR, model); the sampling settings are recorded: the drafter is trained for
              them, and under other settings it stays exact but drafts worse
@@ -127,19 +128,26 @@ def _ptp_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False):
         else:
             loss = F.cross_entropy(logits[valid], target[valid])
     with torch.no_grad():
-        if drafter.samples:  # the draft is the inverse CDF of the slot's own distribution at u_q
-            u_draft = torch.nan_to_num(u[qc], nan=0.5)
-            draft = cdf_sample(logits.detach(), u_draft)
-        else:
-            draft = logits.argmax(-1)
-        hit = (draft == target) & valid
+        # drafts by both rules: the slot's argmax, and the inverse CDF of its distribution at u_q
+        drafts = {"argmax": logits.argmax(-1), "inverse_cdf": cdf_sample(logits, torch.nan_to_num(u[qc], nan=0.5))}
+        hit = (drafts["inverse_cdf" if drafter.samples else "argmax"] == target) & valid
         top5 = (logits.topk(5, -1).indices == target[:, None]).any(-1) & valid
         cnt = lambda x: torch.zeros(m1).index_add_(0, offset.cpu(), x.float().cpu())  # noqa: E731
         stats = {"hit1": cnt(hit), "hit5": cnt(top5), "count": cnt(valid)}
         hits = hit.view(len(attach), m1).cpu()
         full = valid.view(len(attach), m1).all(-1).cpu()
-        stats["accepted"] = [int(h[1:].int().cumprod(0).sum()) if h[0] else 0 for h, f in zip(hits, full) if f]
+        stats["accepted"] = _accepted(hits, full, drafter.first_gate)
+        for name, draft in drafts.items():  # both draft rules, with and without the slot-0 gate
+            h = ((draft == target) & valid).view(len(attach), m1).cpu()
+            stats["accepted_" + name] = _accepted(h, full, False)
+            stats["accepted_" + name + "_gated"] = _accepted(h, full, True)
     return loss, stats
+
+
+def _accepted(hits, full, gated):
+    """Accepted draft tokens of each complete block: the leading run of slots 1..m whose drafts are right (none
+    when ``gated`` and slot 0 did not re-predict the step's token: the drafter then proposes nothing)."""
+    return [int(h[1:].int().cumprod(0).sum()) if h[0] or not gated else 0 for h, f in zip(hits, full) if f]
 
 
 def train_ptp(model, tokenizer, cfg: PTPConfig, base_name: str = None, prompts=None, log=print):

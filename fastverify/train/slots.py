@@ -210,7 +210,7 @@ def _evaluate(model, drafter, seqs, cfg, log, loss_fn=None):
     over cfg.eval_sequences sequences, and the mean accepted draft tokens per block."""
     loss_fn = loss_fn or _slot_loss
     m = drafter.block_size
-    agg = {"hit1": torch.zeros(m), "hit5": torch.zeros(m), "count": torch.zeros(m), "accepted": []}
+    agg = {"hit1": torch.zeros(m), "hit5": torch.zeros(m), "count": torch.zeros(m)}
     skipped = 0
     rng = random.Random(0)
     for _, _, prompt, cont in seqs[:cfg.eval_sequences]:
@@ -219,15 +219,16 @@ def _evaluate(model, drafter, seqs, cfg, log, loss_fn=None):
         if st is None:
             skipped += 1
             continue
-        for k in ("hit1", "hit5", "count"):
-            agg[k] += st[k]
-        agg["accepted"] += st["accepted"]
+        for k, x in st.items():  # per-slot tensors add up; per-block lists ("accepted", ...) concatenate
+            agg[k] = agg.get(k, []) + x if isinstance(x, list) else agg[k] + x
     n = agg["count"].clamp(min=1)
     ev = {"top1": [round(x, 4) for x in (agg["hit1"] / n).tolist()],
           "top5": [round(x, 4) for x in (agg["hit5"] / n).tolist()],
-          "slots_counted": agg["count"].long().tolist(), "blocks": len(agg["accepted"]),
-          "mean_accepted": round(sum(agg["accepted"]) / max(len(agg["accepted"]), 1), 4),
+          "slots_counted": agg["count"].long().tolist(), "blocks": len(agg.get("accepted", [])),
           "sequences_skipped": skipped}
+    for k, x in agg.items():
+        if isinstance(x, list):
+            ev["mean_" + k] = round(sum(x) / max(len(x), 1), 4)
     log("held-out: slot top-1 " + " ".join(f"{x:.3f}" for x in ev["top1"]) + " | top-5 "
         + " ".join(f"{x:.3f}" for x in ev["top5"]) + f" | mean accepted per block {ev['mean_accepted']:.3f} over "
         f"{ev['blocks']} blocks")
