@@ -107,7 +107,7 @@ setup(
     description="Fast, exact draft-and-verify decoding kernels for PyTorch and Hugging Face models",
     packages=find_packages(include=["fastverify", "fastverify.*"]) + ["fastverify.kernels"],
     package_dir={"fastverify.kernels": "kernels"},
-    # shipped drafter checkpoints (fastverify.load_drafter("smollm2-bpd" | "smollm2-gad" | "smollm2-lud", model)):
+    # shipped drafter checkpoints (fastverify.load_drafter("smollm2-bpd" | "-gad" | "-lud" | "-ptp", model)):
     # data, not a package
     package_data={"fastverify": ["checkpoints/*/config.json", "checkpoints/*/heads.safetensors",
                                  "checkpoints/*/slots.safetensors"]},
