@@ -267,7 +267,8 @@ def test_dense_form_equals_ragged(backend):
     # Dense trees: one shared parents row.
     parents = torch.tensor([-1, 0, 0, 1, -1], dtype=torch.int32)
     dense = verify(logits.to(device), drafts.to(device), parents=parents.to(device), backend=backend)
-    ragged = verify(logits.reshape(-1, V), drafts.reshape(-1), cu, parents.repeat(B), backend="torch")
+    # the dense form's `accepted` is K wide (a fixed shape); the ragged form's is as wide as asked
+    ragged = verify(logits.reshape(-1, V), drafts.reshape(-1), cu, parents.repeat(B), backend="torch", max_depth=K)
     _assert_same(dense, ragged, "dense tree")
 
 
@@ -552,7 +553,7 @@ def test_cpp_op_rejects_bad_structure_without_crashing():
     with pytest.raises(RuntimeError, match="cu_nodes"):
         call(C=torch.tensor([0, 100, int(C[-1])], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="max_depth"):
-        call(max_depth=0)
+        call(max_depth=-1)
     with pytest.raises(RuntimeError, match="logits"):
         call(L=L[:-1])
     with pytest.raises(RuntimeError, match="rule"):

@@ -65,9 +65,7 @@ Layout make_layout(const at::Tensor& cu_nodes, const at::Tensor& draft_tokens, c
                   "; expected -1 or a preceding node of the same request");
       TORCH_CHECK(L.tokens[g] >= 0 && L.tokens[g] < V, "verify: draft_tokens: token ", L.tokens[g], " of node ", g,
                   " is outside the vocabulary [0, ", V, ")");
-      L.depth[g] = p < 0 ? 1 : L.depth[L.cu[b] + p] + 1;
-      TORCH_CHECK(L.depth[g] <= max_depth, "verify: max_depth: request ", b, " has a node at depth ", L.depth[g],
-                  " > max_depth = ", max_depth);
+      L.depth[g] = p < 0 ? 1 : L.depth[L.cu[b] + p] + 1;  // deeper than max_depth: `accepted` keeps the first
       parent_row[g] = L.cu[b] + b + p + 1;
       ++count[parent_row[g] + 1];
     }
@@ -435,7 +433,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cpu(
       path.clear();
       for (int64_t j = node; j >= 0; j = L.parents[lo + j]) path.push_back(j);
       out_len[b] = int32_t(path.size());
-      for (size_t i = 0; i < path.size(); ++i) out_acc[b * max_depth + i] = int32_t(path[path.size() - 1 - i]);
+      for (size_t i = 0; i < path.size() && int64_t(i) < max_depth; ++i)  // the path's first max_depth nodes
+        out_acc[b * max_depth + i] = int32_t(path[path.size() - 1 - i]);
       out_next[b] = nxt;
     }
   });

@@ -208,7 +208,9 @@ class Decoder:
             kw["position"] = torch.tensor([c - p + 1 for c, p in zip(cache_len, self.pad_len)], device=self.device)
         if s.rule == "confidence":
             kw["root_tokens"] = torch.tensor(self.root, device=self.device)
-        res = verify(logits, draft_tokens, cu_nodes, parents, rule=s.rule, backend=s.backend, validate=False, **kw)
+        deepest = max((t.max_depth for t in trees), default=0)  # known here: verify then reads nothing back
+        res = verify(logits, draft_tokens, cu_nodes, parents, rule=s.rule, backend=s.backend, validate=False,
+                     max_depth=deepest, **kw)
         accept_len = res.accept_len.tolist()
         if any(a < 0 and r > 0 for a, r in zip(accept_len, remaining)):  # NaN / inf logits somewhere
             res = self._verify_around_invalid_rows(res, logits, trees, kw, remaining)

@@ -25,12 +25,12 @@ def _check_pair(k, v, where):
                          f"{tuple(k.shape)} on {k.device} and {tuple(v.shape)} on {v.device}")
 
 
-def _normalise(B, S, device, prefix_len, draft_start, accepted, accept_len):
-    plen = index_tensor(prefix_len, "prefix_len", device, length=B)
+def _normalise(B, S, device, prefix_len, draft_start, accepted, accept_len, validate):
+    plen = index_tensor(prefix_len, "prefix_len", device, length=B, validate=validate)
     if isinstance(draft_start, torch.Tensor):
         if draft_start.numel() != 1:
             raise ValueError("draft_start: expected an int (the cache slot of draft node 0)")
-        draft_start = int(draft_start)
+        draft_start = int(draft_start)  # a host read: pass an int for a call without one
     if not isinstance(draft_start, int) or isinstance(draft_start, bool):
         raise TypeError(f"draft_start: expected an int, got {type(draft_start).__name__}")
     if not isinstance(accepted, torch.Tensor) or accepted.dtype.is_floating_point or accepted.dtype == torch.bool:
@@ -40,9 +40,11 @@ def _normalise(B, S, device, prefix_len, draft_start, accepted, accept_len):
     if accepted.device != device:
         raise ValueError(f"accepted: expected a tensor on {device}, got {accepted.device}")
     acc = accepted.to(torch.int32).contiguous()
-    alen = index_tensor(accept_len, "accept_len", device, length=B)
+    alen = index_tensor(accept_len, "accept_len", device, length=B, validate=validate)
     depth = acc.shape[1]
-    if B == 0:
+    if draft_start < 0:
+        raise ValueError(f"draft_start: must be >= 0, got {draft_start}")
+    if B == 0 or not validate:
         return plen, draft_start, acc, alen
     if bool(((alen < 0) | (alen > depth)).any()):
         raise ValueError(f"accept_len: expected values in [0, max_depth = {depth}], got {alen.tolist()}")
@@ -54,20 +56,18 @@ def _normalise(B, S, device, prefix_len, draft_start, accepted, accept_len):
     if bool((used & ((acc < 0) | (src >= S))).any()):
         raise ValueError(f"accepted: the accepted slots draft_start + accepted[b, i] (i < accept_len[b]) must lie "
                          f"in [draft_start, S = {S}); got draft_start = {draft_start}, accepted = {acc.tolist()}")
-    if draft_start < 0:
-        raise ValueError(f"draft_start: must be >= 0, got {draft_start}")
     return plen, draft_start, acc, alen
 
 
-def _compact_pair(k, v, prefix_len, draft_start, accepted, accept_len, backend, where=""):
+def _compact_pair(k, v, prefix_len, draft_start, accepted, accept_len, backend, validate, where=""):
     _check_pair(k, v, where)
     plen, ds, acc, alen = _normalise(k.shape[0], k.shape[2], k.device, prefix_len, draft_start, accepted,
-                                     accept_len)
+                                     accept_len, validate)
     dispatch.call("compact_cache", backend, k.device, k, v, plen, ds, acc, alen)
     return plen, alen
 
 
-def compact_cache(cache, prefix_len, draft_start, accepted, accept_len, backend: str = "auto"):
+def compact_cache(cache, prefix_len, draft_start, accepted, accept_len, backend: str = "auto", validate: bool = True):
     """Move each request's accepted draft keys/values into consecutive slots after its prefix, in place.
 
     cache: a transformers ``DynamicCache`` (every layer's ``keys`` / ``values``), a (k, v) pair of
@@ -85,13 +85,14 @@ def compact_cache(cache, prefix_len, draft_start, accepted, accept_len, backend:
     Returns the cache.
     """
     if isinstance(cache, tuple) and len(cache) == 2 and all(isinstance(t, torch.Tensor) for t in cache):
-        _compact_pair(cache[0], cache[1], prefix_len, draft_start, accepted, accept_len, backend)
+        _compact_pair(cache[0], cache[1], prefix_len, draft_start, accepted, accept_len, backend, validate)
         return cache
     if isinstance(cache, (list, tuple)):
         for i, pair in enumerate(cache):
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
                 raise TypeError(f"cache[{i}]: expected a (k, v) pair of tensors")
-            _compact_pair(pair[0], pair[1], prefix_len, draft_start, accepted, accept_len, backend, f"[{i}]")
+            _compact_pair(pair[0], pair[1], prefix_len, draft_start, accepted, accept_len, backend, validate,
+                          f"[{i}]")
         return cache
     layers = getattr(cache, "layers", None)
     if layers is None:
@@ -104,7 +105,7 @@ def compact_cache(cache, prefix_len, draft_start, accepted, accept_len, backend:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if keys is None or values is None or not isinstance(keys, torch.Tensor) or keys.numel() == 0:
             continue  # not initialised (e.g. KV sharing)
-        plen, alen = _compact_pair(keys, values, prefix_len, draft_start, accepted, accept_len, backend,
+        plen, alen = _compact_pair(keys, values, prefix_len, draft_start, accepted, accept_len, backend, validate,
                                    f".layers[{i}]")
         if new_len is None:
             new_len = int((plen + alen).max()) if plen.numel() else 0

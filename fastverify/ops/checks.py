@@ -6,7 +6,7 @@ import math
 import torch
 
 __all__ = ["INT_DTYPES", "FLOAT_DTYPES", "LOGIT_DTYPES", "check_tensor", "check_range", "range_error",
-           "index_tensor"]
+           "index_tensor", "constant_rows"]
 
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -50,9 +50,10 @@ def check_range(name, x, lo=None, hi=None, lo_open=False, hi_open=False, *, firs
         raise range_error(name, x[bad][0].item() if first else x[bad][:4].tolist(), lo, hi, lo_open, hi_open)
 
 
-def index_tensor(x, name, device, length=None):
-    """int32 [n], contiguous, from an integer tensor [n] on ``device`` (int64 values must fit in int32), a list,
-    or (with ``length``) an int repeated ``length`` times; ``length`` also fixes n."""
+def index_tensor(x, name, device, length=None, validate=True):
+    """int32 [n], contiguous, from an integer tensor [n] on ``device`` (int64 values must fit in int32: checked
+    with ``validate``, a device read), a list, or (with ``length``) an int repeated ``length`` times; ``length``
+    also fixes n."""
     if isinstance(x, bool):
         raise TypeError(f"{name}: expected an int or an integer tensor, got bool")
     if isinstance(x, int):
@@ -71,6 +72,40 @@ def index_tensor(x, name, device, length=None):
         raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
     if length is not None and x.numel() != length:
         raise ValueError(f"{name}: expected {length} entries (one per request), got {x.numel()}")
-    if x.dtype == torch.int64 and x.numel() and bool(((x < -2**31) | (x >= 2**31)).any()):
+    if validate and x.dtype == torch.int64 and x.numel() and bool(((x < -2**31) | (x >= 2**31)).any()):
         raise ValueError(f"{name}: values must fit in int32")
     return x.to(torch.int32).contiguous()
+
+
+class _ConstantRows:
+    """Read-only float32 [rows, n] tensors of Python numbers (and other constants of the shapes alone), cached per
+    (key, device): the op wrappers' all-scalar
+    parameters (the usual call: the same rule and warping every step) then cost no host-to-device copy, which on
+    CUDA waits for the stream. Bounded; nothing is kept while torch.compile traces."""
+
+    def __init__(self, size=64):
+        self.size, self.cache = size, {}
+
+    def get(self, key):
+        return None if torch.compiler.is_compiling() else self.cache.get(key)
+
+    def __call__(self, key, values, rows, device):
+        return self.keep(key, torch.tensor(values, dtype=torch.float32, device=device).expand(rows, len(values))
+                         .contiguous())
+
+    def build(self, key, make):
+        """The cached tensor of ``key``, or ``make()`` kept under it (any read-only constant of the shapes)."""
+        t = self.get(key)
+        return t if t is not None else self.keep(key, make())
+
+    def keep(self, key, t):
+        # not while tracing, nor while capturing a CUDA graph (its kernels only fill the tensor at replay)
+        cuda = (t[0] if isinstance(t, tuple) else t).is_cuda
+        if not torch.compiler.is_compiling() and not (cuda and torch.cuda.is_current_stream_capturing()):
+            if len(self.cache) >= self.size:
+                self.cache.clear()
+            self.cache[key] = t
+        return t
+
+
+constant_rows = _ConstantRows()

@@ -126,9 +126,19 @@ def _lookup(op, backend, device):
     key = (op, backend, device.type, os.environ.get("TRITON_INTERPRET"))
     hit = _RESOLVED.get(key)
     if hit is None:
-        name = resolve_backend(backend, device, has=implemented_backends(op), op=op)
-        hit = _RESOLVED[key] = (name, _implementation(op, name))
+        name = _resolve_key(key, device)
+        if name in ("cpp", "cuda"):  # traceable: torch.compile meets the first call of an op with no graph break
+            return name, getattr(torch.ops.fastverify, op)
+        hit = _RESOLVED[key]
     return hit
+
+
+@torch.compiler.assume_constant_result  # run, not traced, by torch.compile
+def _resolve_key(key, device):
+    op, backend = key[:2]
+    name = resolve_backend(backend, device, has=implemented_backends(op), op=op)
+    _RESOLVED[key] = (name, _implementation(op, name))
+    return name
 
 
 def resolve(op, backend, device):

@@ -15,12 +15,13 @@ Backends: torch (reference), cpp (csrc/cpu/sampling.cpp), triton (fastverify.ker
 """
 
 import math
+import struct
 
 import torch
 
 from fastverify import _ext
 from fastverify.ops import dispatch
-from fastverify.ops.checks import INT_DTYPES, LOGIT_DTYPES, check_range, check_tensor
+from fastverify.ops.checks import INT_DTYPES, LOGIT_DTYPES, check_range, check_tensor, constant_rows
 from fastverify.reference import sampling as ref
 
 __all__ = ["uniform", "cdf_sample", "cdf_invert", "sample_v", "aux_bits", "normalise_warp", "implemented_backends"]
@@ -51,8 +52,8 @@ if _ext.HAS_CPP:
         return u.new_empty((*u.shape, 32), dtype=torch.float32)
 
 
-def _per_row(name, x, R, device, integral=False):
-    """A scalar or an [R] tensor as float32 [R]."""
+def _per_row(name, x, R, device, integral=False, validate=True):
+    """A scalar or an [R] tensor as float32 [R] (a tensor's values are checked only with ``validate``)."""
     if isinstance(x, torch.Tensor):
         if x.dim() == 0:
             x = x.reshape(1).expand(R)
@@ -61,7 +62,7 @@ def _per_row(name, x, R, device, integral=False):
             raise ValueError(f"{name}: expected a scalar or a tensor of shape ({R},), got {tuple(x.shape)}")
         if x.dtype == torch.bool or x.is_complex():
             raise TypeError(f"{name}: expected a real number dtype, got {x.dtype}")
-        if integral and x.is_floating_point() and bool((x != x.round()).any()):
+        if validate and integral and x.is_floating_point() and bool((x != x.round()).any()):
             raise ValueError(f"{name}: expected integers")
         return x.to(torch.float32)
     if isinstance(x, bool) or not isinstance(x, (int, float)):
@@ -76,29 +77,43 @@ _WARP_PARAMS = (("temperature", 0, math.inf, False, True, False), ("top_k", 0, N
                 ("top_p", 0, 1, True, False, False), ("min_p", 0, 1, False, False, False))
 
 
-def normalise_warp(R, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+def normalise_warp(R, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, validate=True):
     """float32 [R, 4] (temperature, top_k, top_p, min_p) from scalars or [R] tensors, validated: temperature
-    >= 0 and finite, top_k a non-negative integer, top_p in (0, 1], min_p in [0, 1]."""
+    >= 0 and finite, top_k a non-negative integer, top_p in (0, 1], min_p in [0, 1]. Python numbers are always
+    checked (no device read); tensors only with ``validate``."""
     values = (temperature, top_k, top_p, min_p)
     if not any(isinstance(v, torch.Tensor) for v in values):
-        # All Python numbers (the common call): checked as numbers, one small tensor; no per-parameter tensor
-        # ops (they cost ~0.15 ms per call, more than the kernel at B = 1).
+        # All Python numbers (the common call): checked as numbers, then one cached constant tensor (no
+        # per-parameter tensor ops, no host-to-device copy per call).
         for (name, *_, integral), v in zip(_WARP_PARAMS, values):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"{name}: expected a number or a tensor, got {type(v).__name__}")
             if integral and not (math.isfinite(v) and float(v) == int(v)):
                 raise ValueError(f"{name}: expected an integer, got {v}")
-        row = torch.tensor([float(v) for v in values], dtype=torch.float32)
-        for (name, lo, hi, lo_open, hi_open, _), v in zip(_WARP_PARAMS, row.tolist()):  # as float32, like the kernels
+        key = (values, R, device)
+        hit = constant_rows.get(key)
+        if hit is not None:
+            return hit
+        row = [_float32(v) for v in values]  # checked as the kernels see them
+        for (name, lo, hi, lo_open, hi_open, _), v in zip(_WARP_PARAMS, row):
             check_range(name, v, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, first=True)
-        return row.to(device).expand(R, 4).contiguous()
-    t = _per_row("temperature", temperature, R, device)
-    k = _per_row("top_k", top_k, R, device, integral=True)
-    p = _per_row("top_p", top_p, R, device)
-    mp = _per_row("min_p", min_p, R, device)
-    for (name, lo, hi, lo_open, hi_open, _), x in zip(_WARP_PARAMS, (t, k, p, mp)):
-        check_range(name, x, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, first=True)
+        return constant_rows(key, row, R, device)
+    t = _per_row("temperature", temperature, R, device, validate=validate)
+    k = _per_row("top_k", top_k, R, device, integral=True, validate=validate)
+    p = _per_row("top_p", top_p, R, device, validate=validate)
+    mp = _per_row("min_p", min_p, R, device, validate=validate)
+    if validate:
+        for (name, lo, hi, lo_open, hi_open, _), x in zip(_WARP_PARAMS, (t, k, p, mp)):
+            check_range(name, x, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, first=True)
     return torch.stack([t, k, p, mp], dim=1)
+
+
+def _float32(x):
+    """x rounded to the nearest float32 (inf beyond its range), in plain Python."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def _check_logits(logits):
@@ -110,12 +125,13 @@ def _check_logits(logits):
     return logits
 
 
-def _check_unit(name, u, R, device):
-    """u in the open interval (0, 1), one per logits row."""
+def _check_unit(name, u, R, device, validate):
+    """u in the open interval (0, 1) (its values checked only with ``validate``), one per logits row."""
     check_tensor(name, u, device=device, dtypes=(torch.float32, torch.float64), dim=1)
     if u.shape[0] != R:
         raise ValueError(f"{name}: expected shape ({R},) (one per logits row), got {tuple(u.shape)}")
-    check_range(name, u, lo=0, hi=1, lo_open=True, hi_open=True, first=True)
+    if validate:
+        check_range(name, u, lo=0, hi=1, lo_open=True, hi_open=True, first=True)
 
 
 def _invalid_rows_error(logits, warp, rows):
@@ -125,7 +141,7 @@ def _invalid_rows_error(logits, warp, rows):
         f"overflows float32)")
 
 
-def uniform(seed, position, stream=0, backend="auto"):
+def uniform(seed, position, stream=0, backend="auto", validate=True):
     """Reproducible uniforms u in the open interval (0, 1) (DESIGN.md "Sampling and auxiliary variables").
 
     Args:
@@ -145,16 +161,16 @@ def uniform(seed, position, stream=0, backend="auto"):
     if isinstance(seed, int):
         if not -(2**63) <= seed < 2**64:
             raise ValueError(f"seed: expected a 64-bit integer, got {seed}")
-        seed = torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64, device=position.device)
+        seed = torch.full((), seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64, device=position.device)
     check_tensor("seed", seed, device=position.device, dtypes=INT_DTYPES)
     if isinstance(stream, torch.Tensor):
         check_tensor("stream", stream, device=position.device, dtypes=INT_DTYPES)
-        if stream.numel() and bool(((stream < 0) | (stream >= 2**32)).any()):
+        if validate and stream.numel() and bool(((stream < 0) | (stream >= 2**32)).any()):
             raise ValueError(f"stream: expected values in [0, 2^32), got {stream[(stream < 0) | (stream >= 2**32)][:4]}")
     elif isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < 2**32:
         raise ValueError(f"stream: expected an int in [0, 2^32) or an integer tensor, got {stream!r}")
     else:
-        stream = torch.tensor(stream, dtype=torch.int64, device=position.device)
+        stream = torch.full((), stream, dtype=torch.int64, device=position.device)
     try:
         seed_b, pos_b, stream_b = torch.broadcast_tensors(seed.to(torch.int64), position.to(torch.int64),
                                                           stream.to(torch.int64))
@@ -172,7 +188,7 @@ def _uniform_op(seed, position, stream, backend="auto"):
     return out.reshape(shape)
 
 
-def cdf_sample(logits, u, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, backend="auto"):
+def cdf_sample(logits, u, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, backend="auto", validate=True):
     """Inverse-CDF sampling of warped logits rows (PTP Eq. 8).
 
     Args:
@@ -182,6 +198,9 @@ def cdf_sample(logits, u, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, backen
             boundary value would make the result depend on how each backend rounds u * Z.
         temperature, top_k, top_p, min_p: Python scalars or [R] tensors (warping of
             fastverify.reference.sampling; temperature 0 = argmax, top_k 0 / top_p 1 / min_p 0 = off).
+        validate: check the values of u and of tensor parameters, and raise for rows with no distribution. With
+            False the call reads nothing back from the device (no host synchronisation; CUDA-graph capturable),
+            and such a row returns -1.
     Returns:
         int64 [R]: the smallest token t with C(t) > u * Z, C the float64 prefix sum of the warped weights in
         token-id order and Z = C(V - 1).
@@ -190,16 +209,18 @@ def cdf_sample(logits, u, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, backen
     """
     logits = _check_logits(logits)
     R = logits.shape[0]
-    _check_unit("u", u, R, logits.device)
-    warp = normalise_warp(R, logits.device, temperature, top_k, top_p, min_p)
+    _check_unit("u", u, R, logits.device, validate)
+    warp = normalise_warp(R, logits.device, temperature, top_k, top_p, min_p, validate)
     out = dispatch.call("cdf_sample", backend, logits.device, logits, u, warp)
+    if not validate:
+        return out
     bad = out < 0
     if R and bool(bad.any()):
         _invalid_rows_error(logits, warp, bad.nonzero()[:, 0])
     return out
 
 
-def cdf_invert(logits, token, v, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, backend="auto"):
+def cdf_invert(logits, token, v, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, backend="auto", validate=True):
     """The auxiliary variable that maps back to a token (PTP Eq. 9): u = (C(t - 1) + v * w(t)) / Z.
 
     Args:
@@ -208,6 +229,8 @@ def cdf_invert(logits, token, v, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
             Beta(a, a) from ``sample_v``, PTP Appendix D). 0 and 1 are refused: they are the bin's edges, which
             belong to the neighbouring tokens' bins as much as to this one.
         temperature, top_k, top_p, min_p: as in ``cdf_sample``.
+        validate: as in ``cdf_sample``; with False, tokens outside [0, V) and rows with no distribution give NaN
+            (or an unspecified u), never an out-of-bounds read.
     Returns:
         float64 [R], in (0, 1), moved by float64 ulps so that cdf_sample(logits, u, same warping, same backend)
         == token exactly. NaN where the token has warped probability 0, or (on an astronomically small bin)
@@ -218,11 +241,13 @@ def cdf_invert(logits, token, v, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
     check_tensor("token", token, device=logits.device, dtypes=INT_DTYPES, dim=1)
     if token.shape[0] != R:
         raise ValueError(f"token: expected shape ({R},) (one per logits row), got {tuple(token.shape)}")
-    if R and bool(((token < 0) | (token >= V)).any()):
+    if validate and R and bool(((token < 0) | (token >= V)).any()):
         raise ValueError(f"token: expected ids in [0, {V}), got {token[(token < 0) | (token >= V)][0].item()}")
-    _check_unit("v", v, R, logits.device)
-    warp = normalise_warp(R, logits.device, temperature, top_k, top_p, min_p)
+    _check_unit("v", v, R, logits.device, validate)
+    warp = normalise_warp(R, logits.device, temperature, top_k, top_p, min_p, validate)
     out = dispatch.call("cdf_invert", backend, logits.device, logits, token.to(torch.int64), v, warp)
+    if not validate:
+        return out
     nan = torch.isnan(out)
     if R and bool(nan.any()):
         rows = nan.nonzero()[:, 0]

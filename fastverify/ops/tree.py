@@ -66,28 +66,36 @@ def _check_parents(par, cu):
         raise ValueError(f"parents: node {j} of request {b} has parent {p}, which {why}")
 
 
-def normalise_tree(parents, cu_nodes, prefix_len=None, *, validate: bool = True, check_parents: bool = True):
+def normalise_tree(parents, cu_nodes, prefix_len=None, *, validate: bool = True, check_parents: bool = True,
+                   max_nodes=None, max_prefix=None):
     """Validate and normalise the batch layout.
 
     parents: int32/int64 [N] (local, -1 = child of the root, parents[j] < j) or None (every request a chain);
     cu_nodes: int32/int64 [B + 1] node offsets, or None (one request holding all N nodes; needs parents);
     prefix_len: int (every request) or integer tensor [B], or None.
+    max_nodes, max_prefix: ints that fix n and P instead of reading them from the device (validate=True checks
+    that no request is larger).
     Returns (parents int32 [N], cu_nodes int32 [B + 1], prefix_len int32 [B] or None, n, P) where n is the
-    largest request and P the largest prefix (0 when prefix_len is None).
+    largest request (or max_nodes) and P the largest prefix (or max_prefix; 0 when prefix_len is None). Nothing is
+    read back from the device when validate=False, parents is given, and n and P are known (given, or an int
+    prefix_len).
     """
     if parents is None and cu_nodes is None:
         raise ValueError("parents and cu_nodes: at least one is required")
+    for name, val in (("max_nodes", max_nodes), ("max_prefix", max_prefix)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 0):
+            raise ValueError(f"{name}: expected None or an int >= 0, got {val!r}")
     device = next((x.device for x in (parents, cu_nodes, prefix_len) if isinstance(x, torch.Tensor)),
                   torch.device("cpu"))
+    par = None if parents is None else _as_index_tensor(parents, "parents", device, validate=validate)
     if cu_nodes is None:
-        parents_t = _as_index_tensor(parents, "parents", device)
-        cu_nodes = torch.tensor([0, parents_t.numel()], dtype=torch.int32, device=device)
-    cu = _as_index_tensor(cu_nodes, "cu_nodes", device)
+        cu_nodes = torch.arange(2, dtype=torch.int32, device=device) * par.numel()  # [0, N], no host copy
+    cu = _as_index_tensor(cu_nodes, "cu_nodes", device, validate=validate)
     if cu.numel() < 1:
         raise ValueError("cu_nodes: expected B + 1 >= 1 offsets, got an empty tensor")
     B = cu.numel() - 1
     counts = cu[1:] - cu[:-1]
-    N = int(cu[-1])
+    N = int(cu[-1]) if par is None else par.numel()
     if validate and bool((cu[0] != 0) | (counts < 0).any()):
         if int(cu[0]) != 0:
             raise ValueError(f"cu_nodes: must start at 0, got cu_nodes[0] = {int(cu[0])}")
@@ -95,23 +103,39 @@ def normalise_tree(parents, cu_nodes, prefix_len=None, *, validate: bool = True,
             b = int((counts < 0).nonzero()[0])
             raise ValueError(f"cu_nodes: offsets must be non-decreasing, got cu_nodes[{b}] = {int(cu[b])} > "
                              f"cu_nodes[{b + 1}] = {int(cu[b + 1])}")
-    n = int(counts.max()) if B else 0
-    if parents is None:
+    if validate and int(cu[-1]) != N:
+        raise ValueError(f"parents: expected {int(cu[-1])} entries (cu_nodes[-1]), got {N}")
+    n = max_nodes
+    if n is None or validate:
+        largest = int(counts.max()) if B else 0
+        if n is not None and largest > n:
+            raise ValueError(f"max_nodes: request sizes go up to {largest}, more than max_nodes = {n}")
+        n = largest if n is None else n
+    if par is None:
         local = torch.arange(N, device=device, dtype=torch.int32) - torch.repeat_interleave(
             cu[:-1], counts.long(), output_size=N)
         par = local - 1
-    else:
-        par = _as_index_tensor(parents, "parents", device)
-        if par.numel() != N:
-            raise ValueError(f"parents: expected {N} entries (cu_nodes[-1]), got {par.numel()}")
-        if validate and check_parents:
-            _check_parents(par, cu)
+    elif validate and check_parents:
+        _check_parents(par, cu)
     plen, P = None, 0
     if prefix_len is not None:
-        plen = _as_index_tensor(prefix_len, "prefix_len", device, length=B)
-        lo, P = torch.stack(torch.aminmax(plen)).tolist() if B else (0, 0)  # one host sync for both
-        if validate and lo < 0:
-            raise ValueError(f"prefix_len: must be >= 0, got {plen.tolist()}")
+        plen = _as_index_tensor(prefix_len, "prefix_len", device, length=B, validate=validate)
+        if isinstance(prefix_len, int):
+            if validate and prefix_len < 0:
+                raise ValueError(f"prefix_len: must be >= 0, got {prefix_len}")
+            P = prefix_len if max_prefix is None else max_prefix
+            if validate and prefix_len > P:
+                raise ValueError(f"max_prefix: prefix_len = {prefix_len} is more than max_prefix = {P}")
+        elif max_prefix is not None and not validate:
+            P = max_prefix
+        else:
+            lo, P = torch.stack(torch.aminmax(plen)).tolist() if B else (0, 0)  # one host sync for both
+            if validate and lo < 0:
+                raise ValueError(f"prefix_len: must be >= 0, got {plen.tolist()}")
+            if max_prefix is not None:
+                if P > max_prefix:
+                    raise ValueError(f"max_prefix: prefix_len goes up to {P}, more than max_prefix = {max_prefix}")
+                P = max_prefix
     return par, cu, plen, n, P
 
 
@@ -127,7 +151,7 @@ def _check_format(format, dtype):
 
 
 def tree_mask(parents, cu_nodes=None, prefix_len=0, format: str = "bool", dtype: torch.dtype = torch.float32,
-              backend: str = "auto", validate: bool = True) -> torch.Tensor:
+              backend: str = "auto", validate: bool = True, *, max_nodes=None, max_prefix=None) -> torch.Tensor:
     """Attention mask of B draft trees over their prefixes.
 
     parents int32/int64 [N] (local, -1 = child of the root; None = chains), cu_nodes int32 [B + 1] (None =
@@ -140,9 +164,15 @@ def tree_mask(parents, cu_nodes=None, prefix_len=0, format: str = "bool", dtype:
                   set iff node j is an ancestor of i or i (prefix visibility comes from prefix_len).
 
     Padding rows (i >= n_b) see only the prefix; padding columns are never visible.
+
+    max_nodes / max_prefix fix n and P (fixed-shape outputs). With validate=False, parents given, and n and P
+    known (given, or an int prefix_len), the call reads nothing back from the device (CUDA-graph capturable).
+    max_nodes must cover the largest request: unvalidated, a smaller one is refused by the C++ kernels and cuts
+    the request's rows on the GPU ones, never writing out of bounds.
     """
     _check_format(format, dtype)
-    par, cu, plen, n, P = normalise_tree(parents, cu_nodes, prefix_len, validate=validate, check_parents=False)
+    par, cu, plen, n, P = normalise_tree(parents, cu_nodes, prefix_len, validate=validate, check_parents=False,
+                                         max_nodes=max_nodes, max_prefix=max_prefix)
     if format == "packed":
         return _call_tree_op("tree_mask_packed", backend, par, cu, validate, par, cu, n)
     if format == "bool":
@@ -152,17 +182,20 @@ def tree_mask(parents, cu_nodes=None, prefix_len=0, format: str = "bool", dtype:
 
 def tree_positions(parents, cu_nodes=None, prefix_len=0, backend: str = "auto", validate: bool = True):
     """int64 [N]: position id of each draft node, prefix_len[b] + depth(j) - 1 (a child of the root has
-    depth 1, so it takes position prefix_len[b], right after the last committed token)."""
-    par, cu, plen, _, _ = normalise_tree(parents, cu_nodes, prefix_len, validate=validate, check_parents=False)
+    depth 1, so it takes position prefix_len[b], right after the last committed token). With validate=False
+    and parents given, nothing is read back from the device."""
+    unread = {} if validate else dict(max_nodes=0, max_prefix=0)  # n and P are not needed here
+    par, cu, plen, _, _ = normalise_tree(parents, cu_nodes, prefix_len, validate=validate, check_parents=False,
+                                         **unread)
     return _call_tree_op("tree_positions", backend, par, cu, validate, par, cu, plen)
 
 
-def _block_sizes(block_sizes, cu_nodes, prefix_len):
+def _block_sizes(block_sizes, cu_nodes, prefix_len, validate):
     if cu_nodes is not None:
         if block_sizes is not None:
             raise ValueError("block_sizes and cu_nodes: give one of them, not both")
         cu = _as_index_tensor(cu_nodes, "cu_nodes", cu_nodes.device if isinstance(cu_nodes, torch.Tensor)
-                              else torch.device("cpu"))
+                              else torch.device("cpu"), validate=validate)
         return cu, (cu[1:] - cu[:-1])
     if block_sizes is None:
         raise ValueError("block_sizes: required (an int, or an integer tensor [B]) unless cu_nodes is given")
@@ -174,8 +207,8 @@ def _block_sizes(block_sizes, cu_nodes, prefix_len):
         sizes = torch.full((B,), block_sizes, dtype=torch.int32, device=device)
     else:
         dev = block_sizes.device if isinstance(block_sizes, torch.Tensor) else torch.device("cpu")
-        sizes = _as_index_tensor(block_sizes, "block_sizes", dev)
-    if sizes.numel() and bool((sizes < 0).any()):
+        sizes = _as_index_tensor(block_sizes, "block_sizes", dev, validate=validate)
+    if validate and sizes.numel() and bool((sizes < 0).any()):
         raise ValueError(f"block_sizes: must be >= 0, got {sizes.tolist()}")
     cu = torch.zeros(sizes.numel() + 1, dtype=torch.int32, device=sizes.device)
     cu[1:] = torch.cumsum(sizes, 0)
@@ -183,7 +216,8 @@ def _block_sizes(block_sizes, cu_nodes, prefix_len):
 
 
 def block_mask(block_sizes=None, prefix_len=0, kind: str = "causal", format: str = "bool",
-               dtype: torch.dtype = torch.float32, *, cu_nodes=None, backend: str = "auto") -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, *, cu_nodes=None, backend: str = "auto", validate: bool = True,
+               max_nodes=None, max_prefix=None) -> torch.Tensor:
     """Attention mask of B blocks of draft positions after their prefixes (same formats as ``tree_mask``).
 
     block_sizes: int (every request drafts that many positions; B = len(prefix_len), or 1 for an int
@@ -193,14 +227,29 @@ def block_mask(block_sizes=None, prefix_len=0, kind: str = "causal", format: str
     kind "bidirectional": every block position sees the prefix and all positions of its block (GAD's
     non-autoregressive [MASK] block); built by a few vectorised torch comparisons on every backend (no
     per-node work to speed up).
+    validate, max_nodes, max_prefix: as in ``tree_mask``; with validate=False, max_nodes given (or an int
+    block_sizes) and P known, the bidirectional mask reads nothing back from the device; so does the causal one
+    for an int block_sizes (ragged causal blocks need the node count: ``tree_mask`` with explicit parents).
     """
     if kind not in ("causal", "bidirectional"):
         raise ValueError(f"kind: expected 'causal' or 'bidirectional', got {kind!r}")
     _check_format(format, dtype)
-    cu, sizes = _block_sizes(block_sizes, cu_nodes, prefix_len)
+    cu, sizes = _block_sizes(block_sizes, cu_nodes, prefix_len, validate)
+    if max_nodes is None and isinstance(block_sizes, int) and not isinstance(block_sizes, bool):
+        max_nodes = block_sizes
     if kind == "causal":
-        return tree_mask(None, cu, prefix_len, format=format, dtype=dtype, backend=backend)
-    _, cu, plen, n, P = normalise_tree(None, cu, prefix_len)
+        parents = None
+        if isinstance(block_sizes, int) and not isinstance(block_sizes, bool):  # chains known from the shapes
+            parents = (torch.arange(block_sizes, dtype=torch.int32, device=cu.device) - 1).repeat(sizes.numel())
+        return tree_mask(parents, cu, prefix_len, format=format, dtype=dtype, backend=backend, validate=validate,
+                         max_nodes=max_nodes, max_prefix=max_prefix)
+    n = max_nodes
+    if n is None or validate:
+        _, cu, plen, n, P = normalise_tree(None, cu, prefix_len, validate=validate, max_nodes=max_nodes,
+                                           max_prefix=max_prefix)
+    else:  # no parents to build: the node count N is not needed
+        _, cu, plen, n, P = normalise_tree(torch.empty(0, dtype=torch.int32, device=cu.device), cu, prefix_len,
+                                           validate=False, max_nodes=max_nodes, max_prefix=max_prefix)
     dispatch.resolve_backend(backend, cu.device)  # reject unusable backend names as the other ops do
     if format == "packed":
         i = torch.arange(n, device=cu.device)

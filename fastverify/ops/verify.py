@@ -15,8 +15,8 @@ import torch
 
 from fastverify import _ext
 from fastverify.ops import dispatch
-from fastverify.ops.checks import FLOAT_DTYPES, INT_DTYPES, LOGIT_DTYPES, check_range, check_tensor
-from fastverify.ops.sampling import _uniform_op, sample_v
+from fastverify.ops.checks import FLOAT_DTYPES, INT_DTYPES, LOGIT_DTYPES, check_range, check_tensor, constant_rows
+from fastverify.ops.sampling import sample_v
 from fastverify.reference.verify import RULES, SAMPLING_RULES
 
 __all__ = ["RULES", "VerifyOutput", "verify"]
@@ -68,8 +68,8 @@ if _ext.HAS_CPP:
 
 def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", k=None, eps=None, beta=None, tau=None,
            delta=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, min_accept=0, draft_probs=None, u_sample=None,
-           u_accept=None, seed=None, position=None, root_tokens=None, generator=None, backend="auto",
-           validate=True) -> VerifyOutput:
+           u_accept=None, seed=None, position=None, root_tokens=None, generator=None, max_depth=None,
+           backend="auto", validate=True) -> VerifyOutput:
     """Verify B requests' draft chains or trees against the target's logits under one acceptance rule.
 
     Ragged form (DESIGN.md "Batch layout"): request b drafts n_b >= 0 nodes, N = sum n_b.
@@ -95,27 +95,43 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
     stream 0), u_accept of local node j = uniform(seed, position + depth(j) - 1, stream 1 + j); otherwise
     uniforms from ``generator``.
 
+    max_depth: the width of ``accepted`` (an int >= 0). Default: K in the dense form; in the ragged form the
+        deepest node's depth, which is read back from the device. Give it (for example the drafter's budget) for
+        fixed-shape outputs; ``accepted`` then holds the first max_depth nodes of the path (accept_len is never
+        truncated), and validate=True checks that no node is deeper.
     backend: "auto" (cpp on CPU tensors, cuda > triton on CUDA tensors), or "torch", "cpp", "triton", "cuda".
-    validate=False skips the data checks (no host synchronisation beyond computing the tree depth); a request
-    with NaN / +inf logits then reports accept_len = -1 instead of raising.
+    validate=False skips the data checks. Then, in the dense form or with ``max_depth`` given, the call reads
+    nothing back from the device (no host synchronisation: CUDA-graph capturable, no graph break under
+    torch.compile) and its outputs' shapes depend on the inputs' shapes alone. A request with NaN / +inf logits
+    reports accept_len = -1 instead of raising; malformed trees or offsets give unspecified results, never an
+    out-of-bounds access.
 
     Returns VerifyOutput(accept_len int32 [B], accepted int32 [B, max_depth], next_token int64 [B]).
     """
     if rule not in RULES:
         raise ValueError(f"rule: expected one of {RULES}, got {rule!r}")
     # ---- normalise
-    logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample, u_accept, cu = _batch_layout(
-        logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample, u_accept, validate)
-    device, B, N = logits.device, len(cu) - 1, draft_tokens.numel()
-    parents, depth, max_depth = _tree(parents, cu, device, validate)
+    logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample, u_accept, cu, K = _batch_layout(
+        logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample, u_accept, validate, max_depth is None)
+    device, B, N = logits.device, cu_nodes.numel() - 1, draft_tokens.numel()
+    if max_depth is not None and (isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0):
+        raise ValueError(f"max_depth: expected None or an int >= 0, got {max_depth!r}")
+    chain = parents is None
+    parents, depth, deepest = _tree(parents, cu_nodes, cu, K, N, device, validate)
+    if not chain and depth is None:
+        depth = "tree"  # depths found on the device where seeded uniforms need them
+    if max_depth is None:
+        max_depth = K if K is not None else deepest
+    elif validate and deepest > max_depth:
+        raise ValueError(f"max_depth: the deepest node has depth {deepest}, more than max_depth = {max_depth}")
     rule_params = _rule_params(rule, B, device, {"k": k, "eps": eps, "beta": beta, "tau": tau, "delta": delta},
                                validate)
     warp = _warp(B, device, temperature, top_k, top_p, min_p, validate)
     root_tokens = _rule_options(rule, min_accept, root_tokens, B, device)
     if rule in SAMPLING_RULES:
         draft_probs = _draft_probs(rule, draft_probs, N, logits.shape[1], device, validate)
-        u_sample, u_accept = _uniforms(rule, u_sample, u_accept, seed, position, generator, cu_nodes, depth, B, N,
-                                       device, validate)
+        u_sample, u_accept = _uniforms(rule, u_sample, u_accept, seed, position, generator, cu_nodes, parents,
+                                       None if chain else depth, K, B, N, device, validate)
     else:
         for name, val in (("draft_probs", draft_probs), ("u_sample", u_sample), ("u_accept", u_accept),
                           ("seed", seed), ("position", position)):
@@ -137,10 +153,12 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
 # Normalisation: the batch layout and the tree
 
 
-def _batch_layout(logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample, u_accept, validate):
+def _batch_layout(logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample, u_accept, validate, host_offsets):
     """The ragged layout of DESIGN.md "Batch layout" from either form, checked: logits [N + B, V] (unit inner
     stride), draft_tokens int64 [N], cu_nodes int32 [B + 1], parents [N] or None, the dense form's optional
-    per-node / per-row tensors flattened, and the offsets as a host list."""
+    per-node / per-row tensors flattened; the offsets as a host list (read back from the device only in the
+    ragged form, and there only when validating or when ``host_offsets``; else None), and the dense form's K
+    (None for the ragged form)."""
     check_tensor("logits", logits, logits.device if isinstance(logits, torch.Tensor) else None, LOGIT_DTYPES)
     device = logits.device
     check_tensor("draft_tokens", draft_tokens, device, INT_DTYPES)
@@ -158,7 +176,8 @@ def _batch_layout(logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample
         logits = logits.reshape(B * K1, V)
         draft_tokens = draft_tokens.reshape(B * K)
         cu = [b * K for b in range(B + 1)]  # known on the host: no device read-back below
-        cu_nodes = torch.arange(B + 1, device=device, dtype=torch.int32) * K
+        cu_nodes = constant_rows.build(("dense cu_nodes", B, K, device),
+                                       lambda: torch.arange(B + 1, device=device, dtype=torch.int32) * K)
         if parents is not None:
             check_tensor("parents", parents, device, INT_DTYPES)
             if parents.shape not in ((K,), (B, K)):
@@ -183,7 +202,7 @@ def _batch_layout(logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample
             raise ValueError(f"draft_tokens: expected shape [N], got {tuple(draft_tokens.shape)}")
         B = cu_nodes.numel() - 1
         V = logits.shape[1]
-        cu = None
+        cu = K = None
     N = draft_tokens.numel()
     if logits.shape[0] != N + B:
         raise ValueError(f"logits: expected N + B = {N} + {B} = {N + B} rows, got {logits.shape[0]}")
@@ -191,9 +210,9 @@ def _batch_layout(logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample
         raise ValueError("logits: expected a vocabulary of at least one token, got V = 0")
     if logits.stride(-1) != 1:  # kernels need a contiguous last dim; any row stride is fine
         logits = logits.contiguous()
-    cu_nodes = cu_nodes.to(torch.int32)
-    draft_tokens = draft_tokens.to(torch.int64)
-    if cu is None:
+    cu_nodes = _as(cu_nodes, torch.int32)
+    draft_tokens = _as(draft_tokens, torch.int64)
+    if cu is None and (validate or host_offsets):
         cu = cu_nodes.tolist()
     if validate:
         if cu[0] != 0 or cu[-1] != N or any(b > a for a, b in zip(cu[1:], cu[:-1])):
@@ -201,40 +220,74 @@ def _batch_layout(logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample
         if N and bool(((draft_tokens < 0) | (draft_tokens >= V)).any()):
             bad = draft_tokens[(draft_tokens < 0) | (draft_tokens >= V)]
             raise ValueError(f"draft_tokens: expected token ids in [0, V = {V}), got {bad[:4].tolist()}")
-    return logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample, u_accept, cu
+    return logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample, u_accept, cu, K
 
 
-def _tree(parents, cu, device, validate):
-    """(parents int32 [N] with chains materialised, node depths as a host list or None for chains, max depth)."""
-    B, N = len(cu) - 1, cu[-1]
-    counts = [b - a for a, b in zip(cu[:-1], cu[1:])]
+def _as(x, dtype):
+    """x in dtype (the tensor itself when it already is: a call's worth of torch overhead saved per argument)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _node_index(cu_nodes, N):
+    """(request, local index) of every node, int64 [N] each, computed on the device."""
+    cu_long = cu_nodes.long()
+    node_ids = torch.arange(N, device=cu_nodes.device)
+    request = torch.searchsorted(cu_long[1:], node_ids, right=True)
+    return request, node_ids - cu_long[request]
+
+
+def _tree(parents, cu_nodes, cu, K, N, device, validate):
+    """(parents int32 [N] with chains materialised; node depths int64 [N] on the device, or None where they are
+    not known yet (chains: local index + 1; trees not validated: ``_device_depth`` on demand); the deepest
+    node's depth, or None where it would need a host read that ``cu`` (None) says to avoid)."""
     if parents is None:
-        if B and len(set(counts)) == 1:  # equal chains (the dense form): built on the device, no host copy
-            parents = (torch.arange(counts[0], dtype=torch.int32, device=device) - 1).repeat(B)
+        if K is not None:  # the dense form: equal chains, built on the device
+            B = cu_nodes.numel() - 1
+            parents = constant_rows.build(("dense chains", B, K, device), lambda: (
+                torch.arange(K, dtype=torch.int32, device=device) - 1).repeat(B))
         else:
-            parents = torch.tensor([j - 1 for c in counts for j in range(c)], dtype=torch.int32, device=device)
-        return parents, None, max(counts, default=0)  # chain depths are computed on demand (seeded uniforms)
+            parents = (_node_index(cu_nodes, N)[1] - 1).to(torch.int32)
+        deepest = None if cu is None else max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
+        return parents, None, deepest
     check_tensor("parents", parents, device, INT_DTYPES, dim=1)
     if parents.numel() != N:
         raise ValueError(f"parents: expected shape [N = {N}], got {tuple(parents.shape)}")
-    parents = parents.to(torch.int32)
+    parents = _as(parents, torch.int32)
+    if cu is None or (K is not None and not validate):  # depths left to the device (the dense form's width is K)
+        return parents, None, None
     par = parents.tolist()
     depth = [0] * N
-    for b in range(B):
-        for j in range(counts[b]):
+    for b in range(len(cu) - 1):
+        for j in range(cu[b + 1] - cu[b]):
             p = par[cu[b] + j]
             if validate and not -1 <= p < j:
                 raise ValueError(f"parents: request {b} node {j} has parent {p}; expected -1 (the root) or a "
                                  f"node of the same request that precedes it (0 <= parent < {j})")
-            depth[cu[b] + j] = 1 if p < 0 else depth[cu[b] + p] + 1
-    return parents, depth, max(depth, default=0)
+            depth[cu[b] + j] = 1 if not 0 <= p < j else depth[cu[b] + p] + 1
+    return parents, torch.tensor(depth, dtype=torch.int64, device=device), max(depth, default=0)
+
+
+def _device_depth(parents, cu_nodes, N, n_max):
+    """Depth of every node (a child of the root has depth 1), int64 [N], without leaving the device: pointer
+    jumping over the parent links, ceil(log2(n_max)) rounds for requests of at most n_max nodes. A parent that
+    does not precede its node counts as the root (unvalidated input stays in bounds)."""
+    request, local = _node_index(cu_nodes, N)
+    p = parents.long()
+    anc = torch.where((p >= 0) & (p < local), cu_nodes.long()[request] + p, N)  # N: a sentinel of depth 0
+    anc = torch.cat([anc, torch.full((1,), N, dtype=torch.int64, device=anc.device)])
+    d = torch.cat([torch.ones(N, dtype=torch.int64, device=anc.device),
+                   torch.zeros(1, dtype=torch.int64, device=anc.device)])
+    for _ in range(math.ceil(math.log2(n_max)) if n_max > 1 else 0):
+        d = d + d[anc]
+        anc = anc[anc]
+    return d[:N]
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Normalisation: rule and warping parameters
 
 
-def _per_request(name, value, B, device, *, integral=False):
+def _per_request(name, value, B, device, *, integral=False, validate=True):
     """A Python scalar or a tensor [B] (or 0-dim) -> float32 [B] on device."""
     if isinstance(value, torch.Tensor):
         if value.dim() > 1 or (value.dim() == 1 and value.numel() not in (1, B)):
@@ -243,7 +296,7 @@ def _per_request(name, value, B, device, *, integral=False):
             raise TypeError(f"{name}: expected a real number tensor, got {value.dtype}")
         if value.device != device:
             raise ValueError(f"{name}: expected a tensor on {device}, got {value.device}")
-        if integral and value.is_floating_point() and bool((value != value.round()).any()):
+        if validate and integral and value.is_floating_point() and bool((value != value.round()).any()):
             raise ValueError(f"{name}: expected integers, got {value}")
         return value.to(torch.float32).reshape(-1).expand(B).contiguous()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -253,31 +306,38 @@ def _per_request(name, value, B, device, *, integral=False):
     return float(value)  # Python scalars stay on the host: one tensor for all of them (see _columns)
 
 
-_CONST_COLUMNS = {}  # (values, B, device) -> read-only float32 [B, n]; bounded, see _columns
-
-
-def _columns(cols, B, device):
-    """float32 [B, len(cols)] from Python floats and / or float32 [B] tensors. All-scalar parameters (the usual
-    case: the same rule and warping every step) come from a small cache, so that a CUDA call does not pay a
-    host-to-device copy, which waits for the stream, for each of its two parameter tensors. The kernels only
-    read these tensors."""
+def _columns(cols, B, device, key):
+    """float32 [B, len(cols)] from Python floats and / or float32 [B] tensors; all-scalar columns come from the
+    ``constant_rows`` cache under ``key`` (no host-to-device copy per call). The kernels only read these tensors."""
     if not any(isinstance(c, torch.Tensor) for c in cols):
-        # While torch.compile traces, a constant tensor and nothing kept across calls.
-        key = None if torch.compiler.is_compiling() else (tuple(cols), B, device)
-        t = _CONST_COLUMNS.get(key)
-        if t is None:
-            t = torch.tensor(cols, dtype=torch.float32, device=device).expand(B, len(cols)).contiguous()
-            if key is not None:
-                if len(_CONST_COLUMNS) >= 64:
-                    _CONST_COLUMNS.clear()
-                _CONST_COLUMNS[key] = t
-        return t
+        return constant_rows(key, cols, B, device)
     return torch.stack([c if isinstance(c, torch.Tensor) else torch.full((B,), c, dtype=torch.float32, device=device)
                         for c in cols], dim=1)
 
 
+def _scalars_key(what, values, B, device):
+    """The cache key of a call whose parameters are all Python numbers (or None), else None. Exact types: True
+    must not hit the entry of 1."""
+    return (what, values, B, device) if all(type(v) in (int, float, type(None)) for v in values) else None
+
+
+def _check(name, x, validate, **bounds):
+    """Range check of a Python number (always: it reads nothing from the device) or of a tensor (with validate)."""
+    if validate or not isinstance(x, torch.Tensor):
+        check_range(name, x, **bounds)
+
+
+# rule -> its parameters' bounds (check_range keywords), in schema column order
+_RULE_BOUNDS = {"topk": ({"lo": 1},), "distance": ({"lo": 0},), "gad": ({"lo": 1}, {"lo": 0}),
+                "typical": ({"lo": 0}, {"lo": 0}), "confidence": ({"lo": 0, "hi": 1, "lo_open": True},)}
+
+
 def _rule_params(rule, B, device, given, validate):
     """float32 [B, 2] rule parameters (schema layout), with defaults and range checks."""
+    key = _scalars_key(rule, tuple(given.values()), B, device)
+    hit = None if key is None else constant_rows.get(key)  # an entry is only made after its values were checked
+    if hit is not None:
+        return hit
     names = _RULE_PARAMS[rule]
     for name, value in given.items():
         if value is not None and name not in names:
@@ -287,39 +347,31 @@ def _rule_params(rule, B, device, given, validate):
         e = given["eps"]
         given = dict(given, delta=e.sqrt() if isinstance(e, torch.Tensor) else math.sqrt(e) if e >= 0 else e)
     cols = []
-    for name in names:
+    for name, bounds in zip(names, _RULE_BOUNDS.get(rule, ())):
         if given[name] is None:
             raise ValueError(f"{name}: rule {rule!r} needs {' and '.join(names)}")
-        cols.append(_per_request(name, given[name], B, device, integral=(rule, name) in (("topk", "k"),)))
-    if validate:
-        if rule == "topk":
-            check_range("k", cols[0], lo=1)
-        elif rule == "distance":
-            check_range("eps", cols[0], lo=0)
-        elif rule == "gad":
-            check_range("beta", cols[0], lo=1)
-            check_range("tau", cols[1], lo=0)
-        elif rule == "typical":
-            check_range("eps", cols[0], lo=0)
-            check_range("delta", cols[1], lo=0)
-        elif rule == "confidence":
-            check_range("beta", cols[0], lo=0, hi=1, lo_open=True)
+        cols.append(_per_request(name, given[name], B, device, integral=(rule, name) in (("topk", "k"),),
+                                 validate=validate))
+        _check(name, cols[-1], validate, **bounds)
     while len(cols) < 2:
         cols.append(0.0)
-    return _columns(cols, B, device)
+    return _columns(cols, B, device, key)
 
 
 def _warp(B, device, temperature, top_k, top_p, min_p, validate):
+    key = _scalars_key("warp", (temperature, top_k, top_p, min_p), B, device)
+    hit = None if key is None else constant_rows.get(key)  # an entry is only made after its values were checked
+    if hit is not None:
+        return hit
     t = _per_request("temperature", temperature, B, device)
-    k = _per_request("top_k", top_k, B, device, integral=True)
+    k = _per_request("top_k", top_k, B, device, integral=True, validate=validate)
     p = _per_request("top_p", top_p, B, device)
     mp = _per_request("min_p", min_p, B, device)
-    if validate:
-        check_range("temperature", t, lo=0)
-        check_range("top_k", k, lo=0)
-        check_range("top_p", p, lo=0, hi=1, lo_open=True)
-        check_range("min_p", mp, lo=0, hi=1)
-    return _columns([t, k, p, mp], B, device)
+    _check("temperature", t, validate, lo=0)
+    _check("top_k", k, validate, lo=0)
+    _check("top_p", p, validate, lo=0, hi=1, lo_open=True)
+    _check("min_p", mp, validate, lo=0, hi=1)
+    return _columns([t, k, p, mp], B, device, key)
 
 
 def _rule_options(rule, min_accept, root_tokens, B, device):
@@ -361,9 +413,11 @@ def _draft_probs(rule, draft_probs, N, V, device, validate):
     return draft_probs
 
 
-def _uniforms(rule, u_sample, u_accept, seed, position, generator, cu_nodes, depth, B, N, device, validate):
+def _uniforms(rule, u_sample, u_accept, seed, position, generator, cu_nodes, parents, depth, K, B, N, device,
+              validate):
     """(u_sample float32 [N + B], u_accept float32 [N] or None): given, drawn from (seed, position), or drawn
-    with ``generator`` (see ``verify``)."""
+    with ``generator`` (see ``verify``). ``depth``: node depths int64 [N], or None for chains, or the string
+    "tree" for a tree whose depths are found on the device. K: the dense form's nodes per request, else None."""
     need_accept = rule == "speculative"
     if (seed is None) != (position is None):
         raise ValueError("seed, position: give both (seeded uniforms) or neither")
@@ -375,15 +429,9 @@ def _uniforms(rule, u_sample, u_accept, seed, position, generator, cu_nodes, dep
         if seed.numel() not in (1, B) or position.numel() != B:
             raise ValueError(f"seed, position: expected shape [B = {B}], got {tuple(seed.shape)}, "
                              f"{tuple(position.shape)}")
-        seed = seed.to(torch.int64).reshape(-1).expand(B)
-        position = position.to(torch.int64).reshape(B)
-        # Request and local index of every node, computed where the tensors live (no host round trip).
-        cu_long = cu_nodes.long()
-        node_ids = torch.arange(N, device=device)
-        node_request = torch.searchsorted(cu_long[1:], node_ids, right=True)
-        local = node_ids - cu_long[node_request]
-        # chains: depth of local node j is j + 1
-        node_depth = local + 1 if depth is None else torch.tensor(depth, dtype=torch.int64, device=device)
+        seed = _as(seed, torch.int64).reshape(-1)
+        seed = seed if seed.shape[0] == B else seed.expand(B)
+        position = _as(position, torch.int64).reshape(B)
     for name, val, n in (("u_sample", u_sample, N + B), ("u_accept", u_accept, N)):
         if val is None:
             continue
@@ -392,26 +440,26 @@ def _uniforms(rule, u_sample, u_accept, seed, position, generator, cu_nodes, dep
         check_tensor(name, val, device, FLOAT_DTYPES)
         if val.numel() != n:
             raise ValueError(f"{name}: expected {n} values, got shape {tuple(val.shape)}")
+    if seed is not None and (u_sample is None or (need_accept and u_accept is None)):
+        # Every row's and node's uniform in one call of the uniform op (see _seeded_layout)
+        if K is not None and depth is None:  # equal chains: the layout depends on the shapes alone
+            layout = constant_rows.build(("seeded chains", B, K, need_accept, device),
+                                         lambda: _seeded_layout(cu_nodes, parents, None, K, B, N, need_accept, device))
+        else:
+            layout = _seeded_layout(cu_nodes, parents, depth, K if K is not None else N, B, N, need_accept, device)
+        request, offset, stream = layout
+        u = dispatch.call("uniform", "auto", device, seed.index_select(0, request),
+                          position.index_select(0, request).add_(offset), stream)
+        u_sample = u.narrow(0, 0, N + B) if u_sample is None else u_sample
+        u_accept = u.narrow(0, N + B, N) if need_accept and u_accept is None else u_accept
     if u_sample is None:
-        if seed is not None:
-            # Row order per request: the root row (depth 0), then the row of node j (depth(j)).
-            row_request = torch.searchsorted(cu_long[1:] + torch.arange(1, B + 1, device=device),
-                                             torch.arange(N + B, device=device), right=True)
-            row_depth = torch.zeros(N + B, dtype=torch.int64, device=device)
-            row_depth[node_ids + node_request + 1] = node_depth  # node g's own row
-            u_sample = _uniform(seed[row_request], position[row_request] + row_depth, 0)
-        else:
-            u_sample = sample_v(N + B, generator=generator, device=device)
-    if need_accept and u_accept is None and N:
-        if seed is not None:
-            # local node j draws from Philox stream 1 + j: one call with a stream per node
-            u_accept = _uniform(seed[node_request], position[node_request] + node_depth - 1, 1 + local)
-        else:
-            u_accept = sample_v(N, generator=generator, device=device)
-    elif need_accept and u_accept is None:
-        u_accept = torch.empty(0, dtype=torch.float32, device=device)
-    u_sample = u_sample.reshape(-1).to(torch.float32).contiguous()
-    if u_accept is not None:
+        u_sample = sample_v(N + B, generator=generator, device=device)
+    elif u_sample.dtype != torch.float32 or u_sample.dim() != 1 or not u_sample.is_contiguous():
+        u_sample = u_sample.reshape(-1).to(torch.float32).contiguous()
+    if need_accept and u_accept is None:
+        u_accept = sample_v(N, generator=generator, device=device)
+    elif u_accept is not None and (u_accept.dtype != torch.float32 or u_accept.dim() != 1
+                                   or not u_accept.is_contiguous()):
         u_accept = u_accept.reshape(-1).to(torch.float32).contiguous()
     if validate:
         for name, val in (("u_sample", u_sample), ("u_accept", u_accept)):
@@ -420,9 +468,24 @@ def _uniforms(rule, u_sample, u_accept, seed, position, generator, cu_nodes, dep
     return u_sample, u_accept
 
 
-def _uniform(seed, position, stream):
-    """uniform() on int64 tensors of one shape, unchecked; stream an int or a tensor of that shape (verify's
-    streams, 0 and 1 + j, are in [0, 2^32) by construction)."""
-    if isinstance(stream, int):
-        stream = torch.full_like(position, stream)
-    return _uniform_op(seed, position, stream)
+def _seeded_layout(cu_nodes, parents, depth, n_max, B, N, need_accept, device):
+    """(request, position offset, Philox stream), int64 [N + B (+ N with need_accept)] each, computed on the device:
+    first every logits row (its request, its depth, stream 0), then every node (its request, depth - 1, stream 1 +
+    its local index). ``depth`` as in ``_uniforms``; requests of at most n_max nodes."""
+    node_request, local = _node_index(cu_nodes, N)
+    if depth is None:  # chains: depth of local node j is j + 1
+        node_depth = local + 1
+    elif isinstance(depth, str):
+        node_depth = _device_depth(parents, cu_nodes, N, n_max)
+    else:
+        node_depth = depth
+    # Row order per request: the root row (depth 0), then the row of node j (depth(j)).
+    row_request = torch.searchsorted(cu_nodes.long()[1:] + torch.arange(1, B + 1, device=device),
+                                     torch.arange(N + B, device=device), right=True)
+    row_depth = torch.zeros(N + B, dtype=torch.int64, device=device)
+    row_depth[torch.arange(N, device=device) + node_request + 1] = node_depth  # node g's own row
+    if not need_accept:
+        return row_request, row_depth, torch.zeros_like(row_depth)
+    return (torch.cat([row_request, node_request]), torch.cat([row_depth, node_depth - 1]),
+            torch.cat([torch.zeros_like(row_depth), local + 1]))
+

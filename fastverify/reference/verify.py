@@ -229,7 +229,7 @@ def verify(logits, draft_tokens, cu_nodes, parents, rule_params, warp, draft_pro
         root_tokens:  int64 [B] or None, the last committed token of each request (confidence).
         rule:         int index into RULES.
         min_accept:   int >= 0 (deterministic rules).
-        max_depth:    int >= 0, width of ``accepted``.
+        max_depth:    int >= 0, width of ``accepted`` (a longer path keeps its first max_depth nodes).
 
     Returns:
         accept_len int32 [B], accepted int32 [B, max_depth] (-1 padded), next_token int64 [B].
@@ -296,6 +296,6 @@ def verify(logits, draft_tokens, cu_nodes, parents, rule_params, warp, draft_pro
         path.reverse()
         accept_len[b] = len(path)
         if path:
-            accepted[b, :len(path)] = torch.tensor(path, dtype=torch.int32)
+            accepted[b, :min(len(path), max_depth)] = torch.tensor(path[:max_depth], dtype=torch.int32)
         next_token[b] = nxt
     return accept_len, accepted, next_token
