@@ -23,6 +23,8 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--torch-adapters", action="store_true",
+                    help="the adapters' torch ops instead of the fused C++ update (for comparison)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -36,6 +38,9 @@ def main(argv=None):
     from fastverify.models import load_smollm2
     from fastverify.tree import Tree
 
+    if args.torch_adapters:
+        import fastverify.lora
+        fastverify.lora._HAS_FUSED = False
     model, _ = load_smollm2()
     drafter = fastverify.load_drafter("smollm2-gad", model)
     m, k, L = drafter.block_size, args.k, args.context
@@ -65,7 +70,7 @@ def main(argv=None):
                 rows[name] = inp.input_ids.shape[1]
     base = statistics.median(times["plain step (1 row)"])
     print(f"SmolLM2-135M-Instruct fp32, {torch.get_num_threads()} threads, cache {L} tokens, GAD block of {m} slots; "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}; adapters: {'torch ops' if args.torch_adapters else 'fused C++ update'}")
     print("| layout | rows | ms | x plain step |\n| --- | --- | --- | --- |")
     for name, ts in times.items():
         med = statistics.median(ts)

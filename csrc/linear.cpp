@@ -4,8 +4,16 @@
 //   skinny_linear(x float32 [..., K], weight float32 [N, K], bias float32 [N] or None) -> float32 [..., N]
 //       x @ weight^T + bias, for a few rows (a verify forward): the weight is streamed once whatever the number
 //       of rows. CPU only: on a GPU, cuBLAS already keeps small-M GEMMs bandwidth-bound.
+//
+//   gated_lora_add_(y float32 [R, N] (mutated), x float32 [R, K], index int64 [n], A float32 [r, K],
+//                   B float32 [N, r], scale) -> ()
+//       y[index[i]] += scale * (x[index[i]] @ A^T) @ B^T for i < n, every other row of y untouched: a gated LoRA
+//       adapter's update of its slot rows (fastverify/lora.py) in one call instead of a dozen small torch ops.
+//       Inference only (no autograd); CPU only, like skinny_linear. Rounding differs from torch's matmuls; the
+//       rows it touches are drafts, never verified outputs.
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("gated_lora_add_(Tensor(a!) y, Tensor x, Tensor index, Tensor A, Tensor B, float scale) -> ()");
 }

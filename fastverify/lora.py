@@ -10,6 +10,10 @@ must still compute exactly what the base model computes, or the exact rules woul
   index, not a multiply by a 0/1 gate: the other rows of ``y`` are never written);
 - it is never merged into the weight (W + BA, then subtracting it again, is not bit-exact: near-ties would flip).
 
+Inference on float32 CPU tensors does the gather, the two rank-r products and the scatter-add in one C++ call
+(``fastverify::gated_lora_add_``, csrc/cpu/linear.cpp) instead of a dozen small torch ops per adapted layer;
+training (autograd on) and other devices take the torch path.
+
 The gate is a bool tensor [..., rows] over the leading dimensions of the layer's input, set for one forward by
 ``slot_gate(gate)``; outside that context (or with an all-False gate) the adapters do nothing. The base layer
 stays the module's child ``base`` (the skinny-linear routing of fastverify.hf.linear still reaches it).
@@ -20,6 +24,8 @@ import math
 
 import torch
 from torch import nn
+
+from fastverify import _ext
 
 __all__ = ["GatedLoRALinear", "add_gated_lora", "remove_gated_lora", "gated_lora_layers", "slot_gate",
            "DEFAULT_TARGETS"]
@@ -87,6 +93,11 @@ class GatedLoRALinear(nn.Module):
         if state is None or state[0].shape != x.shape[:-1] or state[1].numel() == 0:
             return y
         idx = state[1]
+        if _fused(x, y, self.lora_A):  # inference on the CPU: one C++ call (csrc/cpu/linear.cpp)
+            y2 = y.reshape(-1, y.shape[-1])
+            torch.ops.fastverify.gated_lora_add_(y2, x.reshape(-1, x.shape[-1]).contiguous(), idx, self.lora_A,
+                                                 self.lora_B, self.scale)
+            return y2.view_as(y)
         rows = x.reshape(-1, x.shape[-1]).index_select(0, idx)
         delta = (rows.to(self.lora_A.dtype) @ self.lora_A.t()) @ self.lora_B.t()
         # out of place: the other rows of y are copied, never recomputed
@@ -94,6 +105,21 @@ class GatedLoRALinear(nn.Module):
 
     def extra_repr(self):
         return f"rank={self.rank}, alpha={self.alpha}"
+
+
+def _fused(x, y, A):
+    """Whether the fused C++ update applies: float32 CPU tensors, no autograd, a contiguous fresh ``y`` (the base
+    layer's output, updated in place), and the op built (``FASTVERIFY_DISABLE_EXT`` and old builds fall back)."""
+    return (_HAS_FUSED and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
+            and y.dtype == torch.float32 and A.dtype == torch.float32 and y.is_contiguous())
+
+
+_HAS_FUSED = _ext.HAS_CPP and hasattr(torch.ops.fastverify, "gated_lora_add_")
+
+if _HAS_FUSED:
+    @torch.library.register_fake("fastverify::gated_lora_add_")
+    def _gated_lora_add_fake(y, x, index, A, B, scale):
+        return None
 
 
 def gated_lora_layers(model):

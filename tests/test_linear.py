@@ -147,3 +147,72 @@ def test_skinny_linears_reroutes_few_rows_and_restores_the_model():
         out = model[:3](torch.randn(2, 32, requires_grad=True)).sum()
     out.backward()
     assert model[0].weight.grad is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gated_lora_add_: a gated LoRA adapter's update of its slot rows in one call (fastverify/lora.py's inference path)
+
+needs_fused = pytest.mark.skipif(not hasattr(torch.ops.fastverify, "gated_lora_add_"),
+                                 reason="fastverify._C is not built or has no gated_lora_add_ kernel")
+
+
+@needs_fused
+@pytest.mark.parametrize("R, K, N, r", [(1, 1, 1, 1), (7, 37, 29, 3), (16, 576, 192, 8), (5, 64, 1536, 16)])
+def test_gated_lora_add_matches_float64_and_leaves_other_rows(R, K, N, r):
+    g = torch.Generator().manual_seed(R * 1000 + K)
+    x, y = torch.randn(R, K, generator=g), torch.randn(R, N, generator=g)
+    A, B = torch.randn(r, K, generator=g), torch.randn(N, r, generator=g)
+    for idx in ([], [0], sorted({0, R - 1, R // 2}), [R - 1, 0, R - 1]):  # duplicates add twice, like index_add
+        index = torch.tensor(idx, dtype=torch.int64)
+        out = y.clone()
+        torch.ops.fastverify.gated_lora_add_(out, x, index, A, B, 0.5)
+        ref = y.double().index_add(0, index, 0.5 * (x.double()[index] @ A.double().T) @ B.double().T)
+        untouched = torch.ones(R, dtype=torch.bool)
+        untouched[index] = False
+        assert torch.equal(out[untouched], y[untouched])  # bit for bit
+        bound = 1e-5 * (1 + (x.double().abs()[index] @ A.double().abs().T) @ B.double().abs().T).max() if idx else 0
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=float(bound) + 1e-6)
+
+
+@needs_fused
+def test_gated_lora_layer_fused_path_equals_the_torch_path():
+    from fastverify.lora import GatedLoRALinear, slot_gate
+
+    torch.manual_seed(0)
+    layer = GatedLoRALinear(torch.nn.Linear(48, 40), rank=4, alpha=8.0)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(2, 9, 48)
+    gate = torch.zeros(2, 9, dtype=torch.bool)
+    gate[0, 6:] = True
+    gate[1, 2] = True
+    with slot_gate(gate):
+        torch_path = layer(x)  # autograd on: the torch ops
+        with torch.no_grad():
+            fused = layer(x)  # no grad, float32 CPU: the C++ op
+            with skinny_linears(torch.nn.Sequential(layer)):
+                fused_skinny = layer(x)
+    assert torch.equal(fused[~gate], layer.base(x)[~gate])
+    torch.testing.assert_close(fused, torch_path.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_skinny, torch_path.detach(), rtol=1e-5, atol=1e-5)
+
+
+@needs_fused
+def test_gated_lora_add_bad_input_names_the_argument():
+    y, x = torch.zeros(4, 6), torch.zeros(4, 5)
+    A, B, idx = torch.zeros(2, 5), torch.zeros(6, 2), torch.tensor([1])
+    op = torch.ops.fastverify.gated_lora_add_
+    with pytest.raises(RuntimeError, match="index: row 4 is outside"):
+        op(y, x, torch.tensor([4]), A, B, 1.0)
+    with pytest.raises(RuntimeError, match="index: row -1 is outside"):
+        op(y, x, torch.tensor([-1]), A, B, 1.0)
+    with pytest.raises(RuntimeError, match="A: expected shape"):
+        op(y, x, idx, torch.zeros(2, 4), B, 1.0)
+    with pytest.raises(RuntimeError, match="B: expected shape"):
+        op(y, x, idx, A, torch.zeros(5, 2), 1.0)
+    with pytest.raises(RuntimeError, match="x: expected 4 rows"):
+        op(y, torch.zeros(3, 5), idx, A, B, 1.0)
+    with pytest.raises(RuntimeError, match="y: expected a contiguous 2-D float32"):
+        op(y.double(), x, idx, A, B, 1.0)
+    with pytest.raises(RuntimeError, match="index: expected an int64"):
+        op(y, x, idx.int(), A, B, 1.0)

@@ -4,6 +4,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <utility>
+#include <vector>
+
 #include "linear.h"
 
 namespace {
@@ -46,6 +49,43 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   return y;
 }
 
+void gated_lora_add_cpu(at::Tensor& y, const at::Tensor& x, const at::Tensor& index, const at::Tensor& A,
+                        const at::Tensor& B, double scale) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"y", y}, {"x", x}, {"A", A}, {"B", B}}) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous(), name,
+                ": expected a contiguous 2-D float32 CPU tensor, got ", t.scalar_type(), " ", t.sizes(), " on ",
+                t.device());
+  }
+  const int64_t R = y.size(0), N = y.size(1), K = x.size(1), r = A.size(0);
+  TORCH_CHECK(x.size(0) == R, "x: expected ", R, " rows (as y), got ", x.size(0));
+  TORCH_CHECK(A.size(1) == K, "A: expected shape [r, K = ", K, "], got ", A.sizes());
+  TORCH_CHECK(B.size(0) == N && B.size(1) == r, "B: expected shape [N = ", N, ", r = ", r, "], got ", B.sizes());
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong && index.dim() == 1,
+              "index: expected an int64 CPU tensor [n], got ", index.scalar_type(), " ", index.sizes());
+  const at::Tensor idx_t = index.contiguous();
+  const int64_t n = idx_t.numel();
+  const int64_t* idx = idx_t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < R, "index: row ", idx[i], " is outside [0, ", R, ")");
+  if (n == 0 || N == 0) return;
+  std::vector<float> rows(n * K), t(n * r), d(n * N);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) std::copy(xp + idx[i] * K, xp + (idx[i] + 1) * K, rows.data() + i * K);
+  if (r > 0 && K > 0) fastverify::linear::skinny_rows(rows.data(), A.data_ptr<float>(), nullptr, t.data(), n, K, r, 0, r);
+  const float s = static_cast<float>(scale);
+  for (float& v : t) v *= s;
+  if (r > 0) fastverify::linear::skinny_rows(t.data(), B.data_ptr<float>(), nullptr, d.data(), n, r, N, 0, N);
+  float* yp = y.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    float* yr = yp + idx[i] * N;
+    const float* dr = d.data() + i * N;
+    for (int64_t o = 0; o < N; ++o) yr[o] += dr[o];
+  }
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fastverify, CPU, m) { m.impl("skinny_linear", &skinny_linear_cpu); }
+TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear_cpu);
+  m.impl("gated_lora_add_", &gated_lora_add_cpu);
+}
