@@ -79,6 +79,8 @@ class StepInputs:
     row_local: torch.Tensor
     slot_rows: torch.Tensor = None
     slot_local: list = None
+    cu_host: list = None  # cu_nodes and draft_tokens as Python lists (the loop reads them without a device copy)
+    tokens_host: list = None
 
 
 def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device, blocks=None, block_size=0,
@@ -137,7 +139,7 @@ def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device, blocks=No
         return torch.tensor(x, dtype=dt, device=device)
 
     visible = tree_mask(t(parents_aug, torch.int32), t(cu_aug, torch.int32), t(cache_len, torch.int32),
-                        format="bool", validate=False)  # [B, q, S + q]
+                        format="bool", validate=False, max_nodes=q, max_prefix=S)  # [B, q, S + q], no read-back
     if S and any(pad_len):
         slot = torch.arange(S, device=device)
         visible[:, :, :S] &= (slot[None, :] >= t(pad_len)[:, None])[:, None, :]
@@ -154,7 +156,8 @@ def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device, blocks=No
                 if bidirectional:  # every slot of the block sees every other (GAD's non-autoregressive block)
                     visible[b, r[:, None], S + r[None, :]] = True
     return StepInputs(t(ids), t(pos), _additive(visible, dtype), t(flat_tokens), t(cu, torch.int32),
-                      t(flat_parents, torch.int32), t(row_batch), t(row_local), slot_rows, slot_local)
+                      t(flat_parents, torch.int32), t(row_batch), t(row_local), slot_rows, slot_local, cu,
+                      flat_tokens)
 
 
 def _layers(cache):

@@ -104,6 +104,13 @@ class DecodeSettings:
     skinny_linear: bool = True  # few-row float32 CPU nn.Linear layers through fastverify.skinny_linear
 
 
+def _to_host(res):
+    """(accept_len, next_token, accepted) of a VerifyOutput as Python lists, in one device-to-host copy."""
+    B, D = res.accepted.shape
+    flat = torch.cat([res.accept_len.long(), res.next_token.long(), res.accepted.long().reshape(-1)]).tolist()
+    return flat[:B], flat[B:2 * B], [flat[2 * B + b * D:2 * B + (b + 1) * D] for b in range(B)]
+
+
 def _prune(tree: Tree, max_depth: int) -> Tree:
     """Drop nodes deeper than max_depth (their ancestors are shallower, so they stay)."""
     if len(tree) == 0 or tree.max_depth <= max_depth:
@@ -211,17 +218,14 @@ class Decoder:
         deepest = max((t.max_depth for t in trees), default=0)  # known here: verify then reads nothing back
         res = verify(logits, draft_tokens, cu_nodes, parents, rule=s.rule, backend=s.backend, validate=False,
                      max_depth=deepest, **kw)
-        accept_len = res.accept_len.tolist()
+        accept_len, next_token, accepted = _to_host(res)
         if any(a < 0 and r > 0 for a, r in zip(accept_len, remaining)):  # NaN / inf logits somewhere
             res = self._verify_around_invalid_rows(res, logits, trees, kw, remaining)
-            accept_len = res.accept_len.tolist()
-        accepted = res.accepted.tolist()
-        next_token = res.next_token.tolist()
+            accept_len, next_token, accepted = _to_host(res)
         t4 = time.perf_counter()
 
         # 5. commit: the accepted path + next token, cut at eos and max_new_tokens.
-        cu = cu_nodes.tolist()
-        flat = draft_tokens.tolist()
+        cu, flat = inp.cu_host, inp.tokens_host
         keep = [0] * B  # cache slots of the step to keep per request: root + accepted nodes
         st.drafted.append([len(t) if remaining[b] > 0 else None for b, t in enumerate(trees)])
         st.depth.append([t.max_depth if remaining[b] > 0 else None for b, t in enumerate(trees)])
