@@ -138,3 +138,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def tiny_llama(vocab=64, hidden=64, seed=0, init=0.08):
+    """A frozen 2-layer random Llama of ``vocab`` tokens (no pad / eos, so generation runs its full length)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   initializer_range=init)
+    model = transformers.LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    return model

@@ -15,6 +15,8 @@ from fastverify.train.slots import _trainables
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import tiny_llama  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V, D = 64, 64
@@ -23,14 +25,7 @@ WARP = {"temperature": 0.5, "top_k": 4, "top_p": 1.0}  # four tokens per positio
 
 
 def _tiny(seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=0.3)
-    model = transformers.LlamaForCausalLM(cfg).eval().requires_grad_(False)
-    model.generation_config.pad_token_id = None
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_llama(V, D, seed=seed, init=0.3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,6 +13,8 @@ from fastverify.train import slots as recipe
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import tiny_llama  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V, D = 64, 64
@@ -20,14 +22,7 @@ PAD = 1
 
 
 def _tiny(seed=0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=0.08)
-    model = transformers.LlamaForCausalLM(cfg).eval().requires_grad_(False)
-    model.generation_config.pad_token_id = None
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_llama(V, D, seed=seed, init=0.08)
 
 
 def test_slot_batch_layout():

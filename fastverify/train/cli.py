@@ -3,7 +3,7 @@
 import argparse
 import dataclasses
 
-__all__ = ["parse_config"]
+__all__ = ["parse_config", "run_recipe"]
 
 
 def parse_config(cls, argv, prog: str, description: str):
@@ -20,3 +20,17 @@ def parse_config(cls, argv, prog: str, description: str):
             typ = {"int": int, "float": float}.get(getattr(f.type, "__name__", str(f.type)), str)
             p.add_argument(name, type=typ, default=f.default)
     return cls(**vars(p.parse_args(argv)))
+
+
+def run_recipe(cls, train, argv, prog: str, description: str):
+    """The command line of a recipe: its config from ``argv``, torch's thread count, the target model and
+    tokenizer (``fastverify.train.heads.load_target``), then ``train(model, tokenizer, cfg, base_name=...)``."""
+    import torch
+
+    from fastverify.train.heads import load_target
+
+    cfg = parse_config(cls, argv, prog, description)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model, tokenizer, base = load_target(cfg.model, cfg.device)
+    return train(model, tokenizer, cfg, base_name=base)

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.heads import ProposalHeads, fingerprint, output_projection, save_heads
-from fastverify.train.cli import parse_config
+from fastverify.train.cli import parse_config, run_recipe
 
 __all__ = ["HeadsConfig", "train_heads", "load_prompts", "ngram_filter", "generate_data", "main"]
 
@@ -612,11 +612,8 @@ def parse_args(argv=None) -> HeadsConfig:
 
 
 def main(argv=None):
-    cfg = parse_args(argv)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model, tok, base = load_target(cfg.model, cfg.device)
-    train_heads(model, tok, cfg, base_name=base)
+    run_recipe(HeadsConfig, train_heads, argv, "python -m fastverify.train heads",
+               "Train blockwise proposal heads on a frozen causal LM by self-distillation.")
 
 
 if __name__ == "__main__":

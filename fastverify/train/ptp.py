@@ -32,19 +32,16 @@ data and PTP's targets:
              them, and under other settings it stays exact but drafts worse
 """
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from fastverify.heads import fingerprint
-from fastverify.hf.slots import PTPSlotDrafter, save_slot_drafter
+from fastverify.hf.slots import PTPSlotDrafter
 from fastverify.lora import slot_gate
-from fastverify.train.cli import parse_config
-from fastverify.train.heads import load_target
-from fastverify.train.slots import SlotsConfig, _evaluate, fit, load_data, slot_batch
+from fastverify.train.cli import parse_config, run_recipe
+from fastverify.train.slots import SlotsConfig, _evaluate, fit, load_data, slot_batch, write_checkpoint
 
 __all__ = ["PTPConfig", "train_ptp", "ptp_targets", "main"]
 
@@ -176,19 +173,9 @@ def train_ptp(model, tokenizer, cfg: PTPConfig, base_name: str = None, prompts=N
 
     curve = [h for h in history if "mean_accepted" in h]
     history = [h for h in history if "loss" in h]
-    recent = history[-50:]
-    config = {
-        "base_model": base_name, "base_fingerprint": fingerprint(model), "sampling": cfg.warp,
-        "training": {"options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "data_dir")},
-                     "prompts_dropped_8gram": dropped, "train_sequences": len(train_seqs),
-                     "sequences_seen": step, "train_seconds": round(t_train, 1),
-                     "final_loss": round(sum(h["loss"] for h in recent) / max(len(recent), 1), 4),
-                     "curve": history[::max(1, len(history) // 40)], "accepted_curve": curve,
-                     "total_seconds": round(time.perf_counter() - t_start, 1)},
-        "eval": ev,
-    }
-    save_slot_drafter(drafter, cfg.out, config)
-    log(f"wrote {cfg.out}/slots.safetensors and config.json ({time.perf_counter() - t_start:.0f} s in all)")
+    config = write_checkpoint(drafter, model, cfg, base_name, history, ev, t_start, log, top={"sampling": cfg.warp},
+                              prompts_dropped_8gram=dropped, train_sequences=len(train_seqs), sequences_seen=step,
+                              train_seconds=round(t_train, 1), accepted_curve=curve)
     return drafter, config
 
 
@@ -197,11 +184,7 @@ def parse_args(argv=None) -> PTPConfig:
 
 
 def main(argv=None):
-    cfg = parse_args(argv)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model, tok, base = load_target(cfg.model, cfg.device)
-    train_ptp(model, tok, cfg, base_name=base)
+    run_recipe(PTPConfig, train_ptp, argv, "python -m fastverify.train ptp", __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from fastverify.heads import fingerprint
 from fastverify.hf.slots import BlockSlotDrafter, save_slot_drafter
 from fastverify.lora import slot_gate
-from fastverify.train.cli import parse_config
-from fastverify.train.heads import (DEFAULT_EXCLUDE, generate_data, load_target, select_prompts, shard_prompts,
+from fastverify.train.cli import parse_config, run_recipe
+from fastverify.train.heads import (DEFAULT_EXCLUDE, generate_data, select_prompts, shard_prompts,
                                     _rng_state, _set_rng_state)
 
 __all__ = ["SlotsConfig", "train_slots", "slot_batch", "main"]
@@ -349,12 +349,20 @@ def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, promp
         ev = _evaluate(model, drafter, eval_seqs, cfg, log)
 
     # 5. output
+    config = write_checkpoint(drafter, model, cfg, base_name, history, ev, t_start, log, prompts_dropped_8gram=dropped,
+                              train_sequences=len(train_seqs), sequences_seen=step, train_seconds=round(t_train, 1))
+    return drafter, config
+
+
+def write_checkpoint(drafter, model, cfg, base_name, history, ev, t_start, log, top=None, **training):
+    """Save a trained slot drafter (safetensors + config.json in cfg.out) with its config: the base model and its
+    fingerprint, ``top`` (extra top-level entries), the training options, ``training`` figures, the final loss
+    (mean of the last 50 steps of ``history``), a thinned loss curve, and the evaluation ``ev``. Returns the config."""
     recent = history[-50:]
     config = {
-        "base_model": base_name, "base_fingerprint": fingerprint(model),
+        "base_model": base_name, "base_fingerprint": fingerprint(model), **(top or {}),
         "training": {"options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "data_dir")},
-                     "prompts_dropped_8gram": dropped, "train_sequences": len(train_seqs),
-                     "sequences_seen": step, "train_seconds": round(t_train, 1),
+                     **training,
                      "final_loss": round(sum(h["loss"] for h in recent) / max(len(recent), 1), 4),
                      "curve": history[::max(1, len(history) // 40)],
                      "total_seconds": round(time.perf_counter() - t_start, 1)},
@@ -362,7 +370,7 @@ def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, promp
     }
     save_slot_drafter(drafter, cfg.out, config)
     log(f"wrote {cfg.out}/slots.safetensors and config.json ({time.perf_counter() - t_start:.0f} s in all)")
-    return drafter, config
+    return config
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -372,11 +380,7 @@ def parse_args(argv=None) -> SlotsConfig:
 
 
 def main(argv=None):
-    cfg = parse_args(argv)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model, tok, base = load_target(cfg.model, cfg.device)
-    train_slots(model, tok, cfg, base_name=base)
+    run_recipe(SlotsConfig, train_slots, argv, "python -m fastverify.train slots", __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":
