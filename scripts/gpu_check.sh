@@ -35,7 +35,7 @@ if [[ " $STEPS " == *" test "* ]]; then
   $PY -m pytest -q -rs -p no:cacheprovider $par $tmo -k "cuda or triton" \
     tests/test_cuda_build.py tests/test_verify.py tests/test_sampling.py tests/test_masks.py \
     tests/test_tree_attention.py tests/test_triton_smoke.py tests/test_tree.py tests/test_cache.py \
-    tests/test_verify_speculative_stats.py >"$OUT/test.log" 2>&1
+    tests/test_verify_speculative_stats.py tests/test_sync_free.py >"$OUT/test.log" 2>&1
   echo "tests: rc=$? in $(( $(date +%s) - start )) s"
   grep -E "^(FAILED|ERROR)" "$OUT/test.log" | cut -c1-230 | head -60
   tail -3 "$OUT/test.log"
