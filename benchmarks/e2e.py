@@ -171,6 +171,7 @@ def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None, bp
     ``slots``: {"gad" / "lud": checkpoint, "rule": verify rule, "params": its parameters} for the slot drafters."""
     import fastverify
 
+    input_ids = input_ids.to(model.device)
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
     stats = None
     patched = method in ("fastverify", "no_draft") + HEAD_METHODS + SLOT_METHODS
@@ -188,9 +189,11 @@ def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None, bp
         if method == "prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = 10
         counter.count = 0
+        _sync(input_ids.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids, **kwargs)
+        _sync(input_ids.device)
         seconds = time.perf_counter() - t0
         forwards = counter.count
         if patched:
@@ -202,6 +205,12 @@ def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None, bp
         if patched:
             fastverify.unpatch(model)
     return out[0, input_ids.shape[1]:].tolist(), seconds, forwards, stats
+
+
+def _sync(device):
+    """Wait for the device's queued work (a CUDA generate returns before its last kernels finish)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _loop_stats(model):
@@ -567,6 +576,7 @@ def parse_args(argv=None):
                    help="the markdown file --update-results writes (default benchmarks/RESULTS.md)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--cache-dir", default=None, help="load_smollm2's cache folder")
+    p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     args = p.parse_args(argv)
     if args.max_new_tokens is None:
         args.max_new_tokens = 64 if args.quick else 128
@@ -628,7 +638,10 @@ def main(argv=None):
               "timings will be noisy" + ("" if args.threads == 1 else
                                           " (--threads 1 suffers least from oversubscription)"))
     t0 = time.perf_counter()
-    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), cache_dir=args.cache_dir)
+    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), cache_dir=args.cache_dir, device=args.device)
+    if model.device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(model.device)
+        print(f"gpu: {info['gpu']}")
     print(f"model: SmolLM2-135M-Instruct, {args.dtype}, loaded in {time.perf_counter() - t0:.1f} s; "
           f"{len(questions)} questions, {len(set(q['category'] for q in questions))} categories, "
           f"max_new_tokens {args.max_new_tokens}, methods {', '.join(args.methods)}")

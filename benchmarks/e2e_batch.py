@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import DEFAULT_QUESTIONS, ROOT, load_questions, machine_info  # noqa: E402
+from e2e import DEFAULT_QUESTIONS, ROOT, _sync, load_questions, machine_info  # noqa: E402
 
 
 def main(argv=None):
@@ -30,6 +30,9 @@ def main(argv=None):
     p.add_argument("--heads", default="smollm2-bpd")
     p.add_argument("--methods", nargs="+", default=["generate", "fastverify", "bpd", "bpd+ngram"])
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -40,9 +43,9 @@ def main(argv=None):
     from fastverify.models import load_smollm2
 
     info = machine_info()
-    model, tok = load_smollm2()
+    model, tok = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)
     heads, cfg = load_heads(args.heads, model)
-    qs = load_questions(os.path.join(ROOT, DEFAULT_QUESTIONS), None, None, args.offset)
+    qs = load_questions(os.path.normpath(os.path.join(ROOT, args.questions)), None, None, args.offset)
     by_cat = {}
     for q in qs:
         by_cat.setdefault(q["category"], []).append(q)
@@ -65,16 +68,18 @@ def main(argv=None):
     for i, qb in enumerate(batches):
         texts = [tok.apply_chat_template([{"role": "user", "content": q["prompt"]}], add_generation_prompt=True,
                                          tokenize=False) for q in qb]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         order = args.methods[i % len(args.methods):] + args.methods[:i % len(args.methods)]
         outs = {}
         for m in order:
             if m != "generate":
                 fastverify.patch(model, drafter=drafter(m))
             try:
+                _sync(model.device)
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)
+                _sync(model.device)
                 dt = time.perf_counter() - t0
                 st = fastverify.hf.stats(model) if m != "generate" else None
             finally:
@@ -97,7 +102,9 @@ def main(argv=None):
     def geo(xs):
         return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
-    print(f"\nmachine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}; batch {args.batch}, "
+    where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else \
+        f"{info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}"
+    print(f"\nmachine: {where}, {args.dtype}; batch {args.batch}, "
           f"{args.batches} batches of mixed categories, {args.max_new_tokens} new tokens, greedy")
     print("| method | identical rows | tokens per request-step | tok/s | vs generate | vs n-gram fastverify |")
     print("|---|---|---|---|---|---|")
