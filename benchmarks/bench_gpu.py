@@ -2,14 +2,16 @@
 
     python benchmarks/bench_gpu.py [--quick] [--json out.json]
 
-Times are medians of CUDA-event-timed calls. Two per backend: "api" is the public call (``fastverify.verify(...,
+Times are medians of 100 (--reps) CUDA-event-timed calls, the L2 cache flushed before each. Two per backend: "api" is the public call (``fastverify.verify(...,
 backend=X, validate=False)``, ``fastverify.cdf_sample(..., backend=X)``), Python wrapper and its host
 synchronisations included; "op" is the registered op alone on the arguments the wrapper normalised
 (torch.ops.fastverify.verify / the Triton custom op), i.e. the kernels plus one dispatch. Effective bandwidth =
 logits bytes / median, read against the card's measured read bandwidth (a large ``torch.sum``) and copy
 bandwidth (a large device-to-device copy, bytes read + written).
-Inputs larger than the L2 cache are used where the op is bandwidth-bound; the smallest cases fit in L2 and time
-launch and wrapper overhead rather than memory.
+The smallest cases time launch and wrapper overhead rather than memory. Tables: ceilings, verify (every rule,
+fp32 / bf16, chains / trees, against torch's composition), cdf_sample (against softmax + multinomial and torch's
+sort pipeline), tree attention (CUDA against Triton), compact_cache (against the copy ceiling), and FlashInfer's
+top-k / top-p and chain speculative sampling beside ours where ``flashinfer`` imports.
 """
 
 import argparse
@@ -28,13 +30,21 @@ from bench_verify import RULE_PARAMS, _inputs, composition  # noqa: E402
 ROWS = []
 
 
-def timed(fn, reps=30, warmup=3):
-    """Median milliseconds of fn() over reps calls, each bracketed by CUDA events."""
+REPS = 100  # samples per median (--reps)
+_FLUSH = []  # a buffer larger than the L2 cache, rewritten before every sample (outside the timed region)
+
+
+def timed(fn, reps=None, warmup=3):
+    """Median milliseconds of fn() over ``reps`` calls (default REPS), each bracketed by CUDA events, with the L2
+    cache flushed before each (a 256 MiB write), so inputs come from HBM as they would in a decoding step."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(64 * 2**20, dtype=torch.float32, device="cuda"))
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(reps):
+    for _ in range(reps or REPS):
+        _FLUSH[0].zero_()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -78,9 +88,9 @@ def op_only(op, call):
 def ceilings():
     x = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
     y = torch.empty_like(x)
-    ms = timed(lambda: y.copy_(x), reps=20)
+    ms = timed(lambda: y.copy_(x), reps=30)
     record("ceiling", "copy 1 GiB (read + write)", "torch", ms, 2 * x.numel() * 4)
-    ms = timed(lambda: x.sum(), reps=20)
+    ms = timed(lambda: x.sum(), reps=30)
     record("ceiling", "read 1 GiB (torch.sum)", "torch", ms, x.numel() * 4)
 
 
@@ -162,6 +172,65 @@ def bench_attention(quick):
             record("attention", case + f" (rel err vs {backends[0]} {err:.1e})", be, timed(fn), nbytes)
 
 
+def bench_cache(quick):
+    """compact_cache against the copy ceiling: bytes moved (read + written) per second."""
+    backends = [b for b in ("cuda", "triton") if b in fastverify.backends("cuda")]
+    shapes = [(8, 8, 4096, 128, 16)] if quick else [(1, 8, 4096, 128, 16), (8, 8, 4096, 128, 16), (32, 8, 2048, 128, 8)]
+    for B, H, S, D, K in shapes:
+        k = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        start = S - K
+        plen = torch.full((B,), start - 64, dtype=torch.int32, device="cuda")  # the moves go back 64 slots
+        acc = torch.arange(K, dtype=torch.int32, device="cuda").repeat(B, 1)
+        alen = torch.full((B,), K, dtype=torch.int32, device="cuda")
+        nbytes = 2 * 2 * B * H * K * D * 2  # k and v, read + written, bf16
+        case = f"B{B} H{H} S{S} D{D}, {K} slots moved bf16"
+        for be in backends:
+            fn = lambda: fastverify.compact_cache((k, v), plen, start, acc, alen, backend=be, validate=False)  # noqa
+            record("compact_cache", case, be + " api", timed(fn), nbytes)
+        record("compact_cache", case, "torch index_copy", timed(
+            lambda: (k[:, :, start - 64:start - 64 + K].copy_(k[:, :, start:start + K]),
+                     v[:, :, start - 64:start - 64 + K].copy_(v[:, :, start:start + K]))), nbytes)
+
+
+def bench_flashinfer(quick):
+    """FlashInfer's top-k / top-p sampling and chain speculative sampling beside ours, where it imports."""
+    try:
+        import flashinfer  # noqa: PLC0415
+    except Exception as e:  # not installed on the device, or no build for this torch
+        print(f"flashinfer: not available ({type(e).__name__}: {e})", flush=True)
+        return
+    V = 151936
+    for B in (1, 8, 64):
+        logits = torch.randn(B, V, device="cuda") * 3
+        u = fastverify.uniform(0, torch.arange(B, device="cuda"))
+        case = f"topk50 topp0.9 B{B} V{V} fp32"
+        nbytes = logits.numel() * 4
+        record("flashinfer", case, "fastverify cdf_sample", timed(
+            lambda: fastverify.cdf_sample(logits, u, top_k=50, top_p=0.9, validate=False)), nbytes)
+        try:
+            fn = lambda: flashinfer.sampling.top_k_top_p_sampling_from_logits(logits, 50, 0.9)  # noqa: E731
+            record("flashinfer", case, "flashinfer top_k_top_p_sampling_from_logits", timed(fn), nbytes)
+        except Exception as e:
+            print(f"flashinfer top_k_top_p_sampling_from_logits: {type(e).__name__}: {e}", flush=True)
+    B, K = 8, 8
+    target = torch.softmax(torch.randn(B, K + 1, V, device="cuda"), -1)
+    draft = torch.softmax(torch.randn(B, K, V, device="cuda"), -1)
+    tokens = torch.randint(0, V, (B, K), device="cuda")
+    nbytes = (target.numel() + draft.numel()) * 4
+    case = f"chain speculative B{B} K{K} V{V} fp32 probs"
+    seed, pos = torch.arange(B, device="cuda"), torch.zeros(B, dtype=torch.int64, device="cuda")
+    target_logits = target.log()
+    record("flashinfer", case, "fastverify verify speculative", timed(lambda: fastverify.verify(
+        target_logits, tokens, rule="speculative", draft_probs=draft, seed=seed, position=pos, validate=False)),
+        nbytes)
+    try:
+        fn = lambda: flashinfer.sampling.chain_speculative_sampling(draft, tokens.int(), target)  # noqa: E731
+        record("flashinfer", case, "flashinfer chain_speculative_sampling", timed(fn), nbytes)
+    except Exception as e:
+        print(f"flashinfer chain_speculative_sampling: {type(e).__name__}: {e}", flush=True)
+
+
 def write_markdown(path, argv):
     """A RESULTS.md section of every row measured, one table per op (append it to benchmarks/RESULTS.md)."""
     import datetime  # noqa: PLC0415
@@ -171,7 +240,7 @@ def write_markdown(path, argv):
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"## GPU microbenchmarks, {now}: {torch.cuda.get_device_name()}", "",
              f"torch {torch.__version__}, triton {triton.__version__}; command `python benchmarks/bench_gpu.py "
-             f"{' '.join(argv)}`. Medians of 30 CUDA-event-timed calls; api = the public call (Python wrapper "
+             f"{' '.join(argv)}`. Medians of {REPS} CUDA-event-timed calls, L2 flushed before each; api = the public call (Python wrapper "
              f"included), op = the registered op on normalised arguments; GB/s = input bytes / median"
              + (f"; % = of the measured read ceiling {read:.0f} GB/s." if read else "."), ""]
     for table in dict.fromkeys(r["table"] for r in ROWS):
@@ -190,14 +259,17 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--markdown", help="also write the tables as a RESULTS.md section to this file")
-    ap.add_argument("--only", default="ceilings,verify,sampling,attention")
+    ap.add_argument("--only", default="ceilings,verify,sampling,attention,cache,flashinfer")
+    ap.add_argument("--reps", type=int, default=REPS, help="samples per median")
     args = ap.parse_args()
+    globals()["REPS"] = args.reps
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  backends(cuda): "
           f"{fastverify.backends('cuda')}", flush=True)
     for part in args.only.split(","):
         try:
             {"ceilings": ceilings, "verify": lambda: bench_verify(args.quick),
-             "sampling": lambda: bench_sampling(args.quick), "attention": lambda: bench_attention(args.quick)}[part]()
+             "sampling": lambda: bench_sampling(args.quick), "attention": lambda: bench_attention(args.quick),
+             "cache": lambda: bench_cache(args.quick), "flashinfer": lambda: bench_flashinfer(args.quick)}[part]()
         except Exception as e:  # keep the other tables when one op fails on the device
             print(f"FAILED {part}: {type(e).__name__}: {e}", flush=True)
     if args.json:
