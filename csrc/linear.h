@@ -8,29 +8,39 @@
 // stays in L1 while every x row is multiplied with it, so the time is that of streaming W until the FMA units
 // saturate (about 16 rows with AVX2).
 //
-// Arithmetic, identical on both paths and independent of M and of the tiling (so a row's result does not depend
-// on what else is in the batch): 8 lane sums over k = 8i + lane with fused multiply-adds, reduced as
-// ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then the K % 8 tail added in order with fused multiply-adds,
-// then the bias. The AVX2 + FMA path is chosen at run time (__builtin_cpu_supports); the scalar path spells out
-// the same operations with std::fma.
+// Arithmetic, identical on every path and independent of M and of the tiling (so a row's result does not depend
+// on what else is in the batch): 16 lane sums l_j over k = 16i + j with fused multiply-adds, folded to s_j = l_j +
+// l_{j+8} and reduced as ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)), then the K % 16 tail added in order with
+// fused multiply-adds, then the bias. Three paths chosen at run time (cpu_features.h): AVX-512 (one zmm register
+// per dot product; 32 registers hold a tile of 4 weight rows x 6 x rows), AVX2 + FMA (two ymm registers per dot
+// product, lanes 0-7 and 8-15) and scalar (std::fma). Why 16 lanes: a CPU with 512-bit FMA units (AMD Zen 5, Intel
+// server cores) does twice the work per instruction, and past a few rows the kernel is bound by FMA throughput.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include "cpu_features.h"
 
 namespace fastverify {
 namespace linear {
 
-// Scalar path: one output at a time, the same lane sums and reduction order as the AVX2 path.
+// The reduction of the 16 lane sums, spelled out (the SIMD paths do the same adds in vector registers).
+inline float fold16(const float* l) {
+  float s[8];
+  for (int j = 0; j < 8; ++j) s[j] = l[j] + l[j + 8];
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+// Scalar path: one output at a time.
 inline float dot_scalar(const float* x, const float* w, int64_t K) {
-  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  const int64_t K8 = K & ~int64_t(7);
-  for (int64_t k = 0; k < K8; k += 8)
-    for (int j = 0; j < 8; ++j) l[j] = std::fma(x[k + j], w[k + j], l[j]);
-  float s = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-  for (int64_t k = K8; k < K; ++k) s = std::fma(x[k], w[k], s);
+  float l[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t k = 0; k < K16; k += 16)
+    for (int j = 0; j < 16; ++j) l[j] = std::fma(x[k + j], w[k + j], l[j]);
+  float s = fold16(l);
+  for (int64_t k = K16; k < K; ++k) s = std::fma(x[k], w[k], s);
   return s;
 }
 
@@ -45,60 +55,157 @@ inline void rows_scalar(const float* x, const float* w, const float* bias, float
 
 #ifdef FASTVERIFY_X86
 #define FASTVERIFY_AVX2 __attribute__((target("avx2,fma")))
+#define FASTVERIFY_AVX512 __attribute__((target("avx512f,avx2,fma")))
 
-FASTVERIFY_AVX2 inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l_i + l_{i+4}
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                   // (s0 + s2), (s1 + s3)
+// ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)) of the 8 lanes of s.
+FASTVERIFY_AVX2 inline float hsum8(__m256 s) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));  // s_i + s_{i+4}
+  const __m128 t = _mm_add_ps(a, _mm_movehl_ps(a, a));                                   // (a0 + a2), (a1 + a3)
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-// One tile: NR weight rows x MR x rows, all NR * MR dot products in registers (NR * MR + NR + MR <= 16 ymm).
-// pf: if not null, the next block of NR weight rows (NR * K contiguous floats), prefetched into L1 while this tile
-// computes, so that memory keeps streaming while the block in L1 is reused by the other x tiles.
-template <int NR, int MR>
+// The tail k in [K16, K) in order, then the bias; stores y[m, n].
+inline void finish(float s, const float* x, const float* w, const float* bias, float* y, int64_t K16, int64_t K,
+                   int64_t N, int64_t m, int64_t n) {
+  for (int64_t k = K16; k < K; ++k) s = std::fma(x[k], w[k], s);
+  y[m * N + n] = bias ? s + bias[n] : s;
+}
+
+// Streaming the next block of weight rows into L1 while the current block computes, so that memory keeps streaming
+// while the block in L1 is reused by every x tile: the block's tiles prefetch the next block one after the other, PF
+// cache lines per k step each (PF = NR / tiles, rounded to 1, 2 or 4, so that the whole block is spread over them).
+// pf: the tile's first line to prefetch; end: the next block's end (pf == end: nothing to prefetch). Spelled out
+// without a loop over the lines: GCC 12 deletes a loop whose only statements are prefetches.
+template <int PF>
+inline void prefetch_lines(const char*& pf, const char* end) {
+  if (pf < end) {
+    _mm_prefetch(pf, _MM_HINT_T0);
+    if constexpr (PF >= 2) _mm_prefetch(pf + 64, _MM_HINT_T0);
+    if constexpr (PF >= 4) {
+      _mm_prefetch(pf + 128, _MM_HINT_T0);
+      _mm_prefetch(pf + 192, _MM_HINT_T0);
+    }
+    pf += 64 * PF;
+  }
+}
+
+// Lines per k step for a block of NR rows computed in `tiles` tiles (1, 2 or 4).
+inline int prefetch_rate(int nr, int64_t tiles) {
+  const int64_t r = nr / (tiles > 0 ? tiles : 1);
+  return r >= 4 ? 4 : r >= 2 ? 2 : 1;
+}
+
+// AVX2 tile: NR weight rows x MR x rows, each dot product in two ymm registers (lanes 0-7, 8-15):
+// 2 * NR * MR accumulators + loads <= 16 ymm.
+template <int NR, int MR, int PF>
 FASTVERIFY_AVX2 inline void tile_avx2(const float* x, const float* w, const float* bias, float* y, int64_t K,
-                                      int64_t N, int64_t n, int64_t m, const float* pf) {
-  __m256 acc[NR][MR];
+                                      int64_t N, int64_t n, int64_t m, const char*& pf, const char* end) {
+  __m256 lo[NR][MR], hi[NR][MR];
   for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < MR; ++j) acc[i][j] = _mm256_setzero_ps();
-  const float* wr[NR];
-  const float* xr[MR];
-  for (int i = 0; i < NR; ++i) wr[i] = w + (n + i) * K;
-  for (int j = 0; j < MR; ++j) xr[j] = x + (m + j) * K;
-  const int64_t K8 = K & ~int64_t(7);
-  for (int64_t k = 0; k < K8; k += 8) {
-    if (pf)  // NR * 8 floats of the next block per step: all NR * K of it over the loop, one line per 16 floats
-      for (int i = 0; i < NR * 8; i += 16) _mm_prefetch(reinterpret_cast<const char*>(pf + NR * k + i), _MM_HINT_T0);
-    __m256 xv[MR];
-    for (int j = 0; j < MR; ++j) xv[j] = _mm256_loadu_ps(xr[j] + k);
-    for (int i = 0; i < NR; ++i) {
-      const __m256 wv = _mm256_loadu_ps(wr[i] + k);
-      for (int j = 0; j < MR; ++j) acc[i][j] = _mm256_fmadd_ps(xv[j], wv, acc[i][j]);
+    for (int j = 0; j < MR; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t k = 0; k < K16; k += 16) {
+    prefetch_lines<PF>(pf, end);
+    for (int j = 0; j < MR; ++j) {
+      const __m256 x0 = _mm256_loadu_ps(x + (m + j) * K + k), x1 = _mm256_loadu_ps(x + (m + j) * K + k + 8);
+      for (int i = 0; i < NR; ++i) {
+        lo[i][j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + (n + i) * K + k), lo[i][j]);
+        hi[i][j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + (n + i) * K + k + 8), hi[i][j]);
+      }
     }
   }
   for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < MR; ++j) {
-      float s = hsum(acc[i][j]);
-      for (int64_t k = K8; k < K; ++k) s = std::fma(xr[j][k], wr[i][k], s);
-      y[(m + j) * N + n + i] = bias ? s + bias[n + i] : s;
+    for (int j = 0; j < MR; ++j)
+      finish(hsum8(_mm256_add_ps(lo[i][j], hi[i][j])), x + (m + j) * K, w + (n + i) * K, bias, y, K16, K, N, m + j,
+             n + i);
+}
+
+template <int PF>
+FASTVERIFY_AVX2 inline void block_avx2(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                                       int64_t K, int64_t N, int64_t n, const char* pf, const char* end) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) tile_avx2<2, 3, PF>(x, w, bias, y, K, N, n, m, pf, end);
+  if (M - m == 2) tile_avx2<2, 2, PF>(x, w, bias, y, K, N, n, m, pf, end);
+  if (M - m == 1) tile_avx2<2, 1, PF>(x, w, bias, y, K, N, n, m, pf, end);
+}
+
+// Columns [n0, n1): for each block of 2 weight rows (read from memory once), every x row in tiles of 3.
+FASTVERIFY_AVX2 inline void rows_avx2(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                                      int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int rate = prefetch_rate(2, (M + 2) / 3);
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    const char* pf = reinterpret_cast<const char*>(w + (n + 2) * K);
+    const char* end = n + 4 <= n1 ? reinterpret_cast<const char*>(w + (n + 4) * K) : pf;
+    if (rate == 2) block_avx2<2>(x, w, bias, y, M, K, N, n, pf, end);
+    else block_avx2<1>(x, w, bias, y, M, K, N, n, pf, end);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      const char* none = nullptr;
+      tile_avx2<1, 1, 1>(x, w, bias, y, K, N, n, m, none, nullptr);
     }
 }
 
-// Columns [n0, n1): for each block of 4 weight rows (read from memory once), every x row in tiles of 3.
-template <int NR>
-FASTVERIFY_AVX2 inline void block_avx2(const float* x, const float* w, const float* bias, float* y, int64_t M,
-                                       int64_t K, int64_t N, int64_t n, const float* pf) {
-  int64_t m = 0;
-  for (; m + 3 <= M; m += 3, pf = nullptr) tile_avx2<NR, 3>(x, w, bias, y, K, N, n, m, pf);
-  if (M - m == 2) tile_avx2<NR, 2>(x, w, bias, y, K, N, n, m, pf);
-  if (M - m == 1) tile_avx2<NR, 1>(x, w, bias, y, K, N, n, m, pf);
+// ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)) of s_j = l_j + l_{j+8}, the 16 lanes of v.
+FASTVERIFY_AVX512 inline float hsum16(__m512 v) {
+  // the zero-masked extracts: GCC 12's unmasked ones (and the 512 -> 256 cast) trip -Wmaybe-uninitialized
+  const __m512d d = _mm512_castps_pd(v);
+  const __m256 lo = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xF, d, 0));
+  const __m256 hi = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xF, d, 1));
+  return hsum8(_mm256_add_ps(lo, hi));
 }
 
-FASTVERIFY_AVX2 inline void rows_avx2(const float* x, const float* w, const float* bias, float* y, int64_t M,
-                                      int64_t K, int64_t N, int64_t n0, int64_t n1) {
+// AVX-512 tile: NR weight rows x MR x rows, one zmm accumulator per dot product (NR * MR + MR + 1 <= 32 zmm).
+template <int NR, int MR, int PF>
+FASTVERIFY_AVX512 inline void tile_avx512(const float* x, const float* w, const float* bias, float* y, int64_t K,
+                                          int64_t N, int64_t n, int64_t m, const char*& pf, const char* end) {
+  __m512 acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t k = 0; k < K16; k += 16) {
+    prefetch_lines<PF>(pf, end);
+    __m512 xv[MR];
+    for (int j = 0; j < MR; ++j) xv[j] = _mm512_loadu_ps(x + (m + j) * K + k);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 wv = _mm512_loadu_ps(w + (n + i) * K + k);
+      for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_fmadd_ps(xv[j], wv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j)
+      finish(hsum16(acc[i][j]), x + (m + j) * K, w + (n + i) * K, bias, y, K16, K, N, m + j, n + i);
+}
+
+template <int NR, int PF>
+FASTVERIFY_AVX512 inline void block_avx512(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                                           int64_t K, int64_t N, int64_t n, const char* pf, const char* end) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) tile_avx512<NR, 6, PF>(x, w, bias, y, K, N, n, m, pf, end);
+  switch (M - m) {
+    case 5: tile_avx512<NR, 5, PF>(x, w, bias, y, K, N, n, m, pf, end); break;
+    case 4: tile_avx512<NR, 4, PF>(x, w, bias, y, K, N, n, m, pf, end); break;
+    case 3: tile_avx512<NR, 3, PF>(x, w, bias, y, K, N, n, m, pf, end); break;
+    case 2: tile_avx512<NR, 2, PF>(x, w, bias, y, K, N, n, m, pf, end); break;
+    case 1: tile_avx512<NR, 1, PF>(x, w, bias, y, K, N, n, m, pf, end); break;
+    default: break;
+  }
+}
+
+// Columns [n0, n1): for each block of 4 weight rows (read from memory once), every x row in tiles of 6.
+FASTVERIFY_AVX512 inline void rows_avx512(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                                          int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int rate = prefetch_rate(4, (M + 5) / 6);
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) block_avx2<4>(x, w, bias, y, M, K, N, n, n + 8 <= n1 ? w + (n + 4) * K : nullptr);
-  for (; n < n1; ++n) block_avx2<1>(x, w, bias, y, M, K, N, n, nullptr);
+  for (; n + 4 <= n1; n += 4) {
+    const char* pf = reinterpret_cast<const char*>(w + (n + 4) * K);
+    const char* end = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 8) * K) : pf;
+    if (rate == 4) block_avx512<4, 4>(x, w, bias, y, M, K, N, n, pf, end);
+    else if (rate == 2) block_avx512<4, 2>(x, w, bias, y, M, K, N, n, pf, end);
+    else block_avx512<4, 1>(x, w, bias, y, M, K, N, n, pf, end);
+  }
+  for (; n < n1; ++n) block_avx512<1, 1>(x, w, bias, y, M, K, N, n, nullptr, nullptr);
 }
 #endif
 
@@ -106,6 +213,7 @@ FASTVERIFY_AVX2 inline void rows_avx2(const float* x, const float* w, const floa
 inline void skinny_rows(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K,
                         int64_t N, int64_t n0, int64_t n1) {
 #ifdef FASTVERIFY_X86
+  if (cpu_has_avx512()) return rows_avx512(x, w, bias, y, M, K, N, n0, n1);
   if (cpu_has_avx2_fma()) return rows_avx2(x, w, bias, y, M, K, N, n0, n1);
 #endif
   rows_scalar(x, w, bias, y, M, K, N, n0, n1);

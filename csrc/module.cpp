@@ -24,6 +24,9 @@ bool has_cuda() {
 
 // Whether the CPU kernels take their AVX2 + FMA paths (false on other CPUs and under FASTVERIFY_NO_SIMD=1).
 bool cpu_simd() { return fastverify::cpu_has_avx2_fma(); }
+// Whether skinny_linear takes its AVX-512 path (false on other CPUs and under FASTVERIFY_NO_SIMD=1 or
+// FASTVERIFY_NO_AVX512=1).
+bool cpu_avx512() { return fastverify::cpu_has_avx512(); }
 }  // namespace
 
 // The namespace owner. Each op declares its schema once, in csrc/<op>.cpp, with TORCH_LIBRARY_FRAGMENT;
@@ -31,4 +34,5 @@ bool cpu_simd() { return fastverify::cpu_has_avx2_fma(); }
 TORCH_LIBRARY(fastverify, m) {
   m.def("has_cuda() -> bool", &has_cuda);
   m.def("cpu_simd() -> bool", &cpu_simd);
+  m.def("cpu_avx512() -> bool", &cpu_avx512);
 }

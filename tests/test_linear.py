@@ -27,8 +27,8 @@ def _check(y, x, w, b):
 
 
 @needs_cpp
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 16, 17, 33])
-@pytest.mark.parametrize("K, N", [(1, 1), (7, 3), (8, 4), (9, 5), (576, 49), (1000, 13), (1536, 8)])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 17, 33])
+@pytest.mark.parametrize("K, N", [(1, 1), (7, 3), (8, 4), (9, 5), (16, 9), (17, 11), (576, 49), (1000, 13), (1536, 8)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_reference(M, K, N, bias):
     g = torch.Generator().manual_seed(M * 7919 + K * 31 + N)

@@ -1,5 +1,6 @@
 """The C++ kernels take their AVX2 paths where the CPU has AVX2 + FMA + F16C, and their scalar paths under
-FASTVERIFY_NO_SIMD=1 (scripts/test.sh runs the cpp tests a second time that way)."""
+FASTVERIFY_NO_SIMD=1 (scripts/test.sh runs the cpp tests a second time that way); skinny_linear also has an
+AVX-512 path, which FASTVERIFY_NO_AVX512=1 turns off."""
 
 import os
 
@@ -15,26 +16,34 @@ def test_cpp_simd_path_follows_the_environment():
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
     has = all(f in flags for f in ("avx2", "fma"))
     assert bool(torch.ops.fastverify.cpu_simd()) == (has and not disabled)
+    no512 = os.environ.get("FASTVERIFY_NO_AVX512", "") not in ("", "0")
+    assert bool(torch.ops.fastverify.cpu_avx512()) == (has and "avx512f" in flags and not disabled and not no512)
 
 
 _SKINNY = """
 import sys, torch, fastverify
 g = torch.Generator().manual_seed(0)
-x, w, b = torch.randn(7, 581, generator=g), torch.randn(203, 581, generator=g), torch.randn(203, generator=g)
-torch.save(torch.ops.fastverify.skinny_linear(x, w, b), sys.argv[1])
+out = []
+for M, K, N in ((7, 581, 203), (16, 576, 37), (1, 15, 5), (13, 1536, 9)):
+    x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    out.append(torch.ops.fastverify.skinny_linear(x, w, b))
+torch.save(out, sys.argv[1])
 """
 
 
 @pytest.mark.skipif(not _ext.HAS_CPP or not torch.ops.fastverify.cpu_simd(),
                     reason="needs the cpp backend on a CPU with AVX2 + FMA (and FASTVERIFY_NO_SIMD unset)")
-def test_skinny_linear_is_bit_identical_on_both_paths(tmp_path):
-    # csrc/linear.h spells out the same fused multiply-adds and reduction order on the scalar path
+def test_skinny_linear_is_bit_identical_on_every_path(tmp_path):
+    # csrc/linear.h spells out the same fused multiply-adds and reduction order on the AVX-512, AVX2 and scalar
+    # paths (odd K: the tail; M past one tile; N not a multiple of the block)
     import subprocess
     import sys
     out = {}
-    for name, flag in (("simd", "0"), ("scalar", "1")):
+    for name, no_simd, no512 in (("avx512", "0", "0"), ("avx2", "0", "1"), ("scalar", "1", "0")):
         path = str(tmp_path / f"{name}.pt")
         subprocess.run([sys.executable, "-c", _SKINNY, path], check=True,
-                       env=dict(os.environ, FASTVERIFY_NO_SIMD=flag))
+                       env=dict(os.environ, FASTVERIFY_NO_SIMD=no_simd, FASTVERIFY_NO_AVX512=no512))
         out[name] = torch.load(path)
-    assert torch.equal(out["simd"], out["scalar"])
+    for name in ("avx2", "scalar"):
+        for a, b in zip(out["avx512"], out[name]):
+            assert torch.equal(a, b), name

@@ -2,7 +2,7 @@
 
 A verify forward scores 1 + k tokens; on the CPU torch's fp32 GEMM costs 2-3x a one-token matrix-vector product
 at 2 <= M <= 16, which is what makes drafting expensive there. ``skinny_linear`` keeps the cost of M rows close to
-that of one while the weight dominates the traffic (M up to ~16 with AVX2 + FMA), and its result for a row does
+that of one while the weight dominates the traffic (M up to ~8 with AVX-512, ~4 with AVX2 + FMA), and its result for a row does
 not depend on the other rows (fixed summation order, see csrc/linear.h).
 
 Backends: torch (``torch.nn.functional.linear``, the reference) and cpp (csrc/cpu/linear.cpp, float32 CPU
