@@ -249,6 +249,32 @@ def test_hidden_state_handed_to_drafter_equals_plain_forward(model):
         h.remove()
 
 
+class _ScoredNodes(Drafter):
+    """A stand-in n-gram drafter: the same scored candidate nodes for every request."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def scored_nodes(self, contexts, budget):
+        return [list(self.nodes) for _ in contexts]
+
+
+def test_bpd_ngram_is_one_trie_cut_by_one_cost_model(model):
+    # heads: depth 1 tokens 5 / 8 (p 0.5 / 0.3), depth 2 tokens 6 / 9 (0.4 / 0.1); n-gram: 5 -> 6 (0.9, 0.8), 7 (0.05)
+    d = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), ngram=_ScoredNodes(
+        [((5,), 0.9), ((5, 6), 0.8), ((7,), 0.05)]), fixed_cost=0.1, node_cost=0.06, min_gain=1.0)
+    d.reset(1)
+    d.candidates[0] = ([[5, 8], [6, 9]], torch.tensor([[0.5, 0.3], [0.4, 0.1]], dtype=torch.float64).log())
+    tree = d.propose([[1, 2, 3]], [16])[0]
+    # merged, best first: 5 (0.9), 5-6 (0.8), 8 (0.3), 8-6 (0.12), ...; expected tokens per cost peaks at three
+    # nodes (3.0 / 1.28), and the path both proposed appears once
+    assert tree.tokens.tolist() == [5, 6, 8] and tree.parents.tolist() == [-1, 0, -1]
+    d.candidates[0] = None  # no heads' candidates (the first step): the n-gram nodes alone, same cost model
+    tree = d.propose([[1, 2, 3]], [16])[0]
+    assert tree.tokens.tolist() == [5, 6] and tree.parents.tolist() == [-1, 0]
+    assert len(d.propose([[1, 2, 3]], [0])[0]) == 0  # no budget: no draft
+
+
 @pytest.mark.parametrize("with_ngram", [False, True], ids=["bpd", "bpd+ngram"])
 @pytest.mark.parametrize("lengths", [[30], [30, 18, 25]], ids=["batch1", "batch3"])
 def test_greedy_exact_with_heads(model, with_ngram, lengths):

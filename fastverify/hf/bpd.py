@@ -25,9 +25,11 @@ of NGramDrafter (a drafted step of k nodes costs about 1 + 0.12 + 0.04 k plain s
 when no k beats ``min_gain``. The first step of a generate has no hidden state yet: it drafts nothing (or the
 n-gram drafter's tree, when combined).
 
-Combined with an n-gram drafter (``ngram=NGramDrafter()``, "bpd+ngram"): both propose, and the two trees become
-one trie (``Tree.from_sequences`` over the n-gram tree's paths then the heads tree's paths, duplicate prefixes
-merged), capped at ``max_nodes``.
+Combined with an n-gram drafter (``ngram=NGramDrafter()``, "bpd+ngram"): both propose scored candidate nodes
+(the n-gram drafter's ``scored_nodes``: its candidates with their estimated path probabilities, before its own cost
+cut), the two sets become one trie (a path proposed by both once, with the larger estimate), and one cost-aware
+cut, the one above, keeps the best prefix of the union, at most ``max_nodes``. So a strong n-gram match (a copy)
+is not crowded out by weak head candidates, and neither source's nodes are paid for twice.
 
 Rules. Greedy verification (the default) keeps the output exactly the target's. BPD's approximate rules
 (``rule="topk"``, Stern §5.1; ``rule="distance"``, §5.2; ``min_accept``, §5.3) run with these drafts as with
@@ -53,7 +55,7 @@ class HeadsDrafter(Drafter):
     heads: ProposalHeads; width: candidates per head (per depth); max_nodes: cap on the tree size; score: "prob"
     or "rank" (above); head_acceptance: [H][ranks] measured acceptance by rank (for score="rank"); temperature:
     applied to the heads' logits before the softmax (score="prob"); fixed_cost, node_cost, min_gain: the cost
-    model; ngram: an NGramDrafter to merge with, or None.
+    model; ngram: an NGramDrafter to merge with (anything with its ``scored_nodes``), or None.
     """
 
     wants_hidden = True
@@ -103,6 +105,8 @@ class HeadsDrafter(Drafter):
                                  f"{tuple(acc.shape)}")
             self.calib_edges, self.calib_logp = edges[1:-1], torch.log(acc.clamp(min=1e-6))
         self.fixed_cost, self.node_cost, self.min_gain = float(fixed_cost), float(node_cost), float(min_gain)
+        if ngram is not None and not callable(getattr(ngram, "scored_nodes", None)):
+            raise TypeError(f"ngram: expected an NGramDrafter (a drafter with scored_nodes), got {type(ngram).__name__}")
         self.ngram = ngram
         self.candidates = []
 
@@ -157,63 +161,60 @@ class HeadsDrafter(Drafter):
             self.candidates[b] = ([tokens[d][i] for d in range(len(tokens))], scores[:, i])
         del H
 
-    def _heads_tree(self, b: int, budget: int):
+    def _heads_nodes(self, b: int, budget: int):
+        """The heads' candidate nodes for request b: [(path tuple, estimated probability that the path is
+        accepted)], best first (a parent before its children), at most ``budget``."""
         cand = self.candidates[b]
         if cand is None or budget <= 0:
-            return empty_tree()
+            return []
         tokens, scores = cand
         tree = Tree.from_topk(tokens, scores, budget=min(budget, self.max_nodes))
-        if len(tree) == 0:
-            return tree
-        # the path score of every node, in insertion order (best first): cut where tokens / cost peaks
-        par, dep = tree.parents.tolist(), tree.depth.tolist()
-        tok = tree.tokens.tolist()
-        logp = []
+        par, dep, tok = tree.parents.tolist(), tree.depth.tolist(), tree.tokens.tolist()
+        paths, logp = [], []
         for j, p in enumerate(par):
             d = dep[j] - 1
-            r = tokens[d].index(tok[j])
-            logp.append((logp[p] if p >= 0 else 0.0) + float(scores[d][r]))
+            logp.append((logp[p] if p >= 0 else 0.0) + float(scores[d][tokens[d].index(tok[j])]))
+            paths.append((paths[p] if p >= 0 else ()) + (tok[j],))
+        return [(path, math.exp(lp)) for path, lp in zip(paths, logp)]
+
+    def _cut(self, nodes):
+        """The prefix of ``nodes`` (best first) that maximises expected tokens per cost, as a Tree."""
         best, keep, gain = self.min_gain, 0, 1.0
-        for k in range(1, len(tok) + 1):
-            gain += math.exp(logp[k - 1])
+        for k, (_, prob) in enumerate(nodes, 1):
+            gain += prob
             ratio = gain / (1.0 + self.fixed_cost + self.node_cost * k)
             if ratio > best:
                 best, keep = ratio, k
-        return Tree(tree.tokens[:keep], tree.parents[:keep], validate=False)
+        index, tokens, parents = {(): -1}, [], []
+        for path, _ in nodes[:keep]:
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index[path[:-1]])
+        return Tree(tokens, parents, validate=False) if tokens else empty_tree()
 
     def propose(self, contexts, budget):
         B = len(contexts)
         if len(self.candidates) != B:
             self.reset(B)
-        ngram_trees = self.ngram.propose(contexts, budget) if self.ngram is not None else [empty_tree()] * B
+        buds = [min(int(bud), self.max_nodes) for bud in budget]
+        ngram = self.ngram.scored_nodes(contexts, buds) if self.ngram is not None else [[]] * B
         trees = []
         for b in range(B):
-            bud = min(int(budget[b]), self.max_nodes)
-            heads_tree = self._heads_tree(b, bud)
+            nodes = self._heads_nodes(b, buds[b])
             self.candidates[b] = None  # used once: the next step's come from the next verify
-            other = ngram_trees[b]
-            if len(other) == 0 or bud <= 0:
-                trees.append(heads_tree if bud > 0 else empty_tree())
-            elif len(heads_tree) == 0:
-                trees.append(other if len(other) <= bud else Tree(other.tokens[:bud], other.parents[:bud],
-                                                                  validate=False))
-            else:
-                trees.append(_merge(other, heads_tree, bud))
+            if ngram[b]:
+                # one trie of both proposals, a path proposed by both with the larger estimate; sorted best first
+                # (a parent's estimate is >= its children's in either source, so parents still come first)
+                merged = dict(nodes)
+                for path, prob in ngram[b]:
+                    merged[path] = max(prob, merged.get(path, 0.0))
+                nodes = sorted(merged.items(), key=lambda item: (-item[1], len(item[0])))[:buds[b]]
+            trees.append(self._cut(nodes) if buds[b] > 0 else empty_tree())
         return trees
 
     def update(self, accepted) -> None:
         if self.ngram is not None:
             self.ngram.update(accepted)
-
-
-def _paths(tree: Tree):
-    toks = tree.tokens.tolist()
-    return [[toks[j] for j in path if j >= 0] for path in tree.paths().tolist()]
-
-
-def _merge(first: Tree, second: Tree, max_nodes: int) -> Tree:
-    """One trie of both trees' root-to-leaf paths (first's first), duplicate prefixes merged, <= max_nodes."""
-    return Tree.from_sequences(_paths(first) + _paths(second), max_nodes=max_nodes)
 
 
 def load_drafter(name_or_path: str, model, *, ngram=False, **options) -> HeadsDrafter:

@@ -250,8 +250,9 @@ class NGramDrafter(Drafter):
             c = self.counts.setdefault(key, [0, 0])
             c[0 if (d <= acc and tuple(new[:d]) == path) else 1] += 1
 
-    def _select(self, n: int, seqs: list, support: dict, bud: int):
-        """Candidate trie -> the kept sequences (cost-aware), and the (key, path) of every kept node."""
+    def _scored(self, n: int, seqs: list, support: dict, bud: int):
+        """Candidate trie -> ({path tuple: (path probability, stat key)}, the best ``bud`` paths in decreasing
+        probability, a parent before its children)."""
         nodes = {}  # path tuple -> (path probability, key)
         total = sum(support[s[:1]] for s in {s[:1]: 0 for s in seqs})  # matches continuing at all
         for s in seqs:
@@ -267,7 +268,11 @@ class NGramDrafter(Drafter):
                     prob = nodes[path][0]
                 parent_count = cnt
         # decreasing probability; ties by depth so that a parent always precedes its child
-        order = sorted(nodes, key=lambda p: (-nodes[p][0], len(p)))[:bud]
+        return nodes, sorted(nodes, key=lambda p: (-nodes[p][0], len(p)))[:bud]
+
+    def _select(self, n: int, seqs: list, support: dict, bud: int):
+        """Candidate trie -> the kept sequences (cost-aware), and the (key, path) of every kept node."""
+        nodes, order = self._scored(n, seqs, support, bud)
         if self.fixed_cost == 0 and self.node_cost == 0:
             keep = len(order)
         else:
@@ -306,6 +311,31 @@ class NGramDrafter(Drafter):
             trees.append(tree)
         self._time_step(sum(len(t) for t in trees))
         return trees
+
+    def scored_nodes(self, contexts, budget):
+        """Per request, the candidate nodes before the cost cut, for a drafter that merges them with its own and
+        cuts the union with one cost model (fastverify.hf.bpd): a list of (path tuple, estimated probability
+        that the whole path is accepted), best first, a parent before its children. Keeps the bookkeeping of
+        ``propose`` (every candidate's outcome is scored against the committed tokens at the next call)."""
+        if len(self.states) != len(contexts):
+            self.reset(len(contexts))
+        out = []
+        for st, ctx, bud in zip(self.states, contexts, budget):
+            ctx = ctx.tolist() if isinstance(ctx, torch.Tensor) else ctx
+            self._observe(st, ctx)
+            self._index(st, ctx)
+            st.last_depth = 0
+            bud = min(int(bud), self.max_nodes)
+            n, seqs, support = self._continuations(st, ctx, min(st.depth, bud), st.width) if bud > 0 else (0, [], {})
+            if not seqs:
+                out.append([])
+                continue
+            nodes, order = self._scored(n, seqs, support, bud)
+            st.last_depth = max(len(p) for p in order)
+            st.pending = (len(ctx), None, [(nodes[p][1], p) for p in order])
+            out.append([(p, nodes[p][0]) for p in order])
+        self._time_step(sum(len(o) for o in out))
+        return out
 
     def update(self, accepted) -> None:
         for st, acc in zip(self.states, accepted):
