@@ -2,7 +2,8 @@
 SmolLM2-135M, for the row counts a verify forward has (1 + draft nodes). Effective bandwidth = weight bytes /
 median time (a skinny GEMM that reads its weight once is bound by it).
 
-Default run: the LM head (49152 x 576) and the MLP up projection (1536 x 576) at M in {1, 2, 4, 8, 16}.
+Default run: the LM head (49152 x 576) and the MLP up projection (1536 x 576) at M in {1, 2, 4, 8, 16}, and
+every linear layer of the model in turn (test_model_linears) at M up to 128.
 FASTVERIFY_BENCH_FULL=1 adds the other projections (576 x 576, 192 x 576, 576 x 1536) and M = 32.
 The small layers fit in the last-level cache when benchmarked alone, so their GB/s exceed DRAM's; in a forward
 each layer's weight comes from memory.
@@ -35,3 +36,27 @@ def test_linear(benchmark, read_bandwidth, N, K, M, impl):
     fn = (lambda: op(x, w, None)) if impl == "skinny" else (lambda: F.linear(x, w))  # noqa: E731
     benchmark.pedantic(fn, rounds=15 if N * K < 1e7 else 7, warmup_rounds=2, iterations=1 if N * K > 1e6 else 20)
     report_bytes(benchmark, w.numel() * 4, read_bandwidth, N=N, K=K, M=M, impl=impl)
+
+
+MODEL_ROWS = [1, 4, 9, 17, 33, 65, 128] + ([256] if full_grid() else [])
+
+
+@pytest.mark.parametrize("impl", ["skinny", "torch"])
+@pytest.mark.parametrize("M", MODEL_ROWS)
+def test_model_linears(benchmark, read_bandwidth, M, impl):
+    """Every linear layer of SmolLM2-135M in turn (30 x q, k, v, o, gate, up, down, then the LM head; 540 MB of
+    fp32 weights, so each comes from memory as in a forward): the choice of fastverify.hf.linear.MAX_ROWS."""
+    if impl == "skinny" and "cpp" not in implemented_backends("skinny_linear"):
+        pytest.skip("cpp backend: fastverify._C has no skinny_linear kernel")
+    g = torch.Generator().manual_seed(0)
+    shapes = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30
+    ws = [torch.randn(n, k, generator=g) for n, k in shapes] + [torch.randn(49152, 576, generator=g)]
+    xs = {k: torch.randn(1, M, k, generator=g) for k in (576, 1536)}
+    op = torch.ops.fastverify.skinny_linear if impl == "skinny" else None
+
+    def run():
+        for w in ws:
+            (op(xs[w.shape[1]], w, None) if op is not None else F.linear(xs[w.shape[1]], w))
+
+    benchmark.pedantic(run, rounds=5, warmup_rounds=1, iterations=1)
+    report_bytes(benchmark, sum(w.numel() for w in ws) * 4, read_bandwidth, M=M, impl=impl)

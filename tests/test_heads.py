@@ -275,6 +275,22 @@ def test_bpd_ngram_is_one_trie_cut_by_one_cost_model(model):
     assert len(d.propose([[1, 2, 3]], [0])[0]) == 0  # no budget: no draft
 
 
+def test_batched_cut_charges_each_node_to_the_shared_step(model):
+    # R drafting requests share one forward: each request's cut uses node_cost * R (batch_drafting)
+    d = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), ngram=_ScoredNodes(
+        [((5,), 0.9), ((5, 6), 0.8), ((7,), 0.05)]), fixed_cost=0.1, node_cost=0.08, min_gain=1.0)
+    cand = ([[5, 8], [6, 9]], torch.tensor([[0.5, 0.3], [0.4, 0.1]], dtype=torch.float64).log())
+
+    def cut(budget):
+        d.reset(len(budget))
+        d.candidates = [cand] * len(budget)
+        return [t.tokens.tolist() for t in d.propose([[1, 2, 3]] * len(budget), budget)]
+
+    assert cut([16]) == [[5, 6, 8]]  # 3.0 / 1.34 beats 2.7 / 1.26
+    assert cut([16, 16]) == [[5, 6], [5, 6]]  # at node cost 0.16: 2.7 / 1.42 beats 3.0 / 1.58
+    assert cut([16, 0]) == [[5, 6, 8], []]  # a request that cannot draft does not share the cost
+
+
 @pytest.mark.parametrize("with_ngram", [False, True], ids=["bpd", "bpd+ngram"])
 @pytest.mark.parametrize("lengths", [[30], [30, 18, 25]], ids=["batch1", "batch3"])
 def test_greedy_exact_with_heads(model, with_ngram, lengths):

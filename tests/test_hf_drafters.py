@@ -55,6 +55,16 @@ def test_ngram_tree_of_continuations_most_recent_first():
     assert tree.max_depth == 3
 
 
+def test_ngram_batched_cut_charges_each_node_to_the_shared_step():
+    # a 3-gram seen once: path probabilities 0.71, 0.58, 0.50, 0.44 (the priors); at node_cost 0.3 one request
+    # drafts all four, two drafting requests (node cost 0.6 each) one node each; a request with no budget does
+    # not share the step
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    assert [len(t) for t in NGramDrafter(node_cost=0.3).propose([ctx], [16])] == [4]
+    assert [len(t) for t in NGramDrafter(node_cost=0.3).propose([ctx, ctx], [16, 16])] == [1, 1]
+    assert [len(t) for t in NGramDrafter(node_cost=0.3).propose([ctx, ctx], [16, 0])] == [4, 0]
+
+
 def test_ngram_longest_ngram_wins():
     d = NGramDrafter(min_n=1, max_n=3, depth=2, width=1, **OFF)
     d.reset(1)

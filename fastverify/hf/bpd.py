@@ -21,15 +21,16 @@ assumption):
 
 Nodes are added best first (``Tree.from_topk``), and the tree is cut at the size k that maximises expected
 tokens per cost, (1 + sum of the kept nodes' probabilities) / (1 + fixed_cost + node_cost * k), the cost model
-of NGramDrafter (a drafted step of k nodes costs about 1 + 0.12 + 0.04 k plain steps on a 2-core CPU); no draft
+of NGramDrafter (a drafted step of k nodes costs about 1 + 0.05 + 0.025 k plain steps on a 2-core CPU); no draft
 when no k beats ``min_gain``. The first step of a generate has no hidden state yet: it drafts nothing (or the
 n-gram drafter's tree, when combined).
 
 Combined with an n-gram drafter (``ngram=NGramDrafter()``, "bpd+ngram"): both propose scored candidate nodes
 (the n-gram drafter's ``scored_nodes``: its candidates with their estimated path probabilities, before its own cost
 cut), the two sets become one trie (a path proposed by both once, with the larger estimate), and one cost-aware
-cut, the one above, keeps the best prefix of the union, at most ``max_nodes``. So a strong n-gram match (a copy)
-is not crowded out by weak head candidates, and neither source's nodes are paid for twice.
+cut, the one above, keeps the best prefix of the union, at most ``max_nodes``. In a batch of R drafting requests
+the cut uses ``node_cost * R`` (they share one forward: fastverify.hf.drafters.batch_drafting). So a strong
+n-gram match (a copy) is not crowded out by weak head candidates, and neither source's nodes are paid for twice.
 
 Rules. Greedy verification (the default) keeps the output exactly the target's. BPD's approximate rules
 (``rule="topk"``, Stern §5.1; ``rule="distance"``, §5.2; ``min_accept``, §5.3) run with these drafts as with
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.heads import ProposalHeads, load_heads, output_projection
-from fastverify.hf.drafters import Drafter, empty_tree
+from fastverify.hf.drafters import Drafter, batch_drafting, empty_tree
 from fastverify.tree import Tree
 
 __all__ = ["HeadsDrafter", "load_drafter"]
@@ -61,8 +62,8 @@ class HeadsDrafter(Drafter):
     wants_hidden = True
 
     def __init__(self, model, heads: ProposalHeads, *, width: int = 4, max_nodes: int = 16, score: str = "auto",
-                 head_acceptance=None, calibration=None, temperature: float = 1.0, fixed_cost: float = 0.12,
-                 node_cost: float = 0.04, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None):
+                 head_acceptance=None, calibration=None, temperature: float = 1.0, fixed_cost: float = 0.05,
+                 node_cost: float = 0.025, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None):
         if score == "auto":
             score = "calibrated" if calibration is not None else "prob"
         if score not in ("prob", "rank", "calibrated"):
@@ -177,12 +178,13 @@ class HeadsDrafter(Drafter):
             paths.append((paths[p] if p >= 0 else ()) + (tok[j],))
         return [(path, math.exp(lp)) for path, lp in zip(paths, logp)]
 
-    def _cut(self, nodes):
-        """The prefix of ``nodes`` (best first) that maximises expected tokens per cost, as a Tree."""
+    def _cut(self, nodes, drafting: int = 1):
+        """The prefix of ``nodes`` (best first) that maximises expected tokens per cost, as a Tree; drafting: the
+        number of requests of the batch that draft (fastverify.hf.drafters.batch_drafting)."""
         best, keep, gain = self.min_gain, 0, 1.0
         for k, (_, prob) in enumerate(nodes, 1):
             gain += prob
-            ratio = gain / (1.0 + self.fixed_cost + self.node_cost * k)
+            ratio = gain / (1.0 + self.fixed_cost + self.node_cost * drafting * k)
             if ratio > best:
                 best, keep = ratio, k
         index, tokens, parents = {(): -1}, [], []
@@ -197,6 +199,7 @@ class HeadsDrafter(Drafter):
         if len(self.candidates) != B:
             self.reset(B)
         buds = [min(int(bud), self.max_nodes) for bud in budget]
+        drafting = batch_drafting(buds)
         ngram = self.ngram.scored_nodes(contexts, buds) if self.ngram is not None else [[]] * B
         trees = []
         for b in range(B):
@@ -209,7 +212,7 @@ class HeadsDrafter(Drafter):
                 for path, prob in ngram[b]:
                     merged[path] = max(prob, merged.get(path, 0.0))
                 nodes = sorted(merged.items(), key=lambda item: (-item[1], len(item[0])))[:buds[b]]
-            trees.append(self._cut(nodes) if buds[b] > 0 else empty_tree())
+            trees.append(self._cut(nodes, drafting) if buds[b] > 0 else empty_tree())
         return trees
 
     def update(self, accepted) -> None:

@@ -37,6 +37,14 @@ from fastverify.tree import Tree
 __all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "empty_tree"]
 
 
+def batch_drafting(budget) -> int:
+    """The number of requests that may draft this step (budget > 0): R in the batched cost model. A batch of R
+    requests shares one forward; each extra row costs it about what it costs a batch of one, so request b's
+    expected tokens (1 + G_b) over its share of the step, (1 + fixed_cost) / R + node_cost * k_b, is the per-request
+    ratio of (1 + G_b) / (1 + fixed_cost + R * node_cost * k_b)."""
+    return max(1, sum(1 for bud in budget if int(bud) > 0))
+
+
 def empty_tree() -> Tree:
     return Tree(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32), validate=False)
 
@@ -103,18 +111,20 @@ class NGramDrafter(Drafter):
 
     Cost-aware selection. A forward over 1 + k tokens does not cost the same as a 1-token step. Measured
     through the loop on SmolLM2-135M fp32 with the default skinny linears (a chain of k random draft tokens,
-    median of 3 generations of 24 tokens, quiet 2-core machine), a drafted step costs, in plain steps:
-    2 threads, 200-token prompt: k = 1: 1.05, 2: 1.16, 4: 1.21, 8: 1.27, 16: 1.56; 1 thread: 1.15, 1.25, 1.45,
-    1.50, 1.74; 2 threads, 700 tokens: 1.12, 1.18, 1.27, 1.41, 1.60. Hence the cost model
-    ``cost(k) = 1 + fixed_cost + node_cost * k`` (in 1-token steps) for a draft of k > 0 nodes, defaults
-    fixed_cost=0.12, node_cost=0.04. (Without the skinny linears torch's small-M GEMM makes a 2-token forward
-    ~1.6x a 1-token step: fixed_cost=0.55, node_cost=0.065 fit that; on a GPU both are smaller still.)
+    median over 6 Spec-Bench prompts x 2 generations of 24 tokens, 2-core AMD EPYC (Zen 5) VM, 2 threads), a
+    drafted step costs, in plain steps: k = 1: 1.06, 2: 1.07, 4: 1.12, 6: 1.21, 8: 1.19, 12: 1.37, 16: 1.42. Hence
+    the cost model ``cost(k) = 1 + fixed_cost + node_cost * k`` (in 1-token steps) for a draft of k > 0 nodes,
+    defaults fixed_cost=0.05, node_cost=0.025 (the same fit with skinny_linear's AVX2 tiles only, on an earlier
+    host: 0.12 / 0.04; without the skinny linears torch's small-M GEMM makes a 2-token forward ~1.6x a 1-token
+    step: fixed_cost=0.55, node_cost=0.065 fit that; on a GPU both are smaller still).
     Each node's acceptance probability (given its parent was accepted) is a running Beta estimate keyed by (match length, depth bucket, support
     bucket: sole continuation seen once / seen >= 2 times uncontradicted / majority / minority), with priors
     measured offline (``_PRIORS``) and updated from the outcome of every proposed node (scored against the
     committed tokens at the next call). A node's path probability is the product along its path; nodes are
     taken in decreasing path probability (a child never precedes its parent) and the prefix that maximises
-    the expected tokens per unit of cost ``(1 + sum P) / cost(k)`` is kept; if that ratio does not beat plain
+    the expected tokens per unit of cost ``(1 + sum P) / cost(k)`` is kept (in a batch where R requests draft,
+    each request owns 1 / R of the shared step, so its cut uses ``node_cost * R``: a node costs the whole batch's
+    step what it costs one request's, ``batch_drafting``); if that ratio does not beat plain
     decoding by ``min_gain`` (default 1.0 = break even), nothing is proposed and the step costs a plain step.
     ``fixed_cost=0, node_cost=0`` turns the selection off (every candidate node is proposed). Replaying the
     greedy outputs of 39 Spec-Bench questions (3 per category, 96 new tokens) under the 0.55 / 0.065 model: selection
@@ -144,7 +154,7 @@ class NGramDrafter(Drafter):
 
     def __init__(self, min_n: int = 1, max_n: int = 3, depth: int = 4, max_depth: int = 12, min_depth: int = 1,
                  width: int = 2, max_width: int = 4, max_nodes: int = 16, scan: int = 32,
-                 fixed_cost: float = 0.12, node_cost: float = 0.04, min_gain: float = 1.0,
+                 fixed_cost: float = 0.05, node_cost: float = 0.025, min_gain: float = 1.0,
                  calibrate: bool = False):
         if not (1 <= min_n <= max_n):
             raise ValueError(f"min_n, max_n: expected 1 <= min_n <= max_n, got {min_n}, {max_n}")
@@ -270,8 +280,9 @@ class NGramDrafter(Drafter):
         # decreasing probability; ties by depth so that a parent always precedes its child
         return nodes, sorted(nodes, key=lambda p: (-nodes[p][0], len(p)))[:bud]
 
-    def _select(self, n: int, seqs: list, support: dict, bud: int):
-        """Candidate trie -> the kept sequences (cost-aware), and the (key, path) of every kept node."""
+    def _select(self, n: int, seqs: list, support: dict, bud: int, drafting: int = 1):
+        """Candidate trie -> the kept sequences (cost-aware), and the (key, path) of every kept node. drafting: the
+        number of requests of the batch that draft (the node cost scales with it, below)."""
         nodes, order = self._scored(n, seqs, support, bud)
         if self.fixed_cost == 0 and self.node_cost == 0:
             keep = len(order)
@@ -279,7 +290,7 @@ class NGramDrafter(Drafter):
             best, keep, gain, fixed = self.min_gain, 0, 1.0, self.step_fixed_cost()
             for k, p in enumerate(order, 1):
                 gain += nodes[p][0]
-                ratio = gain / (1.0 + fixed + self.node_cost * k)
+                ratio = gain / (1.0 + fixed + self.node_cost * drafting * k)
                 if ratio > best:
                     best, keep = ratio, k
         kept = set(order[:keep])
@@ -289,7 +300,7 @@ class NGramDrafter(Drafter):
     def propose(self, contexts, budget):
         if len(self.states) != len(contexts):
             self.reset(len(contexts))
-        trees = []
+        trees, drafting = [], batch_drafting(budget)
         for st, ctx, bud in zip(self.states, contexts, budget):
             ctx = ctx.tolist() if isinstance(ctx, torch.Tensor) else ctx
             self._observe(st, ctx)
@@ -301,7 +312,7 @@ class NGramDrafter(Drafter):
                 continue
             depth = min(st.depth, bud)
             n, seqs, support = self._continuations(st, ctx, depth, st.width)
-            seqs, kept = self._select(n, seqs, support, bud) if seqs else ([], [])
+            seqs, kept = self._select(n, seqs, support, bud, drafting) if seqs else ([], [])
             if not seqs:
                 trees.append(empty_tree())
                 continue

@@ -18,9 +18,11 @@ from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_linears", "skinny_available", "MAX_ROWS"]
 
-# SmolLM2-135M fp32 forward over M tokens (cache 200), skinny vs torch: 1.27x faster at M = 17 and 0.96x at M = 33
-# with 2 threads (benchmarks/RESULTS.md); the drafters propose at most 16 nodes + the root.
-MAX_ROWS = 17
+# SmolLM2-135M's linear layers (30 layers + the LM head, fp32, 2 threads, 2-core AMD EPYC (Zen 5) VM), skinny
+# vs torch's GEMM: 2.4x faster at M = 1, 2.4x at 17, 2.4x at 33, 2.0x at 128, 1.7x at 256 (benchmarks/RESULTS.md,
+# "skinny_linear against F.linear"). A batch of requests' trees (4 x (1 + 16) rows and more) stays on the kernel;
+# prefills of long prompts go to torch, as in plain generate. (With the AVX2-only kernel the crossover was ~33.)
+MAX_ROWS = 128
 
 
 def skinny_available() -> bool:

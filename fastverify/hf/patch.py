@@ -163,7 +163,7 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         request and step, default 32), ``backend`` (verify / compact_cache backend, default "auto"),
         ``sync`` (synchronise CUDA around phases for exact stats), ``skinny_linear`` (default True: while the loop
         runs, the model's float32 CPU ``nn.Linear`` layers compute inputs of at most
-        ``fastverify.hf.linear.MAX_ROWS`` (17) rows with ``fastverify.skinny_linear``, which streams the weight once; see fastverify.hf.linear),
+        ``fastverify.hf.linear.MAX_ROWS`` (128) rows with ``fastverify.skinny_linear``, which streams the weight once; see fastverify.hf.linear),
         ``allow_unknown_model`` (skip the model-type registry check).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
