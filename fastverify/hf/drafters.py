@@ -297,21 +297,24 @@ class NGramDrafter(Drafter):
         out = [s[:max((d for d in range(1, len(s) + 1) if s[:d] in kept), default=0)] for s in seqs]
         return [s for s in out if s], [(nodes[p][1], p) for p in order[:keep]]
 
-    def propose(self, contexts, budget):
+    def _lookups(self, contexts, budget):
+        """Per request, what ``propose`` and ``scored_nodes`` share: score the last proposal, index the newly
+        committed tokens, look up the continuations. Yields (state, context, budget, n, seqs, support); seqs is
+        empty without budget or match."""
         if len(self.states) != len(contexts):
             self.reset(len(contexts))
-        trees, drafting = [], batch_drafting(budget)
         for st, ctx, bud in zip(self.states, contexts, budget):
             ctx = ctx.tolist() if isinstance(ctx, torch.Tensor) else ctx
             self._observe(st, ctx)
             self._index(st, ctx)
             st.last_depth = 0
             bud = min(int(bud), self.max_nodes)
-            if bud <= 0:
-                trees.append(empty_tree())
-                continue
-            depth = min(st.depth, bud)
-            n, seqs, support = self._continuations(st, ctx, depth, st.width)
+            found = self._continuations(st, ctx, min(st.depth, bud), st.width) if bud > 0 else (0, [], {})
+            yield (st, ctx, bud) + found
+
+    def propose(self, contexts, budget):
+        trees, drafting = [], batch_drafting(budget)
+        for st, ctx, bud, n, seqs, support in self._lookups(contexts, budget):
             seqs, kept = self._select(n, seqs, support, bud, drafting) if seqs else ([], [])
             if not seqs:
                 trees.append(empty_tree())
@@ -328,16 +331,8 @@ class NGramDrafter(Drafter):
         cuts the union with one cost model (fastverify.hf.bpd): a list of (path tuple, estimated probability
         that the whole path is accepted), best first, a parent before its children. Keeps the bookkeeping of
         ``propose`` (every candidate's outcome is scored against the committed tokens at the next call)."""
-        if len(self.states) != len(contexts):
-            self.reset(len(contexts))
         out = []
-        for st, ctx, bud in zip(self.states, contexts, budget):
-            ctx = ctx.tolist() if isinstance(ctx, torch.Tensor) else ctx
-            self._observe(st, ctx)
-            self._index(st, ctx)
-            st.last_depth = 0
-            bud = min(int(bud), self.max_nodes)
-            n, seqs, support = self._continuations(st, ctx, min(st.depth, bud), st.width) if bud > 0 else (0, [], {})
+        for st, ctx, bud, n, seqs, support in self._lookups(contexts, budget):
             if not seqs:
                 out.append([])
                 continue
