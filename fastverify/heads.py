@@ -8,7 +8,21 @@ token at position r + 1) and proposes the token at position r + i:
     logits_i = h_i @ E^T (+ bias)                   (the target's own output projection E, tied or not)
 
 p_1 is the target itself, so a draft built from the heads is a tree rooted at the target's own next token, and
-greedy verification keeps the output exact. W_i and b_i start at zero (SiLU(0) = 0, so h_i = h): an untrained
+greedy verification keeps the output exact.
+
+Sequential heads (``sequential=True``; Hydra, Ankner et al. 2024). The parallel heads above guess position r + i
+from h alone, blind to the tokens in between, so each guesses every path at once (Medusa's independence
+assumption). Sequential heads read the draft's own tokens: with x_{r+1} the row's next token (the draft's
+root, which the target has already chosen) and s_1 = h,
+
+    s_{i} = s_{i-1} + SiLU(W_i s_{i-1} + U_i n(e(x_{r+i-1})) + b_i)      i = 2..k (s_1 = h)
+    logits_i = s_i @ E^T (+ bias)
+
+where e is the target's input embedding and n(x) = x / rms(x). Head p_i's state depends on the path above the
+node it expands, so the drafter runs the heads level by level through the tree (one projection per level for
+all the nodes it expands); training feeds the true tokens (teacher forcing), which is what the node sees
+whenever its path is accepted, so the measured conditional accuracy is the probability the tree needs. U_i
+starts at zero too. W_i and b_i start at zero (SiLU(0) = 0, so h_i = h): an untrained
 head p_i proposes what the target predicts for the row's next position, and training starts from there.
 
 Vocabulary subset. A head may propose from a subset of the vocabulary (``vocab_subset`` int64 [V']: the
@@ -24,7 +38,8 @@ Checkpoint (a directory):
     config.json         {"method": "bpd", "format": 1, "num_heads", "hidden_size", "vocab_size",
                          "vocab_subset_size", "base_model", "base_fingerprint": {...}, "head_acceptance",
                          "training": {...}, "eval": {...}}
-    heads.safetensors   "weight" fp32 [H, D, D], "bias" fp32 [H, D], "vocab_subset" int64 [V'] (when used)
+    heads.safetensors   "weight" fp32 [H, D, D], "bias" fp32 [H, D], "vocab_subset" int64 [V'] (when used),
+                        "token_weight" fp32 [H, D, D] (sequential heads: config "arch": "sequential")
 
 ``base_fingerprint`` identifies the output projection the heads were trained against: its shape, the sha256
 of its fp32 bytes, and ``probe``: the sums of 16 fixed rows in float64. Loading compares shape (a vocabulary
@@ -62,27 +77,50 @@ class BaseModelMismatch(ValueError):
 
 class ProposalHeads(nn.Module):
     """k - 1 residual heads. weight fp32 [H, D, D] (zero-initialised), bias fp32 [H, D]; vocab_subset int64 [V']
-    or None (all V tokens)."""
+    or None (all V tokens); sequential: also token_weight fp32 [H, D, D] (Hydra-style heads, above)."""
 
-    def __init__(self, hidden_size: int, num_heads: int, vocab_subset=None):
+    def __init__(self, hidden_size: int, num_heads: int, vocab_subset=None, sequential: bool = False):
         super().__init__()
         if num_heads < 1 or hidden_size < 1:
             raise ValueError(f"num_heads, hidden_size: expected >= 1, got {num_heads}, {hidden_size}")
-        self.hidden_size, self.num_heads = int(hidden_size), int(num_heads)
+        self.hidden_size, self.num_heads, self.sequential = int(hidden_size), int(num_heads), bool(sequential)
         self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))
+        if self.sequential:
+            self.token_weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+        else:
+            self.register_parameter("token_weight", None)
         if vocab_subset is not None:
             vocab_subset = torch.as_tensor(vocab_subset, dtype=torch.int64).reshape(-1)
         self.register_buffer("vocab_subset", vocab_subset, persistent=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] (any float dtype) -> [H, N, D] fp32: each head's residual output h_i."""
+    def forward(self, hidden: torch.Tensor, token_emb: torch.Tensor = None) -> torch.Tensor:
+        """hidden [N, D] (any float dtype) -> [H, N, D] fp32: each head's residual output h_i. Sequential heads
+        also take token_emb [N, H, D]: the input embeddings of x_{r+1} .. x_{r+H}, the tokens each head reads."""
         h = hidden.to(self.weight.dtype)
-        return h[None] + F.silu(torch.einsum("nd,hed->hne", h, self.weight) + self.bias[:, None, :])
+        if not self.sequential:
+            return h[None] + F.silu(torch.einsum("nd,hed->hne", h, self.weight) + self.bias[:, None, :])
+        if token_emb is None or token_emb.shape != (h.shape[0], self.num_heads, self.hidden_size):
+            got = None if token_emb is None else tuple(token_emb.shape)
+            raise ValueError(f"token_emb: sequential heads expected [{h.shape[0]}, {self.num_heads}, "
+                             f"{self.hidden_size}], got {got}")
+        out, s = [], h
+        for i in range(self.num_heads):
+            s = self.step(i, s, token_emb[:, i])
+            out.append(s)
+        return torch.stack(out)
+
+    def step(self, i: int, state: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        """Sequential head p_{i+2}: state [N, D] (h, or the parent head's output), token_emb [N, D] (the input
+        embedding of the token the head reads) -> the head's output [N, D] fp32."""
+        e = token_emb.to(self.weight.dtype)
+        e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return state + F.silu(F.linear(state, self.weight[i], self.bias[i]) + F.linear(e, self.token_weight[i]))
 
     def extra_repr(self):
         v = "all" if self.vocab_subset is None else self.vocab_subset.numel()
-        return f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, vocab={v}"
+        arch = ", sequential" if self.sequential else ""
+        return f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, vocab={v}{arch}"
 
 
 def output_projection(model):
@@ -124,17 +162,27 @@ def check_fingerprint(expected: dict, model, where: str = "checkpoint") -> None:
             f"probe rows). The heads only work on their base model.")
 
 
-def save_heads(heads: ProposalHeads, path: str, config: dict) -> None:
+WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def save_heads(heads: ProposalHeads, path: str, config: dict, dtype: str = "float32") -> None:
     """Write ``path``/heads.safetensors and ``path``/config.json (config: base_model, base_fingerprint, ... ;
-    method / format / sizes are filled in here)."""
+    method / format / sizes are filled in here). dtype: of the stored weights ("float32", "float16" halves the
+    file; loading makes them fp32 again, so fp16 is exact for heads whose weights were rounded to fp16)."""
     from safetensors.torch import save_file
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype: expected one of {list(WEIGHT_DTYPES)}, got {dtype!r}")
+    dt = WEIGHT_DTYPES[dtype]
     os.makedirs(path, exist_ok=True)
-    tensors = {"weight": heads.weight.detach().float().cpu().contiguous(),
-               "bias": heads.bias.detach().float().cpu().contiguous()}
+    tensors = {"weight": heads.weight.detach().to(dt).cpu().contiguous(),
+               "bias": heads.bias.detach().to(dt).cpu().contiguous()}
     if heads.vocab_subset is not None:
         tensors["vocab_subset"] = heads.vocab_subset.cpu().contiguous()
+    if heads.sequential:
+        tensors["token_weight"] = heads.token_weight.detach().to(dt).cpu().contiguous()
     cfg = dict(config)
     cfg.update({"method": "bpd", "format": FORMAT, "num_heads": heads.num_heads, "hidden_size": heads.hidden_size,
+                "arch": "sequential" if heads.sequential else "parallel", "weights_dtype": dtype,
                 "vocab_subset_size": None if heads.vocab_subset is None else int(heads.vocab_subset.numel())})
     tmp = os.path.join(path, WEIGHTS_NAME + ".tmp")
     save_file(tensors, tmp)
@@ -201,6 +249,14 @@ def load_heads(name_or_path: str, model=None):
         raise CheckpointError(f"heads checkpoint {path!r}: expected weight [{H}, {D}, {D}] and bias [{H}, {D}] as the "
                               f"config says, got {None if w is None else tuple(w.shape)} and "
                               f"{None if b is None else tuple(b.shape)}")
+    arch = cfg.get("arch", "parallel")
+    if arch not in ("parallel", "sequential"):
+        raise CheckpointError(f"heads checkpoint {path!r}: arch {arch!r}, expected 'parallel' or 'sequential'")
+    u = tensors.get("token_weight")
+    if (arch == "sequential") != (u is not None) or (u is not None and tuple(u.shape) != (H, D, D)):
+        raise CheckpointError(f"heads checkpoint {path!r}: arch {arch!r} with token_weight "
+                              f"{None if u is None else tuple(u.shape)} (sequential heads need [{H}, {D}, {D}], "
+                              f"parallel ones none)")
     subset = tensors.get("vocab_subset")
     V = cfg.get("base_fingerprint", {}).get("shape", [None])[0]
     if subset is not None and (subset.numel() != cfg.get("vocab_subset_size")
@@ -210,10 +266,12 @@ def load_heads(name_or_path: str, model=None):
         if "base_fingerprint" not in cfg:
             raise CheckpointError(f"heads checkpoint {path!r}: config has no base_fingerprint")
         check_fingerprint(cfg["base_fingerprint"], model, where=f"heads checkpoint {path!r}")
-    heads = ProposalHeads(D, H, subset)
+    heads = ProposalHeads(D, H, subset, sequential=u is not None)
     with torch.no_grad():
         heads.weight.copy_(w)
         heads.bias.copy_(b)
+        if u is not None:
+            heads.token_weight.copy_(u)
     heads.requires_grad_(False).eval()
     if model is not None:
         heads.to(output_projection(model)[0].device)

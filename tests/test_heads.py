@@ -8,6 +8,7 @@
 """
 
 import json
+import math
 import os
 
 import pytest
@@ -43,12 +44,14 @@ def model():
     return _tiny()
 
 
-def _random_heads(num_heads=3, seed=1, subset=None):
+def _random_heads(num_heads=3, seed=1, subset=None, sequential=False):
     g = torch.Generator().manual_seed(seed)
-    h = ProposalHeads(D, num_heads, subset)
+    h = ProposalHeads(D, num_heads, subset, sequential=sequential)
     with torch.no_grad():
         h.weight.copy_(torch.randn(num_heads, D, D, generator=g) * 0.3)
         h.bias.copy_(torch.randn(num_heads, D, generator=g) * 0.1)
+        if sequential:
+            h.token_weight.copy_(torch.randn(num_heads, D, D, generator=g) * 0.3)
     return h.eval()
 
 
@@ -90,13 +93,46 @@ def test_training_learns_a_synthetic_pattern(tmp_path):
     assert min(after["top1"]) > 0.9, after["top1"]
 
 
-def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path):
+def test_sequential_heads_learn_what_parallel_heads_cannot(tmp_path):
+    """Tokens that follow a fixed permutation of the previous token, from a next token the hidden state does not
+    tell: parallel heads stay near chance, sequential heads (which read the draft's previous token) learn it."""
+    torch.manual_seed(0)
+    Vs, Dm, N, H = 32, 48, 4096, 3
+    E, E_in, perm = torch.nn.functional.normalize(torch.randn(Vs, Dm), dim=-1) * 4, torch.randn(Vs, Dm), torch.randperm(Vs)
+    hidden = (torch.randn(N, Dm)).half()
+    toks = [torch.randint(0, Vs, (N,))]  # x_{r+1}: the root, known to the drafter, not to parallel heads
+    for _ in range(H):
+        toks.append(perm[toks[-1]])
+    targets, inputs = torch.stack(toks[1:], 1), torch.stack(toks[:H], 1)
+    cfg = recipe.HeadsConfig(out="unused", epochs=12, batch_size=256, lr=3e-3, warmup=10, save_every=10 ** 9,
+                             resume=False, progress=False)
+    top1 = {}
+    for seq in (False, True):
+        heads = ProposalHeads(Dm, H, sequential=seq)
+        recipe.train_loop(heads, hidden, targets, E, None, cfg, state_path=str(tmp_path / f"s{seq}.pt"),
+                          log=lambda *a: 0, inputs=inputs, embed=E_in)
+        top1[seq] = recipe.evaluate(heads, hidden, targets, E, None, inputs=inputs, embed=E_in)["top1"]
+    assert max(top1[False]) < 0.2 and min(top1[True]) > 0.9, top1
+
+
+def test_build_examples_inputs_are_the_tokens_before_each_target(tmp_path):
+    g = torch.tensor([[10, 11, 12, 13, 99]], dtype=torch.int32)
+    torch.save({"tokens": g, "lengths": torch.tensor([4], dtype=torch.int32),
+                "hidden": torch.zeros(1, 5, 4, dtype=torch.float16)}, tmp_path / "shard_00000.pt")
+    hidden, targets, inputs = recipe.build_examples([str(tmp_path / "shard_00000.pt")], 3, with_inputs=True)
+    assert hidden.shape == (4, 4)
+    assert targets.tolist() == [[11, 12, 13], [12, 13, -100], [13, -100, -100], [-100, -100, -100]]
+    assert inputs.tolist() == [[10, 11, 12], [11, 12, 13], [12, 13, 0], [13, 0, 0]]
+
+
+@pytest.mark.parametrize("arch", ["parallel", "sequential"])
+def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch):
     """train_heads on token-id prompts: data shards, a trained checkpoint that loads onto the model, and a
     second call that resumes (no new shards, the training state's last step) instead of starting over."""
     prompts = [_repetitive(12 + i % 5, i) for i in range(20)]
     cfg = recipe.HeadsConfig(out=str(tmp_path / "ckpt"), data_dir=str(tmp_path / "data"), num_heads=2,
                              vocab_subset=64, exclude="", num_prompts=16, eval_prompts=4, max_new_tokens=12,
-                             gen_batch=4, epochs=2, batch_size=32, save_every=3, progress=False)
+                             gen_batch=4, epochs=2, batch_size=32, save_every=3, progress=False, arch=arch)
     logs = []
     heads, config = recipe.train_heads(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "heads.safetensors", "train_state.pt"]
@@ -104,6 +140,7 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path):
     assert config["training"]["train_positions"] == 16 * 12 and config["base_model"] == "tiny-llama"
     loaded, cfg2 = load_heads(str(tmp_path / "ckpt"), model)
     assert torch.equal(loaded.weight, heads.weight.detach()) and loaded.vocab_subset.numel() == 64
+    assert loaded.sequential == (arch == "sequential") and cfg2["arch"] == arch
     assert len(cfg2["head_acceptance"]) == 2
     assert len(cfg2["calibration"]["acceptance"]) == 2
     # the trained checkpoint drafts (calibrated scores) and greedy output stays the model's own
@@ -158,6 +195,37 @@ def test_checkpoint_round_trip_and_refusals(model, tmp_path):
         load_heads(path, _tiny(vocab=V + 8))
     with pytest.raises(BaseModelMismatch, match="mismatch"):
         load_drafter(path, _tiny(seed=5))
+
+
+def test_sequential_checkpoint_round_trip(model, tmp_path):
+    heads = _random_heads(subset=torch.arange(0, V, 2), sequential=True)
+    path = str(tmp_path / "h")
+    save_heads(heads, path, {"base_model": "tiny", "base_fingerprint": fingerprint(model)})
+    loaded, cfg = load_heads(path, model)
+    assert loaded.sequential and cfg["arch"] == "sequential"
+    assert torch.equal(loaded.token_weight, heads.token_weight) and torch.equal(loaded.weight, heads.weight)
+    # half the file in float16; loading gives the fp16-rounded weights back as fp32
+    save_heads(heads, str(tmp_path / "h16"), {"base_model": "tiny", "base_fingerprint": fingerprint(model)},
+               dtype="float16")
+    half, cfg16 = load_heads(str(tmp_path / "h16"), model)
+    assert cfg16["weights_dtype"] == "float16" and half.token_weight.dtype == torch.float32
+    assert torch.equal(half.token_weight, heads.token_weight.detach().half().float())
+    assert os.path.getsize(tmp_path / "h16" / "heads.safetensors") < 0.6 * os.path.getsize(tmp_path / "h" / "heads.safetensors")
+    with pytest.raises(ValueError, match="dtype"):
+        save_heads(heads, str(tmp_path / "h8"), {}, dtype="int8")
+    # a config that says parallel over weights that hold a token_weight (or the reverse) is refused
+    cfg["arch"] = "parallel"
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(CheckpointError, match="token_weight"):
+        load_heads(path, model)
+    cfg["arch"] = "hydra++"
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(CheckpointError, match="arch 'hydra\\+\\+'"):
+        load_heads(path, model)
+    with pytest.raises(ValueError, match="token_emb"):
+        heads(torch.zeros(2, D))
 
 
 def test_checkpoint_bad_input_errors(model, tmp_path):
@@ -291,14 +359,49 @@ def test_batched_cut_charges_each_node_to_the_shared_step(model):
     assert cut([16, 0]) == [[5, 6, 8], []]  # a request that cannot draft does not share the cost
 
 
+def test_sequential_tree_scores_each_path_by_the_heads_run_along_it(model):
+    """Level-by-level expansion: every node's estimate (score="prob") is the product over its path of the heads'
+    softmax probabilities computed by a plain teacher-forced forward of the heads along that path (the root is
+    the context's last token), parents come first, and only ``frontier`` nodes per depth are expanded."""
+    heads = _random_heads(num_heads=3, subset=torch.arange(3, V), sequential=True).requires_grad_(False)
+    d = HeadsDrafter(model, heads, score="prob", width=3, frontier=2, node_cost=0.0, max_nodes=64)
+    d.reset(2)
+    hidden = torch.randn(2, D)
+    d.observe_hidden(hidden, [True, True])
+    contexts = [[4, 5, 17], [9, 23]]
+    nodes = d._sequential_nodes(contexts, [64, 64], drafting=2)
+    embed, sub = model.get_input_embeddings().weight, torch.arange(3, V)
+    for b in range(2):
+        assert len(nodes[b]) == 3 + 2 * 3 + 2 * 3  # width 3 at depth 1; 2 expanded per depth after that
+        seen = set()
+        for path, prob in nodes[b]:
+            assert path[:-1] in seen or len(path) == 1
+            seen.add(path)
+            toks = [contexts[b][-1], *path]
+            emb = embed[torch.tensor(toks[:-1])][None]  # [1, depth, D]
+            states = heads.forward(hidden[b:b + 1], torch.cat([emb, emb.new_zeros(1, 3 - emb.shape[1], D)], 1)
+                                   if emb.shape[1] < 3 else emb)
+            logp = 0.0
+            for i, t in enumerate(path):
+                logits = states[i, 0] @ model.lm_head.weight[sub].t()
+                logp += float(torch.log_softmax(logits, -1)[t - 3])
+            assert abs(prob - math.exp(logp)) < 1e-4 * max(prob, 1e-3), (path, prob, math.exp(logp))
+    # a node estimated below what it costs is neither proposed nor expanded
+    d2 = HeadsDrafter(model, heads, score="prob", width=3, frontier=2, node_cost=0.05, max_nodes=64)
+    d2.reset(1)
+    d2.observe_hidden(hidden[:1], [True])
+    assert all(p > 0.05 for _, p in d2._sequential_nodes(contexts[:1], [64], drafting=1)[0])
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["parallel", "sequential"])
 @pytest.mark.parametrize("with_ngram", [False, True], ids=["bpd", "bpd+ngram"])
 @pytest.mark.parametrize("lengths", [[30], [30, 18, 25]], ids=["batch1", "batch3"])
-def test_greedy_exact_with_heads(model, with_ngram, lengths):
+def test_greedy_exact_with_heads(model, with_ngram, lengths, sequential):
     ids, mask = _batch(lengths, seed=3)
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
-    drafter = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), min_gain=0.5,
-                           ngram=NGramDrafter() if with_ngram else None)
+    drafter = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V), sequential=sequential), min_gain=0.5,
+                           node_cost=0.0 if sequential else 0.025, ngram=NGramDrafter() if with_ngram else None)
     patch(model, drafter=drafter)
     try:
         with torch.no_grad():

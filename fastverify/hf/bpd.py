@@ -19,10 +19,23 @@ assumption):
   score="rank"  the measured held-out frequency with which head p_{d+1}'s rank-r candidate is the target's
                 token (the checkpoint's ``head_acceptance``; Medusa's static sparse tree)
 
+Sequential heads (fastverify.heads, Hydra): a node's children depend on its path, so the tree grows level by level
+from the root (the next token, the last token of the context): at depth d the heads' step p_{d+2} runs on every
+node of the frontier (all requests' frontiers in one projection), its top ``width`` candidates become the
+node's children, scored by the same per-depth estimate (for sequential heads a conditional one: the calibration
+was measured with the path above right), and the ``frontier`` best children whose path estimate exceeds what
+one node costs (``node_cost`` x drafting requests: below it a node can never pay for itself in the cut) are
+expanded at the next depth. A tree of depth k costs k small projections instead of one; the estimates need no
+independence assumption.
+
 Nodes are added best first (``Tree.from_topk``), and the tree is cut at the size k that maximises expected
 tokens per cost, (1 + sum of the kept nodes' probabilities) / (1 + fixed_cost + node_cost * k), the cost model
-of NGramDrafter (a drafted step of k nodes costs about 1 + 0.05 + 0.025 k plain steps on a 2-core CPU); no draft
-when no k beats ``min_gain``. The first step of a generate has no hidden state yet: it drafts nothing (or the
+of NGramDrafter; no draft when no k beats ``min_gain``. Defaults fixed_cost 0.05, node_cost 0.06: the model
+forward of the loop, timed per step on SmolLM2-135M (2-core CPU, AVX-512 skinny linears), costs 1.07 plain
+steps at k = 1-2 nodes, 1.12-1.14 at 3-5, 1.25-1.29 at 6-11 and 1.65-1.80 at 12-16 (the kernel computes 6 rows
+per pass over a weight tile, so the cost steps at 6 and 12 rows): a line with the n-gram drafter's node_cost 0.025
+under-charges the trees of 6-16 nodes that the heads propose, and node_cost 0.06 measured faster end to end
+(benchmarks/RESULTS.md). The first step of a generate has no hidden state yet: it drafts nothing (or the
 n-gram drafter's tree, when combined).
 
 Combined with an n-gram drafter (``ngram=NGramDrafter()``, "bpd+ngram"): both propose scored candidate nodes
@@ -44,6 +57,7 @@ import torch.nn.functional as F
 
 from fastverify.heads import ProposalHeads, load_heads, output_projection
 from fastverify.hf.drafters import Drafter, batch_drafting, empty_tree
+from fastverify.ops.linear import skinny_linear
 from fastverify.tree import Tree
 
 __all__ = ["HeadsDrafter", "load_drafter"]
@@ -53,7 +67,8 @@ class HeadsDrafter(Drafter):
     """Drafter from proposal heads on the target's hidden state.
 
     Args: model: the target (its output projection is used, restricted to the heads' vocabulary subset);
-    heads: ProposalHeads; width: candidates per head (per depth); max_nodes: cap on the tree size; score: "prob"
+    heads: ProposalHeads; width: candidates per head (per depth, per expanded node for sequential heads);
+    frontier: sequential heads: nodes expanded per depth and request; max_nodes: cap on the tree size; score: "prob"
     or "rank" (above); head_acceptance: [H][ranks] measured acceptance by rank (for score="rank"); temperature:
     applied to the heads' logits before the softmax (score="prob"); fixed_cost, node_cost, min_gain: the cost
     model; ngram: an NGramDrafter to merge with (anything with its ``scored_nodes``), or None.
@@ -63,7 +78,8 @@ class HeadsDrafter(Drafter):
 
     def __init__(self, model, heads: ProposalHeads, *, width: int = 4, max_nodes: int = 16, score: str = "auto",
                  head_acceptance=None, calibration=None, temperature: float = 1.0, fixed_cost: float = 0.05,
-                 node_cost: float = 0.025, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None):
+                 node_cost: float = 0.06, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None,
+                 frontier: int = 4):
         if score == "auto":
             score = "calibrated" if calibration is not None else "prob"
         if score not in ("prob", "rank", "calibrated"):
@@ -72,8 +88,8 @@ class HeadsDrafter(Drafter):
             raise ValueError("score='rank' needs head_acceptance (the checkpoint's measured acceptance by rank)")
         if score == "calibrated" and calibration is None:
             raise ValueError("score='calibrated' needs calibration (the checkpoint's calibration table)")
-        if width < 1 or max_nodes < 1:
-            raise ValueError(f"width, max_nodes: expected >= 1, got {width}, {max_nodes}")
+        if width < 1 or max_nodes < 1 or frontier < 1:
+            raise ValueError(f"width, max_nodes, frontier: expected >= 1, got {width}, {max_nodes}, {frontier}")
         if not temperature > 0:
             raise ValueError(f"temperature: expected > 0, got {temperature}")
         weight, bias = output_projection(model)
@@ -90,6 +106,12 @@ class HeadsDrafter(Drafter):
         self.bias = None if bias is None else (bias.detach() if subset is None else bias.detach()[self.subset]).float()
         self.width = min(int(width), self.weight.shape[0])
         self.max_nodes, self.score, self.temperature = int(max_nodes), score, float(temperature)
+        self.frontier = int(frontier)
+        # sequential heads read draft tokens through the target's input embedding
+        self.embed = model.get_input_embeddings().weight.detach() if heads.sequential else None
+        # a sequential head's two products in one: [W_i | U_i] [D, 2D] against [state | n(e)] (one skinny_linear)
+        self.step_weight = ([torch.cat([heads.weight[i], heads.token_weight[i]], 1).detach().float().contiguous()
+                             for i in range(heads.num_heads)] if heads.sequential else None)
         self.depth = heads.num_heads if max_depth is None else max(1, min(int(max_depth), heads.num_heads))
         if head_acceptance is not None:
             acc = torch.as_tensor(head_acceptance, dtype=torch.float64)
@@ -115,22 +137,40 @@ class HeadsDrafter(Drafter):
 
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)
-        self.candidates = [None] * batch_size  # per request: (tokens [H, width] list, log-scores [H, width] list)
+        # per request: (tokens [H, width] list, log-scores [H, width] list); sequential heads: the hidden row [D]
+        self.candidates = [None] * batch_size
         if self.ngram is not None:
             self.ngram.reset(batch_size)
 
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] fp32 -> logits [N, V'] over the heads' vocabulary (skinny_linear on the CPU)."""
+        if x.device.type == "cpu":
+            return skinny_linear(x.contiguous(), self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, D] -> logits [H, B, V'] fp32 over the heads' vocabulary (all heads in one projection)."""
+        """hidden [B, D] -> logits [H, B, V'] fp32 over the heads' vocabulary (all heads in one projection).
+        Parallel heads only (sequential heads depend on the path: ``_sequential_nodes``)."""
+        if self.heads.sequential:
+            raise ValueError("head_logits: sequential heads read the draft's tokens; they run level by level")
         r = self.heads(hidden)  # [H, B, D]
         H, B, D = r.shape
-        x = r.reshape(H * B, D)
-        if x.device.type == "cpu":
-            from fastverify.ops.linear import skinny_linear
-            logits = skinny_linear(x, self.weight, self.bias)
-        else:
-            logits = F.linear(x, self.weight, self.bias)
-        return logits.reshape(H, B, -1)
+        return self._project(r.reshape(H * B, D)).reshape(H, B, -1)
+
+    def _log_accept(self, d: int, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Estimated log-probability of acceptance of head p_{d+2}'s top candidates: values [..., width] (their
+        logits), logits [..., V'] (the head's row)."""
+        if self.score == "prob":
+            t = self.temperature
+            return values / t - torch.logsumexp(logits / t, dim=-1, keepdim=True)
+        if self.score == "calibrated":
+            prob = (values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+            return self.calib_logp[d][torch.bucketize(prob.cpu(), self.calib_edges, right=True)]
+        ranks = min(values.shape[-1], self.rank_logp.shape[1])
+        out = torch.full(values.shape, -math.inf, dtype=torch.float64)
+        out[..., :ranks] = self.rank_logp[d, :ranks]
+        return out
 
     @torch.no_grad()
     def observe_hidden(self, hidden: torch.Tensor, active=None) -> None:
@@ -141,6 +181,10 @@ class HeadsDrafter(Drafter):
             self.candidates = [None] * B
         rows = [b for b in range(B) if active is None or active[b]]
         if not rows:
+            return
+        if self.heads.sequential:  # the tree is grown at propose, once the root (next token) is in the context
+            for b in rows:
+                self.candidates[b] = hidden[b].float().clone()
             return
         logits = self.head_logits(hidden[rows])  # [H, b, V']
         H = logits.shape[0]
@@ -178,6 +222,56 @@ class HeadsDrafter(Drafter):
             paths.append((paths[p] if p >= 0 else ()) + (tok[j],))
         return [(path, math.exp(lp)) for path, lp in zip(paths, logp)]
 
+    @torch.no_grad()
+    def _sequential_nodes(self, contexts, buds, drafting: int):
+        """Sequential heads: per request, [(path tuple, estimated probability that the path is accepted)], best
+        first (a parent before its children), at most its budget. Level by level from each request's root
+        (``contexts[b][-1]``); one projection per depth for every request's frontier."""
+        B = len(contexts)
+        out = [[] for _ in range(B)]
+        reqs = [b for b in range(B) if buds[b] > 0 and self.candidates[b] is not None]
+        if not reqs:
+            return out
+        floor = math.log(self.node_cost * drafting) if self.node_cost > 0 else -math.inf
+        state = torch.stack([self.candidates[b] for b in reqs])  # [m, D]
+        owner, paths, logp = reqs, [()] * len(reqs), [0.0] * len(reqs)
+        tokens = [contexts[b][-1] for b in reqs]
+        dev = state.device
+        for d in range(self.depth):
+            e = self.embed[torch.tensor(tokens, dtype=torch.int64, device=self.embed.device)].to(dev).float()
+            e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)  # as ProposalHeads.step
+            x = torch.cat([state, e], 1)
+            pre = (skinny_linear(x, self.step_weight[d], self.heads.bias[d]) if dev.type == "cpu"
+                   else F.linear(x, self.step_weight[d], self.heads.bias[d]))
+            state = state + F.silu(pre)
+            logits = self._project(state)
+            top = logits.topk(self.width, dim=-1)
+            cand = top.indices if self.subset is None else self.subset[top.indices]
+            score = self._log_accept(d, top.values, logits).double().cpu().tolist()
+            cand = cand.cpu().tolist()
+            children = {}  # request -> [(log-estimate, path, row)]
+            for j, b in enumerate(owner):
+                for c, s in zip(cand[j], score[j]):
+                    lp = logp[j] + s
+                    if lp > floor:
+                        children.setdefault(b, []).append((lp, paths[j] + (c,), j))
+            rows, owner, paths, logp, tokens = [], [], [], [], []
+            for b, ch in children.items():
+                ch.sort(key=lambda x: -x[0])
+                out[b].extend((path, math.exp(lp)) for lp, path, _ in ch)
+                for lp, path, j in ch[:self.frontier]:
+                    rows.append(j)
+                    owner.append(b)
+                    paths.append(path)
+                    logp.append(lp)
+                    tokens.append(path[-1])
+            if not rows:
+                break
+            state = state[torch.tensor(rows, dtype=torch.int64, device=dev)]
+        for b in reqs:
+            out[b] = sorted(out[b], key=lambda item: (-item[1], len(item[0])))[:min(buds[b], self.max_nodes)]
+        return out
+
     def _cut(self, nodes, drafting: int = 1):
         """The prefix of ``nodes`` (best first) that maximises expected tokens per cost, as a Tree; drafting: the
         number of requests of the batch that draft (fastverify.hf.drafters.batch_drafting)."""
@@ -201,9 +295,10 @@ class HeadsDrafter(Drafter):
         buds = [min(int(bud), self.max_nodes) for bud in budget]
         drafting = batch_drafting(buds)
         ngram = self.ngram.scored_nodes(contexts, buds) if self.ngram is not None else [[]] * B
+        seq = self._sequential_nodes(contexts, buds, drafting) if self.heads.sequential else None
         trees = []
         for b in range(B):
-            nodes = self._heads_nodes(b, buds[b])
+            nodes = seq[b] if seq is not None else self._heads_nodes(b, buds[b])
             self.candidates[b] = None  # used once: the next step's come from the next verify
             if ngram[b]:
                 # one trie of both proposals, a path proposed by both with the larger estimate; sorted best first

