@@ -59,10 +59,17 @@ def _normalise(B, S, device, prefix_len, draft_start, accepted, accept_len, vali
     return plen, draft_start, acc, alen
 
 
-def _compact_pair(k, v, prefix_len, draft_start, accepted, accept_len, backend, validate, where=""):
+def _compact_pair(k, v, prefix_len, draft_start, accepted, accept_len, backend, validate, where="", seen=None):
+    """seen: a dict shared by the layers of one cache, so that arguments are normalised (and validated) once per
+    (B, S, device) instead of once per layer."""
     _check_pair(k, v, where)
-    plen, ds, acc, alen = _normalise(k.shape[0], k.shape[2], k.device, prefix_len, draft_start, accepted,
-                                     accept_len, validate)
+    key = (k.shape[0], k.shape[2], k.device)
+    args = None if seen is None else seen.get(key)
+    if args is None:
+        args = _normalise(*key, prefix_len, draft_start, accepted, accept_len, validate)
+        if seen is not None:
+            seen[key] = args
+    plen, ds, acc, alen = args
     dispatch.call("compact_cache", backend, k.device, k, v, plen, ds, acc, alen)
     return plen, alen
 
@@ -87,12 +94,13 @@ def compact_cache(cache, prefix_len, draft_start, accepted, accept_len, backend:
     if isinstance(cache, tuple) and len(cache) == 2 and all(isinstance(t, torch.Tensor) for t in cache):
         _compact_pair(cache[0], cache[1], prefix_len, draft_start, accepted, accept_len, backend, validate)
         return cache
+    seen = {}
     if isinstance(cache, (list, tuple)):
         for i, pair in enumerate(cache):
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
                 raise TypeError(f"cache[{i}]: expected a (k, v) pair of tensors")
             _compact_pair(pair[0], pair[1], prefix_len, draft_start, accepted, accept_len, backend, validate,
-                          f"[{i}]")
+                          f"[{i}]", seen)
         return cache
     layers = getattr(cache, "layers", None)
     if layers is None:
@@ -106,7 +114,7 @@ def compact_cache(cache, prefix_len, draft_start, accepted, accept_len, backend:
         if keys is None or values is None or not isinstance(keys, torch.Tensor) or keys.numel() == 0:
             continue  # not initialised (e.g. KV sharing)
         plen, alen = _compact_pair(keys, values, prefix_len, draft_start, accepted, accept_len, backend, validate,
-                                   f".layers[{i}]")
+                                   f".layers[{i}]", seen)
         if new_len is None:
             new_len = int((plen + alen).max()) if plen.numel() else 0
         layer.keys = keys[..., :new_len, :]
