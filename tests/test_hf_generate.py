@@ -96,6 +96,20 @@ def test_greedy_matches_generate(model, lengths):
         assert st.new_tokens == [24] * len(lengths)
 
 
+def test_cache_handed_over_under_the_forwards_own_name(model):
+    """The loop and the draft-model drafter pass the cache as the forward names it (``cache`` in newer
+    transformers, ``past_key_values`` before), so no deprecation warning is raised on every step."""
+    import inspect
+    import warnings
+    ids, mask = _batch([13])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        _patched(model, ids, mask, drafter=DraftModelDrafter(model, k=2), do_sample=False, max_new_tokens=6)
+    expected = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    assert list(fastverify.hf.attention.cache_kwargs(model, None)) == [expected]
+
+
 @pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
 def test_greedy_eos_in_the_middle(model, lengths):
     ids, mask = _batch(lengths, seed=3)

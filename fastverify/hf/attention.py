@@ -23,13 +23,24 @@ before it (causal: LUD, PTP); a bidirectional block (GAD) also sees the slots af
 of verify's layout, and the cache slots they write are stale after the step (never kept).
 """
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
 from fastverify.ops.tree import tree_mask
 
-__all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length"]
+__all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length", "cache_kwargs"]
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that hands ``cache`` to ``model``'s forward: ``cache`` where the forward takes it (transformers
+    >= 5.2x renamed the argument and warns on the old name), ``past_key_values`` before."""
+    try:
+        takes_cache = "cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a readable signature: the long-standing name
+        takes_cache = False
+    return {"cache": cache} if takes_cache else {"past_key_values": cache}
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

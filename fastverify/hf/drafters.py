@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from fastverify.hf.attention import cache_kwargs
 from fastverify.tree import Tree
 
 __all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "empty_tree"]
@@ -400,7 +401,8 @@ class DraftModelDrafter(Drafter):
         device = next(self.model.parameters()).device
         ids = torch.tensor([tokens], dtype=torch.int64, device=device)
         pos = torch.arange(self.cached[b], self.cached[b] + len(tokens), device=device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.caches[b], use_cache=True)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True,
+                         **cache_kwargs(self.model, self.caches[b]))
         self.cached[b] += len(tokens)
         return out.logits[0, -1].float()
 

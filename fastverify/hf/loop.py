@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastverify.hf.attention import crop_cache, prefill_inputs, step_inputs
+from fastverify.hf.attention import cache_kwargs, crop_cache, prefill_inputs, step_inputs
 from fastverify.hf.drafters import empty_tree
 from fastverify.hf.linear import skinny_linears
 from fastverify.ops.cache import compact_cache
@@ -156,7 +156,7 @@ class Decoder:
             torch.cuda.synchronize(self.device)
 
     def _forward(self, **kw):
-        return self.model(past_key_values=self.cache, use_cache=True, return_dict=True, **kw)
+        return self.model(**cache_kwargs(self.model, self.cache), use_cache=True, return_dict=True, **kw)
 
     def _prefill(self, attention_mask):
         t0 = time.perf_counter()

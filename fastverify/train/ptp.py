@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastverify.hf.attention import cache_kwargs
 from fastverify.hf.slots import PTPSlotDrafter
 from fastverify.lora import slot_gate
 from fastverify.train.cli import parse_config, run_recipe
@@ -85,7 +86,7 @@ def _ptp_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False):
     m1, T, dev = drafter.block_size, ids.shape[0], ids.device
     with torch.no_grad():
         cache = DynamicCache()
-        teacher = model(input_ids=ids[None], past_key_values=cache, use_cache=True).logits[0].float()
+        teacher = model(input_ids=ids[None], use_cache=True, **cache_kwargs(model, cache)).logits[0].float()
         g = torch.Generator().manual_seed(rng.randrange(2**62))
         a = None if evaluate or not cfg.beta_a else cfg.beta_a
         v = sample_v(T - prompt_len, a=a, generator=g).to(dev)
@@ -111,7 +112,7 @@ def _ptp_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False):
     gate = torch.ones(1, embeds.shape[0], dtype=torch.bool, device=dev)
     with slot_gate(gate), torch.set_grad_enabled(not evaluate):
         logits = model(inputs_embeds=embeds.to(model.dtype)[None], attention_mask=mask, position_ids=pos,
-                       past_key_values=cache, use_cache=True).logits[0].float()
+                       use_cache=True, **cache_kwargs(model, cache)).logits[0].float()
     valid = target >= 0
     if not bool(valid.any()):
         return "skip", None

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.heads import fingerprint
+from fastverify.hf.attention import cache_kwargs
 from fastverify.hf.slots import BlockSlotDrafter, save_slot_drafter
 from fastverify.lora import slot_gate
 from fastverify.train.cli import parse_config, run_recipe
@@ -132,7 +133,7 @@ def _prefix(model, ids):
     Returns (cache, argmax int64 [T], prob of the actual next token float [T - 1])."""
     from transformers import DynamicCache
     cache = DynamicCache()
-    out = model(input_ids=ids[None], past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids[None], use_cache=True, **cache_kwargs(model, cache))
     logp = out.logits[0].float().log_softmax(-1)
     return cache, logp.argmax(-1), logp[:-1].gather(-1, ids[1:, None])[:, 0].exp()
 
@@ -185,8 +186,8 @@ def _slot_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False, check=
     embeds = drafter.slot_embed[offset].to(model.dtype)[None]
     gate = torch.ones(1, embeds.shape[1], dtype=torch.bool, device=dev)
     with slot_gate(gate), torch.set_grad_enabled(not evaluate):
-        logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True).logits[0].float()
+        logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True,
+                       **cache_kwargs(model, cache)).logits[0].float()
     valid = target >= 0
     if not bool(valid.any()):
         return "skip", None
