@@ -441,18 +441,41 @@ def test_heads_that_copy_the_target_are_accepted(model):
     assert st.tokens_per_step > 3
 
 
-@pytest.mark.parametrize("rule,params", [("topk", {"k": 3}), ("distance", {"eps": 4}),
+@pytest.mark.parametrize("rule,params", [("topk", {"k": 32}), ("distance", {"eps": 4}),
                                          ("greedy", {"min_accept": 1})])
 def test_lossy_rules_run_with_heads(model, rule, params):
+    """BPD's approximate rules (Stern §5) with heads' drafts: every emitted token satisfies the rule against the
+    target's own scores given the emitted prefix (top-k, k = V / 8 so that random heads' drafts qualify: rank < k; distance: |x - argmax| <= eps; the correction
+    token is the argmax), min_accept forces a drafted node into every step that has a draft, and the lossy rules
+    do accept tokens the target would not have chosen (the output is not greedy's)."""
     ids, mask = _batch([20, 16])
     drafter = HeadsDrafter(model, _random_heads(), min_gain=0.5)
     patch(model, drafter=drafter, rule=rule, **params)
     try:
         with torch.no_grad():
             got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+        st = stats(model)
     finally:
         unpatch(model)
     assert got.shape == (2, ids.shape[1] + 16)
+    off_greedy = 0
+    for b in range(2):
+        seq = got[b][torch.cat([mask[b].bool(), torch.ones(16, dtype=torch.bool)])]
+        with torch.no_grad():
+            logits = model(seq[None]).logits[0, -17:-1].float()  # the scores of each emitted token's position
+        new = seq[-16:]
+        best = logits.argmax(-1)
+        rank = (logits > logits.gather(1, new[:, None])).sum(-1)
+        if rule == "topk":
+            assert bool((rank < params["k"]).all()), (b, rank.tolist())
+        elif rule == "distance":
+            assert bool(((new - best).abs() <= params["eps"]).all()), (b, (new - best).tolist())
+        off_greedy += int((new != best).sum())
+    if rule == "greedy":  # min_accept 1: a step with a draft accepts at least its first node
+        steps = [(d, a) for ds, acs in zip(st.drafted, st.accepted) for d, a in zip(ds, acs) if d]
+        assert steps and all(a >= 1 for d, a in steps), steps
+    else:
+        assert off_greedy > 0, "the lossy rule accepted nothing the target would not have chosen"
 
 
 def test_hidden_hook_only_for_drafters_that_want_it(model):
