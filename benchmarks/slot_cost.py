@@ -32,7 +32,7 @@ def main(argv=None):
     from transformers import DynamicCache
 
     import fastverify
-    from fastverify.hf.attention import prefill_inputs, step_inputs
+    from fastverify.hf.attention import cache_kwargs, prefill_inputs, step_inputs
     from fastverify.hf.linear import skinny_linears
     from fastverify.lora import slot_gate
     from fastverify.models import load_smollm2
@@ -53,7 +53,8 @@ def main(argv=None):
     with torch.no_grad(), drafter.installed(model), skinny_linears(model):
         cache = DynamicCache()
         mask, pos = prefill_inputs(torch.ones(1, L, dtype=torch.long), torch.float32)
-        model(input_ids=ids[:, :L], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :L], attention_mask=mask, position_ids=pos, use_cache=True,
+              **cache_kwargs(model, cache))
         rows = {}
         for _ in range(args.repeats):
             for name, (t, blocks) in layouts.items():
@@ -65,7 +66,7 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 with slot_gate(inp.slot_rows if blocks else None):
                     model(inputs_embeds=embeds, attention_mask=inp.mask, position_ids=inp.position_ids,
-                          past_key_values=c, use_cache=True)
+                          use_cache=True, **cache_kwargs(model, c))
                 times[name].append(time.perf_counter() - t0)
                 rows[name] = inp.input_ids.shape[1]
     base = statistics.median(times["plain step (1 row)"])

@@ -130,6 +130,19 @@ def to_device(batch, device):
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
+def left_padded(prompts, pad: int):
+    """Token lists -> (input_ids int64 [B, L], attention_mask int64 [B, L]): left padded with ``pad`` to the
+    longest, as generate expects a batch."""
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad, dtype=torch.int64)
+    mask = torch.zeros(len(prompts), L, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        if p:
+            ids[b, L - len(p):] = torch.tensor(p, dtype=torch.int64)
+            mask[b, L - len(p):] = 1
+    return ids, mask
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module that decodes with a model: batch-1 decoding is bandwidth-bound, and intra-op

@@ -33,6 +33,8 @@ import torch
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, unpatch
 from fastverify.hf.slots import BlockSlotDrafter
 
+from conftest import left_padded
+
 V = 384
 PAD = 1
 FALLBACK = "falling back to the original generate"
@@ -130,18 +132,14 @@ def build_batch(rng: random.Random):
     """Left-padded prompts: (input_ids [B, L], attention_mask [B, L])."""
     B = rng.choice([1, 1, 2, 3, 4])
     lengths = [rng.randint(1, 24) for _ in range(B)]
-    L = max(lengths)
-    ids = torch.full((B, L), PAD, dtype=torch.int64)
-    mask = torch.zeros(B, L, dtype=torch.int64)
-    for b, n in enumerate(lengths):
+    prompts = []
+    for n in lengths:
         if rng.random() < 0.7:  # repetitive: the n-gram drafter finds something to draft
             motif = [rng.randint(3, V - 1) for _ in range(rng.randint(2, 6))]
-            prompt = (motif * (n // len(motif) + 1))[:n]
+            prompts.append((motif * (n // len(motif) + 1))[:n])
         else:
-            prompt = [rng.randint(3, V - 1) for _ in range(n)]
-        ids[b, L - n:] = torch.tensor(prompt)
-        mask[b, L - n:] = 1
-    return ids, mask
+            prompts.append([rng.randint(3, V - 1) for _ in range(n)])
+    return left_padded(prompts, PAD)
 
 
 def build_options(rng: random.Random, ids):

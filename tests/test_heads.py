@@ -21,6 +21,8 @@ from fastverify.hf import Drafter, NGramDrafter, patch, stats, unpatch
 from fastverify.hf.bpd import HeadsDrafter, load_drafter
 from fastverify.train import heads as recipe
 
+from conftest import left_padded
+
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,13 +64,7 @@ def _repetitive(length, seed):
 
 
 def _batch(lengths, seed=0):
-    L = max(lengths)
-    ids = torch.full((len(lengths), L), PAD, dtype=torch.int64)
-    mask = torch.zeros(len(lengths), L, dtype=torch.int64)
-    for b, n in enumerate(lengths):
-        ids[b, L - n:] = torch.tensor(_repetitive(n, seed + b))
-        mask[b, L - n:] = 1
-    return ids, mask
+    return left_padded([_repetitive(n, seed + b) for b, n in enumerate(lengths)], PAD)
 
 
 # ----------------------------------------------------------------------------------------------- training

@@ -13,6 +13,8 @@ import torch
 import fastverify
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, stats, unpatch
 
+from conftest import left_padded
+
 transformers = pytest.importorskip("transformers")
 
 V = 1024
@@ -62,13 +64,7 @@ PAD = 1
 
 def _batch(lengths, seed=0):
     """Left-padded batch of repetitive prompts: (input_ids [B, L], attention_mask [B, L])."""
-    L = max(lengths)
-    ids = torch.full((len(lengths), L), PAD, dtype=torch.int64)
-    mask = torch.zeros(len(lengths), L, dtype=torch.int64)
-    for b, n in enumerate(lengths):
-        ids[b, L - n:] = torch.tensor(_repetitive(n, seed + b))
-        mask[b, L - n:] = 1
-    return ids, mask
+    return left_padded([_repetitive(n, seed + b) for b, n in enumerate(lengths)], PAD)
 
 
 def _reference(model, ids, mask, **kw):

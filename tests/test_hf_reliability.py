@@ -14,6 +14,8 @@ import fastverify
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, is_patched, patch, stats, unpatch
 from fastverify.tree import Tree
 
+from conftest import left_padded
+
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,14 +40,8 @@ def _llama(**kw):
 def _prompts(B, L=30, seed=0):
     """B left-padded repetitive prompts of lengths L, L - 3, ...: (ids, mask)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.full((B, L), PAD, dtype=torch.int64)
-    mask = torch.zeros(B, L, dtype=torch.int64)
-    for b in range(B):
-        n = L - 3 * b
-        motif = torch.randint(3, V, (4,), generator=g).tolist()
-        ids[b, L - n:] = torch.tensor((motif * L)[:n])
-        mask[b, L - n:] = 1
-    return ids, mask
+    motifs = [torch.randint(3, V, (4,), generator=g).tolist() for _ in range(B)]
+    return left_padded([(motifs[b] * L)[:L - 3 * b] for b in range(B)], PAD)
 
 
 def _run(model, ids, mask, **kw):

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from fastverify.hf import patch, stats, unpatch
-from fastverify.hf.attention import prefill_inputs, step_inputs
+from fastverify.hf.attention import cache_kwargs, prefill_inputs, step_inputs
 from fastverify.hf.linear import skinny_linears
 from fastverify.hf.slots import BlockSlotDrafter, first_path
 from fastverify.lora import GatedLoRALinear, add_gated_lora, gated_lora_layers, remove_gated_lora, slot_gate
 from fastverify.tree import Tree
+
+from conftest import left_padded
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,7 +146,8 @@ def test_verify_rows_bit_identical_with_and_without_slots():
         assert rerouted > 0
         cache = DynamicCache()
         mask, pos = prefill_inputs(torch.ones(1, L - 1, dtype=torch.long), torch.float32)
-        model(input_ids=ids[:, :-1], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :-1], attention_mask=mask, position_ids=pos, use_cache=True,
+              **cache_kwargs(model, cache))
         logits = []
         for blocks in (None, [[-1, 0, 1, 2]]):
             inp = step_inputs([tree], [int(ids[0, -1])], [L - 1], [0], torch.float32, "cpu", blocks=blocks,
@@ -155,7 +158,7 @@ def test_verify_rows_bit_identical_with_and_without_slots():
                 assert inp.input_ids.shape[1] == 17  # within the skinny linears' row bound
             with slot_gate(inp.slot_rows):
                 out = model(inputs_embeds=embeds, attention_mask=inp.mask, position_ids=inp.position_ids,
-                            past_key_values=copy.deepcopy(cache), use_cache=True)
+                            use_cache=True, **cache_kwargs(model, copy.deepcopy(cache)))
             logits.append(out.logits[inp.row_batch, inp.row_local])
     assert torch.equal(logits[0], logits[1])
 
@@ -167,12 +170,9 @@ def test_greedy_exact_with_a_slot_drafter(arch, method, attach, B):
     model = _tiny(arch, attn="sdpa")
     g = torch.Generator().manual_seed(B)
     L = 16
-    ids = torch.full((B, L), PAD, dtype=torch.int64)
-    mask = torch.zeros(B, L, dtype=torch.int64)
-    for b in range(B):
-        n = L - 4 * b
-        ids[b, L - n:] = torch.tensor((torch.randint(3, V, (4,), generator=g).tolist() * L)[:n])
-        mask[b, L - n:] = 1
+    ids, mask = left_padded([(torch.randint(3, V, (4,), generator=g).tolist() * L)[:L - 4 * b] for b in range(B)],
+                            PAD)
+    assert ids.shape == (B, L)
     ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=20, do_sample=False)
     keys = set(model.state_dict())
     patch(model, drafter=_drafter(model, method, attach))
