@@ -68,11 +68,16 @@ def test_recipe_end_to_end_checkpoint_and_refusals(tmp_path):
     prompts = [(torch.randint(3, V, (4,), generator=g).tolist() * 5)[:10 + i % 4] for i in range(12)]
     cfg = recipe.SlotsConfig(out=str(tmp_path / "ckpt"), data_dir=str(tmp_path / "data"), method="lud",
                              num_slots=2, rank=4, exclude="", num_prompts=8, eval_prompts=4, max_new_tokens=10,
-                             gen_batch=4, minutes=0, save_every=3, progress=False, unit_alpha=0.0)
+                             gen_batch=4, minutes=0, save_every=3, progress=False, unit_alpha=0.0, curve_every=4,
+                             curve_sequences=2)
     logs = []
     drafter, config = recipe.train_slots(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "slots.safetensors", "train_state.pt"]
     assert config["training"]["train_sequences"] == 8 and config["training"]["sequences_seen"] == 8
+    # --curve-every: a held-out point every 4 steps, kept apart from the loss curve
+    curve = config["training"]["accepted_curve"]
+    assert [p["step"] for p in curve] == [4, 8] and all(p["mean_accepted"] >= 0 for p in curve)
+    assert all("loss" in h for h in config["training"]["curve"])
     assert config["eval"]["blocks"] > 0 and len(config["eval"]["top1"]) == 2
     loaded = load_slot_drafter(str(tmp_path / "ckpt"), model)
     assert loaded.method == "lud" and not loaded.bidirectional and loaded.block_size == 2

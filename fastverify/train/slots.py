@@ -341,17 +341,23 @@ def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, promp
     # 2. data: the shared self-distillation shards
     train_seqs, eval_seqs, dropped = load_data(model, tokenizer, cfg, prompts, log)
 
-    # 3. train
+    # 3. train (with --curve-every, the held-out mean accepted per block every that many steps: a curve)
+    def curve_point(n):
+        return _evaluate(model, drafter, eval_seqs[:n], cfg, lambda *a: None)["mean_accepted"]
+
     step, history, t_train = fit(model, drafter, train_seqs, lambda ids, n, rng: _slot_loss(
-        model, drafter, ids, n, cfg, rng), cfg, desc=f"train {cfg.method}", log=log)
+        model, drafter, ids, n, cfg, rng), cfg, desc=f"train {cfg.method}", log=log, evaluate=curve_point)
 
     # 4. eval
     with drafter.installed(model):
         ev = _evaluate(model, drafter, eval_seqs, cfg, log)
 
     # 5. output
+    curve = [h for h in history if "mean_accepted" in h]
+    history = [h for h in history if "loss" in h]
     config = write_checkpoint(drafter, model, cfg, base_name, history, ev, t_start, log, prompts_dropped_8gram=dropped,
-                              train_sequences=len(train_seqs), sequences_seen=step, train_seconds=round(t_train, 1))
+                              train_sequences=len(train_seqs), sequences_seen=step, train_seconds=round(t_train, 1),
+                              accepted_curve=curve)
     return drafter, config
 
 
