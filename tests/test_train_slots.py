@@ -137,3 +137,19 @@ def test_greedy_exact_and_seeded_sampling_with_shipped_slot_drafters_on_the_real
             unpatch(model)
         assert torch.equal(got, ref), name
         assert drafted > 0, name
+
+
+def test_resumed_order_survives_added_shards():
+    """A resumed run whose data grew (a data budget makes more shards on resume): the saved sequences keep their
+    order by (shard, request) key wherever the new shards sort in, and the new ones follow; a state saved before
+    keys were kept resumes only on unchanged data."""
+    seqs = [(s, r, [1], [2, 3]) for s in (0, 2) for r in range(3)]
+    order = [4, 0, 5, 1, 3, 2]
+    state = {"order": order, "order_keys": [seqs[i][:2] for i in order]}
+    grown = sorted(seqs + [(1, r, [1], [2, 3]) for r in range(2)])  # shard 1 sorts between the two
+    got = recipe._resumed_order(state, grown, 0, lambda *a: None)
+    assert [grown[i][:2] for i in got[:6]] == [seqs[i][:2] for i in order]
+    assert sorted(grown[i][:2] for i in got[6:]) == [(1, 0), (1, 1)] and sorted(got) == list(range(8))
+    assert recipe._resumed_order({"order": order}, seqs, 0, print) == order
+    with pytest.raises(ValueError, match="covers 6 sequences, the data now has 8"):
+        recipe._resumed_order({"order": order}, grown, 0, print)

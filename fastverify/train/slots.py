@@ -243,6 +243,25 @@ def _trainables(drafter, named=False):
     return out if named else [p for _, p in out]
 
 
+def _resumed_order(state, seqs, seed, log):
+    """The saved sequence order, by (shard, request) key, so that it survives shards added since (a resumed run
+    with a data budget makes more): the saved sequences in their saved order, then any new ones, shuffled."""
+    keys = state.get("order_keys")
+    if keys is None:  # a state from before keys were saved: indices, valid while the data is unchanged
+        if len(state["order"]) != len(seqs):
+            raise ValueError(f"resume: the training state's sequence order covers {len(state['order'])} sequences, "
+                             f"the data now has {len(seqs)}; resume with the data it was trained on or start a new "
+                             f"--out")
+        return state["order"]
+    where = {tuple(s[:2]): i for i, s in enumerate(seqs)}
+    order = [where[tuple(k)] for k in keys if tuple(k) in where]
+    new = sorted(set(range(len(seqs))) - set(order))
+    random.Random(seed + len(order)).shuffle(new)
+    if new or len(order) != len(keys):
+        log(f"resume: {len(keys) - len(order)} saved sequences no longer in the data, {len(new)} new ones appended")
+    return order + new
+
+
 def fit(model, drafter, seqs, loss_fn, cfg, desc="train", log=print, evaluate=None):
     """Train ``drafter``'s slot embeddings and adapters (``_trainables``) on ``seqs`` [(shard, request, prompt ids,
     continuation ids)] for cfg.steps sequences, or cfg.minutes (0: one pass over seqs). ``loss_fn(ids,
@@ -264,7 +283,8 @@ def fit(model, drafter, seqs, loss_fn, cfg, desc="train", log=print, evaluate=No
         st = torch.load(state_path, weights_only=False)
         drafter.load_state_dict(st["trainables"], strict=False)
         opt.load_state_dict(st["optimizer"])
-        step, history, elapsed, order = st["step"], st["history"], st["elapsed"], st["order"]
+        step, history, elapsed = st["step"], st["history"], st["elapsed"]
+        order = _resumed_order(st, seqs, cfg.seed, log)
         seen = max((h["targets"] for h in history), default=0)
         _set_rng_state(st["rng"])
         log(f"resumed at step {step} ({elapsed:.0f} s trained)")
@@ -278,7 +298,8 @@ def fit(model, drafter, seqs, loss_fn, cfg, desc="train", log=print, evaluate=No
     def save():
         torch.save({"trainables": {n: p.detach() for n, p in _trainables(drafter, named=True)},
                     "optimizer": opt.state_dict(), "step": step, "history": history, "elapsed": elapsed,
-                    "order": order, "rng": _rng_state()}, state_path + ".tmp")
+                    "order": order, "order_keys": [seqs[i][:2] for i in order], "rng": _rng_state()},
+                   state_path + ".tmp")
         os.replace(state_path + ".tmp", state_path)
 
     bar = tqdm(desc=desc, total=total, initial=step, disable=not cfg.progress, unit="seq")
