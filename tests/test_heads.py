@@ -512,3 +512,16 @@ def test_greedy_exact_with_shipped_heads_on_the_real_model():
                 unpatch(model)
             assert torch.equal(got, ref), (prompt, ngram)
             assert st.drafted_tokens > 0
+
+
+def test_merged_cut_tells_the_ngram_drafter_what_it_kept(model):
+    """bpd+ngram: after the one cut of the merged trie, the n-gram drafter's depth adaptation reads the depth of its
+    own kept candidates (what its own cut would have kept), not of every candidate it offered."""
+    ngram = NGramDrafter()
+    drafter = HeadsDrafter(model, _random_heads(), ngram=ngram, node_cost=1.0, fixed_cost=0.0, min_gain=0.0)
+    ctx = [_repetitive(40, 3)]
+    drafter.reset(1)
+    tree = drafter.propose(ctx, [16])[0]
+    st = ngram.states[0]
+    offered = max(len(p) for _, p in st.pending[2])
+    assert len(tree) > 0 and st.last_depth == tree.max_depth < offered, (len(tree), st.last_depth, offered)

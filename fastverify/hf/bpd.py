@@ -273,8 +273,8 @@ class HeadsDrafter(Drafter):
         return out
 
     def _cut(self, nodes, drafting: int = 1):
-        """The prefix of ``nodes`` (best first) that maximises expected tokens per cost, as a Tree; drafting: the
-        number of requests of the batch that draft (fastverify.hf.drafters.batch_drafting)."""
+        """The prefix of ``nodes`` (best first) that maximises expected tokens per cost: (Tree, the kept paths);
+        drafting: the number of requests of the batch that draft (fastverify.hf.drafters.batch_drafting)."""
         best, keep, gain = self.min_gain, 0, 1.0
         for k, (_, prob) in enumerate(nodes, 1):
             gain += prob
@@ -286,7 +286,8 @@ class HeadsDrafter(Drafter):
             index[path] = len(tokens)
             tokens.append(path[-1])
             parents.append(index[path[:-1]])
-        return Tree(tokens, parents, validate=False) if tokens else empty_tree()
+        kept = [path for path, _ in nodes[:keep]]
+        return (Tree(tokens, parents, validate=False) if tokens else empty_tree()), kept
 
     def propose(self, contexts, budget):
         B = len(contexts)
@@ -296,7 +297,7 @@ class HeadsDrafter(Drafter):
         drafting = batch_drafting(buds)
         ngram = self.ngram.scored_nodes(contexts, buds) if self.ngram is not None else [[]] * B
         seq = self._sequential_nodes(contexts, buds, drafting) if self.heads.sequential else None
-        trees = []
+        trees, kept = [], []
         for b in range(B):
             nodes = seq[b] if seq is not None else self._heads_nodes(b, buds[b])
             self.candidates[b] = None  # used once: the next step's come from the next verify
@@ -307,7 +308,11 @@ class HeadsDrafter(Drafter):
                 for path, prob in ngram[b]:
                     merged[path] = max(prob, merged.get(path, 0.0))
                 nodes = sorted(merged.items(), key=lambda item: (-item[1], len(item[0])))[:buds[b]]
-            trees.append(self._cut(nodes, drafting) if buds[b] > 0 else empty_tree())
+            tree, paths = self._cut(nodes, drafting) if buds[b] > 0 else (empty_tree(), [])
+            trees.append(tree)
+            kept.append(paths)
+        if callable(getattr(self.ngram, "kept_nodes", None)):  # its lookahead adapts to what the cut kept of it
+            self.ngram.kept_nodes(kept)
         return trees
 
     def update(self, accepted) -> None:

@@ -344,6 +344,17 @@ class NGramDrafter(Drafter):
         self._time_step(sum(len(o) for o in out))
         return out
 
+    def kept_nodes(self, paths) -> None:
+        """After ``scored_nodes``, from the drafter that merged and cut them: per request, the paths (token tuples)
+        its tree kept. The depth adaptation (``update``) then compares the accepted length with the depth of this
+        drafter's candidates that were kept, as it does after ``propose``, not with the depth of all candidates
+        (a cut that trims a long copy would otherwise read as a partial acceptance and keep the lookahead short)."""
+        for st, kept in zip(self.states, paths):
+            if st.pending is None:
+                continue
+            mine = {path for _, path in st.pending[2]}
+            st.last_depth = max((len(p) for p in kept if p in mine), default=0)
+
     def update(self, accepted) -> None:
         for st, acc in zip(self.states, accepted):
             if acc is None or st.last_depth == 0:
