@@ -30,17 +30,28 @@ import torch
 
 from fastverify.ops.tree import tree_mask
 
-__all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length", "cache_kwargs"]
+__all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length", "cache_kwargs",
+           "forward_takes"]
+
+_FORWARD_PARAMS = {}  # model class -> the parameter names of its forward (reading a signature costs ~25 us)
+
+
+def forward_takes(model, name: str) -> bool:
+    """Whether ``model``'s forward has a parameter ``name`` (False where its signature cannot be read); looked up
+    once per model class, since the loop asks at every step."""
+    key = type(model)
+    if key not in _FORWARD_PARAMS:
+        try:
+            _FORWARD_PARAMS[key] = frozenset(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            _FORWARD_PARAMS[key] = frozenset()
+    return name in _FORWARD_PARAMS[key]
 
 
 def cache_kwargs(model, cache) -> dict:
     """The keyword that hands ``cache`` to ``model``'s forward: ``cache`` where the forward takes it (transformers
     >= 5.2x renamed the argument and warns on the old name), ``past_key_values`` before."""
-    try:
-        takes_cache = "cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # a forward without a readable signature: the long-standing name
-        takes_cache = False
-    return {"cache": cache} if takes_cache else {"past_key_values": cache}
+    return {"cache": cache} if forward_takes(model, "cache") else {"past_key_values": cache}
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

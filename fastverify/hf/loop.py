@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastverify.hf.attention import cache_kwargs, crop_cache, prefill_inputs, step_inputs
+from fastverify.hf.attention import cache_kwargs, crop_cache, forward_takes, prefill_inputs, step_inputs
 from fastverify.hf.drafters import empty_tree
 from fastverify.hf.linear import skinny_linears
 from fastverify.ops.cache import compact_cache
@@ -163,7 +163,7 @@ class Decoder:
         L = self.input_ids.shape[1]
         if L > 1:
             mask, pos = prefill_inputs(attention_mask[:, :-1], self.dtype)
-            kw = {"logits_to_keep": 1} if _accepts_logits_to_keep(self.model) else {}
+            kw = {"logits_to_keep": 1} if forward_takes(self.model, "logits_to_keep") else {}
             self._forward(input_ids=self.input_ids[:, :-1], attention_mask=mask, position_ids=pos, **kw)
         self._sync()
         self.stats.time_prefill += time.perf_counter() - t0
@@ -453,17 +453,6 @@ class _HiddenCapture:
 def _prune_nodes(tree: Tree, n: int) -> Tree:
     """Keep the first n nodes (parents precede children, so the prefix of the node list is a tree)."""
     return Tree(tree.tokens[:n], tree.parents[:n], validate=False)
-
-
-_LOGITS_TO_KEEP = {}
-
-
-def _accepts_logits_to_keep(model) -> bool:
-    import inspect
-    key = type(model)
-    if key not in _LOGITS_TO_KEEP:
-        _LOGITS_TO_KEEP[key] = "logits_to_keep" in inspect.signature(model.forward).parameters
-    return _LOGITS_TO_KEEP[key]
 
 
 @torch.no_grad()
