@@ -145,7 +145,7 @@ def test_resumed_order_survives_added_shards():
     keys were kept resumes only on unchanged data."""
     seqs = [(s, r, [1], [2, 3]) for s in (0, 2) for r in range(3)]
     order = [4, 0, 5, 1, 3, 2]
-    state = {"order": order, "order_keys": [seqs[i][:2] for i in order]}
+    state = {"order_keys": [seqs[i][:2] for i in order]}  # as fit saves it
     grown = sorted(seqs + [(1, r, [1], [2, 3]) for r in range(2)])  # shard 1 sorts between the two
     got = recipe._resumed_order(state, grown, 0, lambda *a: None)
     assert [grown[i][:2] for i in got[:6]] == [seqs[i][:2] for i in order]

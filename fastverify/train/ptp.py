@@ -42,7 +42,8 @@ from fastverify.hf.attention import cache_kwargs
 from fastverify.hf.slots import PTPSlotDrafter
 from fastverify.lora import slot_gate
 from fastverify.train.cli import parse_config, run_recipe
-from fastverify.train.slots import SlotsConfig, _evaluate, fit, load_data, slot_batch, write_checkpoint
+from fastverify.train.slots import (SlotsConfig, _evaluate, curve_evaluator, fit, load_data, slot_batch,
+                                    write_checkpoint)
 
 __all__ = ["PTPConfig", "train_ptp", "ptp_targets", "main"]
 
@@ -165,18 +166,14 @@ def train_ptp(model, tokenizer, cfg: PTPConfig, base_name: str = None, prompts=N
     train_seqs, eval_seqs, dropped = load_data(model, tokenizer, cfg, prompts, log, sample=cfg.warp)
     loss_fn = lambda ids, n, rng: _ptp_loss(model, drafter, ids, n, cfg, rng)  # noqa: E731
     name = f"train ptp-{cfg.variant}" + ("" if cfg.aux_mode != "none" else " (no aux)")
-    def curve_point(n):
-        return _evaluate(model, drafter, eval_seqs[:n], cfg, lambda *a: None, loss_fn=_ptp_loss)["mean_accepted"]
-
-    step, history, t_train = fit(model, drafter, train_seqs, loss_fn, cfg, desc=name, log=log, evaluate=curve_point)
+    step, history, t_train = fit(model, drafter, train_seqs, loss_fn, cfg, desc=name, log=log,
+                                 evaluate=curve_evaluator(model, drafter, eval_seqs, cfg, loss_fn=_ptp_loss))
     with drafter.installed(model):
         ev = _evaluate(model, drafter, eval_seqs, cfg, log, loss_fn=_ptp_loss)
 
-    curve = [h for h in history if "mean_accepted" in h]
-    history = [h for h in history if "loss" in h]
     config = write_checkpoint(drafter, model, cfg, base_name, history, ev, t_start, log, top={"sampling": cfg.warp},
                               prompts_dropped_8gram=dropped, train_sequences=len(train_seqs), sequences_seen=step,
-                              train_seconds=round(t_train, 1), accepted_curve=curve)
+                              train_seconds=round(t_train, 1))
     return drafter, config
 
 

@@ -236,6 +236,11 @@ def _evaluate(model, drafter, seqs, cfg, log, loss_fn=None):
     return ev
 
 
+def curve_evaluator(model, drafter, eval_seqs, cfg, loss_fn=None):
+    """``evaluate(n)`` for ``fit``'s curve points: the mean accepted per block on the first n held-out sequences."""
+    return lambda n: _evaluate(model, drafter, eval_seqs[:n], cfg, lambda *a: None, loss_fn=loss_fn)["mean_accepted"]
+
+
 def _trainables(drafter, named=False):
     """The parameters a recipe trains: slot embeddings, adapters, and PTP's auxiliary embedding."""
     out = [(n, p) for n, p in drafter.named_parameters()
@@ -247,7 +252,7 @@ def _resumed_order(state, seqs, seed, log):
     """The saved sequence order, by (shard, request) key, so that it survives shards added since (a resumed run
     with a data budget makes more): the saved sequences in their saved order, then any new ones, shuffled."""
     keys = state.get("order_keys")
-    if keys is None:  # a state from before keys were saved: indices, valid while the data is unchanged
+    if keys is None:  # a state from before keys were saved: "order", indices valid while the data is unchanged
         if len(state["order"]) != len(seqs):
             raise ValueError(f"resume: the training state's sequence order covers {len(state['order'])} sequences, "
                              f"the data now has {len(seqs)}; resume with the data it was trained on or start a new "
@@ -298,8 +303,7 @@ def fit(model, drafter, seqs, loss_fn, cfg, desc="train", log=print, evaluate=No
     def save():
         torch.save({"trainables": {n: p.detach() for n, p in _trainables(drafter, named=True)},
                     "optimizer": opt.state_dict(), "step": step, "history": history, "elapsed": elapsed,
-                    "order": order, "order_keys": [seqs[i][:2] for i in order], "rng": _rng_state()},
-                   state_path + ".tmp")
+                    "order_keys": [seqs[i][:2] for i in order], "rng": _rng_state()}, state_path + ".tmp")
         os.replace(state_path + ".tmp", state_path)
 
     bar = tqdm(desc=desc, total=total, initial=step, disable=not cfg.progress, unit="seq")
@@ -363,34 +367,32 @@ def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, promp
     train_seqs, eval_seqs, dropped = load_data(model, tokenizer, cfg, prompts, log)
 
     # 3. train (with --curve-every, the held-out mean accepted per block every that many steps: a curve)
-    def curve_point(n):
-        return _evaluate(model, drafter, eval_seqs[:n], cfg, lambda *a: None)["mean_accepted"]
-
     step, history, t_train = fit(model, drafter, train_seqs, lambda ids, n, rng: _slot_loss(
-        model, drafter, ids, n, cfg, rng), cfg, desc=f"train {cfg.method}", log=log, evaluate=curve_point)
+        model, drafter, ids, n, cfg, rng), cfg, desc=f"train {cfg.method}", log=log,
+        evaluate=curve_evaluator(model, drafter, eval_seqs, cfg))
 
     # 4. eval
     with drafter.installed(model):
         ev = _evaluate(model, drafter, eval_seqs, cfg, log)
 
     # 5. output
-    curve = [h for h in history if "mean_accepted" in h]
-    history = [h for h in history if "loss" in h]
     config = write_checkpoint(drafter, model, cfg, base_name, history, ev, t_start, log, prompts_dropped_8gram=dropped,
-                              train_sequences=len(train_seqs), sequences_seen=step, train_seconds=round(t_train, 1),
-                              accepted_curve=curve)
+                              train_sequences=len(train_seqs), sequences_seen=step, train_seconds=round(t_train, 1))
     return drafter, config
 
 
 def write_checkpoint(drafter, model, cfg, base_name, history, ev, t_start, log, top=None, **training):
     """Save a trained slot drafter (safetensors + config.json in cfg.out) with its config: the base model and its
     fingerprint, ``top`` (extra top-level entries), the training options, ``training`` figures, the final loss
-    (mean of the last 50 steps of ``history``), a thinned loss curve, and the evaluation ``ev``. Returns the config."""
+    (mean of the last 50 steps of ``history``), a thinned loss curve, the held-out curve points of ``history``
+    (``accepted_curve``, from --curve-every), and the evaluation ``ev``. Returns the config."""
+    curve = [h for h in history if "mean_accepted" in h]
+    history = [h for h in history if "loss" in h]
     recent = history[-50:]
     config = {
         "base_model": base_name, "base_fingerprint": fingerprint(model), **(top or {}),
         "training": {"options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "data_dir")},
-                     **training,
+                     **training, "accepted_curve": curve,
                      "final_loss": round(sum(h["loss"] for h in recent) / max(len(recent), 1), 4),
                      "curve": history[::max(1, len(history) // 40)],
                      "total_seconds": round(time.perf_counter() - t_start, 1)},
