@@ -132,7 +132,7 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch):
     logs = []
     heads, config = recipe.train_heads(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "heads.safetensors", "train_state.pt"]
-    assert len(os.listdir(tmp_path / "data" / "train")) == 4
+    assert len([f for f in os.listdir(tmp_path / "data" / "train") if f.startswith("shard_")]) == 4
     assert config["training"]["train_positions"] == 16 * 12 and config["base_model"] == "tiny-llama"
     loaded, cfg2 = load_heads(str(tmp_path / "ckpt"), model)
     assert torch.equal(loaded.weight, heads.weight.detach()) and loaded.vocab_subset.numel() == 64
@@ -157,6 +157,29 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch):
     _, config2 = recipe.train_heads(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
     assert any(f"resumed from" in m and f"at step {steps}/{steps}" in m for m in logs)
     assert config2["training"]["steps"] == steps
+
+
+def test_data_shards_are_remade_for_another_prompt_selection(model, tmp_path):
+    """A data folder reused by a run with other prompts keeps the shards cut from the same prompts and makes the
+    others again (never reads them as the new selection's); other generation settings are refused."""
+    folder = str(tmp_path / "data")
+    first = [_repetitive(10 + i % 3, i) for i in range(8)]
+    paths = recipe.generate_data(model, None, first, folder, batch=4, max_new_tokens=6, progress=False)
+    assert len(paths) == 2
+    stamps = [os.stat(p).st_mtime_ns for p in paths]
+    longer = first + [_repetitive(14, 100 + i) for i in range(4)]  # the same first two chunks, one more
+    paths = recipe.generate_data(model, None, longer, folder, batch=4, max_new_tokens=6, progress=False)
+    assert len(paths) == 3 and [os.stat(p).st_mtime_ns for p in paths[:2]] == stamps
+    shorter = [_repetitive(8, 200 + i) for i in range(4)] + first  # every chunk shifts
+    paths = recipe.generate_data(model, None, shorter, folder, batch=4, max_new_tokens=6, progress=False)
+    enc = recipe.encode_prompts(None, shorter)
+    assert [torch.load(p)["prompts"] for p in paths] == [enc[i:i + 4] for i in range(0, 12, 4)]
+    assert [os.stat(p).st_mtime_ns for p in paths[:2]] != stamps
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        recipe.generate_data(model, None, shorter, folder, batch=4, max_new_tokens=8, progress=False)
+    with pytest.raises(ValueError, match="sample"):
+        recipe.generate_data(model, None, shorter, folder, batch=4, max_new_tokens=6, progress=False,
+                             sample={"temperature": 0.7})
 
 
 def test_ngram_filter_drops_prompts_sharing_eight_words(tmp_path):

@@ -258,6 +258,32 @@ def shard_prompts(shard: dict, index: int, tokenizer, prompts, max_prompt_tokens
     return enc[index * batch:(index + 1) * batch]
 
 
+def _check_data_settings(folder: str, settings: dict) -> None:
+    """Record ``settings`` in folder/data.json, or refuse a folder whose shards were made with other ones."""
+    path = os.path.join(folder, "data.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            had = json.load(f)
+        diff = sorted(k for k in set(had) | set(settings) if had.get(k) != settings.get(k))
+        if diff:
+            raise ValueError(f"data folder {folder}: its shards were made with "
+                             f"{ {k: had.get(k) for k in diff} }, this run asks for "
+                             f"{ {k: settings.get(k) for k in diff} }; use another data folder (data_dir) or "
+                             f"remove this one")
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(settings, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _shard_holds(path: str, prompts) -> bool:
+    """Whether the shard at ``path`` was made from ``prompts`` (token lists); shards written before the prompts
+    were stored cannot tell and are kept."""
+    stored = torch.load(path, mmap=True, weights_only=True).get("prompts")
+    return stored is None or [list(p) for p in stored] == [list(p) for p in prompts]
+
+
 @torch.no_grad()
 def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_tokens: int = 128,
                   max_prompt_tokens: int = 256, progress: bool = True, desc: str = "data", seconds: float = 0.0,
@@ -268,7 +294,10 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
     shards of ``batch`` prompts: folder/shard_XXXXX.pt = {"tokens": int32 [b, T], "lengths": int32 [b],
     "hidden": fp16 [b, T, D]}. Prompts are grouped by length to limit padding; shards are generated in a seeded
     random order, so a run stopped by ``seconds`` (> 0: the time budget) holds a sample of every length.
-    Existing shards are kept (resume). Returns the paths of the shards that exist."""
+    Existing shards are kept (resume) when they hold this call's prompts; a shard cut from another prompt
+    selection (a different ``num_prompts``, prompt file or seed: the length-sorted chunks differ) is made again.
+    The folder's ``data.json`` records the generation settings; a folder made with other settings (length
+    limits, batch, sampling options) is refused. Returns the paths of the shards that exist."""
     from tqdm.auto import tqdm
     from fastverify.hf.linear import skinny_linears
     os.makedirs(folder, exist_ok=True)
@@ -279,6 +308,14 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
     enc = encode_prompts(tokenizer, prompts, max_prompt_tokens)
     chunks = [enc[i:i + batch] for i in range(0, len(enc), batch)]
     paths = [os.path.join(folder, f"shard_{i:05d}.pt") for i in range(len(chunks))]
+    _check_data_settings(folder, {"batch": batch, "max_new_tokens": max_new_tokens,
+                                  "max_prompt_tokens": max_prompt_tokens, "sample": dict(sample) if sample else None,
+                                  "seed": seed if sample else None})
+    stale = [i for i, p in enumerate(paths) if os.path.isfile(p) and not _shard_holds(p, chunks[i])]
+    for i in stale:
+        os.remove(paths[i])
+    if stale:
+        print(f"{desc}: {len(stale)} shard(s) in {folder} were cut from another prompt selection; making them again")
     todo = [i for i, p in enumerate(paths) if not os.path.isfile(p)]
     random.Random(seed).shuffle(todo)
     todo = todo[worker::workers]
