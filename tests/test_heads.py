@@ -161,7 +161,8 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch):
 
 def test_data_shards_are_remade_for_another_prompt_selection(model, tmp_path):
     """A data folder reused by a run with other prompts keeps the shards cut from the same prompts and makes the
-    others again (never reads them as the new selection's); other generation settings are refused."""
+    others again (never reads them as the new selection's); another model or other generation settings are
+    refused."""
     folder = str(tmp_path / "data")
     first = [_repetitive(10 + i % 3, i) for i in range(8)]
     paths = recipe.generate_data(model, None, first, folder, batch=4, max_new_tokens=6, progress=False)
@@ -175,6 +176,8 @@ def test_data_shards_are_remade_for_another_prompt_selection(model, tmp_path):
     enc = recipe.encode_prompts(None, shorter)
     assert [torch.load(p)["prompts"] for p in paths] == [enc[i:i + 4] for i in range(0, 12, 4)]
     assert [os.stat(p).st_mtime_ns for p in paths[:2]] != stamps
+    with pytest.raises(ValueError, match="model"):  # same architecture, other weights
+        recipe.generate_data(_tiny(seed=5), None, shorter, folder, batch=4, max_new_tokens=6, progress=False)
     with pytest.raises(ValueError, match="max_new_tokens"):
         recipe.generate_data(model, None, shorter, folder, batch=4, max_new_tokens=8, progress=False)
     with pytest.raises(ValueError, match="sample"):

@@ -39,6 +39,7 @@ time several times cheaper on CPU.
 
 import dataclasses
 import glob
+import hashlib
 import json
 import math
 import os
@@ -258,6 +259,19 @@ def shard_prompts(shard: dict, index: int, tokenizer, prompts, max_prompt_tokens
     return enc[index * batch:(index + 1) * batch]
 
 
+def _model_digest(model, samples: int = 4096) -> str:
+    """sha256 over every parameter's name, shape and up to ``samples`` evenly spaced values: which model made a
+    data folder's continuations (a fine-tune of the same architecture gives another digest), at a cost that does
+    not grow with the model."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(flat[idx].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def _check_data_settings(folder: str, settings: dict) -> None:
     """Record ``settings`` in folder/data.json, or refuse a folder whose shards were made with other ones."""
     path = os.path.join(folder, "data.json")
@@ -296,8 +310,8 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
     random order, so a run stopped by ``seconds`` (> 0: the time budget) holds a sample of every length.
     Existing shards are kept (resume) when they hold this call's prompts; a shard cut from another prompt
     selection (a different ``num_prompts``, prompt file or seed: the length-sorted chunks differ) is made again.
-    The folder's ``data.json`` records the generation settings; a folder made with other settings (length
-    limits, batch, sampling options) is refused. Returns the paths of the shards that exist."""
+    The folder's ``data.json`` records the model (a digest of its weights) and the generation settings; a folder
+    made by another model or with other settings (length limits, batch, sampling options) is refused. Returns the paths of the shards that exist."""
     from tqdm.auto import tqdm
     from fastverify.hf.linear import skinny_linears
     os.makedirs(folder, exist_ok=True)
@@ -308,7 +322,7 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
     enc = encode_prompts(tokenizer, prompts, max_prompt_tokens)
     chunks = [enc[i:i + batch] for i in range(0, len(enc), batch)]
     paths = [os.path.join(folder, f"shard_{i:05d}.pt") for i in range(len(chunks))]
-    _check_data_settings(folder, {"batch": batch, "max_new_tokens": max_new_tokens,
+    _check_data_settings(folder, {"model": _model_digest(model), "batch": batch, "max_new_tokens": max_new_tokens,
                                   "max_prompt_tokens": max_prompt_tokens, "sample": dict(sample) if sample else None,
                                   "seed": seed if sample else None})
     stale = [i for i, p in enumerate(paths) if os.path.isfile(p) and not _shard_holds(p, chunks[i])]
