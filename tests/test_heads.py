@@ -185,6 +185,16 @@ def test_data_shards_are_remade_for_another_prompt_selection(model, tmp_path):
                              sample={"temperature": 0.7})
 
 
+def test_model_digest_samples_both_ends_of_large_parameters():
+    """The data folder's model digest indexes exactly (a float linspace over 2^24+ elements rounds past the
+    end) and sees a change in the last element of a parameter."""
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(2 ** 24 + 1), requires_grad=False)
+    before = recipe._model_digest(m)
+    m.w[-1] = 1.0
+    assert recipe._model_digest(m) != before
+
+
 def test_ngram_filter_drops_prompts_sharing_eight_words(tmp_path):
     q = tmp_path / "q.jsonl"
     q.write_text(json.dumps({"turns": ["Please write a short poem about the sea at night for my friend."]}) + "\n")

@@ -266,7 +266,8 @@ def _model_digest(model, samples: int = 4096) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         flat = p.detach().reshape(-1)
-        idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
+        n = min(samples, flat.numel())
+        idx = torch.arange(n, device=flat.device) * (flat.numel() - 1) // max(n - 1, 1)  # integer: exact ends
         h.update(f"{name}{tuple(p.shape)}".encode())
         h.update(flat[idx].float().cpu().numpy().tobytes())
     return h.hexdigest()
