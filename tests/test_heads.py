@@ -195,6 +195,17 @@ def test_model_digest_samples_both_ends_of_large_parameters():
     assert recipe._model_digest(m) != before
 
 
+def test_held_out_prompts_do_not_depend_on_the_training_size():
+    """Runs on more or less training data are evaluated on the same held-out prompts, never trained on."""
+    prompts = [f"prompt number {i} about topic {i % 37}" for i in range(3 * recipe.HELD_OUT_POOL)]
+    # a run on more data reads more prompts (load_prompts' limit grows with num_prompts)
+    small = recipe.select_prompts(recipe.HeadsConfig(out="", exclude="", num_prompts=100), prompts[:4000], print)
+    large = recipe.select_prompts(recipe.HeadsConfig(out="", exclude="", num_prompts=5000), list(prompts), print)
+    assert small[0] == large[0] and len(small[0]) == 48
+    assert len(small[1]) == 100 and len(large[1]) == 5000 and small[1] == large[1][:100]
+    assert not set(large[0]) & set(large[1])
+
+
 def test_ngram_filter_drops_prompts_sharing_eight_words(tmp_path):
     q = tmp_path / "q.jsonl"
     q.write_text(json.dumps({"turns": ["Please write a short poem about the sea at night for my friend."]}) + "\n")

@@ -232,9 +232,16 @@ def encode_prompts(tokenizer, prompts, max_prompt_tokens: int = 256):
     return enc
 
 
+HELD_OUT_POOL = 2000  # prompts (after filtering) the held-out ones are drawn from; a default read gives >= 3500
+
+
 def select_prompts(cfg, prompts=None, log=print):
     """(held-out prompts, training prompts, dropped count) of a recipe config (fields prompts, num_prompts,
-    eval_prompts, exclude, seed): read, exact duplicates removed, 8-gram filtered, shuffled with the seed."""
+    eval_prompts, exclude, seed): read, exact duplicates removed, 8-gram filtered, shuffled with the seed.
+
+    The held-out prompts come from the first ``HELD_OUT_POOL`` prompts left (shuffled with the seed), so they do
+    not depend on ``num_prompts``: runs on more or less training data are evaluated on the same prompts (their
+    curves compare). The training prompts are the rest of that pool, then the prompts after it, each shuffled."""
     if prompts is None:
         prompts = load_prompts(cfg.prompts, limit=max(4 * (cfg.num_prompts + cfg.eval_prompts), 4000))
     n_raw = len(prompts)
@@ -246,8 +253,11 @@ def select_prompts(cfg, prompts=None, log=print):
     log(f"prompts: {n_raw} read, {n_raw - len(prompts) - dropped} duplicates, {dropped} dropped for sharing a "
         f"word 8-gram with {cfg.exclude or '(nothing)'}, {len(prompts)} left")
     rng = random.Random(cfg.seed)
-    rng.shuffle(prompts)
-    return prompts[:cfg.eval_prompts], prompts[cfg.eval_prompts:cfg.eval_prompts + cfg.num_prompts], dropped
+    pool, more = prompts[:HELD_OUT_POOL], prompts[HELD_OUT_POOL:]
+    rng.shuffle(pool)
+    rng.shuffle(more)
+    train = pool[cfg.eval_prompts:] + more
+    return pool[:cfg.eval_prompts], train[:cfg.num_prompts], dropped
 
 
 def shard_prompts(shard: dict, index: int, tokenizer, prompts, max_prompt_tokens: int = 256, batch: int = 16):
