@@ -157,6 +157,9 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch):
     _, config2 = recipe.train_heads(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
     assert any(f"resumed from" in m and f"at step {steps}/{steps}" in m for m in logs)
     assert config2["training"]["steps"] == steps
+    # the wall time recorded is the training's, summed over runs, not the resumed call's (which trained nothing)
+    elapsed = torch.load(tmp_path / "ckpt" / "train_state.pt", weights_only=False)["elapsed"]
+    assert config2["training"]["train_seconds"] == config["training"]["train_seconds"] == round(elapsed, 1)
 
 
 def test_data_shards_are_remade_for_another_prompt_selection(model, tmp_path):

@@ -466,7 +466,8 @@ def _set_rng_state(s):
 def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_path: str, log=print, inputs=None,
                embed=None):
     """Train in place. hidden fp16 [N, D]; targets int64 [N, H] (remapped to the subset); sequential heads:
-    inputs int64 [N, H] and embed [V, D] (``_head_logits``). Returns the history."""
+    inputs int64 [N, H] and embed [V, D] (``_head_logits``). Returns the history: per step the loss, the
+    per-head top-1 and the training seconds so far (summed over resumed runs)."""
     from tqdm.auto import tqdm
     N = hidden.shape[0]
     steps_per_epoch = max(1, N // cfg.batch_size)
@@ -479,26 +480,29 @@ def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_pat
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    step, history = 0, []
+    step, history, elapsed = 0, [], 0.0
     if cfg.resume and os.path.isfile(state_path):
         st = torch.load(state_path, weights_only=False)
         heads.load_state_dict(st["heads"])
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
         step, history = st["step"], st.get("history", [])
+        elapsed = st.get("elapsed", history[-1].get("seconds", 0.0) if history else 0.0)
         _set_rng_state(st["rng"])
         log(f"resumed from {state_path} at step {step}/{total}")
 
     def save():
         tmp = state_path + ".tmp"
         torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    "step": step, "rng": _rng_state(), "history": history, "config": dataclasses.asdict(cfg)}, tmp)
+                    "step": step, "rng": _rng_state(), "history": history, "elapsed": elapsed,
+                    "config": dataclasses.asdict(cfg)}, tmp)
         os.replace(tmp, state_path)
 
     heads.train()
     bar = tqdm(total=total, initial=step, desc="train heads", disable=not cfg.progress, unit="step")
     perm, perm_epoch = None, -1
     ema_loss, ema_acc = None, None
+    t_last = time.perf_counter()
     while step < total:
         epoch, i = divmod(step, steps_per_epoch)
         if epoch != perm_epoch:  # the order is a function of (seed, epoch): a resumed run sees the same batches
@@ -515,7 +519,9 @@ def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_pat
         lv = float(loss.detach())
         ema_loss = lv if ema_loss is None else 0.9 * ema_loss + 0.1 * lv
         ema_acc = acc if ema_acc is None else [0.9 * a + 0.1 * b for a, b in zip(ema_acc, acc)]
-        history.append({"step": step, "loss": lv, "top1": acc})
+        now = time.perf_counter()
+        elapsed, t_last = elapsed + now - t_last, now
+        history.append({"step": step, "loss": lv, "top1": acc, "seconds": elapsed})
         bar.set_postfix(loss=f"{ema_loss:.3f}", top1="/".join(f"{a:.2f}" for a in ema_acc))
         bar.update(1)
         if step % cfg.save_every == 0 or step == total:
@@ -646,7 +652,8 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
     t1 = time.perf_counter()
     history = train_loop(heads, hidden.to(w.device), tr_t.to(w.device), w, b, cfg,
                          os.path.join(cfg.out, "train_state.pt"), log=log, inputs=inputs.to(w.device), embed=embed)
-    t_train = time.perf_counter() - t1
+    # the training's wall time, summed over the runs that resumed it (older states without it: this call's)
+    t_train = history[-1].get("seconds", time.perf_counter() - t1) if history else 0.0
 
     # 4. eval (of the weights as stored)
     _round_to(heads, cfg.save_dtype)
