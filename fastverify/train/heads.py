@@ -37,6 +37,7 @@ the training continuations (0 = the whole vocabulary), which makes both training
 time several times cheaper on CPU.
 """
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -338,7 +339,8 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
                                   "seed": seed if sample else None})
     stale = [i for i, p in enumerate(paths) if os.path.isfile(p) and not _shard_holds(p, chunks[i])]
     for i in stale:
-        os.remove(paths[i])
+        with contextlib.suppress(FileNotFoundError):  # another data worker may have removed it first
+            os.remove(paths[i])
     if stale:
         print(f"{desc}: {len(stale)} shard(s) in {folder} were cut from another prompt selection; making them again")
     todo = [i for i, p in enumerate(paths) if not os.path.isfile(p)]
