@@ -323,7 +323,8 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
     Existing shards are kept (resume) when they hold this call's prompts; a shard cut from another prompt
     selection (a different ``num_prompts``, prompt file or seed: the length-sorted chunks differ) is made again.
     The folder's ``data.json`` records the model (a digest of its weights) and the generation settings; a folder
-    made by another model or with other settings (length limits, batch, sampling options) is refused. Returns the paths of the shards that exist."""
+    made by another model or with other settings (length limits, batch, sampling options) is refused.
+    Returns the paths of the shards that exist."""
     from tqdm.auto import tqdm
     from fastverify.hf.linear import skinny_linears
     os.makedirs(folder, exist_ok=True)
