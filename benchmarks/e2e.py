@@ -13,6 +13,7 @@ rotates from question to question (so slow drift of the machine does not favour 
   gad, lud        ``--drafter gad lud``: slot drafters in the verify forward (fastverify.hf.slots; checkpoints
                   ``--gad`` / ``--lud``), with ``--rule`` (default greedy: exact; gad / confidence: lossy, their
                   quality cost is reported: outputs identical to greedy, mean common prefix, math answers kept)
+  gad+ngram, lud+ngram   the slot drafter and the n-gram trie merged into one tree
 
 Reported per category and overall:
 
@@ -59,13 +60,15 @@ QUICK_PROMPTS = os.path.join(ROOT, "benchmarks", "quick_prompts.jsonl")
 OUT_DIR = os.path.join(ROOT, "benchmarks", "out")  # run outputs; ignored by git, so a run leaves the checkout clean
 # no_draft (opt-in): fastverify's loop with a drafter that proposes nothing, i.e. what the loop's kernels
 # (skinny linears) give without any drafting; it separates the two sources of speed-up.
-METHODS = ("generate", "prompt_lookup", "fastverify", "no_draft", "bpd", "bpd+ngram", "gad", "lud")
+METHODS = ("generate", "prompt_lookup", "fastverify", "no_draft", "bpd", "bpd+ngram", "gad", "lud", "gad+ngram",
+           "lud+ngram")
 DEFAULT_METHODS = ("generate", "prompt_lookup", "fastverify")
 BASELINES = ("generate", "prompt_lookup")
 # drafters that read the target (proposal heads) are also compared with today's n-gram fastverify
 HEAD_METHODS = ("bpd", "bpd+ngram")
-SLOT_METHODS = ("gad", "lud")  # slot drafters, compared with n-gram fastverify and the heads too
-DRAFTER_METHODS = {"ngram": "fastverify", "bpd": "bpd", "bpd+ngram": "bpd+ngram", "gad": "gad", "lud": "lud"}
+SLOT_METHODS = ("gad", "lud", "gad+ngram", "lud+ngram")  # slot drafters, compared with n-gram and the heads too
+DRAFTER_METHODS = {"ngram": "fastverify", "bpd": "bpd", "bpd+ngram": "bpd+ngram", "gad": "gad", "lud": "lud",
+                   "gad+ngram": "gad+ngram", "lud+ngram": "lud+ngram"}
 
 
 def baselines(method, methods):
@@ -155,14 +158,19 @@ def heads_drafter(model, method, ngram=None, bpd=None):
 _SLOTS = {}
 
 
-def slot_drafter(model, method, slots):
-    """A slot drafter for ``method`` (gad / lud) from ``slots[method]`` (a checkpoint folder or shipped name), read
-    and checked once per run; its block state is reset by the loop at every generate."""
+def slot_drafter(model, method, slots, ngram=None):
+    """A slot drafter for ``method`` (gad / lud, or either +ngram: merged with a fresh NGramDrafter(**ngram) per
+    call, as the other methods get) from ``slots[method]`` (a checkpoint folder or shipped name), read and checked
+    once per run; its block state is reset by the loop at every generate."""
+    import fastverify
     from fastverify.hf.bpd import load_drafter
-    name = slots.get(method) or f"smollm2-{method}"
-    if name not in _SLOTS:
-        _SLOTS[name] = load_drafter(name, model, **slots.get("options", {}))
-    return _SLOTS[name]
+    base = method.split("+")[0]
+    name = slots.get(base) or f"smollm2-{base}"
+    if (name, method) not in _SLOTS:
+        _SLOTS[name, method] = load_drafter(name, model, **slots.get("options", {}))
+    drafter = _SLOTS[name, method]
+    drafter.ngram = fastverify.NGramDrafter(**(ngram or {})) if method.endswith("+ngram") else None
+    return drafter
 
 
 def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None, bpd=None, slots=None):
@@ -177,7 +185,7 @@ def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None, bp
     patched = method in ("fastverify", "no_draft") + HEAD_METHODS + SLOT_METHODS
     if method in SLOT_METHODS:
         slots = slots or {}
-        fastverify.patch(model, drafter=slot_drafter(model, method, slots), rule=slots.get("rule"),
+        fastverify.patch(model, drafter=slot_drafter(model, method, slots, ngram), rule=slots.get("rule"),
                          **slots.get("params", {}))
     elif method in HEAD_METHODS:
         fastverify.patch(model, drafter=heads_drafter(model, method, ngram, bpd))

@@ -8,7 +8,10 @@ top-p 0.95: the settings the shipped PTP drafter was trained for):
                reference every drafter's output must equal token for token
   ngram        fastverify.patch(model) (NGramDrafter), rule coupled
   bpd          the shipped proposal heads (smollm2-bpd), rule coupled
-  ptp          a PTP slot drafter (``--ptp``, default the shipped smollm2-ptp), rule coupled
+  bpd+ngram    the heads' tree and the n-gram trie merged into one tree
+  ptp          a PTP slot drafter (``--ptp``, default the shipped smollm2-ptp; ``--ptp-option KEY=V`` for its
+               options, e.g. tree_topk=2 or attach=last), rule coupled
+  ptp+ngram    the PTP block's chain and the n-gram trie merged into one tree
   ptp-none     a second slot checkpoint (``--ptp-none``: the same slots trained without auxiliary variables),
                drafting each slot's argmax
 
@@ -31,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import DEFAULT_QUESTIONS, OUT_DIR, ROOT, ForwardCounter, encode, load_questions, machine_info  # noqa: E402
 
-METHODS = ("generate", "ar", "ngram", "bpd", "ptp", "ptp-none")
+METHODS = ("generate", "ar", "ngram", "bpd", "bpd+ngram", "ptp", "ptp+ngram", "ptp-none")
 
 
 def geomean(xs):
@@ -47,6 +50,8 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", nargs="+", default=["generate", "ar", "ngram", "bpd", "ptp"], choices=METHODS)
     p.add_argument("--ptp", default="smollm2-ptp", help="PTP checkpoint: shipped name or folder")
+    p.add_argument("--ptp-option", nargs="*", default=[], metavar="KEY=V",
+                   help="PTPSlotDrafter options for ptp and ptp+ngram (tree_topk=2, attach=last, first_gate=1)")
     p.add_argument("--ptp-none", default=None, help="checkpoint of the baseline slots without auxiliary input")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=int, default=50)
@@ -65,14 +70,18 @@ def main(argv=None):
     info = machine_info()
     model, tok = load_smollm2()
     qs = load_questions(args.questions, args.per_category or None, None, args.offset)
+    ptp_options = {}
+    for a in args.ptp_option:
+        key, _, value = a.partition("=")
+        ptp_options[key] = int(value) if value.lstrip("-").isdigit() else value
     drafters = {}
     for m in args.methods:
         if m == "ngram":
             drafters[m] = fastverify.NGramDrafter()
-        elif m == "bpd":
-            drafters[m] = fastverify.load_drafter("smollm2-bpd", model)
-        elif m == "ptp":
-            drafters[m] = fastverify.load_drafter(args.ptp, model)
+        elif m in ("bpd", "bpd+ngram"):
+            drafters[m] = fastverify.load_drafter("smollm2-bpd", model, ngram=m.endswith("+ngram"))
+        elif m in ("ptp", "ptp+ngram"):
+            drafters[m] = fastverify.load_drafter(args.ptp, model, ngram=m.endswith("+ngram"), **ptp_options)
         elif m == "ptp-none":
             if not args.ptp_none:
                 p.error("--methods ptp-none needs --ptp-none CHECKPOINT")

@@ -199,20 +199,95 @@ def test_slot_drafter_drafts_what_its_block_predicts():
     assert len(d.propose([[1], [1]], [6, 6])[0]) == 0  # a block drafts once
 
 
+class _Nodes:
+    """An n-gram stand-in with fixed scored nodes that records what the merged cut kept and what was accepted."""
+
+    def __init__(self, nodes, fixed_cost=0.0, node_cost=0.0, min_gain=0.0):
+        self.nodes, self.fixed_cost, self.node_cost, self.min_gain = nodes, fixed_cost, node_cost, min_gain
+        self.kept = self.accepted = None
+
+    def reset(self, batch_size):
+        pass
+
+    def step_fixed_cost(self):
+        return self.fixed_cost
+
+    def scored_nodes(self, contexts, budget):
+        return [list(self.nodes) if int(bud) > 0 else [] for bud in budget]
+
+    def kept_nodes(self, paths):
+        self.kept = paths
+
+    def update(self, accepted):
+        self.accepted = accepted
+
+
+def test_slot_drafter_merges_ngram_nodes_into_one_trie():
+    """lud+ngram: the block's chain (estimates: products of slot probabilities) and the n-gram nodes form one
+    trie, a shared path once; siblings in decreasing estimate, so the first path (where the next blocks attach)
+    follows the best estimates; the n-gram drafter hears what was kept and accepted; a request without a block
+    gets the n-gram nodes alone."""
+    ngram = _Nodes([((4,), 0.9), ((4, 9), 0.8), ((3,), 0.05)])
+    d = BlockSlotDrafter(8, num_slots=2, method="lud", ngram=ngram)
+    d.reset(2)
+    block = torch.full((2, 10), -30.0)
+    block[0, 4] = 0.0            # slot 1: token 4, probability ~1
+    block[1, 6] = block[1, 7] = 0.0  # slot 2: 6 or 7, ~1/2 each (6 first: the lower index on a tie)
+    d.observe_slots([block, None])
+    trees = d.propose([[1], [1]], [6, 6])
+    # nodes best first: (4,) 1.0, (4, 9) 0.8, (4, 6) 0.5, (3,) 0.05
+    assert trees[0].tokens.tolist() == [4, 9, 6, 3] and trees[0].parents.tolist() == [-1, 0, 0, -1]
+    assert first_path(trees[0]) == [0, 1]
+    assert trees[1].tokens.tolist() == [4, 9, 3] and trees[1].parents.tolist() == [-1, 0, -1]
+    assert ngram.kept == [[(4,), (4, 9), (4, 6), (3,)], [(4,), (4, 9), (3,)]]
+    d.update([2, 0])
+    assert ngram.accepted == [2, 0]
+    # the cost model cuts the union: at a node cost of 0.3 only nodes of estimate > ~0.3 x ratio pay
+    d = BlockSlotDrafter(8, num_slots=2, method="lud", ngram=_Nodes(ngram.nodes, node_cost=0.3, min_gain=1.0))
+    d.reset(1)
+    d.observe_slots([block])
+    assert d.propose([[1]], [6])[0].tokens.tolist() == [4, 9]
+    with pytest.raises(TypeError, match="ngram"):
+        BlockSlotDrafter(8, ngram=object())
+
+
+@pytest.mark.parametrize("method", ["gad", "lud"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_greedy_exact_with_a_slot_drafter_and_ngram(method, B):
+    from fastverify.hf import NGramDrafter
+    model = _tiny("llama", attn="sdpa")
+    g = torch.Generator().manual_seed(B + 7)
+    L = 16
+    ids, mask = left_padded([(torch.randint(3, V, (3,), generator=g).tolist() * L)[:L - 3 * b] for b in range(B)],
+                            PAD)
+    ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=24, do_sample=False)
+    d = _drafter(model, method)
+    d.ngram = NGramDrafter(fixed_cost=0.0, node_cost=0.0)
+    patch(model, drafter=d)
+    out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=24, do_sample=False)
+    st = stats(model)
+    unpatch(model)
+    assert torch.equal(out, ref) and st.drafted_tokens > 0
+
+
 # ------------------------------------------------------------------------------------------------ PTP slots
 
-def _ptp(model, slots=3, seed=2, aux_mode="interp"):
+def _ptp(model, slots=3, seed=2, aux_mode="interp", ngram=False, **options):
     """A PTP slot drafter with random active adapters (no slot-0 gate: an untrained drafter drafts anyway)."""
+    from fastverify.hf import NGramDrafter
     from fastverify.hf.slots import PTPSlotDrafter
-    d = PTPSlotDrafter(model.config.hidden_size, num_slots=slots, aux_mode=aux_mode)
+    d = PTPSlotDrafter(model.config.hidden_size, num_slots=slots, aux_mode=aux_mode,
+                       ngram=NGramDrafter(fixed_cost=0.0, node_cost=0.0) if ngram else None, **options)
     return _randomise(d.init_adapters(model, rank=4), seed)
 
 
-@pytest.mark.parametrize("aux_mode", ["interp", "bits"])
+@pytest.mark.parametrize("aux_mode, options", [("interp", {}), ("bits", {}), ("interp", {"ngram": True}),
+                                               ("none", {"ngram": True, "tree_topk": 2})])
 @pytest.mark.parametrize("B", [1, 3])
-def test_ptp_slots_keep_seeded_sampling_and_greedy_exact(aux_mode, B):
+def test_ptp_slots_keep_seeded_sampling_and_greedy_exact(aux_mode, options, B):
     """With the coupled rule, PTP slot drafts never change the sampled tokens: the output equals the loop's own
-    autoregressive sampling with the same seed; greedy output equals generate."""
+    autoregressive sampling with the same seed; greedy output equals generate (also merged with the n-gram
+    drafter, and with inverse-CDF drafts and sibling leaves)."""
     from fastverify.hf import Drafter
     model = _tiny("llama", attn="sdpa")
     ids = torch.tensor([[11, 12, 13, 14] * 4] * B)
@@ -220,12 +295,12 @@ def test_ptp_slots_keep_seeded_sampling_and_greedy_exact(aux_mode, B):
     for seed, temperature in ((1, 1.0), (2, 0.7)):
         patch(model, drafter=Drafter())
         ref = model.generate(ids, do_sample=True, seed=seed, temperature=temperature, **kw)
-        patch(model, drafter=_ptp(model, aux_mode=aux_mode))
+        patch(model, drafter=_ptp(model, aux_mode=aux_mode, **options))
         out = model.generate(ids, do_sample=True, seed=seed, temperature=temperature, **kw)
         assert torch.equal(out, ref) and stats(model).drafted_tokens > 0
     unpatch(model)
     ref = model.generate(ids, do_sample=False, **kw)
-    patch(model, drafter=_ptp(model, aux_mode=aux_mode))
+    patch(model, drafter=_ptp(model, aux_mode=aux_mode, **options))
     assert torch.equal(model.generate(ids, do_sample=False, **kw), ref) and stats(model).drafted_tokens > 0
     unpatch(model)
 
@@ -253,6 +328,36 @@ def test_ptp_block_drafts_after_its_first_slot_with_the_gate_only_when_it_agrees
     trees = d.propose([[1, 4], [1, 5]], [4, 4])  # request 0 committed 4 (agrees), request 1 committed 5
     assert trees[0].tokens.tolist() == [6, 7]
     assert trees[1].tokens.tolist() == ([] if first_gate else [6, 7])
+
+
+def test_ptp_sampled_drafts_come_first_with_the_slot_probabilities():
+    """Inverse-CDF drafts (C-PTP / no auxiliary input): each slot's draft is F^-1(u) at its position's u, ranked
+    first whatever its rank in the slot's distribution, then the slot's best other tokens as leaves; every node is
+    scored with the slot's own probability (no infinite logits)."""
+    from fastverify import uniform
+    from fastverify.ops.sampling import cdf_sample
+    from fastverify.hf.slots import PTPSlotDrafter
+    d = PTPSlotDrafter(8, num_slots=2, aux_mode="none", tree_topk=2)
+    d.reset(1)
+    torch.manual_seed(0)
+    block = torch.randn(3, 10)
+    request, slot, pos = torch.zeros(3, dtype=torch.int64), torch.arange(3), torch.arange(5, 8)
+    d.slot_embeddings(request, slot, pos, torch.full((3,), 11))  # the loop tells the drafter the seed
+    d.observe_slots([block])
+    ctx = list(range(6))  # slot 0 stands at position 5, the last committed token's
+    nodes_seen = {}
+    d._block_nodes_orig, d._block_nodes = d._block_nodes, lambda b, bud: nodes_seen.setdefault(
+        b, d._block_nodes_orig(b, bud))
+    tree = d.propose([ctx], [4])[0]
+    draft = cdf_sample(block, uniform(11, pos))[1:]
+    probs = block.softmax(-1)
+    assert tree.tokens[[0, 2]].tolist() == draft.tolist() and tree.parents.tolist() == [-1, -1, 0, 0]
+    second = probs[1].scatter(0, draft[:1], -1.0).argmax()
+    assert int(tree.tokens[1]) == int(second)
+    (p0, e0), (_, e1), (p2, e2), _ = nodes_seen[0]
+    assert p0 == (int(draft[0]),) and e0 == pytest.approx(float(probs[1, draft[0]]), rel=1e-5)
+    assert e1 == pytest.approx(float(probs[1, second]), rel=1e-5)
+    assert e2 == pytest.approx(float(probs[1, draft[0]] * probs[2, draft[1]]), rel=1e-5)
 
 
 def test_ptp_checkpoint_round_trip(tmp_path):

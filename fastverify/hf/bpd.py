@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.heads import ProposalHeads, load_heads, output_projection
-from fastverify.hf.drafters import Drafter, batch_drafting, empty_tree
+from fastverify.hf.drafters import Drafter, batch_drafting, cut_scored, empty_tree, merge_scored
 from fastverify.ops.linear import skinny_linear
 from fastverify.tree import Tree
 
@@ -272,23 +272,6 @@ class HeadsDrafter(Drafter):
             out[b] = sorted(out[b], key=lambda item: (-item[1], len(item[0])))[:min(buds[b], self.max_nodes)]
         return out
 
-    def _cut(self, nodes, drafting: int = 1):
-        """The prefix of ``nodes`` (best first) that maximises expected tokens per cost: (Tree, the kept paths);
-        drafting: the number of requests of the batch that draft (fastverify.hf.drafters.batch_drafting)."""
-        best, keep, gain = self.min_gain, 0, 1.0
-        for k, (_, prob) in enumerate(nodes, 1):
-            gain += prob
-            ratio = gain / (1.0 + self.fixed_cost + self.node_cost * drafting * k)
-            if ratio > best:
-                best, keep = ratio, k
-        index, tokens, parents = {(): -1}, [], []
-        for path, _ in nodes[:keep]:
-            index[path] = len(tokens)
-            tokens.append(path[-1])
-            parents.append(index[path[:-1]])
-        kept = [path for path, _ in nodes[:keep]]
-        return (Tree(tokens, parents, validate=False) if tokens else empty_tree()), kept
-
     def propose(self, contexts, budget):
         B = len(contexts)
         if len(self.candidates) != B:
@@ -301,14 +284,10 @@ class HeadsDrafter(Drafter):
         for b in range(B):
             nodes = seq[b] if seq is not None else self._heads_nodes(b, buds[b])
             self.candidates[b] = None  # used once: the next step's come from the next verify
-            if ngram[b]:
-                # one trie of both proposals, a path proposed by both with the larger estimate; sorted best first
-                # (a parent's estimate is >= its children's in either source, so parents still come first)
-                merged = dict(nodes)
-                for path, prob in ngram[b]:
-                    merged[path] = max(prob, merged.get(path, 0.0))
-                nodes = sorted(merged.items(), key=lambda item: (-item[1], len(item[0])))[:buds[b]]
-            tree, paths = self._cut(nodes, drafting) if buds[b] > 0 else (empty_tree(), [])
+            if ngram[b]:  # one trie of both proposals, cut by one cost model
+                nodes = merge_scored(nodes, ngram[b], buds[b])
+            tree, paths = (cut_scored(nodes, self.fixed_cost, self.node_cost, self.min_gain, drafting) if buds[b] > 0
+                           else (empty_tree(), []))
             trees.append(tree)
             kept.append(paths)
         if callable(getattr(self.ngram, "kept_nodes", None)):  # its lookahead adapts to what the cut kept of it
@@ -327,7 +306,7 @@ def load_drafter(name_or_path: str, model, *, ngram=False, **options) -> HeadsDr
 
     A checkpoint of a slot drafter (config "method" "gad" / "lud" / "ptp": ``"smollm2-gad"``, ``"smollm2-lud"``,
     or a folder written by ``python -m fastverify.train slots``) gives a fastverify.hf.slots.BlockSlotDrafter
-    instead (a PTPSlotDrafter for ptp; options: attach / tree_topk)."""
+    instead (a PTPSlotDrafter for ptp; options: attach / tree_topk; ngram as for heads)."""
     import json
     import os
     from fastverify.heads import resolve_checkpoint
@@ -337,16 +316,13 @@ def load_drafter(name_or_path: str, model, *, ngram=False, **options) -> HeadsDr
             method = json.load(f).get("method")
     except (OSError, ValueError, AttributeError):
         method = None  # load_heads reports what is wrong with the folder
-    if method in ("gad", "lud", "ptp"):
-        from fastverify.hf.slots import load_slot_drafter
-        if ngram:
-            raise ValueError(f"ngram: merging an n-gram trie is supported for proposal heads, not for the {method} "
-                             f"slot drafter of {name_or_path!r}")
-        return load_slot_drafter(path, model, **options)
-    heads, cfg = load_heads(name_or_path, model)
     if ngram is True:
         from fastverify.hf.drafters import NGramDrafter
         ngram = NGramDrafter()
+    if method in ("gad", "lud", "ptp"):
+        from fastverify.hf.slots import load_slot_drafter
+        return load_slot_drafter(path, model, ngram=ngram or None, **options)
+    heads, cfg = load_heads(name_or_path, model)
     options.setdefault("head_acceptance", cfg.get("head_acceptance"))
     options.setdefault("calibration", cfg.get("calibration"))
     return HeadsDrafter(model, heads, ngram=ngram or None, **options)

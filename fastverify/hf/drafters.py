@@ -35,7 +35,7 @@ import torch
 from fastverify.hf.attention import cache_kwargs
 from fastverify.tree import Tree
 
-__all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "empty_tree"]
+__all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "empty_tree", "merge_scored", "cut_scored"]
 
 
 def batch_drafting(budget) -> int:
@@ -48,6 +48,41 @@ def batch_drafting(budget) -> int:
 
 def empty_tree() -> Tree:
     return Tree(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32), validate=False)
+
+
+def merge_scored(own, other, limit: int):
+    """One trie of two drafters' scored nodes (lists of (path tuple, estimated probability that the whole path is
+    accepted), each holding every prefix of its paths): a path proposed by both keeps the larger estimate; best
+    first, at most ``limit``. A parent's estimate is >= its children's in either source, so a parent still comes
+    before its children (ties: the shorter path first)."""
+    merged = dict(own)
+    for path, prob in other:
+        merged[path] = max(prob, merged.get(path, 0.0))
+    return sorted(merged.items(), key=lambda item: (-item[1], len(item[0])))[:limit]
+
+
+def tree_of_paths(paths) -> Tree:
+    """The Tree of token paths listed a parent before its children (node j is ``paths[j]``'s last token)."""
+    index, tokens, parents = {(): -1}, [], []
+    for path in paths:
+        index[path] = len(tokens)
+        tokens.append(path[-1])
+        parents.append(index[path[:-1]])
+    return Tree(tokens, parents, validate=False) if tokens else empty_tree()
+
+
+def cut_scored(nodes, fixed_cost: float, node_cost: float, min_gain: float, drafting: int = 1):
+    """The prefix of scored ``nodes`` (best first) that maximises the expected tokens per unit of cost,
+    ``(1 + sum P) / (1 + fixed_cost + node_cost * drafting * k)`` (NGramDrafter's cost model; nothing unless the
+    ratio beats ``min_gain``): (Tree, the kept paths). drafting: ``batch_drafting`` of the step's budgets."""
+    best, keep, gain = min_gain, 0, 1.0
+    for k, (_, prob) in enumerate(nodes, 1):
+        gain += prob
+        ratio = gain / (1.0 + fixed_cost + node_cost * drafting * k)
+        if ratio > best:
+            best, keep = ratio, k
+    kept = [path for path, _ in nodes[:keep]]
+    return tree_of_paths(kept), kept
 
 
 class Drafter:

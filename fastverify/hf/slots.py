@@ -30,7 +30,7 @@ import contextlib
 import torch
 from torch import nn
 
-from fastverify.hf.drafters import Drafter, empty_tree
+from fastverify.hf.drafters import Drafter, batch_drafting, cut_scored, merge_scored, tree_of_paths
 from fastverify.lora import GatedLoRALinear, gated_lora_layers
 from fastverify.tree import Tree
 
@@ -94,13 +94,17 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
     The draft proposed at a step is the chain of the slots' argmax tokens from the previous step's block (up to
     the budget), with the top ``tree_topk`` tokens of each slot as siblings when tree_topk > 1 (the argmax
     continues the chain, the others are leaves). Without a block from the previous step it proposes nothing.
+    With ``ngram`` (an NGramDrafter; ``load_drafter(..., ngram=True)``: "lud+ngram", "ptp+ngram"), its candidates
+    join the block's in one trie, cut by its cost model (``propose``): the n-gram drafter drafts where the block
+    has nothing (its first step, after a rejected path with ``attach="last"``) and adds the copies the block
+    misses.
 
     method: "gad" (bidirectional blocks) or "lud" (causal blocks); hidden_size, num_slots (m); adapters: a
     ``{qualified layer name: GatedLoRALinear}`` mapping built by ``init_adapters`` or loaded from a checkpoint.
     """
 
     def __init__(self, hidden_size: int, num_slots: int = 4, method: str = "gad", attach: str = "path",
-                 tree_topk: int = 1):
+                 tree_topk: int = 1, ngram: Drafter = None):
         nn.Module.__init__(self)
         if method not in ("gad", "lud"):
             raise ValueError(f"method: expected 'gad' or 'lud', got {method!r}")
@@ -110,7 +114,10 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
             raise ValueError(f"num_slots: expected an int >= 1, got {num_slots!r}")
         if not (isinstance(tree_topk, int) and tree_topk >= 1):
             raise ValueError(f"tree_topk: expected an int >= 1, got {tree_topk!r}")
+        if ngram is not None and not all(callable(getattr(ngram, f, None)) for f in ("scored_nodes", "step_fixed_cost")):
+            raise TypeError(f"ngram: expected an NGramDrafter, got {type(ngram).__name__}")
         self.method, self.attach, self.tree_topk = method, attach, tree_topk
+        self.ngram = ngram
         self.block_size = num_slots
         self.bidirectional = method == "gad"
         self.slot_embed = nn.Parameter(torch.zeros(num_slots, hidden_size))
@@ -158,6 +165,8 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)
         self._pending = [None] * batch_size
+        if self.ngram is not None:
+            self.ngram.reset(batch_size)
 
     def slot_embeddings(self, request, slot, position, seed):
         return self.slot_embed[slot]
@@ -165,30 +174,58 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
     def observe_slots(self, logits) -> None:
         self._pending = list(logits)
 
+    def _candidates(self, b: int, block: torch.Tensor, k: int):
+        """(tokens int64 [rows, k], probabilities [rows, k]) of request b's block: each slot's top k, the token it
+        drafts first, with the slot's softmax probabilities (the estimates the n-gram merge ranks by)."""
+        logp, tokens = block.float().log_softmax(-1).topk(k, dim=-1)
+        return tokens, logp.exp()
+
+    def _block_nodes(self, b: int, bud: int) -> list:
+        """Scored nodes of request b's pending block: [(path tuple, estimated probability that the path is
+        accepted: the product of the slots' probabilities along it)], the chain of the slots' first candidates
+        with the other top ``tree_topk`` tokens of each slot as leaves, a parent before its children."""
+        block = self._pending[b]
+        if block is None or bud <= 0:
+            return []
+        topk = min(self.tree_topk, block.shape[-1], bud)
+        depth = max(1, min(block.shape[0], bud // topk))
+        tokens, probs = self._candidates(b, block[:depth], topk)
+        nodes, chain, p_chain = [], (), 1.0
+        for toks, ps in zip(tokens.tolist(), probs.tolist()):
+            nodes.extend((chain + (t,), p_chain * p) for t, p in zip(toks, ps))
+            chain, p_chain = chain + (toks[0],), p_chain * ps[0]
+        return nodes
+
     @torch.no_grad()
     def propose(self, contexts, budget):
+        """Per request, the chain its pending block drafts (``_block_nodes``). With an n-gram drafter: one trie of
+        both proposals (a path proposed by both with the larger estimate), cut by the n-gram drafter's cost model
+        (fastverify.hf.drafters.cut_scored); its first path, where the blocks of the next verify attach, is then
+        the path of the highest estimates."""
         if len(self._pending) != len(contexts):
             self.reset(len(contexts))
-        trees = []
-        for b, bud in enumerate(budget):
-            block = self._pending[b]
-            bud = int(bud)
-            if block is None or bud <= 0:
-                trees.append(empty_tree())
+        buds = [max(0, int(bud)) for bud in budget]
+        ngram = self.ngram.scored_nodes(contexts, buds) if self.ngram is not None else None
+        drafting = batch_drafting(buds)
+        trees, kept = [], []
+        for b, bud in enumerate(buds):
+            nodes = self._block_nodes(b, bud)
+            if ngram is None:
+                trees.append(tree_of_paths([path for path, _ in nodes]))
                 continue
-            topk = min(self.tree_topk, block.shape[-1], bud)
-            depth = max(1, min(block.shape[0], bud // topk))
-            cand = block[:depth].float().topk(topk, dim=-1).indices.tolist()
-            tokens, parents, chain_parent = [], [], -1
-            for d in range(depth):
-                head = len(tokens)
-                for t in cand[d]:
-                    tokens.append(t)
-                    parents.append(chain_parent)
-                chain_parent = head
-            trees.append(Tree(tokens, parents, validate=False))
+            nodes = merge_scored(nodes, ngram[b], bud)
+            ng = self.ngram
+            tree, paths = cut_scored(nodes, ng.step_fixed_cost(), ng.node_cost, ng.min_gain, drafting)
+            trees.append(tree)
+            kept.append(paths)
+        if ngram is not None and callable(getattr(self.ngram, "kept_nodes", None)):
+            self.ngram.kept_nodes(kept)
         self._pending = [None] * len(contexts)
         return trees
+
+    def update(self, accepted) -> None:
+        if self.ngram is not None:
+            self.ngram.update(accepted)
 
 
 class PTPSlotDrafter(BlockSlotDrafter):
@@ -221,9 +258,10 @@ class PTPSlotDrafter(BlockSlotDrafter):
     DRAFTS = ("auto", "argmax", "inverse_cdf")
 
     def __init__(self, hidden_size: int, num_slots: int = 4, attach: str = "path", aux_mode: str = "interp",
-                 tree_topk: int = 1, variant: str = "o", draft: str = "auto", first_gate: bool = False):
+                 tree_topk: int = 1, variant: str = "o", draft: str = "auto", first_gate: bool = False,
+                 ngram: Drafter = None):
         from fastverify.ptp import AuxiliaryEmbedding
-        super().__init__(hidden_size, num_slots + 1, "lud", attach, tree_topk)  # "lud": causal blocks
+        super().__init__(hidden_size, num_slots + 1, "lud", attach, tree_topk, ngram)  # "lud": causal blocks
         if variant not in self.VARIANTS:
             raise ValueError(f"variant: expected one of {self.VARIANTS}, got {variant!r}")
         if aux_mode != "none" and aux_mode not in AuxiliaryEmbedding.MODES:
@@ -232,7 +270,7 @@ class PTPSlotDrafter(BlockSlotDrafter):
             raise ValueError(f"draft: expected one of {self.DRAFTS}, got {draft!r}")
         self.method, self.variant, self.draft, self.first_gate = "ptp", variant, draft, bool(first_gate)
         self.aux = AuxiliaryEmbedding(hidden_size, aux_mode) if aux_mode != "none" else None
-        self._seeds = {}
+        self._seeds, self._drafts = {}, {}
 
     @property
     def aux_mode(self) -> str:
@@ -257,7 +295,7 @@ class PTPSlotDrafter(BlockSlotDrafter):
 
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)
-        self._seeds = {}
+        self._seeds, self._drafts = {}, {}
 
     def slot_embeddings(self, request, slot, position, seed):
         if seed is not None and self.samples:
@@ -267,6 +305,7 @@ class PTPSlotDrafter(BlockSlotDrafter):
 
     def propose(self, contexts, budget):
         from fastverify.ops.sampling import cdf_sample, uniform
+        self._drafts = {}
         if len(self._pending) == len(contexts):
             for b, block in enumerate(self._pending):
                 if block is None:
@@ -275,10 +314,24 @@ class PTPSlotDrafter(BlockSlotDrafter):
                     first = len(contexts[b]) - 1  # slot 0's position: the token the step committed last
                     pos = torch.arange(first, first + block.shape[0], device=block.device)
                     draft = cdf_sample(block, uniform(self._seeds[b], pos))
-                    block = block.float().scatter(1, draft[:, None], float("inf"))  # ranked first
-                agree = not self.first_gate or int(block[0].argmax()) == int(contexts[b][-1])
+                else:
+                    draft = None
+                said = int(draft[0]) if draft is not None else int(block[0].argmax())  # slot 0's token
+                agree = not self.first_gate or said == int(contexts[b][-1])
                 self._pending[b] = block[1:] if agree and block.shape[0] > 1 else None
+                if draft is not None and self._pending[b] is not None:
+                    self._drafts[b] = draft[1:]
         return super().propose(contexts, budget)
+
+    def _candidates(self, b: int, block: torch.Tensor, k: int):
+        draft = self._drafts.get(b)
+        if draft is None:
+            return super()._candidates(b, block, k)
+        # the sampled draft first, then the slot's top tokens other than it
+        draft = draft[:block.shape[0], None]
+        logp = block.float().log_softmax(-1)
+        others_p, others = logp.scatter(1, draft, float("-inf")).topk(k - 1, dim=-1)
+        return torch.cat([draft, others], 1), torch.cat([logp.gather(1, draft), others_p], 1).exp()
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
