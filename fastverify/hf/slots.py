@@ -114,7 +114,8 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
             raise ValueError(f"num_slots: expected an int >= 1, got {num_slots!r}")
         if not (isinstance(tree_topk, int) and tree_topk >= 1):
             raise ValueError(f"tree_topk: expected an int >= 1, got {tree_topk!r}")
-        if ngram is not None and not all(callable(getattr(ngram, f, None)) for f in ("scored_nodes", "step_fixed_cost")):
+        if ngram is not None and not all(callable(getattr(ngram, f, None))
+                                         for f in ("scored_nodes", "step_fixed_cost")):
             raise TypeError(f"ngram: expected an NGramDrafter, got {type(ngram).__name__}")
         self.method, self.attach, self.tree_topk = method, attach, tree_topk
         self.ngram = ngram

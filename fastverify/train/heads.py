@@ -233,6 +233,13 @@ def encode_prompts(tokenizer, prompts, max_prompt_tokens: int = 256):
     return enc
 
 
+def data_folder(cfg) -> str:
+    """Where a recipe's self-distillation data lives: ``cfg.data_dir``, or the cache folder shared by the recipes,
+    ``$FASTVERIFY_CACHE/heads-data/<model>`` (default ``~/.cache/fastverify/heads-data/<model>``)."""
+    from fastverify.models import default_cache_dir
+    return cfg.data_dir or default_cache_dir(os.path.join("heads-data", re.sub(r"[^\w.-]+", "_", cfg.model)))
+
+
 HELD_OUT_POOL = 2000  # prompts (after filtering) the held-out ones are drawn from; a default read gives >= 3500
 
 
@@ -609,9 +616,7 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
     model.requires_grad_(False).eval()
     base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
     os.makedirs(cfg.out, exist_ok=True)
-    data_dir = cfg.data_dir or os.path.join(
-        os.environ.get("FASTVERIFY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastverify"),
-        "heads-data", re.sub(r"[^\w.-]+", "_", cfg.model))
+    data_dir = data_folder(cfg)
 
     # 2. data
     t0 = time.perf_counter()

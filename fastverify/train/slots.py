@@ -44,7 +44,7 @@ from fastverify.hf.attention import cache_kwargs
 from fastverify.hf.slots import BlockSlotDrafter, save_slot_drafter
 from fastverify.lora import slot_gate
 from fastverify.train.cli import parse_config, run_recipe
-from fastverify.train.heads import (DEFAULT_EXCLUDE, generate_data, select_prompts, shard_prompts,
+from fastverify.train.heads import (DEFAULT_EXCLUDE, data_folder, generate_data, select_prompts, shard_prompts,
                                     _rng_state, _set_rng_state)
 
 __all__ = ["SlotsConfig", "train_slots", "slot_batch", "main"]
@@ -109,9 +109,7 @@ def load_data(model, tokenizer, cfg, prompts=None, log=print, sample=None):
     proposal-heads recipe's shards of the target's greedy continuations (fastverify.train.heads.generate_data),
     made here if missing; with ``sample`` (generate's sampling options), sampled continuations in a folder of
     their own named by those options."""
-    data_dir = cfg.data_dir or os.path.join(
-        os.environ.get("FASTVERIFY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastverify"),
-        "heads-data", re.sub(r"[^\w.-]+", "_", cfg.model))
+    data_dir = data_folder(cfg)
     if sample:
         data_dir = os.path.join(data_dir, "sampled-" + "-".join(f"{k}{v}" for k, v in sorted(sample.items())))
     eval_p, train_p, dropped = select_prompts(cfg, prompts, log)
