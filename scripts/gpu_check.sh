@@ -11,9 +11,17 @@
 #          with the GPU's name and the date)
 #   e2e    SmolLM2-135M-Instruct on the GPU, greedy: fastverify.patch(model) (n-gram drafter) against plain generate
 #          and prompt lookup on Spec-Bench's 39 questions (3 per category), batch 1 (benchmarks/e2e.py -> e2e.md,
-#          e2e.json, e2e.log); then patched against plain generate at batch 8 (benchmarks/e2e_batch.py, 5 batches
+#          e2e.json, e2e.log; E2E_DRAFTERS names e2e.py --drafter choices, default "ngram bpd+ngram", with the
+#          heads of a `heads` step on this machine when there are any, else the shipped ones; E2E_HEADS overrides
+#          that); then patched against plain generate at batch 8 (benchmarks/e2e_batch.py, 5 batches
 #          of 8 mixed questions: the 39 and the writing category's 4th -> e2e_batch.log). float32 by default
 #          (E2E_DTYPE=bfloat16 for bf16). Needs the carried model and questions (below).
+#   heads  train proposal heads for SmolLM2 on the GPU (python -m fastverify.train heads --device cuda): greedy
+#          self-distillation data from the carried prompts ($CARRY/prompts/prompts.jsonl.gz, written here by
+#          `scripts/gpu_model_pack.sh prompts`; Spec-Bench-overlapping prompts dropped against the carried
+#          question.jsonl), then the heads; the checkpoint goes to $STASH/heads (kept for a later e2e on this
+#          machine) and its heads.safetensors / config.json to $OUT (-> heads.log). HEADS_ARGS adds recipe flags
+#          (default: --num-prompts 20000 --gen-batch 192 --data-minutes 4 --epochs 2). Needs the carried model.
 #   parts  only report which carried parts are on this machine (printed by every run)
 #   dry    on a machine without a GPU, check this script: bench runs bench_gpu.py --dry-run, e2e runs on the CPU at
 #          tiny sizes (one question, 8 new tokens), test only collects the tests, build is skipped. Example:
@@ -100,7 +108,7 @@ has_cuda_kernels() {
 
 if has build; then
   build
-elif [ -z "$DRY" ] && { has test || has bench || has e2e; } && ! has_cuda_kernels; then
+elif [ -z "$DRY" ] && { has test || has bench || has heads || has e2e; } && ! has_cuda_kernels; then
   echo "fastverify._C has no CUDA kernels here (a fresh machine?): building first"
   build
 fi
@@ -199,6 +207,31 @@ EOF
   esac
 }
 
+if has heads; then
+  if e2e_prepare; then
+    prompts="$STASH/prompts.jsonl"
+    if [ -f "$CARRY/prompts/prompts.jsonl.gz" ]; then gunzip -c "$CARRY/prompts/prompts.jsonl.gz" >"$prompts"; fi
+    if [ -f "$prompts" ]; then
+      start=$(date +%s)
+      hdev=cuda; hargs=${HEADS_ARGS:---num-prompts 20000 --gen-batch 192 --data-minutes 4 --epochs 2}
+      if [ -n "$DRY" ]; then
+        hdev=cpu; hargs="--num-prompts 24 --eval-prompts 8 --gen-batch 8 --max-new-tokens 8 --epochs 1 --threads 1"
+      fi
+      # shellcheck disable=SC2086
+      $PY -m fastverify.train heads --model smollm2 --device $hdev --out "$STASH/heads" --prompts "$prompts" \
+        --exclude "$QUESTIONS" --data-dir "$STASH/heads-data" --no-progress $hargs >"$OUT/heads.log" 2>&1
+      echo "heads: rc=$? in $(( $(date +%s) - start )) s"
+      grep -E "^(prompts|data|vocabulary|resumed|wrote)|^\| p_|Error" "$OUT/heads.log" | cut -c1-300
+      cp "$STASH/heads/heads.safetensors" "$STASH/heads/config.json" "$OUT"/ 2>/dev/null
+    else
+      echo "heads: no prompts ($CARRY/prompts/prompts.jsonl.gz absent): run scripts/gpu_model_pack.sh prompts and carry"
+      echo "       gpu_carry/prompts with this call"
+    fi
+  else
+    echo "heads: skipped"
+  fi
+fi
+
 if has e2e; then
   if e2e_prepare; then
     if [ -n "$DRY" ]; then
@@ -211,6 +244,11 @@ if has e2e; then
       batch=(--batch 8 --batches 5)
     fi
     start=$(date +%s)
+    heads=${E2E_HEADS:-}
+    [ -z "$heads" ] && [ -f "$STASH/heads/heads.safetensors" ] && heads="$STASH/heads"
+    one+=(--drafter ${E2E_DRAFTERS:-ngram bpd+ngram})
+    [ -n "$heads" ] && one+=(--heads "$heads") && echo "e2e: heads from $heads"
+    # shellcheck disable=SC2206
     $PY benchmarks/e2e.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" --no-progress \
       --no-plot --out "$OUT/e2e.json" --out-dir "$OUT" >"$OUT/e2e.log" 2>&1
     echo "e2e batch 1: rc=$? in $(( $(date +%s) - start )) s"

