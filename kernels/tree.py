@@ -182,9 +182,10 @@ def tree_positions(parents: torch.Tensor, cu_nodes: torch.Tensor, prefix_len: to
     out = torch.empty((N,), dtype=torch.int64, device=parents.device)
     if N == 0 or B == 0:
         return out
-    n = int((cu_nodes[1:] - cu_nodes[:-1]).max())  # one host sync: the grid needs the widest request
-    BLOCK = min(next_pow2(n, 16), 256)
-    _tree_positions_kernel[(B, triton.cdiv(n, BLOCK))](parents.contiguous(), cu_nodes.contiguous(),
+    # The grid covers the widest request a batch of N nodes can hold (N itself), so it is sized without reading
+    # cu_nodes back; blocks past their request's nodes store nothing.
+    BLOCK = min(next_pow2(N, 16), 256)
+    _tree_positions_kernel[(B, triton.cdiv(N, BLOCK))](parents.contiguous(), cu_nodes.contiguous(),
                                                         prefix_len.contiguous(), out, BLOCK=BLOCK)
     return out
 

@@ -414,8 +414,9 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, cu_nodes: torch.Ten
     rule_params = rule_params.float().contiguous()
     warp = warp.float().contiguous()
     counts = cu_nodes[1:] - cu_nodes[:-1]
-    n_max = int(counts.max())  # one host sync: the walk vectorises over a request's nodes
-    BLOCK_N = next_pow2(n_max + 1, 16)
+    # The walk vectorises over a request's nodes: its width is N + 1, a bound on every request's rows known here,
+    # so that nothing is read back from the device (the call stays sync-free and CUDA-graph capturable).
+    BLOCK_N = next_pow2(N + 1, 16)
     BLOCK_D = min(next_pow2(max_depth, 16), 1024)
     row_req = torch.repeat_interleave(torch.arange(B, device=dev, dtype=torch.int32), counts + 1, output_size=R)
     row_tok = torch.empty(R, dtype=torch.int64, device=dev)

@@ -116,6 +116,25 @@ def test_verify_reads_nothing_back(case):
     assert got.accepted.shape[1] == kw.get("max_depth", kw["draft_tokens"].shape[-1])
 
 
+triton_cpu = pytest.mark.skipif(not HAS_GPU and not fastverify._ext.backends("cpu")["triton"],
+                                reason="the Triton backend runs on the CPU only under TRITON_INTERPRET=1")
+
+
+@triton_cpu
+@pytest.mark.parametrize("case", [c for c, _ in _verify_cases("cpu")])
+def test_triton_verify_reads_nothing_back(case):
+    """The Triton wrapper sizes its launches from host-known sizes, never from values read back (an H100 run
+    caught int(counts.max()) under the sync debug mode; the guard catches the same read under the interpreter)."""
+    if HAS_GPU:
+        pytest.skip("on a GPU: test_gpu_verify_no_sync")
+    kw = dict(_verify_cases("cpu"))[case]
+    want = fastverify.verify(**kw)
+    fastverify.verify(**kw, backend="triton", validate=False)
+    with no_device_reads():
+        got = fastverify.verify(**kw, backend="triton", validate=False)
+    assert _same(got, want)
+
+
 def test_verify_max_depth():
     b = _batch("cpu")
     full = fastverify.verify(**b)
@@ -206,6 +225,18 @@ def test_masks_read_nothing_back(case):
     want = fn(*args, **kw)
     with no_device_reads():
         got = fn(*args, **kw, validate=False)
+    assert torch.equal(got, want)
+
+
+@triton_cpu
+@pytest.mark.parametrize("case", [c[0] for c in _mask_cases("cpu")])
+def test_triton_masks_read_nothing_back(case):
+    if HAS_GPU:
+        pytest.skip("on a GPU: test_gpu_ops_no_sync")
+    _, fn, args, kw = next(c for c in _mask_cases("cpu") if c[0] == case)
+    want = fn(*args, **kw)
+    with no_device_reads():
+        got = fn(*args, **kw, backend="triton", validate=False)
     assert torch.equal(got, want)
 
 

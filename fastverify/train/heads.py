@@ -566,13 +566,14 @@ def evaluate(heads, hidden, targets, weight, bias, ranks: int = 10, chunk: int =
     for s in range(0, hidden.shape[0], chunk):
         logits = _head_logits(heads, hidden[s:s + chunk], weight, bias,
                               None if inputs is None else inputs[s:s + chunk], embed)
-        t = targets[s:s + chunk]
+        t = targets[s:s + chunk].cpu()  # the counts live on the CPU whatever device the heads run on
         top = logits.topk(ranks, dim=-1)  # [H, n, ranks]
-        prob = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+        prob = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().cpu()
+        top_ids = top.indices.cpu()
         for h in range(H):
             valid = t[:, h] != -100
             n[h] += valid.sum()
-            eq = (top.indices[h][valid] == t[valid, h][:, None]).float()
+            eq = (top_ids[h][valid] == t[valid, h][:, None]).float()
             hits[h] += eq.sum(0)
             b = (torch.bucketize(prob[h][valid].reshape(-1), edges[1:-1], right=True))
             bin_n[h] += torch.bincount(b, minlength=nb).float()
