@@ -2,20 +2,23 @@
 # On a machine with one NVIDIA GPU (run so far on an H100 SXM 80GB): build fastverify._C with its CUDA kernels in
 # place, run every CUDA and Triton test on the GPU, time the GPU backends and run the end-to-end benchmark there.
 #
-#   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [e2e] [parts] [dry]    (default: build test bench)
+#   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [heads] [e2e] [e2e8] [parts] [dry]
+#                                                                            (default: build test bench)
 #
 #   build  pip install -e . with the CUDA kernels (16 jobs; 46-80 s on the H100 machine). A later step that finds
 #          no CUDA kernels (a fresh machine) builds first.
 #   test   every cuda / triton case of the op tests, FASTVERIFY_SLOW_TESTS=1 -> test.log
 #   bench  benchmarks/bench_gpu.py (with quick: --quick) -> bench.log, bench.json, bench.md (a RESULTS.md section
 #          with the GPU's name and the date)
-#   e2e    SmolLM2-135M-Instruct on the GPU, greedy: fastverify.patch(model) (n-gram drafter) against plain generate
-#          and prompt lookup on Spec-Bench's 39 questions (3 per category), batch 1 (benchmarks/e2e.py -> e2e.md,
-#          e2e.json, e2e.log; E2E_DRAFTERS names e2e.py --drafter choices, default "ngram bpd+ngram", with the
-#          heads of a `heads` step on this machine when there are any, else the shipped ones; E2E_HEADS overrides
-#          that); then patched against plain generate at batch 8 (benchmarks/e2e_batch.py, 5 batches
-#          of 8 mixed questions: the 39 and the writing category's 4th -> e2e_batch.log). float32 by default
-#          (E2E_DTYPE=bfloat16 for bf16). Needs the carried model and questions (below).
+#   e2e    SmolLM2-135M-Instruct on the GPU, greedy, batch 1: fastverify.patch(model) against plain generate and
+#          prompt lookup on Spec-Bench's 39 questions (E2E_PER_CATEGORY per category, default 3; benchmarks/e2e.py
+#          -> e2e.md, e2e.json, e2e.log). E2E_DRAFTERS names e2e.py --drafter choices, default "ngram bpd+ngram",
+#          with the heads of a `heads` step on this machine when there are any, else the shipped ones (E2E_HEADS
+#          overrides that). float32 by default (E2E_DTYPE=bfloat16 for bf16). Needs the carried model (below).
+#          On an H100 (2026-11-25) 13 questions took 2.4 min with these four methods, so the 39 take ~7.5: run it
+#          in a call of its own.
+#   e2e8   patched (n-gram) against plain generate at batch 8 (benchmarks/e2e_batch.py, 5 batches of 8 mixed
+#          questions: the 39 and the writing category's 4th -> e2e_batch.log). Needs the carried model.
 #   heads  train proposal heads for SmolLM2 on the GPU (python -m fastverify.train heads --device cuda): greedy
 #          self-distillation data from the carried prompts ($CARRY/prompts/prompts.jsonl.gz, written here by
 #          `scripts/gpu_model_pack.sh prompts`; Spec-Bench-overlapping prompts dropped against the carried
@@ -41,6 +44,11 @@
 #   1. device run, carry ["gpu_carry/p0"], timeout_s 600:  bash scripts/gpu_check.sh build test
 #   2. device run, carry ["gpu_carry/p1"], timeout_s 600:  bash scripts/gpu_check.sh bench
 #   3. device run, carry ["gpu_carry/p2"], timeout_s 600:  bash scripts/gpu_check.sh e2e
+#   4. device run, no carry, timeout_s 600:               bash scripts/gpu_check.sh e2e8
+#
+# Measured on an H100 machine (2026-11-25): a start 1-2 min, build 109 s, test 191 s, bench 166 s, the model's
+# checkpoint 40 s, `heads` (3.5 data minutes) ~6 min: a session's 30 device minutes hold calls 1-4 or 1-3 with
+# heads in place of e2e, not both. With PROMPTS=N packed, call 3 can carry ["gpu_carry/p2", "gpu_carry/prompts"].
 #
 # e2e joins the parts, checks the archive's sha256 against the MANIFEST, installs the gguf wheel into $STASH/site and
 # builds the float32 checkpoint in $STASH/cache as fastverify.models.load_smollm2 does on a CPU (~15-30 s; the same
@@ -108,7 +116,7 @@ has_cuda_kernels() {
 
 if has build; then
   build
-elif [ -z "$DRY" ] && { has test || has bench || has heads || has e2e; } && ! has_cuda_kernels; then
+elif [ -z "$DRY" ] && { has test || has bench || has heads || has e2e || has e2e8; } && ! has_cuda_kernels; then
   echo "fastverify._C has no CUDA kernels here (a fresh machine?): building first"
   build
 fi
@@ -237,11 +245,9 @@ if has e2e; then
     if [ -n "$DRY" ]; then
       dev=cpu
       one=(--per-category 1 --categories writing --max-new-tokens 8 --threads 1)
-      batch=(--batch 2 --batches 1 --max-new-tokens 8 --threads 1)
     else
       dev=cuda
-      one=(--per-category 3)
-      batch=(--batch 8 --batches 5)
+      one=(--per-category "${E2E_PER_CATEGORY:-3}")
     fi
     start=$(date +%s)
     heads=${E2E_HEADS:-}
@@ -253,13 +259,22 @@ if has e2e; then
       --no-plot --out "$OUT/e2e.json" --out-dir "$OUT" >"$OUT/e2e.log" 2>&1
     echo "e2e batch 1: rc=$? in $(( $(date +%s) - start )) s"
     grep -E "^(gpu|model):|^\| \*\*overall|identical|vs generate|vs prompt lookup|Error" "$OUT/e2e.log" | cut -c1-400
+  else
+    echo "e2e: skipped"
+  fi
+fi
+
+if has e2e8; then
+  if e2e_prepare; then
+    dev=cuda; batch=(--batch 8 --batches 5)
+    [ -n "$DRY" ] && dev=cpu && batch=(--batch 2 --batches 1 --max-new-tokens 8 --threads 1)
     start=$(date +%s)
     $PY benchmarks/e2e_batch.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" \
       --methods generate fastverify "${batch[@]}" >"$OUT/e2e_batch.log" 2>&1
     echo "e2e batch ${batch[1]}: rc=$? in $(( $(date +%s) - start )) s"
     tail -6 "$OUT/e2e_batch.log" | cut -c1-400
   else
-    echo "e2e: skipped"
+    echo "e2e8: skipped"
   fi
 fi
 
