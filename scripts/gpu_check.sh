@@ -2,7 +2,7 @@
 # On a machine with one NVIDIA GPU (run so far on an H100 SXM 80GB): build fastverify._C with its CUDA kernels in
 # place, run every CUDA and Triton test on the GPU, time the GPU backends and run the end-to-end benchmark there.
 #
-#   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [heads] [e2e] [e2e8] [parts] [dry]
+#   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [heads] [gad] [lud] [ptp] [e2e] [e2e8] [parts] [dry]
 #                                                                            (default: build test bench)
 #
 #   build  pip install -e . with the CUDA kernels (16 jobs; 46-80 s on the H100 machine). A later step that finds
@@ -23,8 +23,15 @@
 #          self-distillation data from the carried prompts ($CARRY/prompts/prompts.jsonl.gz, written here by
 #          `scripts/gpu_model_pack.sh prompts`; Spec-Bench-overlapping prompts dropped against the carried
 #          question.jsonl), then the heads; the checkpoint goes to $STASH/heads (kept for a later e2e on this
-#          machine) and its heads.safetensors / config.json to $OUT (-> heads.log). HEADS_ARGS adds recipe flags
-#          (default: --num-prompts 20000 --gen-batch 192 --data-minutes 4 --epochs 2). Needs the carried model.
+#          machine) and its heads.safetensors / config.json to $OUT/heads/ (-> heads.log). HEADS_ARGS replaces the
+#          recipe flags (default: --num-prompts 20000 --gen-batch 192 --data-minutes 3.5 --epochs 2). Needs the
+#          carried model.
+#   gad, lud, ptp  the same for the slot drafters (python -m fastverify.train slots --method gad|lud, python -m
+#          fastverify.train ptp) -> $OUT/<step>/{slots.safetensors, config.json}, <step>.log; GAD_ARGS / LUD_ARGS /
+#          PTP_ARGS replace the default flags (a 3-minute data and 4-minute training budget). The greedy data of
+#          heads, gad and lud is one cache on the machine: made by the first of them, reused by the others when
+#          their data flags agree. One recipe per call (the time, and the 8 files a call brings back). gad, lud and
+#          ptp have not yet run on a GPU.
 #   parts  only report which carried parts are on this machine (printed by every run)
 #   dry    on a machine without a GPU, check this script: bench runs bench_gpu.py --dry-run, e2e runs on the CPU at
 #          tiny sizes (one question, 8 new tokens), test only collects the tests, build is skipped. Example:
@@ -116,7 +123,7 @@ has_cuda_kernels() {
 
 if has build; then
   build
-elif [ -z "$DRY" ] && { has test || has bench || has heads || has e2e || has e2e8; } && ! has_cuda_kernels; then
+elif [ -z "$DRY" ] && { has test || has bench || has heads || has gad || has lud || has ptp || has e2e || has e2e8; } && ! has_cuda_kernels; then
   echo "fastverify._C has no CUDA kernels here (a fresh machine?): building first"
   build
 fi
@@ -215,30 +222,41 @@ EOF
   esac
 }
 
-if has heads; then
-  if e2e_prepare; then
-    prompts="$STASH/prompts.jsonl"
-    if [ -f "$CARRY/prompts/prompts.jsonl.gz" ]; then gunzip -c "$CARRY/prompts/prompts.jsonl.gz" >"$prompts"; fi
-    if [ -f "$prompts" ]; then
-      start=$(date +%s)
-      hdev=cuda; hargs=${HEADS_ARGS:---num-prompts 20000 --gen-batch 192 --data-minutes 4 --epochs 2}
-      if [ -n "$DRY" ]; then
-        hdev=cpu; hargs="--num-prompts 24 --eval-prompts 8 --gen-batch 8 --max-new-tokens 8 --epochs 1 --threads 1"
-      fi
-      # shellcheck disable=SC2086
-      $PY -m fastverify.train heads --model smollm2 --device $hdev --out "$STASH/heads" --prompts "$prompts" \
-        --exclude "$QUESTIONS" --data-dir "$STASH/heads-data" --no-progress $hargs >"$OUT/heads.log" 2>&1
-      echo "heads: rc=$? in $(( $(date +%s) - start )) s"
-      grep -E "^(prompts|data|vocabulary|resumed|wrote)|^\| p_|Error" "$OUT/heads.log" | cut -c1-300
-      cp "$STASH/heads/heads.safetensors" "$STASH/heads/config.json" "$OUT"/ 2>/dev/null
-    else
-      echo "heads: no prompts ($CARRY/prompts/prompts.jsonl.gz absent): run scripts/gpu_model_pack.sh prompts and carry"
-      echo "       gpu_carry/prompts with this call"
-    fi
-  else
-    echo "heads: skipped"
+# A training recipe on the GPU (python -m fastverify.train RECIPE --device cuda) from the carried prompts, its data
+# in $STASH/heads-data (shared by the recipes, as on a CPU), its checkpoint in $STASH/<name> (kept for a later e2e
+# on this machine) and in $OUT/<name>/ (what comes back). train_recipe NAME RECIPE FILE DEFAULT_ARGS [ARGS_VAR].
+train_recipe() {
+  local name=$1 recipe=$2 file=$3 defaults=$4 args dev=cuda prompts="$STASH/prompts.jsonl" start
+  args=${!5:-$defaults}
+  if ! e2e_prepare; then echo "$name: skipped"; return 0; fi
+  if [ -f "$CARRY/prompts/prompts.jsonl.gz" ]; then gunzip -c "$CARRY/prompts/prompts.jsonl.gz" >"$prompts"; fi
+  if [ ! -f "$prompts" ]; then
+    echo "$name: no prompts ($CARRY/prompts/prompts.jsonl.gz absent): run PROMPTS=N scripts/gpu_model_pack.sh and"
+    echo "       carry gpu_carry/prompts with this call"
+    return 0
   fi
-fi
+  if [ -n "$DRY" ]; then  # tiny sizes on the CPU: proves the step, not the recipe
+    dev=cpu
+    args="$6 --num-prompts 24 --eval-prompts 8 --gen-batch 8 --max-new-tokens 12 --threads 1"
+  fi
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  $PY -m fastverify.train $recipe --model smollm2 --device $dev --out "$STASH/$name" --prompts "$prompts" \
+    --exclude "$QUESTIONS" --data-dir "$STASH/heads-data" --no-progress $args >"$OUT/$name.log" 2>&1
+  echo "$name: rc=$? in $(( $(date +%s) - start )) s"
+  grep -E "^(prompts|data|vocabulary|resumed|wrote)|^\| (p_|slot|[0-9])|accepted|Error" "$OUT/$name.log" | cut -c1-300
+  mkdir -p "$OUT/$name" && cp "$STASH/$name/$file" "$STASH/$name/config.json" "$OUT/$name"/ 2>/dev/null
+}
+
+has heads && train_recipe heads heads heads.safetensors \
+  "--num-prompts 20000 --gen-batch 192 --data-minutes 3.5 --epochs 2" HEADS_ARGS "--epochs 1"
+has gad && train_recipe gad slots slots.safetensors \
+  "--method gad --num-prompts 20000 --gen-batch 192 --data-minutes 3 --minutes 4" GAD_ARGS "--method gad --steps 4"
+has lud && train_recipe lud slots slots.safetensors \
+  "--method lud --num-slots 3 --num-prompts 20000 --gen-batch 192 --data-minutes 3 --minutes 4" LUD_ARGS \
+  "--method lud --num-slots 3 --steps 4"
+has ptp && train_recipe ptp ptp slots.safetensors \
+  "--num-prompts 20000 --gen-batch 192 --data-minutes 3 --minutes 4" PTP_ARGS "--steps 4"
 
 if has e2e; then
   if e2e_prepare; then
