@@ -54,8 +54,10 @@
 #   4. device run, no carry, timeout_s 600:               bash scripts/gpu_check.sh e2e8
 #
 # Measured on an H100 machine (2026-11-25): a start 1-2 min, build 109 s, test 191 s, bench 166 s, the model's
-# checkpoint 40 s, `heads` (3.5 data minutes) ~6 min: a session's 30 device minutes hold calls 1-4 or 1-3 with
-# heads in place of e2e, not both. With PROMPTS=N packed, call 3 can carry ["gpu_carry/p2", "gpu_carry/prompts"].
+# checkpoint 40 s, `heads` (3.5 data minutes) ~6 min, e2e with four methods ~7.5 min for 39 questions. A session's
+# 30 device minutes therefore hold, back to back: `build test bench` carrying p0 (~8 min), `parts` carrying p1
+# (seconds), one training step carrying ["gpu_carry/p2", "gpu_carry/prompts"] (PROMPTS=N packed; ~8 min), then
+# `e2e` (~8 min, with the heads just trained if the step was heads); e2e8 only in place of one of them.
 #
 # e2e joins the parts, checks the archive's sha256 against the MANIFEST, installs the gguf wheel into $STASH/site and
 # builds the float32 checkpoint in $STASH/cache as fastverify.models.load_smollm2 does on a CPU (~15-30 s; the same
