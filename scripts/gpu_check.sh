@@ -272,9 +272,9 @@ if has e2e; then
     start=$(date +%s)
     heads=${E2E_HEADS:-}
     [ -z "$heads" ] && [ -f "$STASH/heads/heads.safetensors" ] && heads="$STASH/heads"
+    # shellcheck disable=SC2206  # E2E_DRAFTERS is a word list
     one+=(--drafter ${E2E_DRAFTERS:-ngram bpd+ngram})
     [ -n "$heads" ] && one+=(--heads "$heads") && echo "e2e: heads from $heads"
-    # shellcheck disable=SC2206
     $PY benchmarks/e2e.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" --no-progress \
       --no-plot --out "$OUT/e2e.json" --out-dir "$OUT" >"$OUT/e2e.log" 2>&1
     echo "e2e batch 1: rc=$? in $(( $(date +%s) - start )) s"
