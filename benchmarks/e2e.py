@@ -242,6 +242,11 @@ def _number(text):
     return int(value) if value.is_integer() and "." not in text else value
 
 
+# categories whose answers end in a number (Spec-Bench's MT-Bench math and GSM8K questions): the quality cost of a
+# lossy rule includes whether that number (the last one in the output) is the greedy output's
+ANSWER_CATEGORIES = ("math", "math_reasoning")
+
+
 def final_number(text):
     """The last number in a text (a math answer's result), or None."""
     import re
@@ -269,7 +274,7 @@ def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_M
                 tokens, seconds, forwards, stats = run_method(model, m, ids, max_new_tokens, counter, ngram, bpd,
                                                               slots)
                 r = {"tokens": tokens, "new_tokens": len(tokens), "seconds": seconds, "forwards": forwards}
-                if q["category"] == "math":
+                if q["category"] in ANSWER_CATEGORIES:
                     r["answer"] = final_number(tokenizer.decode(tokens))
                 if stats is not None:
                     s = stats.summary()
@@ -681,8 +686,8 @@ def main(argv=None):
                          f"{o['identical']}/{summary['overall']['questions']}; mean common prefix with greedy "
                          f"{o['mean_common_prefix']:.1f} tokens (greedy's mean length "
                          f"{summary['overall']['generate']['new_tokens'] / summary['overall']['questions']:.1f})"
-                         + (f"; math answers kept {summary['math'][m]['answer_kept']}/{summary['math']['questions']}"
-                            if "math" in summary and "answer_kept" in summary["math"][m] else ""))
+                         + "".join(f"; {c} answers kept {summary[c][m]['answer_kept']}/{summary[c]['questions']}"
+                                   for c in ANSWER_CATEGORIES if c in summary and "answer_kept" in summary[c][m]))
     if "fastverify" in summary["overall"] and "loop_tokens_per_step" in summary["overall"]["fastverify"]:
         notes.append(f"fastverify loop: {summary['overall']['fastverify']['loop_tokens_per_step']:.2f} tokens "
                      "per decoding step (prefill excluded)")

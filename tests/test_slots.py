@@ -9,6 +9,7 @@ import torch
 from fastverify.hf import patch, stats, unpatch
 from fastverify.hf.attention import cache_kwargs, prefill_inputs, step_inputs
 from fastverify.hf.linear import skinny_linears
+from fastverify.hf.drafters import empty_tree
 from fastverify.hf.slots import BlockSlotDrafter, first_path
 from fastverify.lora import GatedLoRALinear, add_gated_lora, gated_lora_layers, remove_gated_lora, slot_gate
 from fastverify.tree import Tree
@@ -268,6 +269,71 @@ def test_greedy_exact_with_a_slot_drafter_and_ngram(method, B):
     st = stats(model)
     unpatch(model)
     assert torch.equal(out, ref) and st.drafted_tokens > 0
+
+
+def test_confident_prefix_is_the_blocks_confident_chain():
+    """LUD's lookahead span: the leading first-path nodes that are the block's chain with slot probability >= beta,
+    stopping before a repeated token (the first compared with the last committed one)."""
+    d = BlockSlotDrafter(8, num_slots=3, method="lud")
+    d.reset(3)
+    block = torch.full((3, 10), -30.0)
+    block[0, 4] = block[1, 6] = 0.0    # slots 1, 2: tokens 4, 6 at probability ~1
+    block[2, 2] = block[2, 7] = 0.0    # slot 3: 2 or 7 at ~1/2
+    repeat = block.clone()
+    repeat[1, 6], repeat[1, 4] = -30.0, 0.0  # slot 2 repeats slot 1's token
+    d.observe_slots([block, repeat, block])
+    trees = d.propose([[1], [1], [4]], [6, 6, 6])
+    assert d.confident_prefix(trees, 0.9) == [2, 1, 0]
+    assert d.confident_prefix(trees, 0.4) == [3, 1, 0]
+    assert d.confident_prefix([empty_tree()] * 3, 0.9) == [0, 0, 0]
+
+
+class _Asserting:
+    """Drafts one fixed tree at the first step and asserts its first two first-path nodes at any beta."""
+
+    def __init__(self, tokens, parents):
+        self.tree = Tree(torch.tensor(tokens), torch.tensor(parents))
+
+    def reset(self, batch_size):
+        self.steps = 0
+
+    def propose(self, contexts, budget):
+        self.steps += 1
+        return [self.tree if self.steps == 1 else empty_tree() for _ in contexts]
+
+    def update(self, accepted):
+        pass
+
+    def confident_prefix(self, trees, beta):
+        return [2 if len(t) else 0 for t in trees]
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_confidence_rule_accepts_the_asserted_prefix_and_argmax_below_it(B):
+    """LUD under rule "confidence": the loop accepts the drafter's asserted nodes unchecked (lossy), drops their
+    siblings, and below them accepts the target's argmax only (LUD's normal-position token); under greedy it
+    asserts nothing (exact)."""
+    model = _tiny("llama", attn="sdpa")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(20, V, (1, 9), generator=g).repeat(B, 1)
+    a, c = 11, 12
+    y = model.generate(torch.cat([ids[:1], torch.tensor([[a, a]])], 1), max_new_tokens=2, do_sample=False)[0, -2:]
+    x = int(y[0]) + 1  # not the argmax
+    # nodes: 0 a, 1 c (a sibling of the asserted chain: dropped), 2 a (under 0), 3 x, 4 y0 (under 2), 5 y1 (under 4)
+    tokens, parents = [a, c, a, x, int(y[0]), int(y[1])], [-1, -1, 0, 2, 2, 4]
+    N = 12
+    patch(model, drafter=_Asserting(tokens, parents), rule="confidence", beta=0.9)
+    out = model.generate(ids, max_new_tokens=N, do_sample=False)
+    st = stats(model)
+    unpatch(model)
+    assert st.accepted[0] == [4] * B  # a, a (asserted: the target's argmax would not have been both), y0, y1
+    forced = torch.cat([ids, torch.tensor([[a, a]] * B)], 1)
+    assert torch.equal(out, model.generate(forced, max_new_tokens=N - 2, do_sample=False))
+    patch(model, drafter=_Asserting(tokens, parents))
+    out = model.generate(ids, max_new_tokens=N, do_sample=False)
+    st = stats(model)
+    unpatch(model)
+    assert torch.equal(out, model.generate(ids, max_new_tokens=N, do_sample=False)) and st.accepted[0] != [4] * B
 
 
 # ------------------------------------------------------------------------------------------------ PTP slots

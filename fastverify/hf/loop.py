@@ -184,6 +184,14 @@ class Decoder:
         check_drafts(self.drafter, trees, B, self.vocab_size)
         trees = [_prune(t, r - 1) if r > 0 else empty_tree() for t, r in zip(trees, remaining)]
         trees = [t if len(t) <= bud else _prune_nodes(t, bud) for t, bud in zip(trees, budget)]
+        # Lexical Unit Decoding (rule "confidence" with a drafter that knows its confidence): the lookahead tokens
+        # it is sure of are accepted unchecked, and every other token is the target's argmax, LUD's normal-position
+        # token (fastverify.hf.slots); other drafters get the verify op's confidence rule on the target's p.
+        rule, forced = s.rule, None
+        if s.rule == "confidence" and callable(getattr(self.drafter, "confident_prefix", None)):
+            forced = self.drafter.confident_prefix(trees, s.rule_params.get("beta", 1.0))
+            trees = [_forced_first(t, f) if f else t for t, f in zip(trees, forced)]
+            rule = "greedy"
         t1 = time.perf_counter()
 
         # 2. inputs: 4D mask over [cache | root + drafts], positions = committed length + depth.
@@ -207,20 +215,23 @@ class Decoder:
         t3 = time.perf_counter()
 
         # 4. verify.
-        kw = dict(s.rule_params)
+        kw = {k: v for k, v in s.rule_params.items() if rule == s.rule or k == "min_accept"}
         if s.rule in SAMPLING_RULES:
             kw.update(s.warp)
             kw["seed"] = s.seed
             # absolute position of the token sampled at the root row: the root's own position + 1
             kw["position"] = torch.tensor([c - p + 1 for c, p in zip(cache_len, self.pad_len)], device=self.device)
-        if s.rule == "confidence":
+        if rule == "confidence":
             kw["root_tokens"] = torch.tensor(self.root, device=self.device)
         deepest = max((t.max_depth for t in trees), default=0)  # known here: verify then reads nothing back
-        res = verify(logits, draft_tokens, cu_nodes, parents, rule=s.rule, backend=s.backend, validate=False,
+        res = verify(logits, draft_tokens, cu_nodes, parents, rule=rule, backend=s.backend, validate=False,
                      max_depth=deepest, **kw)
         accept_len, next_token, accepted = _to_host(res)
         if any(a < 0 and r > 0 for a, r in zip(accept_len, remaining)):  # NaN / inf logits somewhere
-            res = self._verify_around_invalid_rows(res, logits, trees, kw, remaining)
+            res = self._verify_around_invalid_rows(res, logits, trees, rule, kw, remaining)
+            accept_len, next_token, accepted = _to_host(res)
+        if forced is not None and any(0 <= a < f for a, f in zip(accept_len, forced)):
+            res = self._verify_below_forced(res, logits, trees, forced, rule, kw, deepest)
             accept_len, next_token, accepted = _to_host(res)
         t4 = time.perf_counter()
 
@@ -298,7 +309,7 @@ class Decoder:
         with slot_gate(inp.slot_rows):
             return self._forward(inputs_embeds=embeds, attention_mask=inp.mask, position_ids=inp.position_ids)
 
-    def _verify_around_invalid_rows(self, res, logits, trees, kw, remaining):
+    def _verify_around_invalid_rows(self, res, logits, trees, rule, kw, remaining):
         """verify reports accept_len = -1 for a request any of whose rows is invalid (NaN, +inf, all -inf). Plain
         decoding would only have read the rows along the committed path, so an invalid row elsewhere (the row of a
         rejected draft node, which the target never scores when decoding one token at a time) must not stop it.
@@ -320,7 +331,7 @@ class Decoder:
             kw_b = _request_kwargs(kw, b, B)
             # which rows are invalid under this rule and warping: each row verified as a request with no draft
             probe = verify(rows, torch.zeros(0, dtype=torch.int64, device=self.device),
-                           torch.zeros(n + 2, dtype=torch.int32, device=self.device), rule=s.rule, backend=s.backend,
+                           torch.zeros(n + 2, dtype=torch.int32, device=self.device), rule=rule, backend=s.backend,
                            validate=False, **_request_kwargs(kw, b, B, repeat=n + 1))
             bad = [a < 0 for a in probe.accept_len.tolist()]
             if bad[0]:
@@ -337,7 +348,7 @@ class Decoder:
                          torch.tensor([0, len(kept)], dtype=torch.int32, device=self.device),
                          torch.tensor([-1 if par[j] < 0 else new_index[par[j]] for j in kept], dtype=torch.int32,
                                       device=self.device),
-                         rule=s.rule, backend=s.backend, validate=False, **kw_b)
+                         rule=rule, backend=s.backend, validate=False, **kw_b)
             a = int(sub.accept_len[0])
             path = [kept[i] for i in sub.accepted[0, :a].tolist()]
             if a < 0 or (path and bad[path[-1] + 1]):
@@ -345,6 +356,40 @@ class Decoder:
             accept_len[b] = a
             accepted[b] = path + [-1] * (len(accepted[b]) - a)
             next_token[b] = int(sub.next_token[0])
+        dev = res.accept_len.device
+        return type(res)(torch.tensor(accept_len, dtype=torch.int32, device=dev),
+                         torch.tensor(accepted, dtype=torch.int32, device=dev).reshape(res.accepted.shape),
+                         torch.tensor(next_token, dtype=torch.int64, device=dev))
+
+    def _verify_below_forced(self, res, logits, trees, forced, rule, kw, deepest):
+        """Requests whose verify stopped inside their forced prefix (``_forced_first``: nodes 0..f-1, a chain, with
+        every other node below node f-1) accept the whole prefix; ``rule`` then judges the subtree below it, as a
+        request of its own whose root row is node f-1's row (its root token: node f-1's, for the repetition stop).
+        Equal to verifying with the prefix forced (accept(j) = accept(parent) and (cond(j) or forced(j))): every
+        path of such a tree runs through the prefix."""
+        accept_len = res.accept_len.tolist()
+        accepted = res.accepted.tolist()
+        next_token = res.next_token.tolist()
+        row0 = 0
+        for b, (tree, f) in enumerate(zip(trees, forced)):
+            n = len(tree)
+            if 0 <= accept_len[b] < f:
+                par = tree.parents[f:].to(torch.int32) - f
+                kw_b = _request_kwargs(kw, b, self.B)
+                if "root_tokens" in kw_b:
+                    kw_b["root_tokens"] = tree.tokens[f - 1:f].to(self.device)
+                sub = verify(logits[row0 + f:row0 + n + 1], tree.tokens[f:].to(self.device),
+                             torch.tensor([0, n - f], dtype=torch.int32, device=self.device),
+                             par.to(self.device), rule=rule,
+                             backend=self.s.backend, validate=False, max_depth=deepest, **kw_b)
+                a = int(sub.accept_len[0])
+                if a < 0:
+                    self._invalid_logits_error(b, "a row below the drafter's asserted tokens")
+                accept_len[b] = f + a
+                accepted[b] = (list(range(f)) + [f + j for j in sub.accepted[0, :a].tolist()]
+                               + [-1] * len(accepted[b]))[:len(accepted[b])]
+                next_token[b] = int(sub.next_token[0])
+            row0 += n + 1
         dev = res.accept_len.device
         return type(res)(torch.tensor(accept_len, dtype=torch.int32, device=dev),
                          torch.tensor(accepted, dtype=torch.int32, device=dev).reshape(res.accepted.shape),
@@ -448,6 +493,26 @@ class _HiddenCapture:
 
     def close(self):
         self.handle.remove()
+
+
+def _forced_first(tree: Tree, f: int) -> Tree:
+    """The tree's first f first-path nodes as nodes 0..f-1 (a chain), then the descendants of the last of them
+    in their order; every other node (siblings of the chain and their subtrees) is dropped: a drafter that
+    asserts those f tokens does not need alternatives to them."""
+    parents = tree.parents.tolist()
+    chain, p = [], -1
+    for j, q in enumerate(parents):
+        if q == p and len(chain) < f:
+            chain.append(j)
+            p = j
+    below, keep = {chain[-1]}, list(chain)
+    for j, q in enumerate(parents):
+        if q in below:
+            below.add(j)
+            keep.append(j)
+    new_index = {j: i for i, j in enumerate(keep)}
+    par = [-1 if i == 0 else new_index[parents[j]] for i, j in enumerate(keep)]
+    return Tree(tree.tokens[keep], torch.tensor(par, dtype=tree.parents.dtype), validate=False)
 
 
 def _prune_nodes(tree: Tree, n: int) -> Tree:

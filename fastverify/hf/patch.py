@@ -157,7 +157,11 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         "speculative", are exact: greedy output equals ``generate(do_sample=False)`` token for token, sampled
         output follows the model's own (warped) distribution. The lossy rules "topk", "distance", "gad",
         "typical" and "confidence", and ``min_accept`` > 0, accept tokens the model would not have chosen: they
-        CHANGE the output (faster, approximately the model's), as in the papers that define them. A lossy or
+        CHANGE the output (faster, approximately the model's), as in the papers that define them. Under
+        "confidence", a drafter that knows its own confidence (LUD's slot drafter: ``confident_prefix``) also has
+        the leading draft tokens it is sure of (probability >= beta, no repeat) accepted without the target's
+        check, as Lexical Unit Decoding accepts its lookahead span, and every other token is the model's argmax
+        (LUD's own decoding; fastverify.hf.slots). A lossy or
         greedy rule with ``generate(do_sample=True)`` samples with "coupled" instead, with a warning.
     options: the rule's parameters (k, eps, beta, tau, delta, min_accept), ``max_draft`` (most draft nodes per
         request and step, default 32), ``backend`` (verify / compact_cache backend, default "auto"),

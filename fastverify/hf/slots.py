@@ -19,6 +19,15 @@ mechanism serves all three:
   so the block proposes the next step's draft, a chain under the new root;
 - slot rows never enter the committed cache (their cache slots are past every kept one).
 
+Lexical Unit Decoding's acceptance: LUD (Sun et al.) commits the lookahead tokens of its [PAD] positions while
+each one's confidence (the probability the lookahead row gives it) is >= beta and it does not repeat the token
+before it, with no second pass over them. Under rule "confidence" the loop does the same with the chain a block
+drafted (``confident_prefix``): those leading nodes are accepted unchecked (lossy, as the paper), and below them
+only the target's argmax is accepted (LUD's normal-position token: the target verifies the rest greedily), so
+every token of the output is either a confident lookahead token or the target's own choice. Under "greedy"
+nothing is asserted and the output stays exact. (With a drafter that has no confidence of its own, rule
+"confidence" is the verify op's: the target's p(x) >= beta.)
+
 Where blocks attach (``attach``): "path" puts a block after the root and after every node of the draft's first
 path, so the next step has a draft however much of the path is accepted, at the cost of (depth + 1) x block_size
 more rows; "last" puts one block after the deepest node of that path (block_size rows), which drafts again only
@@ -123,7 +132,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         self.bidirectional = method == "gad"
         self.slot_embed = nn.Parameter(torch.zeros(num_slots, hidden_size))
         self.adapters = nn.ModuleDict()  # "model.layers.0.self_attn.q_proj" -> GatedLoRALinear ('.' -> '/')
-        self._pending = []
+        self._pending, self._chain, self._last = [], {}, []
 
     def init_adapters(self, model, rank: int = 16, alpha: float = 32.0, targets=None):
         """Create zero-initialised adapters for ``model``'s projections (fastverify.lora.DEFAULT_TARGETS) and set
@@ -166,8 +175,27 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)
         self._pending = [None] * batch_size
+        self._chain, self._last = {}, [None] * batch_size
         if self.ngram is not None:
             self.ngram.reset(batch_size)
+
+    def confident_prefix(self, trees, beta):
+        """Per request, how many leading nodes of the tree's first path are the block's own chain with each
+        slot's probability of its token >= beta, stopping before a token that repeats the one before it (LUD's
+        repetition stop; the one before the first is the last committed token). Lexical Unit Decoding accepts
+        such a lookahead span on the drafter's confidence alone, without the target's check (lossy, as the
+        paper); the loop does so under rule "confidence" (fastverify.hf.loop)."""
+        out = []
+        for b, tree in enumerate(trees):
+            chain, probs = self._chain.get(b, ((), ()))
+            prev, n = self._last[b] if b < len(self._last) else None, 0
+            toks = tree.tokens.tolist()
+            for j, t, p in zip(first_path(tree), chain, probs):
+                if toks[j] != t or p < beta or t == prev:
+                    break
+                prev, n = t, n + 1
+            out.append(n)
+        return out
 
     def slot_embeddings(self, request, slot, position, seed):
         return self.slot_embed[slot]
@@ -195,6 +223,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         for toks, ps in zip(tokens.tolist(), probs.tolist()):
             nodes.extend((chain + (t,), p_chain * p) for t, p in zip(toks, ps))
             chain, p_chain = chain + (toks[0],), p_chain * ps[0]
+        self._chain[b] = (list(chain), probs[:, 0].tolist())
         return nodes
 
     @torch.no_grad()
@@ -206,6 +235,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         if len(self._pending) != len(contexts):
             self.reset(len(contexts))
         buds = [max(0, int(bud)) for bud in budget]
+        self._chain, self._last = {}, [ctx[-1] if len(ctx) else None for ctx in contexts]
         ngram = self.ngram.scored_nodes(contexts, buds) if self.ngram is not None else None
         drafting = batch_drafting(buds)
         trees, kept = [], []
