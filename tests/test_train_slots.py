@@ -1,7 +1,10 @@
 """The slot-drafter training recipe (fastverify.train.slots) and slot checkpoints (fastverify.hf.slots)."""
 
+import dataclasses
+import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -81,6 +84,8 @@ def test_recipe_end_to_end_checkpoint_and_refusals(tmp_path):
     assert config["eval"]["blocks"] > 0 and len(config["eval"]["top1"]) == 2
     loaded = load_slot_drafter(str(tmp_path / "ckpt"), model)
     assert loaded.method == "lud" and not loaded.bidirectional and loaded.block_size == 2
+    temps = config["slot_temperature"]
+    assert len(temps) == 2 and all(t > 0 for t in temps) and loaded.temperature.tolist() == pytest.approx(temps)
     assert torch.equal(loaded.slot_embed, drafter.slot_embed.detach().half().float())  # stored as float16
     for key, a in drafter.adapters.items():
         assert torch.equal(loaded.adapters[key].lora_B, a.lora_B.detach().half().float())
@@ -92,15 +97,41 @@ def test_recipe_end_to_end_checkpoint_and_refusals(tmp_path):
         assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=PAD), ref)
     finally:
         unpatch(model)
+    # --calibrate alone: refits the temperatures of the checkpoint in --out, on the last eval_prompts prompts
+    cal = recipe.train_slots(model, None, dataclasses.replace(cfg, calibrate=True), prompts=prompts,
+                             log=logs.append)[1]
+    assert cal["calibration"]["sequences"] > 0 and len(cal["slot_temperature"]) == 2
+    assert load_slot_drafter(str(tmp_path / "ckpt"), model).temperature.tolist() == pytest.approx(
+        cal["slot_temperature"])
     # another base model is refused; missing and corrupt files get clear errors
     with pytest.raises(BaseModelMismatch):
         load_slot_drafter(str(tmp_path / "ckpt"), _tiny(seed=1))
+    with open(tmp_path / "ckpt" / "config.json") as f:
+        bad = json.load(f)
+    os.makedirs(tmp_path / "bad")
+    shutil.copy(tmp_path / "ckpt" / "slots.safetensors", tmp_path / "bad")
+    with open(tmp_path / "bad" / "config.json", "w") as f:
+        json.dump({**bad, "slot_temperature": [1.0, -2.0]}, f)
+    with pytest.raises(CheckpointError, match="slot_temperature"):
+        load_slot_drafter(str(tmp_path / "bad"), model)
     with pytest.raises(FileNotFoundError, match="missing config.json"):
         load_slot_drafter(str(tmp_path / "data"), model)
     with open(tmp_path / "ckpt" / "slots.safetensors", "r+b") as f:
         f.truncate(100)
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         load_slot_drafter(str(tmp_path / "ckpt"), model)
+
+
+def test_inverse_temperature_minimises_the_held_out_nll():
+    """Labels drawn from softmax(l / 3): the fitted inverse temperature is near 1/3 and no point of a fine grid
+    has a lower NLL; the ranking of every row is unchanged by construction (one positive scalar)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4000, 50, generator=g, dtype=torch.float64) * 4
+    y = torch.multinomial(torch.softmax(logits / 3, -1), 1, generator=g)[:, 0]
+    s = recipe.inverse_temperature(logits, y)
+    assert 0.28 < s < 0.39, s
+    best = min(recipe._nll(logits, y, x / 200) for x in range(10, 400))
+    assert recipe._nll(logits, y, s) <= best + 1e-9
 
 
 def test_shipped_slot_checkpoints_are_found_by_name_and_refuse_another_base():

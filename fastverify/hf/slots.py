@@ -133,6 +133,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         self.slot_embed = nn.Parameter(torch.zeros(num_slots, hidden_size))
         self.adapters = nn.ModuleDict()  # "model.layers.0.self_attn.q_proj" -> GatedLoRALinear ('.' -> '/')
         self._pending, self._chain, self._last = [], {}, []
+        self.temperature = None  # [m] softmax temperature per slot offset (fitted on held-out data) or None
 
     def init_adapters(self, model, rank: int = 16, alpha: float = 32.0, targets=None):
         """Create zero-initialised adapters for ``model``'s projections (fastverify.lora.DEFAULT_TARGETS) and set
@@ -201,6 +202,9 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         return self.slot_embed[slot]
 
     def observe_slots(self, logits) -> None:
+        t = self.temperature
+        if t is not None:  # calibrated probabilities: the ranking (every argmax draft) is unchanged
+            logits = [None if x is None else x.float() / t[:x.shape[0], None].to(x.device) for x in logits]
         self._pending = list(logits)
 
     def _candidates(self, b: int, block: torch.Tensor, k: int):
@@ -436,5 +440,12 @@ def load_slot_drafter(path: str, model, **options) -> BlockSlotDrafter:
     except (KeyError, AttributeError, RuntimeError) as e:
         raise CheckpointError(f"slot checkpoint {path!r}: its tensors do not match its config or this model "
                               f"({type(e).__name__}: {e})") from None
+    temps = cfg.get("slot_temperature")
+    if temps is not None:
+        if not (isinstance(temps, list) and len(temps) == drafter.block_size
+                and all(isinstance(t, (int, float)) and t > 0 for t in temps)):
+            raise CheckpointError(f"slot checkpoint {path!r}: slot_temperature: expected {drafter.block_size} "
+                                  f"positive numbers, got {temps!r}")
+        drafter.temperature = torch.tensor(temps, dtype=torch.float32)
     drafter.config = cfg
     return drafter.to(device).requires_grad_(False)

@@ -24,8 +24,14 @@ cfg)`` is the Python API for any Hugging Face causal LM. One file, five stages, 
   4. eval    on the held-out shards: per-slot top-1 / top-5 agreement with the target's greedy tokens, and the
              mean accepted prefix of a block's argmax chain (the draft tokens a block would get accepted
              under greedy verification, per block)
-  5. output  DIR/slots.safetensors + DIR/config.json (fastverify.hf.slots.save_slot_drafter: method, sizes,
-             base model, fingerprint of its output projection, training options and evaluation)
+  5. calibrate  one softmax temperature per slot (temperature scaling, Guo et al. 2017), fitted on the held-out
+             sequences to the target's greedy token at every block position (the loss of stage 3 masks LUD's
+             non-unit positions, but the loop reads a block wherever it attaches): the slots' probabilities then
+             mean what they say, which LUD's confidence acceptance and the n-gram merge's estimates rely on.
+             ``--calibrate`` does this stage alone for the checkpoint in --out, on held-out prompts taken from
+             the end of the prompt set (see ``calibration_prompts``)
+  6. output  DIR/slots.safetensors + DIR/config.json (fastverify.hf.slots.save_slot_drafter: method, sizes,
+             base model, fingerprint of its output projection, training options, evaluation and temperatures)
 """
 
 import dataclasses
@@ -84,6 +90,7 @@ class SlotsConfig:
     curve_every: int = 0                       # > 0: held-out mean accepted every this many steps (a curve)
     curve_sequences: int = 12                  # held-out sequences per curve point
     progress: bool = True
+    calibrate: bool = False                    # only fit the slot temperatures of the checkpoint in --out
 
 
 # ----------------------------------------------------------------------------------------------- 3. train
@@ -234,6 +241,117 @@ def _evaluate(model, drafter, seqs, cfg, log, loss_fn=None):
     return ev
 
 
+def _nll(logits, y, s):
+    return float((torch.logsumexp(s * logits, -1) - s * logits.gather(1, y[:, None])[:, 0]).mean())
+
+
+def inverse_temperature(logits: torch.Tensor, y: torch.Tensor, iters: int = 12) -> float:
+    """The s in [0.05, 20] minimising the mean NLL of labels y [N] under softmax(s * logits) ([N, V] float64):
+    Newton's method from s = 1 (the NLL is convex in s: NLL'(s) = mean(E_p[l] - l_y), NLL''(s) = mean(Var_p[l]))."""
+    ly = logits.gather(1, y[:, None])[:, 0]
+    s = 1.0
+    for _ in range(iters):
+        p = torch.softmax(s * logits, -1)
+        mean = (p * logits).sum(-1)
+        var = (p * logits * logits).sum(-1) - mean * mean
+        grad, hess = float((mean - ly).sum()), float(var.sum())
+        if hess <= 0:
+            break
+        s = min(max(s - grad / hess, 0.05), 20.0)
+    return s
+
+
+@torch.no_grad()
+def fit_temperature(model, drafter, seqs, cfg, log=print, iters: int = 12):
+    """Per-slot softmax temperatures minimising the held-out negative log-likelihood of the target's greedy
+    token at every slot of blocks attached every ``cfg.attach_every`` positions of each continuation
+    (temperature scaling, Guo et al. 2017: one scalar per slot; the ranking, so every argmax draft, is
+    unchanged; ``inverse_temperature``). Returns (temperatures [m] list, stats dict: rows counted, NLL and the mean
+    top-1 probability against top-1 accuracy, before and after)."""
+    m = drafter.block_size
+    rows = [[] for _ in range(m)]
+    dev = next(model.parameters()).device
+    for _, _, prompt, cont in seqs[:cfg.eval_sequences]:
+        ids = torch.tensor(prompt + cont, device=dev)
+        T, n = ids.shape[0], len(prompt)
+        cache, argmax, _ = _prefix(model, ids)
+        if (argmax[n - 1:T - 1] == ids[n:]).float().mean().item() < 0.95:
+            continue
+        attach = list(range(n - 1, T - 2, cfg.attach_every))
+        if not attach:
+            continue
+        pos, mask, offset, p = slot_batch(T, n, attach, m, drafter.bidirectional, model.dtype, dev)
+        embeds = drafter.slot_embed[offset].to(model.dtype)[None]
+        with slot_gate(torch.ones(1, embeds.shape[1], dtype=torch.bool, device=dev)):
+            logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True,
+                           **cache_kwargs(model, cache)).logits[0].float()
+        target_pos = p + 2 + offset
+        for i in range(m):
+            keep = (offset == i) & (target_pos < T)
+            if bool(keep.any()):
+                rows[i].append((logits[keep].cpu(), ids[target_pos[keep]].cpu()))
+    temps, stats = [], {"rows": [], "nll": [], "top1_prob": [], "top1_acc": []}
+    for i in range(m):
+        if not rows[i]:
+            temps.append(1.0)
+            continue
+        logits = torch.cat([r[0] for r in rows[i]]).double()
+        y = torch.cat([r[1] for r in rows[i]])
+        s = inverse_temperature(logits, y, iters)
+        acc = float((logits.argmax(-1) == y).double().mean())
+        stats["rows"].append(len(y))
+        stats["nll"].append([round(_nll(logits, y, 1.0), 4), round(_nll(logits, y, s), 4)])
+        stats["top1_prob"].append([round(float(torch.softmax(x * logits, -1).max(-1).values.mean()), 4)
+                                   for x in (1.0, s)])
+        stats["top1_acc"].append(round(acc, 4))
+        temps.append(round(1.0 / s, 4))
+    log("slot temperatures " + " ".join(f"{t:.3f}" for t in temps) + " | mean top-1 probability before / after "
+        + " ".join(f"{a:.3f}/{b:.3f}" for a, b in stats["top1_prob"]) + " against top-1 accuracy "
+        + " ".join(f"{a:.3f}" for a in stats["top1_acc"]))
+    return temps, stats
+
+
+def calibration_prompts(cfg, prompts=None, log=print):
+    """Held-out prompts for ``--calibrate``: the last ``eval_prompts`` of the whole prompt set after duplicates
+    and the 8-gram filter. A training run reads at most max(4 x (num_prompts + eval_prompts), 4000) prompts from
+    the start of the set, so for checkpoints trained on fewer than ~4000 prompts of the default set (17k) these
+    are prompts they never saw, whichever selection they were trained with."""
+    from fastverify.train.heads import load_prompts, ngram_filter
+    if prompts is None:
+        prompts = load_prompts(cfg.prompts, limit=10 ** 9)
+    dropped = 0
+    if all(isinstance(p, str) for p in prompts):
+        prompts = list(dict.fromkeys(prompts))
+        prompts, dropped = ngram_filter(prompts, cfg.exclude)
+    log(f"calibration prompts: the last {cfg.eval_prompts} of {len(prompts)} ({dropped} dropped for sharing a word "
+        f"8-gram with {cfg.exclude or '(nothing)'})")
+    return prompts[-cfg.eval_prompts:]
+
+
+def calibrate_checkpoint(model, tokenizer, cfg, prompts=None, log=print):
+    """``--calibrate``: fit the slot temperatures of the checkpoint in cfg.out (``fit_temperature``) on the target's
+    greedy continuations of ``calibration_prompts`` and write them, with their statistics, into its config.json.
+    Returns the updated config."""
+    import json
+    from fastverify.hf.slots import load_slot_drafter
+    drafter = load_slot_drafter(cfg.out, model)
+    prompts = calibration_prompts(cfg, prompts, log)
+    folder = os.path.join(data_folder(cfg), "calibration")
+    paths = generate_data(model, tokenizer, prompts, folder, batch=cfg.gen_batch, max_new_tokens=cfg.max_new_tokens,
+                          max_prompt_tokens=cfg.max_prompt_tokens, progress=cfg.progress, desc="data (calibration)")
+    seqs = _sequences(paths, tokenizer, prompts, cfg)
+    with drafter.installed(model):
+        temps, stats = fit_temperature(model, drafter, seqs, cfg, log)
+    config = dict(drafter.config)
+    config["slot_temperature"] = temps
+    config["calibration"] = {"prompts": "last %d of the prompt set" % cfg.eval_prompts, "sequences": len(seqs),
+                             "attach_every": cfg.attach_every, **stats}
+    drafter.temperature = torch.tensor(temps)
+    save_slot_drafter(drafter, cfg.out, config)
+    log(f"wrote the slot temperatures into {cfg.out}/config.json")
+    return config
+
+
 def curve_evaluator(model, drafter, eval_seqs, cfg, loss_fn=None):
     """``evaluate(n)`` for ``fit``'s curve points: the mean accepted per block on the first n held-out sequences."""
     return lambda n: _evaluate(model, drafter, eval_seqs[:n], cfg, lambda *a: None, loss_fn=loss_fn)["mean_accepted"]
@@ -355,6 +473,8 @@ def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, promp
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model.requires_grad_(False).eval()
+    if cfg.calibrate:
+        return None, calibrate_checkpoint(model, tokenizer, cfg, prompts, log=log)
     base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
     os.makedirs(cfg.out, exist_ok=True)
     drafter = BlockSlotDrafter(model.config.hidden_size, cfg.num_slots, cfg.method).init_adapters(
@@ -369,13 +489,17 @@ def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, promp
         model, drafter, ids, n, cfg, rng), cfg, desc=f"train {cfg.method}", log=log,
         evaluate=curve_evaluator(model, drafter, eval_seqs, cfg))
 
-    # 4. eval
+    # 4. eval, 5. calibrate
     with drafter.installed(model):
         ev = _evaluate(model, drafter, eval_seqs, cfg, log)
+        temps, cal = fit_temperature(model, drafter, eval_seqs, cfg, log)
+    drafter.temperature = torch.tensor(temps)
 
-    # 5. output
-    config = write_checkpoint(drafter, model, cfg, base_name, history, ev, t_start, log, prompts_dropped_8gram=dropped,
-                              train_sequences=len(train_seqs), sequences_seen=step, train_seconds=round(t_train, 1))
+    # 6. output
+    config = write_checkpoint(drafter, model, cfg, base_name, history, ev, t_start, log,
+                              top={"slot_temperature": temps, "calibration": {"sequences": "held-out", **cal}},
+                              prompts_dropped_8gram=dropped, train_sequences=len(train_seqs), sequences_seen=step,
+                              train_seconds=round(t_train, 1))
     return drafter, config
 
 
