@@ -288,6 +288,7 @@ def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_M
                     d = first_difference(r["tokens"], ref)
                     r["first_difference"] = d
                     r["text"] = tokenizer.decode(r["tokens"])
+                    r["off_argmax"] = off_argmax(model, ids, r["tokens"])
                     rec.setdefault("reference_text", tokenizer.decode(ref))
                     log(f"\n  MISMATCH q{q['question_id']} ({q['category']}) {m}: first differs at new token {d}")
             records.append(rec)
@@ -295,6 +296,17 @@ def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_M
     finally:
         counter.close()
     return records
+
+
+@torch.no_grad()
+def off_argmax(model, input_ids, tokens):
+    """How many emitted tokens are not the model's own argmax given the prompt and the emitted tokens before them
+    (one plain forward over the whole sequence): the tokens a lossy rule chose against the model."""
+    if not tokens:
+        return 0
+    seq = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype)], 1).to(model.device)
+    logits = model(seq).logits[0, input_ids.shape[1] - 1:-1]
+    return int((logits.argmax(-1).cpu() != torch.tensor(tokens)).sum())
 
 
 class _Counter:
@@ -355,6 +367,7 @@ def summarise(records, methods=DEFAULT_METHODS):
             if m != "generate":  # the quality cost of a lossy rule: how much of the greedy output survives
                 prefix = [r.get("first_difference", r["new_tokens"]) for r in rs]
                 row[m]["mean_common_prefix"] = sum(prefix) / max(1, len(prefix))
+                row[m]["off_argmax_rate"] = sum(r.get("off_argmax", 0) for r in rs) / max(1, tokens)
                 if all("answer" in r for r in rs):  # math questions: the final number of the answer
                     row[m]["answer_kept"] = sum(r["answer"] == rec["methods"]["generate"]["answer"]
                                                 for r, rec in zip(rs, recs))
@@ -685,7 +698,8 @@ def main(argv=None):
                          f"{o.get('loop_tokens_per_step', float('nan')):.2f} tokens per step; identical to greedy "
                          f"{o['identical']}/{summary['overall']['questions']}; mean common prefix with greedy "
                          f"{o['mean_common_prefix']:.1f} tokens (greedy's mean length "
-                         f"{summary['overall']['generate']['new_tokens'] / summary['overall']['questions']:.1f})"
+                         f"{summary['overall']['generate']['new_tokens'] / summary['overall']['questions']:.1f}); "
+                         f"tokens not the model's argmax given the output before them {100 * o['off_argmax_rate']:.1f}%"
                          + "".join(f"; {c} answers kept {summary[c][m]['answer_kept']}/{summary[c]['questions']}"
                                    for c in ANSWER_CATEGORIES if c in summary and "answer_kept" in summary[c][m]))
     if "fastverify" in summary["overall"] and "loop_tokens_per_step" in summary["overall"]["fastverify"]:

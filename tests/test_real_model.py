@@ -158,6 +158,17 @@ def test_e2e_summary_arithmetic():
     assert any("0.5" in line or "0.50x" in line for line in e2e.verdict(s))
 
 
+def test_e2e_off_argmax_counts_the_tokens_a_rule_chose_against_the_model():
+    from conftest import tiny_llama
+    e2e = _e2e()
+    model = tiny_llama(64, 64, seed=0, init=0.08)
+    ids = torch.tensor([[5, 9, 14, 3, 7]])
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    assert e2e.off_argmax(model, ids, out) == 0 and e2e.off_argmax(model, ids, []) == 0
+    changed = out[:4] + [(out[4] + 1) % 64] + out[5:]
+    assert e2e.off_argmax(model, ids, changed) >= 1
+
+
 def test_e2e_questions(tmp_path):
     e2e = _e2e()
     root = os.path.dirname(e2e.QUICK_PROMPTS)
