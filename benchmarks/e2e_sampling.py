@@ -12,6 +12,7 @@ top-p 0.95: the settings the shipped PTP drafter was trained for):
   ptp          a PTP slot drafter (``--ptp``, default the shipped smollm2-ptp; ``--ptp-option KEY=V`` for its
                options, e.g. tree_topk=2 or attach=last), rule coupled
   ptp+ngram    the PTP block's chain and the n-gram trie merged into one tree
+  ptp+bpd+ngram  the PTP block's chain, the heads' tree and the n-gram trie merged into one tree
   ptp-none     a second slot checkpoint (``--ptp-none``: the same slots trained without auxiliary variables),
                drafting each slot's argmax
 
@@ -34,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import DEFAULT_QUESTIONS, OUT_DIR, ROOT, ForwardCounter, encode, load_questions, machine_info  # noqa: E402
 
-METHODS = ("generate", "ar", "ngram", "bpd", "bpd+ngram", "ptp", "ptp+ngram", "ptp-none")
+METHODS = ("generate", "ar", "ngram", "bpd", "bpd+ngram", "ptp", "ptp+ngram", "ptp+bpd+ngram", "ptp-none")
 
 
 def geomean(xs):
@@ -80,8 +81,9 @@ def main(argv=None):
             drafters[m] = fastverify.NGramDrafter()
         elif m in ("bpd", "bpd+ngram"):
             drafters[m] = fastverify.load_drafter("smollm2-bpd", model, ngram=m.endswith("+ngram"))
-        elif m in ("ptp", "ptp+ngram"):
-            drafters[m] = fastverify.load_drafter(args.ptp, model, ngram=m.endswith("+ngram"), **ptp_options)
+        elif m in ("ptp", "ptp+ngram", "ptp+bpd+ngram"):
+            drafters[m] = fastverify.load_drafter(args.ptp, model, ngram=m.endswith("+ngram"),
+                                                  heads="smollm2-bpd" if "+bpd" in m else None, **ptp_options)
         elif m == "ptp-none":
             if not args.ptp_none:
                 p.error("--methods ptp-none needs --ptp-none CHECKPOINT")

@@ -252,6 +252,33 @@ def test_slot_drafter_merges_ngram_nodes_into_one_trie():
         BlockSlotDrafter(8, ngram=object())
 
 
+class _HeadsNodes(_Nodes):
+    """A heads stand-in: fixed scored nodes, a cost model, and the hidden states it was handed."""
+    wants_hidden = True
+    fixed_cost = node_cost = 0.0
+    min_gain = 1.0
+
+    def observe_hidden(self, hidden, active=None):
+        self.hidden = hidden
+
+
+def test_slot_drafter_merges_heads_nodes_and_hands_them_the_hidden_state():
+    heads = _HeadsNodes([((4,), 0.9), ((5,), 0.6), ((5, 8), 0.5)])
+    d = BlockSlotDrafter(8, num_slots=2, method="lud", heads=heads)
+    assert d.wants_hidden and not BlockSlotDrafter(8).wants_hidden
+    d.reset(1)
+    d.observe_hidden(torch.ones(1, 8), [True])
+    assert torch.equal(heads.hidden, torch.ones(1, 8))
+    block = torch.full((2, 10), -30.0)
+    block[0, 4] = block[1, 6] = 0.0
+    d.observe_slots([block])
+    tree = d.propose([[1]], [6])[0]
+    # nodes best first: (4,) 1.0, (4, 6) 1.0, (5,) 0.6, (5, 8) 0.5
+    assert tree.tokens.tolist() == [4, 6, 5, 8] and tree.parents.tolist() == [-1, 0, -1, 2]
+    with pytest.raises(TypeError, match="heads"):
+        BlockSlotDrafter(8, heads=_Nodes([]))
+
+
 @pytest.mark.parametrize("method", ["gad", "lud"])
 @pytest.mark.parametrize("B", [1, 3])
 def test_greedy_exact_with_a_slot_drafter_and_ngram(method, B):
@@ -344,22 +371,39 @@ def test_confidence_rule_accepts_the_asserted_prefix_and_argmax_below_it(B):
 
 # ------------------------------------------------------------------------------------------------ PTP slots
 
-def _ptp(model, slots=3, seed=2, aux_mode="interp", ngram=False, **options):
-    """A PTP slot drafter with random active adapters (no slot-0 gate: an untrained drafter drafts anyway)."""
+def _heads(model, seed=3):
+    """A HeadsDrafter with random sequential heads that propose every candidate (no cost cut)."""
+    from fastverify.heads import ProposalHeads
+    from fastverify.hf.bpd import HeadsDrafter
+    D = model.config.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    h = ProposalHeads(D, 3, sequential=True)
+    with torch.no_grad():
+        for t in (h.weight, h.token_weight):
+            t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+    return HeadsDrafter(model, h.eval(), width=2, fixed_cost=0.0, node_cost=0.0)
+
+
+def _ptp(model, slots=3, seed=2, aux_mode="interp", ngram=False, heads=False, **options):
+    """A PTP slot drafter with random active adapters (no slot-0 gate: an untrained drafter drafts anyway);
+    ngram / heads: merge an n-gram drafter's / random heads' proposals into its trie."""
     from fastverify.hf import NGramDrafter
     from fastverify.hf.slots import PTPSlotDrafter
     d = PTPSlotDrafter(model.config.hidden_size, num_slots=slots, aux_mode=aux_mode,
-                       ngram=NGramDrafter(fixed_cost=0.0, node_cost=0.0) if ngram else None, **options)
+                       ngram=NGramDrafter(fixed_cost=0.0, node_cost=0.0) if ngram else None,
+                       heads=_heads(model) if heads else None, **options)
     return _randomise(d.init_adapters(model, rank=4), seed)
 
 
 @pytest.mark.parametrize("aux_mode, options", [("interp", {}), ("bits", {}), ("interp", {"ngram": True}),
-                                               ("none", {"ngram": True, "tree_topk": 2})])
+                                               ("none", {"ngram": True, "tree_topk": 2}),
+                                               ("interp", {"heads": True}), ("interp", {"ngram": True, "heads": True})])
 @pytest.mark.parametrize("B", [1, 3])
 def test_ptp_slots_keep_seeded_sampling_and_greedy_exact(aux_mode, options, B):
     """With the coupled rule, PTP slot drafts never change the sampled tokens: the output equals the loop's own
     autoregressive sampling with the same seed; greedy output equals generate (also merged with the n-gram
-    drafter, and with inverse-CDF drafts and sibling leaves)."""
+    drafter and / or proposal heads on the verify forward's hidden state, and with inverse-CDF drafts and sibling
+    leaves)."""
     from fastverify.hf import Drafter
     model = _tiny("llama", attn="sdpa")
     ids = torch.tensor([[11, 12, 13, 14] * 4] * B)

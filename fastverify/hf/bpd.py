@@ -272,6 +272,20 @@ class HeadsDrafter(Drafter):
             out[b] = sorted(out[b], key=lambda item: (-item[1], len(item[0])))[:min(buds[b], self.max_nodes)]
         return out
 
+    def scored_nodes(self, contexts, budget):
+        """Per request, the heads' candidate nodes [(path tuple, estimated probability that the path is accepted)],
+        best first, a parent before its children, at most min(budget, max_nodes); each request's hidden state is
+        used once (the next step's comes from the next verify). What ``propose`` cuts, and what other drafters
+        merge into their trie (fastverify.hf.slots)."""
+        B = len(contexts)
+        if len(self.candidates) != B:
+            self.reset(B)
+        buds = [min(int(bud), self.max_nodes) for bud in budget]
+        seq = self._sequential_nodes(contexts, buds, batch_drafting(buds)) if self.heads.sequential else None
+        out = [seq[b] if seq is not None else self._heads_nodes(b, buds[b]) for b in range(B)]
+        self.candidates = [None] * B
+        return out
+
     def propose(self, contexts, budget):
         B = len(contexts)
         if len(self.candidates) != B:
@@ -279,11 +293,10 @@ class HeadsDrafter(Drafter):
         buds = [min(int(bud), self.max_nodes) for bud in budget]
         drafting = batch_drafting(buds)
         ngram = self.ngram.scored_nodes(contexts, buds) if self.ngram is not None else [[]] * B
-        seq = self._sequential_nodes(contexts, buds, drafting) if self.heads.sequential else None
+        heads = self.scored_nodes(contexts, buds)
         trees, kept = [], []
         for b in range(B):
-            nodes = seq[b] if seq is not None else self._heads_nodes(b, buds[b])
-            self.candidates[b] = None  # used once: the next step's come from the next verify
+            nodes = heads[b]
             if ngram[b]:  # one trie of both proposals, cut by one cost model
                 nodes = merge_scored(nodes, ngram[b], buds[b])
             tree, paths = (cut_scored(nodes, self.fixed_cost, self.node_cost, self.min_gain, drafting) if buds[b] > 0
@@ -299,14 +312,15 @@ class HeadsDrafter(Drafter):
             self.ngram.update(accepted)
 
 
-def load_drafter(name_or_path: str, model, *, ngram=False, **options) -> HeadsDrafter:
+def load_drafter(name_or_path: str, model, *, ngram=False, heads=None, **options) -> HeadsDrafter:
     """A HeadsDrafter from a shipped checkpoint (``"smollm2-bpd"``) or a checkpoint folder, checked against
     ``model`` (fastverify.heads.BaseModelMismatch when it was trained on another base). ngram: True (a default
     NGramDrafter) or an NGramDrafter instance to merge with ("bpd+ngram"). options: HeadsDrafter's.
 
     A checkpoint of a slot drafter (config "method" "gad" / "lud" / "ptp": ``"smollm2-gad"``, ``"smollm2-lud"``,
     or a folder written by ``python -m fastverify.train slots``) gives a fastverify.hf.slots.BlockSlotDrafter
-    instead (a PTPSlotDrafter for ptp; options: attach / tree_topk; ngram as for heads)."""
+    instead (a PTPSlotDrafter for ptp; options: attach / tree_topk; ngram as for heads; ``heads``: a heads
+    checkpoint name or folder, or a HeadsDrafter, whose proposals join the slot drafter's trie: "ptp+bpd+ngram")."""
     import json
     import os
     from fastverify.heads import resolve_checkpoint
@@ -321,7 +335,11 @@ def load_drafter(name_or_path: str, model, *, ngram=False, **options) -> HeadsDr
         ngram = NGramDrafter()
     if method in ("gad", "lud", "ptp"):
         from fastverify.hf.slots import load_slot_drafter
-        return load_slot_drafter(path, model, ngram=ngram or None, **options)
+        if isinstance(heads, str):
+            heads = load_drafter(heads, model)
+        return load_slot_drafter(path, model, ngram=ngram or None, heads=heads, **options)
+    if heads is not None:
+        raise ValueError(f"heads: only slot drafters merge a heads drafter's proposals; {name_or_path!r} is not one")
     heads, cfg = load_heads(name_or_path, model)
     options.setdefault("head_acceptance", cfg.get("head_acceptance"))
     options.setdefault("calibration", cfg.get("calibration"))

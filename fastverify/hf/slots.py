@@ -113,7 +113,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_slots: int = 4, method: str = "gad", attach: str = "path",
-                 tree_topk: int = 1, ngram: Drafter = None):
+                 tree_topk: int = 1, ngram: Drafter = None, heads: Drafter = None):
         nn.Module.__init__(self)
         if method not in ("gad", "lud"):
             raise ValueError(f"method: expected 'gad' or 'lud', got {method!r}")
@@ -126,8 +126,11 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         if ngram is not None and not all(callable(getattr(ngram, f, None))
                                          for f in ("scored_nodes", "step_fixed_cost")):
             raise TypeError(f"ngram: expected an NGramDrafter, got {type(ngram).__name__}")
+        if heads is not None and not (callable(getattr(heads, "scored_nodes", None))
+                                      and getattr(heads, "wants_hidden", False)):
+            raise TypeError(f"heads: expected a HeadsDrafter, got {type(heads).__name__}")
         self.method, self.attach, self.tree_topk = method, attach, tree_topk
-        self.ngram = ngram
+        self.ngram, self.heads = ngram, heads
         self.block_size = num_slots
         self.bidirectional = method == "gad"
         self.slot_embed = nn.Parameter(torch.zeros(num_slots, hidden_size))
@@ -173,12 +176,21 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
             for parent, attr, base in swapped:
                 setattr(parent, attr, base)
 
+    @property
+    def wants_hidden(self) -> bool:
+        return self.heads is not None
+
+    def observe_hidden(self, hidden, active=None) -> None:
+        if self.heads is not None:
+            self.heads.observe_hidden(hidden, active)
+
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)
         self._pending = [None] * batch_size
         self._chain, self._last = {}, [None] * batch_size
-        if self.ngram is not None:
-            self.ngram.reset(batch_size)
+        for d in (self.ngram, self.heads):
+            if d is not None:
+                d.reset(batch_size)
 
     def confident_prefix(self, trees, beta):
         """Per request, how many leading nodes of the tree's first path are the block's own chain with each
@@ -241,16 +253,23 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         buds = [max(0, int(bud)) for bud in budget]
         self._chain, self._last = {}, [ctx[-1] if len(ctx) else None for ctx in contexts]
         ngram = self.ngram.scored_nodes(contexts, buds) if self.ngram is not None else None
+        heads = self.heads.scored_nodes(contexts, buds) if self.heads is not None else None
         drafting = batch_drafting(buds)
         trees, kept = [], []
         for b, bud in enumerate(buds):
             nodes = self._block_nodes(b, bud)
-            if ngram is None:
+            if ngram is None and heads is None:
                 trees.append(tree_of_paths([path for path, _ in nodes]))
                 continue
-            nodes = merge_scored(nodes, ngram[b], bud)
-            ng = self.ngram
-            tree, paths = cut_scored(nodes, ng.step_fixed_cost(), ng.node_cost, ng.min_gain, drafting)
+            for other in (heads, ngram):
+                if other is not None:
+                    nodes = merge_scored(nodes, other[b], bud)
+            if ngram is not None:
+                ng = self.ngram
+                tree, paths = cut_scored(nodes, ng.step_fixed_cost(), ng.node_cost, ng.min_gain, drafting)
+            else:
+                hd = self.heads
+                tree, paths = cut_scored(nodes, hd.fixed_cost, hd.node_cost, hd.min_gain, drafting)
             trees.append(tree)
             kept.append(paths)
         if ngram is not None and callable(getattr(self.ngram, "kept_nodes", None)):
@@ -294,9 +313,9 @@ class PTPSlotDrafter(BlockSlotDrafter):
 
     def __init__(self, hidden_size: int, num_slots: int = 4, attach: str = "path", aux_mode: str = "interp",
                  tree_topk: int = 1, variant: str = "o", draft: str = "auto", first_gate: bool = False,
-                 ngram: Drafter = None):
+                 ngram: Drafter = None, heads: Drafter = None):
         from fastverify.ptp import AuxiliaryEmbedding
-        super().__init__(hidden_size, num_slots + 1, "lud", attach, tree_topk, ngram)  # "lud": causal blocks
+        super().__init__(hidden_size, num_slots + 1, "lud", attach, tree_topk, ngram, heads)  # "lud": causal
         if variant not in self.VARIANTS:
             raise ValueError(f"variant: expected one of {self.VARIANTS}, got {variant!r}")
         if aux_mode != "none" and aux_mode not in AuxiliaryEmbedding.MODES:
