@@ -189,8 +189,10 @@ class Decoder:
         # token (fastverify.hf.slots); other drafters get the verify op's confidence rule on the target's p.
         rule, forced = s.rule, None
         if s.rule == "confidence" and callable(getattr(self.drafter, "confident_prefix", None)):
-            forced = self.drafter.confident_prefix(trees, s.rule_params.get("beta", 1.0))
-            trees = [_forced_first(t, f) if f else t for t, f in zip(trees, forced)]
+            asserted = self.drafter.confident_prefix(trees, s.rule_params.get("beta", 1.0))
+            if not isinstance(asserted, (list, tuple)) or len(asserted) != B:
+                raise ValueError(f"drafter {type(self.drafter).__name__}: confident_prefix() must return {B} ints")
+            trees, forced = map(list, zip(*[_forced_first(t, int(f)) for t, f in zip(trees, asserted)]))
             rule = "greedy"
         t1 = time.perf_counter()
 
@@ -495,16 +497,19 @@ class _HiddenCapture:
         self.handle.remove()
 
 
-def _forced_first(tree: Tree, f: int) -> Tree:
-    """The tree's first f first-path nodes as nodes 0..f-1 (a chain), then the descendants of the last of them
-    in their order; every other node (siblings of the chain and their subtrees) is dropped: a drafter that
-    asserts those f tokens does not need alternatives to them."""
+def _forced_first(tree: Tree, f: int):
+    """(tree, f'): the tree's first f' = min(f, first path's length) first-path nodes as nodes 0..f'-1 (a chain),
+    then the descendants of the last of them in their order; every other node (siblings of the chain and their
+    subtrees) is dropped: a drafter that asserts those tokens does not need alternatives to them. f' = 0: the
+    tree unchanged."""
     parents = tree.parents.tolist()
     chain, p = [], -1
     for j, q in enumerate(parents):
         if q == p and len(chain) < f:
             chain.append(j)
             p = j
+    if not chain:
+        return tree, 0
     below, keep = {chain[-1]}, list(chain)
     for j, q in enumerate(parents):
         if q in below:
@@ -512,7 +517,7 @@ def _forced_first(tree: Tree, f: int) -> Tree:
             keep.append(j)
     new_index = {j: i for i, j in enumerate(keep)}
     par = [-1 if i == 0 else new_index[parents[j]] for i, j in enumerate(keep)]
-    return Tree(tree.tokens[keep], torch.tensor(par, dtype=tree.parents.dtype), validate=False)
+    return Tree(tree.tokens[keep], torch.tensor(par, dtype=tree.parents.dtype), validate=False), len(chain)
 
 
 def _prune_nodes(tree: Tree, n: int) -> Tree:
