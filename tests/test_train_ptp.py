@@ -209,10 +209,21 @@ def test_seeded_sampling_with_the_shipped_ptp_drafter_on_the_real_model():
         finally:
             unpatch(model)
     assert drafted[1] > 0 and drafted[2] > 0, drafted
-    with torch.no_grad():
-        ref = model.generate(ids, do_sample=False, **kw)
-    patch(model, drafter=ptp)
+    # merged with the shipped heads and the n-gram trie (ptp+bpd+ngram): still the same samples
+    merged = fastverify.load_drafter("smollm2-ptp", model, ngram=True, heads="smollm2-bpd", tree_topk=2)
+    sampling = dict(do_sample=True, seed=5, temperature=0.7, top_k=50, top_p=0.95, **kw)
+    patch(model, drafter=Drafter())
+    ref = model.generate(ids, **sampling)
+    patch(model, drafter=merged)
     try:
-        assert torch.equal(model.generate(ids, do_sample=False, **kw), ref)
+        assert torch.equal(model.generate(ids, **sampling), ref) and stats(model).drafted_tokens > 0
     finally:
         unpatch(model)
+    with torch.no_grad():
+        ref = model.generate(ids, do_sample=False, **kw)
+    for drafter in (ptp, merged):
+        patch(model, drafter=drafter)
+        try:
+            assert torch.equal(model.generate(ids, do_sample=False, **kw), ref)
+        finally:
+            unpatch(model)
