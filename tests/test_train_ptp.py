@@ -1,5 +1,6 @@
 """The Parallel Token Prediction recipe (fastverify.train.ptp) and PTP slot drafting (fastverify.hf.slots)."""
 
+import dataclasses
 import os
 import random
 
@@ -134,6 +135,8 @@ def test_recipe_end_to_end_checkpoint_resume_and_refusal(tmp_path, variant, aux_
         unpatch(model)
     with pytest.raises(BaseModelMismatch):
         load_slot_drafter(str(tmp_path / "ckpt"), _tiny(seed=1))
+    with pytest.raises(ValueError, match="calibrate"):
+        recipe.train_ptp(model, None, dataclasses.replace(cfg, calibrate=True), prompts=prompts, log=logs.append)
 
 
 def test_sampling_drafters_draft_the_inverse_cdf_of_their_slots_at_the_coupled_rules_uniforms():

@@ -155,6 +155,9 @@ def train_ptp(model, tokenizer, cfg: PTPConfig, base_name: str = None, prompts=N
     t_start = time.perf_counter()
     if cfg.variant not in PTPSlotDrafter.VARIANTS:
         raise ValueError(f"variant: expected one of {PTPSlotDrafter.VARIANTS}, got {cfg.variant!r}")
+    if cfg.calibrate:
+        raise ValueError("calibrate: slot temperatures are for the gad / lud slot drafters; a PTP slot drafts the "
+                         "token its auxiliary variable selects, not by its confidence")
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
