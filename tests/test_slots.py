@@ -310,15 +310,15 @@ def test_confident_prefix_is_the_blocks_confident_chain():
     repeat[1, 6], repeat[1, 4] = -30.0, 0.0  # slot 2 repeats slot 1's token
     d.observe_slots([block, repeat, block])
     trees = d.propose([[1], [1], [4]], [6, 6, 6])
-    assert d.confident_prefix(trees, 0.9) == [2, 1, 0]
-    assert d.confident_prefix(trees, 0.4) == [3, 1, 0]
-    assert d.confident_prefix([empty_tree()] * 3, 0.9) == [0, 0, 0]
+    assert d.confident_prefix(trees, [1, 1, 4], 0.9) == [2, 1, 0]
+    assert d.confident_prefix(trees, [1, 1, 4], 0.4) == [3, 1, 0]
+    assert d.confident_prefix([empty_tree()] * 3, [1, 1, 4], 0.9) == [0, 0, 0]
     # calibrated slots (temperature 4 on slot 2): the same drafts, but slot 2 is no longer sure of its token
     d.temperature = torch.tensor([1.0, 4.0, 1.0])
     block[1, 6], block[1, 3] = 5.0, 0.0  # p(6) = 0.993 raw, 0.78 at temperature 4
     d.observe_slots([block, repeat, block])
     trees = d.propose([[1], [1], [4]], [6, 6, 6])
-    assert trees[0].tokens.tolist()[:3] == [4, 6, 2] and d.confident_prefix(trees, 0.9) == [1, 1, 0]
+    assert trees[0].tokens.tolist()[:3] == [4, 6, 2] and d.confident_prefix(trees, [1, 1, 4], 0.9) == [1, 1, 0]
 
 
 class _Asserting:
@@ -337,7 +337,7 @@ class _Asserting:
     def update(self, accepted):
         pass
 
-    def confident_prefix(self, trees, beta):
+    def confident_prefix(self, trees, roots, beta):
         return [2 if len(t) else 5 for t in trees]  # 5 on an empty tree: more than it has, clamped by the loop
 
 

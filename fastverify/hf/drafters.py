@@ -102,8 +102,9 @@ class Drafter:
     def observe_hidden(self, hidden, active) -> None:
         pass
 
-    # Opt-in: a drafter that knows its own confidence defines ``confident_prefix(trees, beta) -> [int] * B``, the
-    # number of leading nodes of each tree's first path it asserts at threshold beta. Under rule "confidence" the
+    # Opt-in: a drafter that knows its own confidence defines ``confident_prefix(trees, roots, beta) -> [int] * B``
+    # (roots: each request's last committed token), the number of leading nodes of each tree's first path it
+    # asserts at threshold beta. Under rule "confidence" the
     # loop accepts those nodes without the target's check (Lexical Unit Decoding's lookahead acceptance: lossy,
     # as the paper) and the target's argmax below them (fastverify.hf.loop, fastverify.hf.slots).
     confident_prefix = None

@@ -189,7 +189,7 @@ class Decoder:
         # token (fastverify.hf.slots); other drafters get the verify op's confidence rule on the target's p.
         rule, forced = s.rule, None
         if s.rule == "confidence" and callable(getattr(self.drafter, "confident_prefix", None)):
-            asserted = self.drafter.confident_prefix(trees, s.rule_params.get("beta", 1.0))
+            asserted = self.drafter.confident_prefix(trees, self.root, s.rule_params.get("beta", 1.0))
             if not isinstance(asserted, (list, tuple)) or len(asserted) != B:
                 raise ValueError(f"drafter {type(self.drafter).__name__}: confident_prefix() must return {B} ints")
             trees, forced = map(list, zip(*[_forced_first(t, int(f)) for t, f in zip(trees, asserted)]))
@@ -358,10 +358,7 @@ class Decoder:
             accept_len[b] = a
             accepted[b] = path + [-1] * (len(accepted[b]) - a)
             next_token[b] = int(sub.next_token[0])
-        dev = res.accept_len.device
-        return type(res)(torch.tensor(accept_len, dtype=torch.int32, device=dev),
-                         torch.tensor(accepted, dtype=torch.int32, device=dev).reshape(res.accepted.shape),
-                         torch.tensor(next_token, dtype=torch.int64, device=dev))
+        return _replaced(res, accept_len, accepted, next_token)
 
     def _verify_below_forced(self, res, logits, trees, forced, rule, kw, deepest):
         """Requests whose verify stopped inside their forced prefix (``_forced_first``: nodes 0..f-1, a chain, with
@@ -392,10 +389,7 @@ class Decoder:
                                + [-1] * len(accepted[b]))[:len(accepted[b])]
                 next_token[b] = int(sub.next_token[0])
             row0 += n + 1
-        dev = res.accept_len.device
-        return type(res)(torch.tensor(accept_len, dtype=torch.int32, device=dev),
-                         torch.tensor(accepted, dtype=torch.int32, device=dev).reshape(res.accepted.shape),
-                         torch.tensor(next_token, dtype=torch.int64, device=dev))
+        return _replaced(res, accept_len, accepted, next_token)
 
     def _invalid_logits_error(self, b, where):
         raise ValueError(
@@ -495,6 +489,14 @@ class _HiddenCapture:
 
     def close(self):
         self.handle.remove()
+
+
+def _replaced(res, accept_len, accepted, next_token):
+    """A VerifyOutput like ``res`` (its devices, dtypes and shapes) holding the given per-request lists."""
+    dev = res.accept_len.device
+    return type(res)(torch.tensor(accept_len, dtype=torch.int32, device=dev),
+                     torch.tensor(accepted, dtype=torch.int32, device=dev).reshape(res.accepted.shape),
+                     torch.tensor(next_token, dtype=torch.int64, device=dev))
 
 
 def _forced_first(tree: Tree, f: int):

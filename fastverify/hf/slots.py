@@ -135,7 +135,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         self.bidirectional = method == "gad"
         self.slot_embed = nn.Parameter(torch.zeros(num_slots, hidden_size))
         self.adapters = nn.ModuleDict()  # "model.layers.0.self_attn.q_proj" -> GatedLoRALinear ('.' -> '/')
-        self._pending, self._chain, self._last = [], {}, []
+        self._pending, self._chain = [], {}
         self.temperature = None  # [m] softmax temperature per slot offset (fitted on held-out data) or None
 
     def init_adapters(self, model, rank: int = 16, alpha: float = 32.0, targets=None):
@@ -187,21 +187,21 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)
         self._pending = [None] * batch_size
-        self._chain, self._last = {}, [None] * batch_size
+        self._chain = {}
         for d in (self.ngram, self.heads):
             if d is not None:
                 d.reset(batch_size)
 
-    def confident_prefix(self, trees, beta):
+    def confident_prefix(self, trees, roots, beta):
         """Per request, how many leading nodes of the tree's first path are the block's own chain with each
         slot's probability of its token >= beta, stopping before a token that repeats the one before it (LUD's
-        repetition stop; the one before the first is the last committed token). Lexical Unit Decoding accepts
-        such a lookahead span on the drafter's confidence alone, without the target's check (lossy, as the
-        paper); the loop does so under rule "confidence" (fastverify.hf.loop)."""
+        repetition stop; the one before the first is the request's root, its last committed token). Lexical
+        Unit Decoding accepts such a lookahead span on the drafter's confidence alone, without the target's check
+        (lossy, as the paper); the loop does so under rule "confidence" (fastverify.hf.loop)."""
         out = []
-        for b, tree in enumerate(trees):
+        for b, (tree, prev) in enumerate(zip(trees, roots)):
             chain, probs = self._chain.get(b, ((), ()))
-            prev, n = self._last[b] if b < len(self._last) else None, 0
+            n = 0
             toks = tree.tokens.tolist()
             for j, t, p in zip(first_path(tree), chain, probs):
                 if toks[j] != t or p < beta or t == prev:
@@ -251,7 +251,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         if len(self._pending) != len(contexts):
             self.reset(len(contexts))
         buds = [max(0, int(bud)) for bud in budget]
-        self._chain, self._last = {}, [ctx[-1] if len(ctx) else None for ctx in contexts]
+        self._chain = {}
         ngram = self.ngram.scored_nodes(contexts, buds) if self.ngram is not None else None
         heads = self.heads.scored_nodes(contexts, buds) if self.heads is not None else None
         drafting = batch_drafting(buds)

@@ -161,24 +161,41 @@ def slot_batch(seq_len, prompt_len, attach, m, bidirectional, dtype, device):
     return (p + 1 + offset)[None], mask[None, None], offset, p
 
 
+def _slot_forward(model, drafter, ids, prompt_len, first, attach_every, check=True, grad=False):
+    """The slot rows of one training sequence: blocks of the drafter's m slots attached every ``attach_every``
+    positions from ``first``, run through the target (adapters gated on for them) against the sequence's cache.
+    None for a sequence that fails the consistency check (``check``) or has no block; else (logits [R, V] float,
+    slot offsets [R], attachments p [R], target positions p + 2 + offset [R], the target's probability of each
+    next token [T - 1])."""
+    cache, argmax, conf = _prefix(model, ids)
+    T = ids.shape[0]
+    if check and (argmax[prompt_len - 1:T - 1] == ids[prompt_len:]).float().mean().item() < 0.95:
+        return None
+    attach = list(range(first, T - 2, attach_every))
+    if not attach:
+        return None
+    dev = ids.device
+    pos, mask, offset, p = slot_batch(T, prompt_len, attach, drafter.block_size, drafter.bidirectional, model.dtype,
+                                      dev)
+    embeds = drafter.slot_embed[offset].to(model.dtype)[None]
+    gate = torch.ones(1, embeds.shape[1], dtype=torch.bool, device=dev)
+    with slot_gate(gate), torch.set_grad_enabled(grad):
+        logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True,
+                       **cache_kwargs(model, cache)).logits[0].float()
+    return logits, offset, p, p + 2 + offset, conf
+
+
 def _slot_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False, check=True):
     """("skip", None) for a sequence that fails the consistency check (``check``) or has no slot target; else
     (loss, or None when evaluating; stats: per-slot top-1 hits / top-5 hits / counted [m], and the accepted
     prefix length of each block whose slots all have targets)."""
     m = cfg.num_slots
-    cache, argmax, conf = _prefix(model, ids)
-    T = ids.shape[0]
-    cont = ids[prompt_len:]
-    agree = (argmax[prompt_len - 1:T - 1] == cont).float().mean().item()
-    if check and agree < 0.95:
-        return "skip", None
     first = prompt_len - 1 + (0 if evaluate else rng.randrange(cfg.attach_every))
-    attach = list(range(first, T - 2, cfg.attach_every))
-    if not attach:
+    rows = _slot_forward(model, drafter, ids, prompt_len, first, cfg.attach_every, check, grad=not evaluate)
+    if rows is None:
         return "skip", None
-    dev = ids.device
-    pos, mask, offset, p = slot_batch(T, prompt_len, attach, m, drafter.bidirectional, model.dtype, dev)
-    target_pos = p + 1 + offset + 1
+    logits, offset, p, target_pos, conf = rows
+    T, dev = ids.shape[0], ids.device
     target = torch.where(target_pos < T, ids[target_pos.clamp(max=T - 1)], torch.full_like(target_pos, -100))
     if drafter.method == "lud":  # the unit after p: every token from p + 1 up to the target at or above unit_alpha
         ok = conf >= cfg.unit_alpha                      # ok[j]: token j + 1 is confident
@@ -188,11 +205,6 @@ def _slot_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False, check=
         # slot i targets token p + 2 + i; the unit must cover p + 1 .. p + 2 + i, i.e. i + 2 tokens from p + 1
         in_unit = run[p] >= offset + 2
         target = torch.where(in_unit, target, torch.full_like(target, -100))
-    embeds = drafter.slot_embed[offset].to(model.dtype)[None]
-    gate = torch.ones(1, embeds.shape[1], dtype=torch.bool, device=dev)
-    with slot_gate(gate), torch.set_grad_enabled(not evaluate):
-        logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True,
-                       **cache_kwargs(model, cache)).logits[0].float()
     valid = target >= 0
     if not bool(valid.any()):
         return "skip", None
@@ -205,8 +217,8 @@ def _slot_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False, check=
                  "hit5": torch.zeros(m).index_add_(0, offset.cpu(), hit5.float().cpu()),
                  "count": torch.zeros(m).index_add_(0, offset.cpu(), valid.float().cpu())}
         # accepted prefix of each block's argmax chain (greedy verification accepts while the chain matches)
-        chain = (top5[:, 0] == target).view(len(attach), m).cpu()
-        full = (target >= 0).view(len(attach), m).all(-1).cpu()
+        chain = (top5[:, 0] == target).view(-1, m).cpu()
+        full = (target >= 0).view(-1, m).all(-1).cpu()
         stats["accepted"] = [int(c.int().cumprod(0).sum()) for c, f in zip(chain, full) if f]
     return loss, stats
 
@@ -273,21 +285,12 @@ def fit_temperature(model, drafter, seqs, cfg, log=print, iters: int = 12):
     dev = next(model.parameters()).device
     for _, _, prompt, cont in seqs[:cfg.eval_sequences]:
         ids = torch.tensor(prompt + cont, device=dev)
-        T, n = ids.shape[0], len(prompt)
-        cache, argmax, _ = _prefix(model, ids)
-        if (argmax[n - 1:T - 1] == ids[n:]).float().mean().item() < 0.95:
+        out = _slot_forward(model, drafter, ids, len(prompt), len(prompt) - 1, cfg.attach_every)
+        if out is None:
             continue
-        attach = list(range(n - 1, T - 2, cfg.attach_every))
-        if not attach:
-            continue
-        pos, mask, offset, p = slot_batch(T, n, attach, m, drafter.bidirectional, model.dtype, dev)
-        embeds = drafter.slot_embed[offset].to(model.dtype)[None]
-        with slot_gate(torch.ones(1, embeds.shape[1], dtype=torch.bool, device=dev)):
-            logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True,
-                           **cache_kwargs(model, cache)).logits[0].float()
-        target_pos = p + 2 + offset
+        logits, offset, _, target_pos, _ = out
         for i in range(m):
-            keep = (offset == i) & (target_pos < T)
+            keep = (offset == i) & (target_pos < ids.shape[0])
             if bool(keep.any()):
                 rows[i].append((logits[keep].cpu(), ids[target_pos[keep]].cpu()))
     temps, stats = [], {"rows": [], "nll": [], "top1_prob": [], "top1_acc": []}
@@ -332,7 +335,6 @@ def calibrate_checkpoint(model, tokenizer, cfg, prompts=None, log=print):
     """``--calibrate``: fit the slot temperatures of the checkpoint in cfg.out (``fit_temperature``) on the target's
     greedy continuations of ``calibration_prompts`` and write them, with their statistics, into its config.json.
     Returns the updated config."""
-    import json
     from fastverify.hf.slots import load_slot_drafter
     drafter = load_slot_drafter(cfg.out, model)
     prompts = calibration_prompts(cfg, prompts, log)
