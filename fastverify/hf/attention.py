@@ -1,8 +1,11 @@
 """Attention masks, position ids and cache helpers for the draft-and-verify loop on a Hugging Face model.
 
-The loop never touches a model's attention code: it hands the model a ready 4D additive mask
+The loop never edits a model's attention code: it hands the model a ready 4D additive mask
 [B, 1, q, S + q] (transformers returns a 4D mask as-is, ``masking_utils._preprocess_mask_arguments``) and
-explicit ``position_ids`` [B, q]; the keys and values live in a plain ``DynamicCache``.
+explicit ``position_ids`` [B, q]; the keys and values live in a ``DynamicCache`` (``new_cache``: its layers write
+into preallocated buffers instead of concatenating). On the CPU an ``sdpa`` model runs, for the loop's duration,
+under ``gqa_attention``: transformers' sdpa attention registered through its ``AttentionInterface``, except that
+grouped-query heads are not repeated.
 
 Cache layout (one physical length S for the whole batch, as a DynamicCache requires):
 
@@ -23,15 +26,17 @@ before it (causal: LUD, PTP); a bidirectional block (GAD) also sees the slots af
 of verify's layout, and the cache slots they write are stale after the step (never kept).
 """
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from fastverify.ops.tree import tree_mask
 
 __all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length", "cache_kwargs",
-           "forward_takes"]
+           "forward_takes", "new_cache", "gqa_attention"]
 
 _FORWARD_PARAMS = {}  # model class -> the parameter names of its forward (reading a signature costs ~25 us)
 
@@ -205,3 +210,117 @@ def crop_cache(cache, length: int) -> None:
         if isinstance(keys, torch.Tensor) and keys.numel() and keys.shape[-2] > length:
             layer.keys = keys[..., :length, :]
             layer.values = layer.values[..., :length, :]
+
+
+def _buffered_layer_class():
+    """A transformers ``DynamicLayer`` that appends into a preallocated buffer (grown by half when full) instead of
+    ``torch.cat``: a DynamicLayer copies the whole layer's cache at every step, an O(context) copy per layer that
+    the loop's cropping (a view) does not avoid. ``keys`` / ``values`` stay [B, H, length, D] views of the
+    buffers, so ``crop_cache`` and ``compact_cache`` work on them in place; a layer whose tensors were replaced
+    from outside (a view of other storage) is copied into a new buffer at its next update."""
+    from transformers.cache_utils import DynamicLayer
+
+    class BufferedLayer(DynamicLayer):
+        _kbuf = _vbuf = None
+
+        def _owns(self, t, buf):
+            return (buf is not None and t.numel() > 0 and t.data_ptr() == buf.data_ptr()
+                    and t.stride() == buf.stride() and t.shape[:2] == buf.shape[:2] and t.dtype == buf.dtype)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            old = self.keys.shape[-2] if self.keys.numel() else 0
+            new = old + key_states.shape[-2]
+            fits = (self._owns(self.keys, self._kbuf) and self._owns(self.values, self._vbuf)
+                    and new <= self._kbuf.shape[-2]) or (old == 0 and self._kbuf is not None
+                                                        and self._kbuf.shape[:2] == key_states.shape[:2]
+                                                        and new <= self._kbuf.shape[-2])
+            if not fits:
+                cap = new + max(64, new // 2)
+                kbuf = key_states.new_empty(key_states.shape[:2] + (cap, key_states.shape[-1]))
+                vbuf = value_states.new_empty(value_states.shape[:2] + (cap, value_states.shape[-1]))
+                if old:
+                    kbuf[:, :, :old].copy_(self.keys)
+                    vbuf[:, :, :old].copy_(self.values)
+                self._kbuf, self._vbuf = kbuf, vbuf
+            self._kbuf[:, :, old:new].copy_(key_states)
+            self._vbuf[:, :, old:new].copy_(value_states)
+            self.keys, self.values = self._kbuf[:, :, :new], self._vbuf[:, :, :new]
+            return self.keys, self.values
+
+    return BufferedLayer
+
+
+_BUFFERED_LAYER = []
+
+
+def new_cache():
+    """An empty ``DynamicCache`` whose layers append into preallocated buffers (``_buffered_layer_class``); a plain
+    one where this transformers' DynamicCache does not build its layers lazily from a layer class."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+    cache = DynamicCache()
+    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer and not cache.layers:
+        if not _BUFFERED_LAYER:
+            _BUFFERED_LAYER.append(_buffered_layer_class())
+        cache.layer_class_to_replicate = _BUFFERED_LAYER[0]
+    return cache
+
+
+GQA_ATTENTION = "fastverify_sdpa"
+
+
+def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' ``sdpa`` attention, except that with a mask on the CPU grouped-query heads go to torch's
+    ``enable_gqa`` instead of ``repeat_kv``: the repeat copies every layer's keys and values at every step (with a
+    mask and more than one query row, transformers repeats them; one row it packs without a copy), and the CPU
+    kernel gives the same result bit for bit without it (tests/test_hf_attention.py). Anything else goes to
+    transformers' own function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if (attention_mask is not None and query.shape[2] > 1 and query.device.type == "cpu"
+            and key.shape[1] != query.shape[1]
+            and query.shape[1] % key.shape[1] == 0 and kwargs.get("position_bias") is None
+            and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False)):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                             scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def _register_gqa_attention() -> bool:
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    except ImportError:
+        return False
+    if GQA_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(GQA_ATTENTION, _gqa_sdpa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return True
+
+
+@contextlib.contextmanager
+def gqa_attention(model):
+    """For the loop's duration, a CPU model whose attention is transformers' ``sdpa`` runs ``_gqa_sdpa`` instead
+    (its configs' ``_attn_implementation`` switched to the registered name, then restored). Other models and
+    devices are left as they are."""
+    configs = []
+    if next(model.parameters()).device.type == "cpu" and _register_gqa_attention():
+        seen = set()
+        for m in model.modules():
+            cfg = getattr(m, "config", None)
+            if cfg is not None and id(cfg) not in seen:
+                seen.add(id(cfg))
+                if getattr(cfg, "_attn_implementation", None) == "sdpa":
+                    configs.append(cfg)
+    # the stored field, not the property: transformers' setter also rewrites a config's sub-configs
+    field = "_attn_implementation_internal"
+    for cfg in configs:
+        setattr(cfg, field if hasattr(cfg, field) else "_attn_implementation", GQA_ATTENTION)
+    try:
+        yield bool(configs)
+    finally:
+        for cfg in configs:
+            setattr(cfg, field if hasattr(cfg, field) else "_attn_implementation", "sdpa")

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastverify.hf.attention import cache_kwargs, crop_cache, forward_takes, prefill_inputs, step_inputs
+from fastverify.hf.attention import (cache_kwargs, crop_cache, forward_takes, gqa_attention, new_cache, prefill_inputs,
+                                     step_inputs)
 from fastverify.hf.drafters import empty_tree
 from fastverify.hf.linear import skinny_linears
 from fastverify.ops.cache import compact_cache
@@ -128,7 +129,6 @@ class Decoder:
     """State of one generate call: the cache, the per-request contexts and what has been emitted."""
 
     def __init__(self, model, input_ids, attention_mask, drafter, settings: DecodeSettings, streamer=None):
-        from transformers import DynamicCache
         self.model, self.drafter, self.s, self.streamer = model, drafter, settings, streamer
         self.device = input_ids.device
         self.dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
@@ -140,7 +140,7 @@ class Decoder:
         self.generated = [[] for _ in range(B)]
         self.finished = [False] * B
         self.pad_len = (L - mask.sum(-1)).tolist()
-        self.cache = DynamicCache()
+        self.cache = new_cache()
         self.cache_len = [L - 1] * B  # committed slots per request (left padding included)
         self.root = input_ids[:, -1].tolist()
         self.stats = LoopStats(new_tokens=[0] * B)
@@ -535,7 +535,8 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
     if streamer is not None:
         streamer.put(input_ids.cpu())
     installed = drafter.installed(model) if getattr(drafter, "wants_slots", False) else contextlib.nullcontext()
-    with installed, (skinny_linears(model) if settings.skinny_linear else contextlib.nullcontext()):
+    linears = skinny_linears(model) if settings.skinny_linear else contextlib.nullcontext()
+    with installed, gqa_attention(model), linears:
         dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer)
         try:
             while not dec.done():

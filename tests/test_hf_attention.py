@@ -1,0 +1,128 @@
+"""The loop's attention and cache plumbing: the grouped-query sdpa (gqa_attention) against transformers' own sdpa
+function, bit for bit; its switch and restore of the attention implementation; the buffered cache layer against a
+DynamicLayer under the loop's updates, crops and compactions; patched generate exact with both in place."""
+
+import pytest
+import torch
+
+from fastverify.hf import patch, unpatch
+from fastverify.hf.attention import GQA_ATTENTION, _gqa_sdpa, crop_cache, gqa_attention, new_cache
+from fastverify.ops.cache import compact_cache
+
+from conftest import tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, groups):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+@pytest.mark.parametrize("B,Hkv,groups,q,S,D", [(1, 3, 3, 1, 37, 64), (1, 3, 3, 16, 300, 64), (2, 2, 2, 5, 19, 16),
+                                               (3, 1, 4, 7, 8, 8), (1, 2, 1, 4, 11, 32)])
+def test_gqa_sdpa_equals_transformers_sdpa_bit_for_bit(B, Hkv, groups, q, S, D):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    g = torch.Generator().manual_seed(B * 1000 + q * 10 + S)
+    query = torch.randn(B, Hkv * groups, q, D, generator=g)
+    key = torch.randn(B, Hkv, S + q, D, generator=g)
+    value = torch.randn(B, Hkv, S + q, D, generator=g)
+    visible = torch.rand(B, 1, q, S + q, generator=g) < 0.7
+    visible[..., -1] = True  # every row sees something
+    mask = torch.zeros(B, 1, q, S + q).masked_fill(~visible, torch.finfo(torch.float32).min)
+    module = _Attn(groups)
+    for m in (mask, None):
+        want, _ = sdpa_attention_forward(module, query, key, value, m, scaling=D ** -0.5)
+        got, none = _gqa_sdpa(module, query, key, value, m, scaling=D ** -0.5)
+        assert none is None and got.shape == want.shape == (B, q, Hkv * groups, D)
+        assert torch.equal(got, want)
+
+
+def test_gqa_attention_switches_and_restores():
+    model = tiny_llama()
+    model.config._attn_implementation = "sdpa"
+    with gqa_attention(model) as on:
+        assert on and model.config._attn_implementation == GQA_ATTENTION
+        ids = torch.tensor([[1, 2, 3, 4]])
+        out = model(ids).logits
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(out, model(ids).logits)
+    model.config._attn_implementation = "eager"
+    with gqa_attention(model) as on:
+        assert not on and model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == "eager"
+
+
+def test_gqa_attention_restores_on_error():
+    model = tiny_llama()
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(RuntimeError, match="boom"):
+        with gqa_attention(model):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def _layer_pairs(cache):
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def test_buffered_cache_follows_a_dynamic_cache():
+    """The loop's sequence on both caches: prefill, steps of several rows, crops (views), compactions in place,
+    growth past the buffer, and a layer replaced from outside; every layer equal after every operation."""
+    from transformers import DynamicCache
+    g = torch.Generator().manual_seed(0)
+    ref, buf = DynamicCache(), new_cache()
+    assert buf.layer_class_to_replicate.__name__ == "BufferedLayer"
+    B, H, D, layers = 2, 3, 8, 2
+
+    def update(n):
+        for i in range(layers):
+            k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+            a, b = ref.update(k, v, i), buf.update(k.clone(), v.clone(), i)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    def same():
+        for (k1, v1), (k2, v2) in zip(_layer_pairs(ref), _layer_pairs(buf)):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+    update(20)
+    first = buf.layers[0]._kbuf
+    for step in range(60):
+        S = ref.layers[0].keys.shape[-2]
+        n = 1 + step % 7
+        update(n)
+        if step % 3 == 0:
+            accepted = torch.tensor([[1, 3, 4], [2, 5, 6]], dtype=torch.int32)[:, : max(0, n - 4)]
+            alen = torch.full((B,), accepted.shape[1], dtype=torch.int32)
+            for cache in (ref, buf):
+                compact_cache(cache, torch.tensor([S + 1, S + 1]), S, accepted, alen)
+        else:
+            for cache in (ref, buf):
+                crop_cache(cache, S + 1 + step % 2)
+        same()
+    assert buf.layers[0]._kbuf is not first  # grew past its first buffer
+    assert buf.layers[0].keys.data_ptr() == buf.layers[0]._kbuf.data_ptr()
+    for cache in (ref, buf):  # replaced from outside: the next update copies it into a new buffer
+        cache.layers[1].keys = cache.layers[1].keys.clone()
+        cache.layers[1].values = cache.layers[1].values.clone()
+    update(3)
+    same()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_patched_greedy_exact_with_gqa_attention(attn, one_thread):
+    model = tiny_llama(vocab=97)
+    model.config._attn_implementation = attn
+    torch.manual_seed(1)
+    ids = torch.randint(0, 97, (2, 30))
+    ids[:, 10:20] = ids[:, :10]  # repeats, so that the n-gram drafter drafts
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    patch(model)
+    try:
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    finally:
+        unpatch(model)
+    assert torch.equal(got, want)
+    assert model.config._attn_implementation == attn
