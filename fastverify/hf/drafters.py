@@ -445,9 +445,9 @@ class DraftModelDrafter(Drafter):
         self.caches, self.cached = [], []
 
     def reset(self, batch_size: int) -> None:
-        from transformers import DynamicCache
+        from fastverify.hf.attention import new_cache
         super().reset(batch_size)
-        self.caches = [DynamicCache() for _ in range(batch_size)]
+        self.caches = [new_cache() for _ in range(batch_size)]  # appends in place: no copy of the cache per token
         self.cached = [0] * batch_size
 
     def _forward(self, b: int, tokens: list) -> torch.Tensor:

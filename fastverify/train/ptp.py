@@ -40,10 +40,9 @@ import torch.nn.functional as F
 
 from fastverify.hf.attention import cache_kwargs
 from fastverify.hf.slots import PTPSlotDrafter
-from fastverify.lora import slot_gate
 from fastverify.train.cli import parse_config, run_recipe
-from fastverify.train.slots import (SlotsConfig, _evaluate, curve_evaluator, fit, load_data, slot_batch,
-                                    write_checkpoint)
+from fastverify.train.slots import (SlotsConfig, _evaluate, curve_evaluator, fit, gated_slot_logits, load_data,
+                                    slot_batch, write_checkpoint)
 
 __all__ = ["PTPConfig", "train_ptp", "ptp_targets", "main"]
 
@@ -110,10 +109,7 @@ def _ptp_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False):
     if drafter.aux is not None:
         u_in = u[(q - 1).clamp(min=0, max=T - 1)] if drafter.variant == "c" else u[qc]
         embeds = embeds + drafter.aux(torch.nan_to_num(u_in, nan=0.5).float()).to(embeds.dtype)
-    gate = torch.ones(1, embeds.shape[0], dtype=torch.bool, device=dev)
-    with slot_gate(gate), torch.set_grad_enabled(not evaluate):
-        logits = model(inputs_embeds=embeds.to(model.dtype)[None], attention_mask=mask, position_ids=pos,
-                       use_cache=True, **cache_kwargs(model, cache)).logits[0].float()
+    logits = gated_slot_logits(model, cache, embeds, mask, pos, grad=not evaluate)
     valid = target >= 0
     if not bool(valid.any()):
         return "skip", None

@@ -177,12 +177,17 @@ def _slot_forward(model, drafter, ids, prompt_len, first, attach_every, check=Tr
     dev = ids.device
     pos, mask, offset, p = slot_batch(T, prompt_len, attach, drafter.block_size, drafter.bidirectional, model.dtype,
                                       dev)
-    embeds = drafter.slot_embed[offset].to(model.dtype)[None]
-    gate = torch.ones(1, embeds.shape[1], dtype=torch.bool, device=dev)
-    with slot_gate(gate), torch.set_grad_enabled(grad):
-        logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True,
-                       **cache_kwargs(model, cache)).logits[0].float()
+    logits = gated_slot_logits(model, cache, drafter.slot_embed[offset], mask, pos, grad)
     return logits, offset, p, p + 2 + offset, conf
+
+
+def gated_slot_logits(model, cache, embeds, mask, pos, grad):
+    """Logits [R, V] (float) of R slot rows: ``embeds`` [R, D] through the target against the sequence's ``cache``,
+    with the drafter's adapters gated on for every row (the slot recipes' one forward with gradients)."""
+    gate = torch.ones(1, embeds.shape[0], dtype=torch.bool, device=embeds.device)
+    with slot_gate(gate), torch.set_grad_enabled(grad):
+        return model(inputs_embeds=embeds.to(model.dtype)[None], attention_mask=mask, position_ids=pos,
+                     use_cache=True, **cache_kwargs(model, cache)).logits[0].float()
 
 
 def _slot_loss(model, drafter, ids, prompt_len, cfg, rng, evaluate=False, check=True):
