@@ -389,32 +389,6 @@ def test_bpd_ngram_is_one_trie_cut_by_one_cost_model(model):
     assert len(d.propose([[1, 2, 3]], [0])[0]) == 0  # no budget: no draft
 
 
-@pytest.mark.parametrize("accepted_path, skipped", [((5, 6), True), ((8, 9), False)])
-def test_heads_pass_skipped_while_the_ngram_candidates_alone_are_accepted(model, accepted_path, skipped):
-    """With an n-gram drafter, the heads' pass runs while what it adds beyond the n-gram candidates pays for it
-    (heads_cost x the n-gram's tokens per step); when every accepted path lies among the n-gram candidates it is
-    skipped, except every probe_every-th step; when the accepted paths are the heads' own, it always runs."""
-    d = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), ngram=_ScoredNodes(
-        [((5,), 0.9), ((5, 6), 0.8)]), fixed_cost=0.1, node_cost=0.06, min_gain=1.0, heads_cost=0.1, probe_every=4)
-    d.reset(1)
-    ctx, ran = [1, 2, 3], []
-    for _ in range(16):
-        d.candidates[0] = ([[8], [9]], torch.tensor([[0.5], [0.4]], dtype=torch.float64).log())
-        tree = d.propose([list(ctx)], [16])[0]
-        ran.append(8 in tree.tokens.tolist())
-        d.update([len(accepted_path)])
-        ctx += list(accepted_path) + [4]  # the accepted draft tokens, then the target's next token (the new root)
-    if skipped:
-        first = ran.index(False)
-        assert all(ran[:first]) and first >= 2
-        tail = ran[first:]
-        assert sum(tail) == len(tail) // 4 and all(r == ((i + 1) % 4 == 0) for i, r in enumerate(tail))
-    else:
-        assert all(ran)
-    with pytest.raises(ValueError, match="heads_cost, probe_every"):
-        HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), probe_every=0)
-
-
 def test_batched_cut_charges_each_node_to_the_shared_step(model):
     # R drafting requests share one forward: each request's cut uses node_cost * R (batch_drafting)
     d = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), ngram=_ScoredNodes(

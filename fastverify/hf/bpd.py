@@ -45,13 +45,6 @@ cut, the one above, keeps the best prefix of the union, at most ``max_nodes``. I
 the cut uses ``node_cost * R`` (they share one forward: fastverify.hf.drafters.batch_drafting). So a strong
 n-gram match (a copy) is not crowded out by weak head candidates, and neither source's nodes are paid for twice.
 
-When the n-gram drafter already drafts what gets accepted (a copy), the heads' pass costs more than it adds: per
-request the drafter keeps running estimates of the tokens per step that only the heads' nodes added (the accepted
-path beyond the longest prefix of it among the n-gram drafter's candidates) and of the tokens per step the n-gram
-candidates alone gave, and skips the heads' pass while the first is below ``heads_cost`` (what the pass costs, in
-steps: ~0.09 measured on SmolLM2 on the CPU) times the second, running it every ``probe_every``-th step to keep
-measuring. Skipping changes what is drafted, never what is accepted (greedy stays exact).
-
 Rules. Greedy verification (the default) keeps the output exactly the target's. BPD's approximate rules
 (``rule="topk"``, Stern §5.1; ``rule="distance"``, §5.2; ``min_accept``, §5.3) run with these drafts as with
 any other; they change the output (lossy) and are opt-in.
@@ -78,8 +71,7 @@ class HeadsDrafter(Drafter):
     frontier: sequential heads: nodes expanded per depth and request; max_nodes: cap on the tree size; score: "prob"
     or "rank" (above); head_acceptance: [H][ranks] measured acceptance by rank (for score="rank"); temperature:
     applied to the heads' logits before the softmax (score="prob"); fixed_cost, node_cost, min_gain: the cost
-    model; ngram: an NGramDrafter to merge with (anything with its ``scored_nodes``), or None; heads_cost,
-    probe_every: with ngram, when the heads' pass is skipped (above).
+    model; ngram: an NGramDrafter to merge with (anything with its ``scored_nodes``), or None.
     """
 
     wants_hidden = True
@@ -87,7 +79,7 @@ class HeadsDrafter(Drafter):
     def __init__(self, model, heads: ProposalHeads, *, width: int = 4, max_nodes: int = 16, score: str = "auto",
                  head_acceptance=None, calibration=None, temperature: float = 1.0, fixed_cost: float = 0.05,
                  node_cost: float = 0.06, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None,
-                 frontier: int = 4, heads_cost: float = 0.1, probe_every: int = 4):
+                 frontier: int = 4):
         if score == "auto":
             score = "calibrated" if calibration is not None else "prob"
         if score not in ("prob", "rank", "calibrated"):
@@ -100,9 +92,6 @@ class HeadsDrafter(Drafter):
             raise ValueError(f"width, max_nodes, frontier: expected >= 1, got {width}, {max_nodes}, {frontier}")
         if not temperature > 0:
             raise ValueError(f"temperature: expected > 0, got {temperature}")
-        if not heads_cost >= 0 or probe_every < 1:
-            raise ValueError(f"heads_cost, probe_every: expected >= 0 and >= 1, got {heads_cost}, {probe_every}")
-        self.heads_cost, self.probe_every = float(heads_cost), int(probe_every)
         weight, bias = output_projection(model)
         D = weight.shape[1]
         if heads.hidden_size != D:
@@ -142,7 +131,7 @@ class HeadsDrafter(Drafter):
         if ngram is not None and not callable(getattr(ngram, "scored_nodes", None)):
             raise TypeError(f"ngram: expected an NGramDrafter (a drafter with scored_nodes), got {type(ngram).__name__}")
         self.ngram = ngram
-        self.candidates, self.gains = [], []
+        self.candidates = []
 
     # -- Drafter interface ----------------------------------------------------------------------------------
 
@@ -150,7 +139,6 @@ class HeadsDrafter(Drafter):
         super().reset(batch_size)
         # per request: (tokens [H, width] list, log-scores [H, width] list); sequential heads: the hidden row [D]
         self.candidates = [None] * batch_size
-        self.gains = [_HeadsGain() for _ in range(batch_size)]
         if self.ngram is not None:
             self.ngram.reset(batch_size)
 
@@ -305,14 +293,7 @@ class HeadsDrafter(Drafter):
         buds = [min(int(bud), self.max_nodes) for bud in budget]
         drafting = batch_drafting(buds)
         ngram = self.ngram.scored_nodes(contexts, buds) if self.ngram is not None else [[]] * B
-        if self.ngram is not None:
-            if len(self.gains) != B:
-                self.gains = [_HeadsGain() for _ in range(B)]
-            run = [g.run_heads(ctx, nodes, bud, self.heads_cost, self.probe_every)
-                   for g, ctx, nodes, bud in zip(self.gains, contexts, ngram, buds)]
-            heads = self.scored_nodes(contexts, [bud if r else 0 for bud, r in zip(buds, run)])
-        else:
-            heads = self.scored_nodes(contexts, buds)
+        heads = self.scored_nodes(contexts, buds)
         trees, kept = [], []
         for b in range(B):
             nodes = heads[b]
@@ -329,33 +310,6 @@ class HeadsDrafter(Drafter):
     def update(self, accepted) -> None:
         if self.ngram is not None:
             self.ngram.update(accepted)
-            for g, acc in zip(self.gains, accepted):
-                g.accepted = acc
-
-
-class _HeadsGain:
-    """Per request, with an n-gram drafter: whether the heads' pass pays for itself (module docstring). gain:
-    running mean of the accepted tokens per step beyond the n-gram candidates (steps with the heads' pass); base:
-    of the tokens per step the n-gram candidates alone gave (1 + the accepted prefix among them)."""
-
-    def __init__(self):
-        self.gain, self.base, self.idle = 1.0, 1.0, 0
-        self.pending = self.accepted = None  # (context length, n-gram candidate paths, heads ran) at the last propose
-
-    def run_heads(self, context, ngram_nodes, budget, cost, probe_every) -> bool:
-        if self.pending is not None and self.accepted is not None:
-            start, paths, ran = self.pending
-            seg = context[start:start + self.accepted]  # the accepted path: committed after the last root
-            path = tuple(seg.tolist() if isinstance(seg, torch.Tensor) else seg)
-            covered = next(i for i in range(len(path), -1, -1) if i == 0 or path[:i] in paths)
-            self.base = 0.75 * self.base + 0.25 * (1 + covered)
-            if ran:
-                self.gain = 0.75 * self.gain + 0.25 * (len(path) - covered)
-        run = budget > 0 and (self.gain >= cost * self.base or self.idle + 1 >= probe_every)
-        self.idle = 0 if run else self.idle + 1
-        self.pending = (len(context), {p for p, _ in ngram_nodes}, run) if budget > 0 else None
-        self.accepted = None
-        return run
 
 
 def load_drafter(name_or_path: str, model, *, ngram=False, heads=None, **options) -> HeadsDrafter:
