@@ -55,6 +55,15 @@ def test_gqa_attention_switches_and_restores():
     assert model.config._attn_implementation == "eager"
 
 
+def test_gqa_attention_without_registries_keeps_the_model_attention(monkeypatch):
+    import fastverify.hf.attention as attention
+    monkeypatch.setattr(attention, "_register_gqa_attention", lambda: False)
+    model = tiny_llama()
+    model.config._attn_implementation = "sdpa"
+    with gqa_attention(model) as on:
+        assert not on and model.config._attn_implementation == "sdpa"
+
+
 def test_gqa_attention_restores_on_error():
     model = tiny_llama()
     model.config._attn_implementation = "sdpa"

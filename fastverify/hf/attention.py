@@ -290,14 +290,16 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 
 
 def _register_gqa_attention() -> bool:
+    """Register ``_gqa_sdpa`` (and sdpa's mask function under the same name) once; False where this transformers
+    has no such registries (the loop then keeps the model's own attention)."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    except ImportError:
+        if GQA_ATTENTION not in AttentionInterface._global_mapping:
+            ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+            AttentionInterface.register(GQA_ATTENTION, _gqa_sdpa)
+    except (ImportError, AttributeError, KeyError):
         return False
-    if GQA_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(GQA_ATTENTION, _gqa_sdpa)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     return True
 
 
