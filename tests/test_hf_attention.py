@@ -135,3 +135,22 @@ def test_patched_greedy_exact_with_gqa_attention(attn, one_thread):
         unpatch(model)
     assert torch.equal(got, want)
     assert model.config._attn_implementation == attn
+
+
+def test_patched_generate_runs_while_the_loop_attention_is_switched_in(one_thread):
+    """A patched generate called while another one holds the model under gqa_attention (a second thread, or a
+    streamer that generates) runs the loop, not the fallback, and leaves the switch to its owner."""
+    import warnings
+    model = tiny_llama(vocab=97)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    patch(model)
+    try:
+        with gqa_attention(model), warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback warns
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+            assert model.config._attn_implementation == GQA_ATTENTION
+    finally:
+        unpatch(model)
+    assert torch.equal(got, want) and model.config._attn_implementation == "sdpa"

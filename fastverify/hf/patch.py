@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from fastverify.hf.attention import GQA_ATTENTION
 from fastverify.hf.drafters import Drafter, NGramDrafter
 from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, decode
 from fastverify.hf.model_limits import sequence_limit
@@ -337,6 +338,8 @@ def _plan(model, state, args, kwargs):
     if streamer is not None and B > 1:
         return None, "a streamer with batch size > 1"
     attn_impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attn_impl == GQA_ATTENTION:  # another call of the loop on this model is running (gqa_attention)
+        attn_impl = "sdpa"
     if attn_impl not in state.spec.attn_implementations:
         return None, (f"attention implementation {attn_impl!r} (the loop needs one that takes 4D masks: "
                       f"{state.spec.attn_implementations})")
