@@ -376,7 +376,8 @@ class _ScoredNodes(Drafter):
 def test_bpd_ngram_is_one_trie_cut_by_one_cost_model(model):
     # heads: depth 1 tokens 5 / 8 (p 0.5 / 0.3), depth 2 tokens 6 / 9 (0.4 / 0.1); n-gram: 5 -> 6 (0.9, 0.8), 7 (0.05)
     d = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), ngram=_ScoredNodes(
-        [((5,), 0.9), ((5, 6), 0.8), ((7,), 0.05)]), fixed_cost=0.1, node_cost=0.06, min_gain=1.0)
+        [((5,), 0.9), ((5, 6), 0.8), ((7,), 0.05)]), fixed_cost=0.1, node_cost=0.06, min_gain=1.0,
+        ngram_confident=None)  # the n-gram nodes expect 1.75 tokens: by default the heads would be skipped
     d.reset(1)
     d.candidates[0] = ([[5, 8], [6, 9]], torch.tensor([[0.5, 0.3], [0.4, 0.1]], dtype=torch.float64).log())
     tree = d.propose([[1, 2, 3]], [16])[0]
@@ -389,10 +390,38 @@ def test_bpd_ngram_is_one_trie_cut_by_one_cost_model(model):
     assert len(d.propose([[1, 2, 3]], [0])[0]) == 0  # no budget: no draft
 
 
+def test_heads_skipped_where_the_ngram_candidates_are_confident(model):
+    """A request whose n-gram candidates expect >= ngram_confident accepted tokens gets the n-gram drafter's nodes
+    alone (the heads' pass skipped for it); another request of the batch still gets the heads' nodes."""
+    cand = ([[8], [9]], torch.tensor([[0.6], [0.5]], dtype=torch.float64).log())
+    ngram = _ScoredNodes([((5,), 0.9), ((5, 6), 0.8)])  # 1.7 expected tokens
+
+    def trees(confident, contexts):
+        d = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), ngram=ngram, fixed_cost=0.1,
+                         node_cost=0.02, min_gain=1.0, ngram_confident=confident)
+        d.reset(len(contexts))
+        d.candidates = [cand] * len(contexts)
+        return [t.tokens.tolist() for t in d.propose(contexts, [16] * len(contexts))]
+
+    assert trees(None, [[1, 2, 3]]) == [[5, 6, 8, 9]]
+    assert trees(2.0, [[1, 2, 3]]) == [[5, 6, 8, 9]]  # 1.7 < 2.0: the heads run
+    assert trees(1.5, [[1, 2, 3]]) == [[5, 6]]
+    mixed = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), fixed_cost=0.1, node_cost=0.02,
+                         min_gain=1.0, ngram=type("PerRequest", (Drafter,), {"scored_nodes": lambda self, c, b: [
+                             [((5,), 0.9), ((5, 6), 0.8)], [((5,), 0.5)]]})())
+    mixed.reset(2)
+    mixed.candidates = [cand, cand]
+    got = [t.tokens.tolist() for t in mixed.propose([[1, 2, 3], [1, 2, 4]], [16, 16])]
+    assert got[0] == [5, 6] and 8 in got[1]
+    with pytest.raises(ValueError, match="ngram_confident"):
+        HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), ngram_confident=0)
+
+
 def test_batched_cut_charges_each_node_to_the_shared_step(model):
     # R drafting requests share one forward: each request's cut uses node_cost * R (batch_drafting)
     d = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), ngram=_ScoredNodes(
-        [((5,), 0.9), ((5, 6), 0.8), ((7,), 0.05)]), fixed_cost=0.1, node_cost=0.08, min_gain=1.0)
+        [((5,), 0.9), ((5, 6), 0.8), ((7,), 0.05)]), fixed_cost=0.1, node_cost=0.08, min_gain=1.0,
+        ngram_confident=None)
     cand = ([[5, 8], [6, 9]], torch.tensor([[0.5, 0.3], [0.4, 0.1]], dtype=torch.float64).log())
 
     def cut(budget):
