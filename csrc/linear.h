@@ -205,6 +205,16 @@ FASTVERIFY_AVX512 inline void block_avx512(const float* x, const float* w, const
   }
 }
 
+// One block of 4 weight rows, its tiles prefetching the next block at `rate` lines per k step.
+template <bool L2>
+FASTVERIFY_AVX512 inline void block4_avx512(int rate, const float* x, const float* w, const float* bias, float* y,
+                                            int64_t M, int64_t K, int64_t N, int64_t n, const char* pf,
+                                            const char* end) {
+  if (rate == 4) block_avx512<4, 4, L2>(x, w, bias, y, M, K, N, n, pf, end);
+  else if (rate == 2) block_avx512<4, 2, L2>(x, w, bias, y, M, K, N, n, pf, end);
+  else block_avx512<4, 1, L2>(x, w, bias, y, M, K, N, n, pf, end);
+}
+
 // Columns [n0, n1): for each block of 4 weight rows (read from memory once), every x row in tiles of 6.
 FASTVERIFY_AVX512 inline void rows_avx512(const float* x, const float* w, const float* bias, float* y, int64_t M,
                                           int64_t K, int64_t N, int64_t n0, int64_t n1) {
@@ -214,15 +224,8 @@ FASTVERIFY_AVX512 inline void rows_avx512(const float* x, const float* w, const 
   for (; n + 4 <= n1; n += 4) {
     const char* pf = reinterpret_cast<const char*>(w + (n + 4) * K);
     const char* end = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 8) * K) : pf;
-    if (far) {
-      if (rate == 4) block_avx512<4, 4, true>(x, w, bias, y, M, K, N, n, pf, end);
-      else if (rate == 2) block_avx512<4, 2, true>(x, w, bias, y, M, K, N, n, pf, end);
-      else block_avx512<4, 1, true>(x, w, bias, y, M, K, N, n, pf, end);
-    } else {
-      if (rate == 4) block_avx512<4, 4, false>(x, w, bias, y, M, K, N, n, pf, end);
-      else if (rate == 2) block_avx512<4, 2, false>(x, w, bias, y, M, K, N, n, pf, end);
-      else block_avx512<4, 1, false>(x, w, bias, y, M, K, N, n, pf, end);
-    }
+    if (far) block4_avx512<true>(rate, x, w, bias, y, M, K, N, n, pf, end);
+    else block4_avx512<false>(rate, x, w, bias, y, M, K, N, n, pf, end);
   }
   for (; n < n1; ++n) block_avx512<1, 1, false>(x, w, bias, y, M, K, N, n, nullptr, nullptr);
 }

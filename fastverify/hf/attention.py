@@ -27,6 +27,7 @@ of verify's layout, and the cache slots they write are stale after the step (nev
 """
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -212,6 +213,7 @@ def crop_cache(cache, length: int) -> None:
             layer.values = layer.values[..., :length, :]
 
 
+@functools.cache
 def _buffered_layer_class():
     """A transformers ``DynamicLayer`` that appends into a preallocated buffer (grown by half when full) instead of
     ``torch.cat``: a DynamicLayer copies the whole layer's cache at every step, an O(context) copy per layer that
@@ -223,19 +225,18 @@ def _buffered_layer_class():
     class BufferedLayer(DynamicLayer):
         _kbuf = _vbuf = None
 
-        def _owns(self, t, buf):
-            return (buf is not None and t.numel() > 0 and t.data_ptr() == buf.data_ptr()
-                    and t.stride() == buf.stride() and t.shape[:2] == buf.shape[:2] and t.dtype == buf.dtype)
+        @staticmethod
+        def _views(t, buf):
+            return t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride() and t.dtype == buf.dtype
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             old = self.keys.shape[-2] if self.keys.numel() else 0
             new = old + key_states.shape[-2]
-            fits = (self._owns(self.keys, self._kbuf) and self._owns(self.values, self._vbuf)
-                    and new <= self._kbuf.shape[-2]) or (old == 0 and self._kbuf is not None
-                                                        and self._kbuf.shape[:2] == key_states.shape[:2]
-                                                        and new <= self._kbuf.shape[-2])
+            kbuf = self._kbuf
+            fits = (kbuf is not None and kbuf.shape[:2] == key_states.shape[:2] and new <= kbuf.shape[-2]
+                    and (old == 0 or (self._views(self.keys, kbuf) and self._views(self.values, self._vbuf))))
             if not fits:
                 cap = new + max(64, new // 2)
                 kbuf = key_states.new_empty(key_states.shape[:2] + (cap, key_states.shape[-1]))
@@ -252,9 +253,6 @@ def _buffered_layer_class():
     return BufferedLayer
 
 
-_BUFFERED_LAYER = []
-
-
 def new_cache():
     """An empty ``DynamicCache`` whose layers append into preallocated buffers (``_buffered_layer_class``); a plain
     one where this transformers' DynamicCache does not build its layers lazily from a layer class."""
@@ -262,9 +260,7 @@ def new_cache():
     from transformers.cache_utils import DynamicLayer
     cache = DynamicCache()
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer and not cache.layers:
-        if not _BUFFERED_LAYER:
-            _BUFFERED_LAYER.append(_buffered_layer_class())
-        cache.layer_class_to_replicate = _BUFFERED_LAYER[0]
+        cache.layer_class_to_replicate = _buffered_layer_class()
     return cache
 
 
