@@ -100,9 +100,11 @@ inline void prefetch_lines(const char*& pf, const char* end) {
 
 inline bool far_prefetch(int nr, int64_t K) { return int64_t(nr) * K * int64_t(sizeof(float)) >= 16384; }
 
-// Lines per k step for a block of NR rows computed in `tiles` tiles (1, 2 or 4).
+// Lines per k step for a block of NR rows computed in `tiles` tiles (1, 2 or 4): NR / tiles rounded up, so that the
+// tiles together reach the next block's end (rounded down, 3 tiles of a 4-row block prefetched 3/4 of it: 13-18 rows
+// ran 3-4% slower through SmolLM2's linear layers on an Intel Xeon).
 inline int prefetch_rate(int nr, int64_t tiles) {
-  const int64_t r = nr / (tiles > 0 ? tiles : 1);
+  const int64_t t = tiles > 0 ? tiles : 1, r = (nr + t - 1) / t;
   return r >= 4 ? 4 : r >= 2 ? 2 : 1;
 }
 
