@@ -1,9 +1,10 @@
 // Schema of the skinny linear (kernel: csrc/cpu/linear.cpp over csrc/linear.h; reference: torch.nn.functional.linear;
 // Python API: fastverify/ops/linear.py).
 //
-//   skinny_linear(x float32 [..., K], weight float32 [N, K], bias float32 [N] or None) -> float32 [..., N]
+//   skinny_linear(x float32 [..., K], weight float32 or float16 [N, K], bias float32 [N] or None) -> float32 [..., N]
 //       x @ weight^T + bias, for a few rows (a verify forward): the weight is streamed once whatever the number
-//       of rows. CPU only: on a GPU, cuBLAS already keeps small-M GEMMs bandwidth-bound.
+//       of rows. A float16 weight is read as its exact float32 values (half the bytes; the result of its float32
+//       copy, bit for bit). CPU only: on a GPU, cuBLAS already keeps small-M GEMMs bandwidth-bound.
 //
 //   gated_lora_add_(y float32 [R, N] (mutated), x float32 [R, K], index int64 [n], A float32 [r, K],
 //                   B float32 [N, r], scale) -> ()

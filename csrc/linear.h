@@ -19,7 +19,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
+
+#include <c10/util/Half.h>
 
 #include "cpu_features.h"
 
@@ -33,18 +36,25 @@ inline float fold16(const float* l) {
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
 
+// Weights are float32 or float16 (W = c10::Half: converted exactly to float32 as they are read, so a float16
+// weight gives the result of its float32 copy, bit for bit).
+inline float wf(float w) { return w; }
+inline float wf(c10::Half w) { return static_cast<float>(w); }
+
 // Scalar path: one output at a time.
-inline float dot_scalar(const float* x, const float* w, int64_t K) {
+template <typename W>
+inline float dot_scalar(const float* x, const W* w, int64_t K) {
   float l[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   const int64_t K16 = K & ~int64_t(15);
   for (int64_t k = 0; k < K16; k += 16)
-    for (int j = 0; j < 16; ++j) l[j] = std::fma(x[k + j], w[k + j], l[j]);
+    for (int j = 0; j < 16; ++j) l[j] = std::fma(x[k + j], wf(w[k + j]), l[j]);
   float s = fold16(l);
-  for (int64_t k = K16; k < K; ++k) s = std::fma(x[k], w[k], s);
+  for (int64_t k = K16; k < K; ++k) s = std::fma(x[k], wf(w[k]), s);
   return s;
 }
 
-inline void rows_scalar(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K,
+template <typename W>
+inline void rows_scalar(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t K,
                         int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m) {
@@ -54,8 +64,18 @@ inline void rows_scalar(const float* x, const float* w, const float* bias, float
 }
 
 #ifdef FASTVERIFY_X86
-#define FASTVERIFY_AVX2 __attribute__((target("avx2,fma")))
-#define FASTVERIFY_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#define FASTVERIFY_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define FASTVERIFY_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+// 8 / 16 weights as float32 (float16: F16C's exact vcvtph2ps).
+FASTVERIFY_AVX2 inline __m256 wload8(const float* p) { return _mm256_loadu_ps(p); }
+FASTVERIFY_AVX2 inline __m256 wload8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+FASTVERIFY_AVX512 inline __m512 wload16(const float* p) { return _mm512_loadu_ps(p); }
+FASTVERIFY_AVX512 inline __m512 wload16(const c10::Half* p) {  // zero-masked: GCC 12's unmasked one warns (hsum16)
+  return _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)) of the 8 lanes of s.
 FASTVERIFY_AVX2 inline float hsum8(__m256 s) {
@@ -65,9 +85,10 @@ FASTVERIFY_AVX2 inline float hsum8(__m256 s) {
 }
 
 // The tail k in [K16, K) in order, then the bias; stores y[m, n].
-inline void finish(float s, const float* x, const float* w, const float* bias, float* y, int64_t K16, int64_t K,
+template <typename W>
+inline void finish(float s, const float* x, const W* w, const float* bias, float* y, int64_t K16, int64_t K,
                    int64_t N, int64_t m, int64_t n) {
-  for (int64_t k = K16; k < K; ++k) s = std::fma(x[k], w[k], s);
+  for (int64_t k = K16; k < K; ++k) s = std::fma(x[k], wf(w[k]), s);
   y[m * N + n] = bias ? s + bias[n] : s;
 }
 
@@ -99,6 +120,7 @@ inline void prefetch_lines(const char*& pf, const char* end) {
   }
 }
 
+// nr: the block's rows counted in float32 weights (a block of 4 float16 rows counts 2).
 inline bool far_prefetch(int nr, int64_t M, int64_t K) { return (M + 2 * nr) * K * int64_t(sizeof(float)) > 32768; }
 
 // Lines per k step for a block of NR rows computed in `tiles` tiles (1, 2 or 4): NR / tiles rounded up, so that the
@@ -111,8 +133,8 @@ inline int prefetch_rate(int nr, int64_t tiles) {
 
 // AVX2 tile: NR weight rows x MR x rows, each dot product in two ymm registers (lanes 0-7, 8-15):
 // 2 * NR * MR accumulators + loads <= 16 ymm.
-template <int NR, int MR, int PF>
-FASTVERIFY_AVX2 inline void tile_avx2(const float* x, const float* w, const float* bias, float* y, int64_t K,
+template <int NR, int MR, int PF, typename W>
+FASTVERIFY_AVX2 inline void tile_avx2(const float* x, const W* w, const float* bias, float* y, int64_t K,
                                       int64_t N, int64_t n, int64_t m, const char*& pf, const char* end) {
   __m256 lo[NR][MR], hi[NR][MR];
   for (int i = 0; i < NR; ++i)
@@ -123,8 +145,8 @@ FASTVERIFY_AVX2 inline void tile_avx2(const float* x, const float* w, const floa
     for (int j = 0; j < MR; ++j) {
       const __m256 x0 = _mm256_loadu_ps(x + (m + j) * K + k), x1 = _mm256_loadu_ps(x + (m + j) * K + k + 8);
       for (int i = 0; i < NR; ++i) {
-        lo[i][j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + (n + i) * K + k), lo[i][j]);
-        hi[i][j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + (n + i) * K + k + 8), hi[i][j]);
+        lo[i][j] = _mm256_fmadd_ps(x0, wload8(w + (n + i) * K + k), lo[i][j]);
+        hi[i][j] = _mm256_fmadd_ps(x1, wload8(w + (n + i) * K + k + 8), hi[i][j]);
       }
     }
   }
@@ -134,8 +156,8 @@ FASTVERIFY_AVX2 inline void tile_avx2(const float* x, const float* w, const floa
              n + i);
 }
 
-template <int PF>
-FASTVERIFY_AVX2 inline void block_avx2(const float* x, const float* w, const float* bias, float* y, int64_t M,
+template <int PF, typename W>
+FASTVERIFY_AVX2 inline void block_avx2(const float* x, const W* w, const float* bias, float* y, int64_t M,
                                        int64_t K, int64_t N, int64_t n, const char* pf, const char* end) {
   int64_t m = 0;
   for (; m + 3 <= M; m += 3) tile_avx2<2, 3, PF>(x, w, bias, y, K, N, n, m, pf, end);
@@ -144,9 +166,10 @@ FASTVERIFY_AVX2 inline void block_avx2(const float* x, const float* w, const flo
 }
 
 // Columns [n0, n1): for each block of 2 weight rows (read from memory once), every x row in tiles of 3.
-FASTVERIFY_AVX2 inline void rows_avx2(const float* x, const float* w, const float* bias, float* y, int64_t M,
+template <typename W>
+FASTVERIFY_AVX2 inline void rows_avx2(const float* x, const W* w, const float* bias, float* y, int64_t M,
                                       int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int rate = prefetch_rate(2, (M + 2) / 3);
+  const int rate = prefetch_rate(2 * int(sizeof(W)) / 4, (M + 2) / 3);
   int64_t n = n0;
   for (; n + 2 <= n1; n += 2) {
     const char* pf = reinterpret_cast<const char*>(w + (n + 2) * K);
@@ -171,8 +194,8 @@ FASTVERIFY_AVX512 inline float hsum16(__m512 v) {
 }
 
 // AVX-512 tile: NR weight rows x MR x rows, one zmm accumulator per dot product (NR * MR + MR + 1 <= 32 zmm).
-template <int NR, int MR, int PF, bool L2>
-FASTVERIFY_AVX512 inline void tile_avx512(const float* x, const float* w, const float* bias, float* y, int64_t K,
+template <int NR, int MR, int PF, bool L2, typename W>
+FASTVERIFY_AVX512 inline void tile_avx512(const float* x, const W* w, const float* bias, float* y, int64_t K,
                                           int64_t N, int64_t n, int64_t m, const char*& pf, const char* end) {
   __m512 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
@@ -183,7 +206,7 @@ FASTVERIFY_AVX512 inline void tile_avx512(const float* x, const float* w, const 
     __m512 xv[MR];
     for (int j = 0; j < MR; ++j) xv[j] = _mm512_loadu_ps(x + (m + j) * K + k);
     for (int i = 0; i < NR; ++i) {
-      __m512 wv = _mm512_loadu_ps(w + (n + i) * K + k);
+      __m512 wv = wload16(w + (n + i) * K + k);
       asm("" : "+v"(wv));  // one load per weight vector: GCC would fold it into each of the MR FMAs
       for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_fmadd_ps(xv[j], wv, acc[i][j]);
     }
@@ -193,8 +216,8 @@ FASTVERIFY_AVX512 inline void tile_avx512(const float* x, const float* w, const 
       finish(hsum16(acc[i][j]), x + (m + j) * K, w + (n + i) * K, bias, y, K16, K, N, m + j, n + i);
 }
 
-template <int NR, int PF, bool L2>
-FASTVERIFY_AVX512 inline void block_avx512(const float* x, const float* w, const float* bias, float* y, int64_t M,
+template <int NR, int PF, bool L2, typename W>
+FASTVERIFY_AVX512 inline void block_avx512(const float* x, const W* w, const float* bias, float* y, int64_t M,
                                            int64_t K, int64_t N, int64_t n, const char* pf, const char* end) {
   int64_t m = 0;
   for (; m + 6 <= M; m += 6) tile_avx512<NR, 6, PF, L2>(x, w, bias, y, K, N, n, m, pf, end);
@@ -209,8 +232,8 @@ FASTVERIFY_AVX512 inline void block_avx512(const float* x, const float* w, const
 }
 
 // One block of 4 weight rows, its tiles prefetching the next block at `rate` lines per k step.
-template <bool L2>
-FASTVERIFY_AVX512 inline void block4_avx512(int rate, const float* x, const float* w, const float* bias, float* y,
+template <bool L2, typename W>
+FASTVERIFY_AVX512 inline void block4_avx512(int rate, const float* x, const W* w, const float* bias, float* y,
                                             int64_t M, int64_t K, int64_t N, int64_t n, const char* pf,
                                             const char* end) {
   if (rate == 4) block_avx512<4, 4, L2>(x, w, bias, y, M, K, N, n, pf, end);
@@ -219,10 +242,11 @@ FASTVERIFY_AVX512 inline void block4_avx512(int rate, const float* x, const floa
 }
 
 // Columns [n0, n1): for each block of 4 weight rows (read from memory once), every x row in tiles of 6.
-FASTVERIFY_AVX512 inline void rows_avx512(const float* x, const float* w, const float* bias, float* y, int64_t M,
+template <typename W>
+FASTVERIFY_AVX512 inline void rows_avx512(const float* x, const W* w, const float* bias, float* y, int64_t M,
                                           int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int rate = prefetch_rate(4, (M + 5) / 6);
-  const bool far = far_prefetch(4, M, K);
+  const int rate = prefetch_rate(4 * int(sizeof(W)) / 4, (M + 5) / 6);
+  const bool far = far_prefetch(4 * int(sizeof(W)) / 4, M, K);
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
     const char* pf = reinterpret_cast<const char*>(w + (n + 4) * K);
@@ -234,14 +258,15 @@ FASTVERIFY_AVX512 inline void rows_avx512(const float* x, const float* w, const 
 }
 #endif
 
-// y[m * N + n] for m < M and n in [n0, n1); x [M, K], w [N, K] row-major, bias [N] or nullptr.
-inline void skinny_rows(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K,
+// y[m * N + n] for m < M and n in [n0, n1); x [M, K], w [N, K] row-major (float or c10::Half), bias [N] or nullptr.
+template <typename W>
+inline void skinny_rows(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t K,
                         int64_t N, int64_t n0, int64_t n1) {
 #ifdef FASTVERIFY_X86
   // M = 2, 3: the AVX2 tiles stream the weight faster (measured through SmolLM2-135M's verify forward: a 2- or
   // 3-row step 1-2 ms slower on the AVX-512 tiles, unexplained); the results are the same on both paths
   if (cpu_has_avx512() && (M == 1 || M >= 4)) return rows_avx512(x, w, bias, y, M, K, N, n0, n1);
-  if (cpu_has_avx2_fma()) return rows_avx2(x, w, bias, y, M, K, N, n0, n1);
+  if (cpu_has_avx2_fma(/*f16c=*/!std::is_same_v<W, float>)) return rows_avx2(x, w, bias, y, M, K, N, n0, n1);
 #endif
   rows_scalar(x, w, bias, y, M, K, N, n0, n1);
 }

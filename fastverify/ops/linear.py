@@ -6,7 +6,8 @@ that of one while the weight dominates the traffic (M up to ~8 with AVX-512, ~4 
 not depend on the other rows (fixed summation order, see csrc/linear.h).
 
 Backends: torch (``torch.nn.functional.linear``, the reference) and cpp (csrc/cpu/linear.cpp, float32 CPU
-tensors). There is no GPU kernel: cuBLAS already keeps small-M GEMMs bandwidth-bound, so on a GPU the op is
+tensors; the weight may be float16, read as its exact float32 values: half the bytes to stream, the result of its
+float32 copy bit for bit). There is no GPU kernel: cuBLAS already keeps small-M GEMMs bandwidth-bound, so on a GPU the op is
 ``F.linear``.
 """
 
@@ -22,8 +23,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = No
                   backend: str = "auto") -> torch.Tensor:
     """``x @ weight.T + bias``.
 
-    x: float [..., K]; weight: float [N, K]; bias: float [N] or None. Returns [..., N] in x's dtype. The cpp
-    backend takes float32 CPU tensors; "auto" uses it for those and ``F.linear`` otherwise.
+    x: float [..., K]; weight: float [N, K]; bias: float [N] or None. Returns [..., N] in x's dtype: a weight or
+    bias of another dtype is used as its values in x's dtype. The cpp backend takes float32 CPU tensors and a
+    float32 or float16 weight; "auto" uses it for those and ``F.linear`` otherwise.
     """
     for name, t in (("x", x), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
         if not isinstance(t, torch.Tensor):
@@ -39,12 +41,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = No
         raise ValueError(f"x, weight, bias: expected one device, got {[str(t.device) for t in tensors]}")
     if any(not t.dtype.is_floating_point for t in tensors):
         raise TypeError(f"x, weight, bias: expected floating dtypes, got {[t.dtype for t in tensors]}")
-    fits_cpp = all(t.dtype == torch.float32 for t in tensors) and x.device.type == "cpu"
+    fits_cpp = (x.dtype == torch.float32 and weight.dtype in (torch.float32, torch.float16)
+                and (bias is None or bias.dtype == torch.float32) and x.device.type == "cpu")
     if backend == "auto":  # the C++ kernel where it applies, F.linear (the reference) everywhere else
         backend = "cpp" if fits_cpp and "cpp" in dispatch.implemented_backends("skinny_linear") else "torch"
-    if not fits_cpp and dispatch.resolve("skinny_linear", backend, x.device) == "cpp":
-        raise TypeError(f"x, weight, bias: the cpp backend takes float32 CPU tensors, got "
-                        f"{[t.dtype for t in tensors]}")
+    if dispatch.resolve("skinny_linear", backend, x.device) == "cpp":
+        if not fits_cpp:
+            raise TypeError(f"x, weight, bias: the cpp backend takes float32 CPU tensors (weight float32 or "
+                            f"float16), got {[t.dtype for t in tensors]}")
+    else:  # the reference: the weight's and bias' values in x's dtype
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
     return dispatch.call("skinny_linear", backend, x.device, x, weight, bias)
 
 
