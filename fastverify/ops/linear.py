@@ -7,8 +7,8 @@ not depend on the other rows (fixed summation order, see csrc/linear.h).
 
 Backends: torch (``torch.nn.functional.linear``, the reference) and cpp (csrc/cpu/linear.cpp, float32 CPU
 tensors; the weight may be float16, read as its exact float32 values: half the bytes to stream, the result of its
-float32 copy bit for bit). There is no GPU kernel: cuBLAS already keeps small-M GEMMs bandwidth-bound, so on a GPU the op is
-``F.linear``.
+float32 copy bit for bit). There is no GPU kernel: cuBLAS already keeps small-M GEMMs bandwidth-bound, so on a GPU
+the op is ``F.linear``.
 """
 
 import torch
