@@ -169,7 +169,7 @@ FASTVERIFY_AVX2 inline void block_avx2(const float* x, const W* w, const float* 
 template <typename W>
 FASTVERIFY_AVX2 inline void rows_avx2(const float* x, const W* w, const float* bias, float* y, int64_t M,
                                       int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int rate = prefetch_rate(2 * int(sizeof(W)) / 4, (M + 2) / 3);
+  const int rate = prefetch_rate(2 * int(sizeof(W)) / int(sizeof(float)), (M + 2) / 3);  // 2 rows, in float32 bytes
   int64_t n = n0;
   for (; n + 2 <= n1; n += 2) {
     const char* pf = reinterpret_cast<const char*>(w + (n + 2) * K);
@@ -245,8 +245,9 @@ FASTVERIFY_AVX512 inline void block4_avx512(int rate, const float* x, const W* w
 template <typename W>
 FASTVERIFY_AVX512 inline void rows_avx512(const float* x, const W* w, const float* bias, float* y, int64_t M,
                                           int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int rate = prefetch_rate(4 * int(sizeof(W)) / 4, (M + 5) / 6);
-  const bool far = far_prefetch(4 * int(sizeof(W)) / 4, M, K);
+  const int nr = 4 * int(sizeof(W)) / int(sizeof(float));  // the block's 4 rows, counted in float32 bytes
+  const int rate = prefetch_rate(nr, (M + 5) / 6);
+  const bool far = far_prefetch(nr, M, K);
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
     const char* pf = reinterpret_cast<const char*>(w + (n + 4) * K);

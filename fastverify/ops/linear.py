@@ -45,13 +45,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = No
                 and (bias is None or bias.dtype == torch.float32) and x.device.type == "cpu")
     if backend == "auto":  # the C++ kernel where it applies, F.linear (the reference) everywhere else
         backend = "cpp" if fits_cpp and "cpp" in dispatch.implemented_backends("skinny_linear") else "torch"
-    if dispatch.resolve("skinny_linear", backend, x.device) == "cpp":
-        if not fits_cpp:
+    if not fits_cpp or weight.dtype != x.dtype:  # all float32 on the CPU, the common call, needs neither
+        if dispatch.resolve("skinny_linear", backend, x.device) != "cpp":  # the reference: values in x's dtype
+            weight = weight.to(x.dtype)
+            bias = None if bias is None else bias.to(x.dtype)
+        elif not fits_cpp:
             raise TypeError(f"x, weight, bias: the cpp backend takes float32 CPU tensors (weight float32 or "
                             f"float16), got {[t.dtype for t in tensors]}")
-    else:  # the reference: the weight's and bias' values in x's dtype
-        weight = weight.to(x.dtype)
-        bias = None if bias is None else bias.to(x.dtype)
     return dispatch.call("skinny_linear", backend, x.device, x, weight, bias)
 
 
