@@ -10,6 +10,8 @@ rotates from question to question (so slow drift of the machine does not favour 
   bpd             ``--drafter bpd``: proposal heads on the target's hidden state (HeadsDrafter, checkpoint
                   ``--heads``, default the shipped ``smollm2-bpd``) + greedy verification
   bpd+ngram       ``--drafter bpd+ngram``: the heads' tree and the n-gram trie merged into one tree
+  eagle           ``--drafter eagle``: the EAGLE draft layer over the target's features (fastverify.hf.eagle,
+                  checkpoint ``--eagle``); eagle+ngram: its tree merged with the n-gram trie
   gad, lud        ``--drafter gad lud``: slot drafters in the verify forward (fastverify.hf.slots; checkpoints
                   ``--gad`` / ``--lud``), with ``--rule`` (default greedy: exact; gad / confidence: lossy, their
                   quality cost is reported: outputs identical to greedy, mean common prefix, math answers kept)
@@ -60,15 +62,16 @@ QUICK_PROMPTS = os.path.join(ROOT, "benchmarks", "quick_prompts.jsonl")
 OUT_DIR = os.path.join(ROOT, "benchmarks", "out")  # run outputs; ignored by git, so a run leaves the checkout clean
 # no_draft (opt-in): fastverify's loop with a drafter that proposes nothing, i.e. what the loop's kernels
 # (skinny linears) give without any drafting; it separates the two sources of speed-up.
-METHODS = ("generate", "prompt_lookup", "fastverify", "no_draft", "bpd", "bpd+ngram", "gad", "lud", "gad+ngram",
-           "lud+ngram")
+METHODS = ("generate", "prompt_lookup", "fastverify", "no_draft", "bpd", "bpd+ngram", "eagle", "eagle+ngram", "gad",
+           "lud", "gad+ngram", "lud+ngram")
 DEFAULT_METHODS = ("generate", "prompt_lookup", "fastverify")
 BASELINES = ("generate", "prompt_lookup")
 # drafters that read the target (proposal heads) are also compared with today's n-gram fastverify
-HEAD_METHODS = ("bpd", "bpd+ngram")
+HEAD_METHODS = ("bpd", "bpd+ngram", "eagle", "eagle+ngram")
 SLOT_METHODS = ("gad", "lud", "gad+ngram", "lud+ngram")  # slot drafters, compared with n-gram and the heads too
-DRAFTER_METHODS = {"ngram": "fastverify", "bpd": "bpd", "bpd+ngram": "bpd+ngram", "gad": "gad", "lud": "lud",
-                   "gad+ngram": "gad+ngram", "lud+ngram": "lud+ngram"}
+DRAFTER_METHODS = {"ngram": "fastverify", "bpd": "bpd", "bpd+ngram": "bpd+ngram", "eagle": "eagle",
+                   "eagle+ngram": "eagle+ngram", "gad": "gad", "lud": "lud", "gad+ngram": "gad+ngram",
+                   "lud+ngram": "lud+ngram"}
 
 
 def baselines(method, methods):
@@ -144,6 +147,17 @@ def heads_drafter(model, method, ngram=None, bpd=None):
     import fastverify
     from fastverify.heads import load_heads
     bpd = bpd or {}
+    extra = fastverify.NGramDrafter(**(ngram or {})) if method.endswith("+ngram") else None
+    if method.startswith("eagle"):  # the EAGLE draft layer (fastverify.hf.eagle), checkpoint bpd["eagle"]
+        from fastverify.eagle import load_eagle
+        from fastverify.hf.eagle import EagleDrafter
+        name = bpd["eagle"]
+        if name not in _HEADS:
+            _HEADS[name] = load_eagle(name, model)
+        layer, cfg = _HEADS[name]
+        opts = dict(bpd.get("eagle_options", {}))
+        opts.setdefault("calibration", cfg.get("calibration"))
+        return EagleDrafter(model, layer, ngram=extra, **opts)
     name = bpd.get("heads", "smollm2-bpd")
     if name not in _HEADS:
         _HEADS[name] = load_heads(name, model)
@@ -151,7 +165,6 @@ def heads_drafter(model, method, ngram=None, bpd=None):
     opts = dict(bpd.get("options", {}))
     opts.setdefault("head_acceptance", cfg.get("head_acceptance"))
     opts.setdefault("calibration", cfg.get("calibration"))
-    extra = fastverify.NGramDrafter(**(ngram or {})) if method == "bpd+ngram" else None
     return fastverify.HeadsDrafter(model, heads, ngram=extra, **opts)
 
 
@@ -489,9 +502,10 @@ def results_section(info, command, args, table, notes):
         f"max_new_tokens {args.max_new_tokens}",
         f"- fastverify: fastverify.patch(model), NGramDrafter({drafter_args}), greedy, skinny linears on"
         + ("; no_draft: the same loop with a drafter that proposes nothing" if "no_draft" in args.methods else "")
-        + ("".join(f"; {m}: HeadsDrafter from `{args.heads}`"
-                   + (f" ({', '.join(f'{k}={v}' for k, v in args.bpd.items())})" if args.bpd else "")
-                   + (" merged with NGramDrafter" if m == "bpd+ngram" else "")
+        + ("".join((f"; {m}: EagleDrafter from `{args.eagle}`" if m.startswith("eagle") else
+                    f"; {m}: HeadsDrafter from `{args.heads}`"
+                    + (f" ({', '.join(f'{k}={v}' for k, v in args.bpd.items())})" if args.bpd else ""))
+                   + (" merged with NGramDrafter" if m.endswith("+ngram") else "")
                    for m in HEAD_METHODS if m in args.methods)),
         f"- how to reproduce: `{command}`",
         "",
@@ -578,8 +592,11 @@ def parse_args(argv=None):
                    help="NGramDrafter arguments for fastverify, e.g. --ngram min_n=2 width=1 (default: its defaults)")
     p.add_argument("--drafter", nargs="+", default=[], choices=list(DRAFTER_METHODS),
                    help="fastverify drafters to run beside generate and prompt lookup: ngram (method fastverify), "
-                        "bpd (proposal heads), bpd+ngram (both, one tree); n-gram fastverify always runs with bpd*")
+                        "bpd (proposal heads), bpd+ngram (both, one tree), eagle / eagle+ngram (the EAGLE draft "
+                        "layer); n-gram fastverify always runs with bpd* and eagle*")
     p.add_argument("--heads", default="smollm2-bpd", help="heads checkpoint for bpd: shipped name or folder")
+    p.add_argument("--eagle", default=None, help="EAGLE checkpoint folder for eagle / eagle+ngram (written by "
+                   "python -m fastverify.train eagle; none is shipped)")
     p.add_argument("--gad", default="smollm2-gad", help="slot checkpoint for gad: shipped name or folder")
     p.add_argument("--lud", default="smollm2-lud", help="slot checkpoint for lud: shipped name or folder")
     p.add_argument("--rule", default=None, help="verify rule of the slot drafters (default greedy: exact); e.g. "
@@ -632,6 +649,8 @@ def parse_args(argv=None):
         args.bpd = {k: (int(v) if v.lstrip("-").isdigit() else float(v) if _is_float(v) else v) for k, v in pairs}
     except ValueError:
         p.error(f"--bpd: expected KEY=VALUE pairs, got {args.bpd}")
+    if any(m.startswith("eagle") for m in args.methods) and not args.eagle:
+        p.error("--eagle: the eagle methods need an EAGLE checkpoint folder (python -m fastverify.train eagle)")
     args.name = "e2e_quick" if args.quick else "e2e"
     if args.plot is None:
         args.plot = os.path.join(args.out_dir, args.name + ".png")
@@ -676,7 +695,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     records = run_benchmark(model, tokenizer, questions, args.max_new_tokens, tuple(args.methods),
                             progress=not args.no_progress, ngram=args.ngram or None,
-                            bpd={"heads": args.heads, "options": args.bpd},
+                            bpd={"heads": args.heads, "options": args.bpd, "eagle": args.eagle},
                             slots={"gad": args.gad, "lud": args.lud, "rule": args.rule,
                                    "params": {k: _number(v) for k, v in (a.split("=", 1) for a in args.rule_params)},
                                    "options": {"attach": args.slot_attach}})

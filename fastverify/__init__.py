@@ -11,7 +11,8 @@ Ops (each with torch / cpp / triton / cuda backends, see ``fastverify.backends()
 
 Hugging Face integration: ``fastverify.patch(model)`` / ``fastverify.unpatch(model)``; drafters NGramDrafter,
 DraftModelDrafter, HeadsDrafter (proposal heads: ``fastverify.load_drafter("smollm2-bpd", model)``; training:
-``python -m fastverify.train heads``).
+``python -m fastverify.train heads``), EagleDrafter (an EAGLE draft layer over the target's features; training:
+``python -m fastverify.train eagle``).
 """
 
 from fastverify._ext import backends  # noqa: F401  (loads the compiled extension, warning once if missing)
@@ -27,5 +28,6 @@ from fastverify import ptp  # noqa: F401
 from fastverify.hf import patch, unpatch  # noqa: F401,E402
 from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter  # noqa: F401,E402
 from fastverify.hf.bpd import HeadsDrafter, load_drafter  # noqa: F401,E402  (proposal heads, Stern et al. 2018)
+from fastverify.hf.eagle import EagleDrafter  # noqa: F401,E402  (EAGLE draft layer, Li et al. 2024)
 
 __version__ = "0.1.0"

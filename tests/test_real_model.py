@@ -198,3 +198,12 @@ def test_e2e_runs_end_to_end(smollm2, tmp_path):
     import json
     dump = json.loads(out.read_text())
     assert dump["records"][0]["methods"]["fastverify"]["loop"]["steps"] >= 1
+
+
+def test_e2e_eagle_methods_need_a_checkpoint(capsys):
+    e2e = _e2e()
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--quick", "--drafter", "eagle+ngram"])
+    assert "--eagle" in capsys.readouterr().err
+    args = e2e.parse_args(["--quick", "--drafter", "eagle+ngram", "--eagle", "DIR"])
+    assert "eagle+ngram" in args.methods and "fastverify" in args.methods

@@ -98,10 +98,35 @@ class HeadsDrafter(Drafter):
 
     wants_hidden = True
 
+    @property
+    def _grows(self) -> bool:
+        """Whether the tree grows level by level (``_sequential_nodes``) rather than from per-head candidates."""
+        return self.heads.sequential
+
     def __init__(self, model, heads: ProposalHeads, *, width: int = 4, max_nodes: int = 16, score: str = "auto",
                  head_acceptance=None, calibration=None, temperature: float = 1.0, fixed_cost: float = 0.05,
                  node_cost: float = 0.06, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None,
                  frontier: int = 4, ngram_confident: float = 1.5):
+        weight = output_projection(model)[0]
+        if heads.hidden_size != weight.shape[1]:
+            raise ValueError(f"heads: hidden size {heads.hidden_size}, the model's output projection takes "
+                             f"{weight.shape[1]}")
+        self.heads = heads.to(weight.device)
+        self._setup(model, heads.vocab_subset, heads.num_heads, width=width, max_nodes=max_nodes, score=score,
+                    head_acceptance=head_acceptance, calibration=calibration, temperature=temperature,
+                    fixed_cost=fixed_cost, node_cost=node_cost, min_gain=min_gain, max_depth=max_depth, ngram=ngram,
+                    frontier=frontier, ngram_confident=ngram_confident)
+        # sequential heads read draft tokens through the target's input embedding
+        self.embed = model.get_input_embeddings().weight.detach() if heads.sequential else None
+        # a sequential head's two products in one: [W_i | U_i] [D, 2D] against [state | n(e)] (one skinny_linear)
+        self.step_weight = ([_lossless(torch.cat([heads.weight[i], heads.token_weight[i]], 1).detach().float())
+                             for i in range(heads.num_heads)] if heads.sequential else None)
+
+    def _setup(self, model, subset, levels: int, *, width, max_nodes, score, head_acceptance, calibration,
+               temperature, fixed_cost, node_cost, min_gain, max_depth, ngram, frontier, ngram_confident):
+        """What every drafter of this family shares: the output projection over the vocabulary subset, the
+        candidates' scoring (``levels`` rows of acceptance / calibration tables), the cost model and the n-gram
+        drafter to merge with."""
         if score == "auto":
             score = "calibrated" if calibration is not None else "prob"
         if score not in ("prob", "rank", "calibrated"):
@@ -115,40 +140,30 @@ class HeadsDrafter(Drafter):
         if not temperature > 0:
             raise ValueError(f"temperature: expected > 0, got {temperature}")
         weight, bias = output_projection(model)
-        D = weight.shape[1]
-        if heads.hidden_size != D:
-            raise ValueError(f"heads: hidden size {heads.hidden_size}, the model's output projection takes {D}")
-        self.heads = heads.to(weight.device)
-        subset = heads.vocab_subset
         self.subset = None if subset is None else subset.to(weight.device)
-        # the output projection over the heads' vocabulary: a contiguous copy of the subset's rows (on the CPU this
-        # is what skinny_linear streams once per tree level, in float16: half the bytes of float32, which it reads
-        # as their exact float32 values; rounding the model's weights to float16 moves drafts only, never the
-        # verified output), or the model's own weight
+        # the output projection over the drafter's vocabulary: a contiguous copy of the subset's rows (on the CPU
+        # this is what skinny_linear streams once per tree level, in float16: half the bytes of float32, which it
+        # reads as their exact float32 values; rounding the model's weights to float16 moves drafts only, never
+        # the verified output), or the model's own weight
         w = weight.detach() if subset is None else weight.detach()[self.subset]
         self.weight = w.to(_stream_dtype(w)).contiguous()
         self.bias = None if bias is None else (bias.detach() if subset is None else bias.detach()[self.subset]).float()
         self.width = min(int(width), self.weight.shape[0])
         self.max_nodes, self.score, self.temperature = int(max_nodes), score, float(temperature)
         self.frontier = int(frontier)
-        # sequential heads read draft tokens through the target's input embedding
-        self.embed = model.get_input_embeddings().weight.detach() if heads.sequential else None
-        # a sequential head's two products in one: [W_i | U_i] [D, 2D] against [state | n(e)] (one skinny_linear)
-        self.step_weight = ([_lossless(torch.cat([heads.weight[i], heads.token_weight[i]], 1).detach().float())
-                             for i in range(heads.num_heads)] if heads.sequential else None)
-        self.depth = heads.num_heads if max_depth is None else max(1, min(int(max_depth), heads.num_heads))
+        self.depth = levels if max_depth is None else max(1, min(int(max_depth), levels))
         if head_acceptance is not None:
             acc = torch.as_tensor(head_acceptance, dtype=torch.float64)
-            if acc.dim() != 2 or acc.shape[0] != heads.num_heads:
-                raise ValueError(f"head_acceptance: expected [{heads.num_heads}, ranks], got {tuple(acc.shape)}")
+            if acc.dim() != 2 or acc.shape[0] != levels:
+                raise ValueError(f"head_acceptance: expected [{levels}, ranks], got {tuple(acc.shape)}")
             self.rank_logp = torch.log(acc.clamp(min=1e-6))
         else:
             self.rank_logp = None
         if calibration is not None:
             edges = torch.as_tensor(calibration["bins"], dtype=torch.float32)
             acc = torch.as_tensor(calibration["acceptance"], dtype=torch.float64)
-            if acc.dim() != 2 or acc.shape != (heads.num_heads, edges.numel() - 1):
-                raise ValueError(f"calibration: expected acceptance [{heads.num_heads}, {edges.numel() - 1}], got "
+            if acc.dim() != 2 or acc.shape != (levels, edges.numel() - 1):
+                raise ValueError(f"calibration: expected acceptance [{levels}, {edges.numel() - 1}], got "
                                  f"{tuple(acc.shape)}")
             self.calib_edges, self.calib_logp = edges[1:-1], torch.log(acc.clamp(min=1e-6))
         self.fixed_cost, self.node_cost, self.min_gain = float(fixed_cost), float(node_cost), float(min_gain)
@@ -249,6 +264,31 @@ class HeadsDrafter(Drafter):
             paths.append((paths[p] if p >= 0 else ()) + (tok[j],))
         return [(path, math.exp(lp)) for path, lp in zip(paths, logp)]
 
+    # The tree grows level by level (``_sequential_nodes``) through three hooks, which a drafter of this family
+    # with another model overrides (fastverify.hf.eagle): the frontier's state at the root, one level (the
+    # frontier's state and its nodes' tokens -> the children's state and the logits their candidates come from),
+    # and the state of the expanded nodes.
+
+    def _grow_start(self, reqs):
+        """The drafting requests' root state: the hidden rows handed by ``observe_hidden`` [m, D]."""
+        return torch.stack([self.candidates[b] for b in reqs])
+
+    def _grow_level(self, d: int, state, tokens, owner):
+        """Sequential head p_{d+2} on the frontier: state [m, D], tokens (the frontier nodes' tokens) -> (the
+        heads' states [m, D], logits [m, V'])."""
+        dev = state.device
+        e = self.embed[torch.tensor(tokens, dtype=torch.int64, device=self.embed.device)].to(dev).float()
+        e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)  # as ProposalHeads.step
+        x = torch.cat([state, e], 1)
+        pre = (skinny_linear(x, self.step_weight[d], self.heads.bias[d]) if dev.type == "cpu"
+               else F.linear(x, self.step_weight[d], self.heads.bias[d]))
+        state = state + F.silu(pre)
+        return state, self._project(state)
+
+    def _grow_select(self, state, rows):
+        """The state of the frontier's nodes ``rows`` (indices into the last level's rows), which expand next."""
+        return state[torch.tensor(rows, dtype=torch.int64, device=state.device)]
+
     @torch.no_grad()
     def _sequential_nodes(self, contexts, buds, drafting: int):
         """Sequential heads: per request, [(path tuple, estimated probability that the path is accepted)], best
@@ -260,18 +300,11 @@ class HeadsDrafter(Drafter):
         if not reqs:
             return out
         floor = math.log(self.node_cost * drafting) if self.node_cost > 0 else -math.inf
-        state = torch.stack([self.candidates[b] for b in reqs])  # [m, D]
+        state = self._grow_start(reqs)
         owner, paths, logp = reqs, [()] * len(reqs), [0.0] * len(reqs)
         tokens = [contexts[b][-1] for b in reqs]
-        dev = state.device
         for d in range(self.depth):
-            e = self.embed[torch.tensor(tokens, dtype=torch.int64, device=self.embed.device)].to(dev).float()
-            e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)  # as ProposalHeads.step
-            x = torch.cat([state, e], 1)
-            pre = (skinny_linear(x, self.step_weight[d], self.heads.bias[d]) if dev.type == "cpu"
-                   else F.linear(x, self.step_weight[d], self.heads.bias[d]))
-            state = state + F.silu(pre)
-            logits = self._project(state)
+            state, logits = self._grow_level(d, state, tokens, owner)
             top = logits.topk(self.width, dim=-1)
             cand = top.indices if self.subset is None else self.subset[top.indices]
             score = self._log_accept(d, top.values, logits).double().cpu().tolist()
@@ -294,7 +327,7 @@ class HeadsDrafter(Drafter):
                     tokens.append(path[-1])
             if not rows:
                 break
-            state = state[torch.tensor(rows, dtype=torch.int64, device=dev)]
+            state = self._grow_select(state, rows)
         for b in reqs:
             out[b] = sorted(out[b], key=lambda item: (-item[1], len(item[0])))[:min(buds[b], self.max_nodes)]
         return out
@@ -308,7 +341,7 @@ class HeadsDrafter(Drafter):
         if len(self.candidates) != B:
             self.reset(B)
         buds = [min(int(bud), self.max_nodes) for bud in budget]
-        seq = self._sequential_nodes(contexts, buds, batch_drafting(buds)) if self.heads.sequential else None
+        seq = self._sequential_nodes(contexts, buds, batch_drafting(buds)) if self._grows else None
         out = [seq[b] if seq is not None else self._heads_nodes(b, buds[b]) for b in range(B)]
         self.candidates = [None] * B
         return out
@@ -343,10 +376,13 @@ class HeadsDrafter(Drafter):
             self.ngram.update(accepted)
 
 
-def load_drafter(name_or_path: str, model, *, ngram=False, heads=None, **options) -> HeadsDrafter:
+def load_drafter(name_or_path: str, model, *, ngram=False, heads=None, **options) -> Drafter:
     """A HeadsDrafter from a shipped checkpoint (``"smollm2-bpd"``) or a checkpoint folder, checked against
     ``model`` (fastverify.heads.BaseModelMismatch when it was trained on another base). ngram: True (a default
     NGramDrafter) or an NGramDrafter instance to merge with ("bpd+ngram"). options: HeadsDrafter's.
+
+    A checkpoint of an EAGLE draft layer (config "method" "eagle": ``"smollm2-eagle"`` or a folder written by
+    ``python -m fastverify.train eagle``) gives a fastverify.hf.eagle.EagleDrafter (options: its own).
 
     A checkpoint of a slot drafter (config "method" "gad" / "lud" / "ptp": ``"smollm2-gad"``, ``"smollm2-lud"``,
     or a folder written by ``python -m fastverify.train slots``) gives a fastverify.hf.slots.BlockSlotDrafter
@@ -364,6 +400,12 @@ def load_drafter(name_or_path: str, model, *, ngram=False, heads=None, **options
     if ngram is True:
         from fastverify.hf.drafters import NGramDrafter
         ngram = NGramDrafter()
+    if method == "eagle":
+        from fastverify.hf.eagle import load_eagle_drafter
+        if heads is not None:
+            raise ValueError(f"heads: only slot drafters merge a heads drafter's proposals; {name_or_path!r} is an "
+                             f"EAGLE draft layer")
+        return load_eagle_drafter(path, model, ngram=ngram or None, **options)
     if method in ("gad", "lud", "ptp"):
         from fastverify.hf.slots import load_slot_drafter
         if isinstance(heads, str):

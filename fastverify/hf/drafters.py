@@ -19,6 +19,12 @@ Opt-in for drafters that read the target (DESIGN "Drafters that read the target"
                                  the verify forward by a hook (no extra forward); active: B bools (False for
                                  finished requests). The first propose of a generate comes before any of these.
 
+and one with ``wants_path_hidden = True`` as well gets, instead of observe_hidden,
+
+  observe_path(rows, active)     rows: B tensors [n_b, D], the final hidden states along each request's accepted
+                                 path (its root row, then each accepted node's row): the rows that produced the
+                                 n_b tokens committed this step (fastverify.hf.eagle reads every generated row).
+
 Drafters here:
 
   NGramDrafter       prompt + output lookup (transformers' prompt_lookup_num_tokens, vLLM's n-gram proposer),
@@ -98,6 +104,7 @@ class Drafter:
         pass
 
     wants_hidden = False  # True: the loop calls observe_hidden after every verify (fastverify.hf.bpd)
+    wants_path_hidden = False  # and True: observe_path (every accepted row's hidden state) instead
 
     def observe_hidden(self, hidden, active) -> None:
         pass

@@ -400,12 +400,23 @@ class Decoder:
 
     def _hand_hidden(self, inp, cu, accepted, accept_len):
         """drafter.observe_hidden(hidden [B, D], active): the output projection's input at the row where each
-        request's accepted path ends (its root row when nothing was accepted), from this step's forward."""
+        request's accepted path ends (its root row when nothing was accepted), from this step's forward. A drafter
+        with ``wants_path_hidden`` gets observe_path(rows, active) instead: per request the rows of the whole
+        accepted path [accept_len + 1, D] (root, then each accepted node), which produced the committed tokens."""
+        active = [self.remaining(b) > 0 for b in range(self.B)]
+        if getattr(self.drafter, "wants_path_hidden", False):
+            rows = [[cu[b] + b] + [cu[b] + b + 1 + j for j in accepted[b][:max(accept_len[b], 0)]]
+                    for b in range(self.B)]
+            flat = torch.tensor([r for rs in rows for r in rs], dtype=torch.int64, device=inp.row_batch.device)
+            hidden = self.hidden.value[inp.row_batch[flat], inp.row_local[flat]]
+            self.hidden.value = None
+            self.drafter.observe_path(list(hidden.split([len(rs) for rs in rows])), active)
+            return
         rows = [cu[b] + b + (accepted[b][accept_len[b] - 1] + 1 if accept_len[b] > 0 else 0) for b in range(self.B)]
         rows = torch.tensor(rows, dtype=torch.int64, device=inp.row_batch.device)
         hidden = self.hidden.value[inp.row_batch[rows], inp.row_local[rows]]
         self.hidden.value = None
-        self.drafter.observe_hidden(hidden, [self.remaining(b) > 0 for b in range(self.B)])
+        self.drafter.observe_hidden(hidden, active)
 
     def close(self):
         if self.hidden is not None:

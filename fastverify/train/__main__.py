@@ -16,6 +16,8 @@ def main(argv=None):
         from fastverify.train.slots import main as run
     elif argv[0] == "ptp":
         from fastverify.train.ptp import main as run
+    elif argv[0] == "eagle":
+        from fastverify.train.eagle import main as run
     run(argv[1:])
 
 

@@ -478,11 +478,27 @@ def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_pat
     """Train in place. hidden fp16 [N, D]; targets int64 [N, H] (remapped to the subset); sequential heads:
     inputs int64 [N, H] and embed [V, D] (``_head_logits``). Returns the history: per step the loss, the
     per-head top-1 and the training seconds so far (summed over resumed runs)."""
+
+    def batch_loss(idx):
+        logits = _head_logits(heads, hidden[idx], weight, bias, None if inputs is None else inputs[idx], embed)
+        return _loss(logits, targets[idx], cfg.decay)
+
+    return run_training(heads, "heads", hidden.shape[0], batch_loss, cfg, state_path, log, desc="train heads")
+
+
+def run_training(module, key: str, N: int, batch_loss, cfg, state_path: str, log=print, desc: str = "train"):
+    """The recipes' training loop: ``module`` trained in place on ``N`` examples, ``cfg.epochs`` epochs of batches
+    of ``cfg.batch_size`` example indices, ``batch_loss(idx) -> (loss, per-output top-1 list)``; AdamW (cfg.lr,
+    cfg.weight_decay), linear warmup (cfg.warmup steps) then cosine; the order of the examples a function of
+    (cfg.seed, epoch); a tqdm bar (cfg.progress) with the loss and the top-1s; the training state (the module's
+    weights under ``key``, optimiser, scheduler, step, RNG states, history, elapsed seconds) written to
+    ``state_path`` every cfg.save_every steps and at the end, and resumed from there (cfg.resume) exactly.
+    Returns the history: per step the loss, the top-1s and the training seconds so far (summed over resumed
+    runs)."""
     from tqdm.auto import tqdm
-    N = hidden.shape[0]
     steps_per_epoch = max(1, N // cfg.batch_size)
     total = max(1, int(round(cfg.epochs * steps_per_epoch)))
-    opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def lr_at(step):
         if step < cfg.warmup:
@@ -493,7 +509,7 @@ def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_pat
     step, history, elapsed = 0, [], 0.0
     if cfg.resume and os.path.isfile(state_path):
         st = torch.load(state_path, weights_only=False)
-        heads.load_state_dict(st["heads"])
+        module.load_state_dict(st[key])
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
         step, history = st["step"], st.get("history", [])
@@ -503,13 +519,13 @@ def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_pat
 
     def save():
         tmp = state_path + ".tmp"
-        torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+        torch.save({key: module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                     "step": step, "rng": _rng_state(), "history": history, "elapsed": elapsed,
                     "config": dataclasses.asdict(cfg)}, tmp)
         os.replace(tmp, state_path)
 
-    heads.train()
-    bar = tqdm(total=total, initial=step, desc="train heads", disable=not cfg.progress, unit="step")
+    module.train()
+    bar = tqdm(total=total, initial=step, desc=desc, disable=not cfg.progress, unit="step")
     perm, perm_epoch = None, -1
     ema_loss, ema_acc = None, None
     t_last = time.perf_counter()
@@ -518,9 +534,7 @@ def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_pat
         if epoch != perm_epoch:  # the order is a function of (seed, epoch): a resumed run sees the same batches
             g = torch.Generator().manual_seed(cfg.seed * 1000003 + epoch)
             perm, perm_epoch = torch.randperm(N, generator=g), epoch
-        idx = perm[i * cfg.batch_size:(i + 1) * cfg.batch_size]
-        logits = _head_logits(heads, hidden[idx], weight, bias, None if inputs is None else inputs[idx], embed)
-        loss, acc = _loss(logits, targets[idx], cfg.decay)
+        loss, acc = batch_loss(perm[i * cfg.batch_size:(i + 1) * cfg.batch_size])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -537,7 +551,7 @@ def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_pat
         if step % cfg.save_every == 0 or step == total:
             save()
     bar.close()
-    heads.eval()
+    module.eval()
     return history
 
 
