@@ -1,7 +1,8 @@
 """Batched end-to-end check: B mixed Spec-Bench questions per generate call (left padded), greedy, side by side.
 
 Methods: plain ``generate`` (the reference), n-gram fastverify (``fastverify.patch(model)``), and the proposal-heads
-drafters (bpd, bpd+ngram; checkpoint ``--heads``, default the shipped ``smollm2-bpd``). Batches take one question
+drafters (bpd, bpd+ngram; checkpoint ``--heads``, default the shipped ``smollm2-bpd``), and the EAGLE drafters (eagle,
+eagle+ngram; checkpoint folder ``--eagle``). Batches take one question
 from each of B different categories in turn (mixed prompts), so requests finish and accept at different rates.
 Reports per method: identical rows, tokens per request-step of the loop, tok/s (all requests' new tokens / wall
 time), speedup over generate and over n-gram fastverify (geometric mean over batches). Methods rotate per batch.
@@ -28,12 +29,15 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--offset", type=int, default=0, help="skip the first OFFSET questions of each category")
     p.add_argument("--heads", default="smollm2-bpd")
+    p.add_argument("--eagle", default=None, help="EAGLE checkpoint folder, for the methods eagle / eagle+ngram")
     p.add_argument("--methods", nargs="+", default=["generate", "fastverify", "bpd", "bpd+ngram"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     args = p.parse_args(argv)
+    if any(m.startswith("eagle") for m in args.methods) and not args.eagle:
+        p.error("--eagle: the eagle methods need an EAGLE checkpoint folder (python -m fastverify.train eagle)")
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
@@ -59,6 +63,10 @@ def main(argv=None):
     def drafter(m):
         if m == "fastverify":
             return fastverify.NGramDrafter()
+        if m.startswith("eagle"):
+            from fastverify.hf.eagle import load_eagle_drafter
+            return load_eagle_drafter(args.eagle, model,
+                                      ngram=fastverify.NGramDrafter() if m == "eagle+ngram" else None)
         return fastverify.HeadsDrafter(model, heads, head_acceptance=cfg.get("head_acceptance"),
                                        calibration=cfg.get("calibration"),
                                        ngram=fastverify.NGramDrafter() if m == "bpd+ngram" else None)
