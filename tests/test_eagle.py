@@ -298,3 +298,10 @@ def test_eagle_drafter_rejects_bad_options(model):
         EagleDrafter(model, EagleLayer(32, 4, 16))
     with pytest.raises(ValueError, match="score"):
         EagleDrafter(model, _random_layer(), score="bogus")
+
+
+def test_slot_drafters_refuse_an_eagle_drafter_as_heads(model):
+    """A slot drafter hands its heads one hidden row per request; the EAGLE drafter needs the whole path."""
+    from fastverify.hf.slots import BlockSlotDrafter
+    with pytest.raises(TypeError, match="reads the hidden state at one row"):
+        BlockSlotDrafter(D, num_slots=2, method="lud", heads=EagleDrafter(model, _random_layer()))

@@ -127,8 +127,10 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
                                          for f in ("scored_nodes", "step_fixed_cost")):
             raise TypeError(f"ngram: expected an NGramDrafter, got {type(ngram).__name__}")
         if heads is not None and not (callable(getattr(heads, "scored_nodes", None))
-                                      and getattr(heads, "wants_hidden", False)):
-            raise TypeError(f"heads: expected a HeadsDrafter, got {type(heads).__name__}")
+                                      and getattr(heads, "wants_hidden", False)
+                                      and not getattr(heads, "wants_path_hidden", False)):
+            raise TypeError(f"heads: expected a HeadsDrafter (one that reads the hidden state at one row), got "
+                            f"{type(heads).__name__}")
         self.method, self.attach, self.tree_topk = method, attach, tree_topk
         self.ngram, self.heads = ngram, heads
         self.block_size = num_slots
