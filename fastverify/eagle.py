@@ -52,6 +52,12 @@ def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, heads, hd] rotated by cos, sin [..., T, hd] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    return x * cos[..., None, :] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[..., None, :]
+
+
 class EagleLayer(nn.Module):
     """One decoder block over (feature, token embedding) rows. Parameters fp32: fc [D, 2D], qkv [3D, D], o [D, D],
     gate_up [2I, D], down [D, I], norm1 / norm2 [D]; vocab_subset int64 [V'] or None (a buffer)."""
@@ -79,10 +85,15 @@ class EagleLayer(nn.Module):
         self.register_buffer("vocab_subset", vocab_subset, persistent=False)
 
     # -- the block, split where the attention sits (the drafter runs the halves around its own cache) ----------
+    # ``lin(x, name)`` computes x @ W^T for the parameter ``name``; the drafter passes one that streams float16
+    # copies through skinny_linear on the CPU.
 
-    def inputs(self, feature: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x @ getattr(self, name).t()
+
+    def inputs(self, feature: torch.Tensor, token_emb: torch.Tensor, lin=None) -> torch.Tensor:
         """feature [..., D], token_emb [..., D] -> z [..., D]."""
-        return torch.cat([feature.float(), _rms(token_emb.float())], -1) @ self.fc.t()
+        return (lin or self._linear)(torch.cat([feature.float(), _rms(token_emb.float())], -1), "fc")
 
     def rope_table(self, positions: torch.Tensor):
         """(cos, sin) [..., T, hd] of positions [..., T] (rotate-half convention, every head alike)."""
@@ -91,23 +102,19 @@ class EagleLayer(nn.Module):
         ang = positions.float()[..., None] * inv  # [..., T, half]
         return torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
 
-    def rotary(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [..., T, heads, hd] rotated by positions [..., T]."""
-        cos, sin = self.rope_table(positions)
-        half = self.head_dim // 2
-        return x * cos[..., None, :] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[..., None, :]
-
-    def qkv_of(self, z: torch.Tensor, positions: torch.Tensor):
-        """z [..., T, D] -> q, k, v [..., T, heads, hd] (q and k rotated)."""
+    def qkv_of(self, z: torch.Tensor, rope, lin=None):
+        """z [..., T, D], rope: ``rope_table`` of the rows' positions -> q, k, v [..., T, heads, hd] (q and k
+        rotated)."""
         a = _rms(z) * self.norm1
-        q, k, v = (a @ self.qkv.t()).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
-        return self.rotary(q, positions), self.rotary(k, positions), v
+        q, k, v = (lin or self._linear)(a, "qkv").unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
+        return _rotate(q, *rope), _rotate(k, *rope), v
 
-    def finish(self, z: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def finish(self, z: torch.Tensor, attn: torch.Tensor, lin=None) -> torch.Tensor:
         """z [..., D], attn [..., heads, hd] (the attention's output) -> u [..., D]."""
-        h = z + attn.flatten(-2) @ self.o.t()
-        g, up = ((_rms(h) * self.norm2) @ self.gate_up.t()).chunk(2, -1)
-        return h + (F.silu(g) * up) @ self.down.t()
+        lin = lin or self._linear
+        h = z + lin(attn.flatten(-2), "o")
+        g, up = lin(_rms(h) * self.norm2, "gate_up").chunk(2, -1)
+        return h + lin(F.silu(g) * up, "down")
 
     # -- training: the unrolled passes ------------------------------------------------------------------------
 
@@ -118,13 +125,14 @@ class EagleLayer(nn.Module):
         k = 2..d (its ancestors, then itself). Rows j < d - 1 of pass d have no such node (garbage, unused)."""
         B, T, D = feature.shape
         pos = torch.arange(T, device=feature.device)
+        rope = self.rope_table(pos)
         scale = 1.0 / math.sqrt(self.head_dim)
         outs, keys, vals = [], [], []
         prev = None
         for d in range(1, passes + 1):
             feat = feature if d == 1 else F.pad(prev, (0, 0, 1, 0))[:, :T]  # row j reads pass d-1's row j - 1
             z = self.inputs(feat, token_emb)
-            q, k, v = self.qkv_of(z, pos)  # [B, T, h, hd]
+            q, k, v = self.qkv_of(z, rope)  # [B, T, h, hd]
             keys.append(k)
             vals.append(v)
             qh = q.transpose(1, 2)  # [B, h, T, hd]
@@ -138,15 +146,11 @@ class EagleLayer(nn.Module):
                 vs = F.pad(vals[kk - 1], (0, 0, 0, 0, shift, 0))[:, :T].transpose(1, 2)
                 extra.append((qh * ks).sum(-1, keepdim=True) * scale)
                 extra_v.append(vs)
-            scores = torch.cat([s1] + extra, -1)
-            if d == 1:
-                p1 = scores.softmax(-1)
-                out = p1 @ vals[0].transpose(1, 2)
-            else:
-                p = torch.nan_to_num(scores.softmax(-1))
-                out = p[..., :T] @ vals[0].transpose(1, 2)
-                for i, vs in enumerate(extra_v):
-                    out = out + p[..., T + i:T + i + 1] * vs
+            # every row has a finite score (its own key: pass 1's diagonal, or pass d's own row), so no NaN
+            p = torch.cat([s1] + extra, -1).softmax(-1)
+            out = p[..., :T] @ vals[0].transpose(1, 2)
+            for i, vs in enumerate(extra_v):
+                out = out + p[..., T + i:T + i + 1] * vs
             prev = self.finish(z, out.transpose(1, 2))
             outs.append(prev)
         return outs

@@ -32,10 +32,6 @@ from fastverify.ops.linear import skinny_linear
 __all__ = ["EagleDrafter", "load_eagle_drafter"]
 
 
-def _rms(x):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-
 class _Cache:
     """One request's keys and values [P, heads, hd] (preallocated, doubled when full)."""
 
@@ -90,7 +86,6 @@ class EagleDrafter(HeadsDrafter):
                     ngram_confident=ngram_confident)
         self.embed = model.get_input_embeddings().weight.detach()
         self.w = {n: _lossless(getattr(layer, n).detach().float()) for n in ("fc", "qkv", "o", "gate_up", "down")}
-        self.norm1, self.norm2 = layer.norm1.detach().float(), layer.norm2.detach().float()
         self.caches, self.pending = [], []
         self._cos, self._sin = self.layer.rope_table(torch.arange(1024, device=weight.device))
 
@@ -102,26 +97,17 @@ class EagleDrafter(HeadsDrafter):
 
     def _rows_in(self, feature, token_ids, positions):
         """Rows (feature [n, D], token ids [n]) at positions [n] -> z, q, k, v (q, k rotated)."""
-        L = self.layer
-        e = self.embed[token_ids.to(self.embed.device)].to(feature.device).float()
-        z = self._lin(torch.cat([feature.float(), _rms(e)], -1), "fc")
-        q, k, v = self._lin(_rms(z) * self.norm1, "qkv").unflatten(-1, (3, L.num_heads, L.head_dim)).unbind(-3)
-        return z, self._rotate(q, positions), self._rotate(k, positions), v
+        e = self.embed[token_ids.to(self.embed.device)].to(feature.device)
+        z = self.layer.inputs(feature, e, self._lin)
+        return (z,) + self.layer.qkv_of(z, self._rope(positions), self._lin)
 
-    def _rotate(self, x, positions):
-        """x [n, heads, hd] rotated by positions [n]: EagleLayer.rotary with its cos / sin table cached."""
+    def _rope(self, positions):
+        """EagleLayer.rope_table of positions [n], from a table of every position so far (grown by doubling)."""
         need = int(positions.max()) + 1
         if need > self._cos.shape[0]:
             self._cos, self._sin = self.layer.rope_table(torch.arange(max(need, 2 * self._cos.shape[0]),
-                                                                      device=x.device))
-        half = self.layer.head_dim // 2
-        return (x * self._cos[positions][:, None] + torch.cat([-x[..., half:], x[..., :half]], -1)
-                * self._sin[positions][:, None])
-
-    def _finish(self, z, attn):
-        h = z + self._lin(attn.flatten(-2), "o")
-        g, up = self._lin(_rms(h) * self.norm2, "gate_up").chunk(2, -1)
-        return h + self._lin(F.silu(g) * up, "down")
+                                                                      device=positions.device))
+        return self._cos[positions], self._sin[positions]
 
     # -- Drafter interface -------------------------------------------------------------------------------------
 
@@ -175,7 +161,7 @@ class EagleDrafter(HeadsDrafter):
             zs.append(z[last])
             roots.append(b)
             r0 += n
-        u = self._finish(torch.stack(zs), torch.stack(outs))
+        u = self.layer.finish(torch.stack(zs), torch.stack(outs), self._lin)
         return {b: u[i] for i, b in enumerate(roots)}
 
     # -- the tree's growth hooks (HeadsDrafter._sequential_nodes) ------------------------------------------------
@@ -204,7 +190,7 @@ class EagleDrafter(HeadsDrafter):
             outs.append(torch.einsum("rhp,phd->rhd", s[..., :c.n], c.v[:c.n])
                         + torch.einsum("rhm,rmhd->rhd", s[..., c.n:], av[i:j]))
             i = j
-        u = self._finish(z, torch.cat(outs))
+        u = self.layer.finish(z, torch.cat(outs), self._lin)
         return (u, ak, av, pos + 1), self._project(u)
 
     def _grow_select(self, state, rows):
