@@ -155,9 +155,7 @@ def heads_drafter(model, method, ngram=None, bpd=None):
         if name not in _HEADS:
             _HEADS[name] = load_eagle(name, model)
         layer, cfg = _HEADS[name]
-        opts = dict(bpd.get("eagle_options", {}))
-        opts.setdefault("calibration", cfg.get("calibration"))
-        return EagleDrafter(model, layer, ngram=extra, **opts)
+        return EagleDrafter(model, layer, ngram=extra, calibration=cfg.get("calibration"))
     name = bpd.get("heads", "smollm2-bpd")
     if name not in _HEADS:
         _HEADS[name] = load_heads(name, model)

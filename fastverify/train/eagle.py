@@ -25,8 +25,7 @@ from fastverify.eagle import EagleLayer, save_eagle
 from fastverify.heads import WEIGHT_DTYPES, fingerprint, output_projection
 from fastverify.train.cli import run_recipe
 from fastverify.train.heads import (CALIBRATION_BINS, DEFAULT_EXCLUDE, _eval_targets, _input_embedding, _projection,
-                                    _remap, _round_to, build_vocab_subset, data_folder, generate_data, run_training,
-                                    select_prompts)
+                                    _remap, _round_to, build_vocab_subset, recipe_shards, run_training)
 
 __all__ = ["EagleConfig", "train_eagle", "build_sequences", "main"]
 
@@ -194,15 +193,9 @@ def train_eagle(model, tokenizer, cfg: EagleConfig, base_name: str = None, promp
     model.requires_grad_(False).eval()
     base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
     os.makedirs(cfg.out, exist_ok=True)
-    data_dir = data_folder(cfg)
 
     t0 = time.perf_counter()
-    eval_p, train_p, dropped = select_prompts(cfg, prompts, log)
-    kw = dict(batch=cfg.gen_batch, max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-              progress=cfg.progress)
-    eval_paths = generate_data(model, tokenizer, eval_p, os.path.join(data_dir, "eval"), desc="data (held-out)", **kw)
-    train_paths = generate_data(model, tokenizer, train_p, os.path.join(data_dir, "train"), desc="data (train)",
-                                seconds=60 * cfg.data_minutes, seed=cfg.seed, **kw)
+    eval_p, train_p, dropped, eval_paths, train_paths = recipe_shards(model, tokenizer, cfg, prompts, log)
     feats, toks, lens = build_sequences(train_paths)
     ev_feats, ev_toks, ev_lens = build_sequences(eval_paths)
     t_data = time.perf_counter() - t0

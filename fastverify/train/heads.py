@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from fastverify.heads import ProposalHeads, fingerprint, output_projection, save_heads
 from fastverify.train.cli import parse_config, run_recipe
 
-__all__ = ["HeadsConfig", "train_heads", "load_prompts", "ngram_filter", "generate_data", "main"]
+__all__ = ["HeadsConfig", "train_heads", "load_prompts", "ngram_filter", "generate_data", "recipe_shards", "main"]
 
 # Medusa-1 on Vicuna-7B (Cai et al. 2024, §2.1.1): "the top-1 accuracy for predicting the 'next-next' token
 # is approximately 60%, while the top-5 accuracy exceeds 80%" -- published for the first head only.
@@ -391,6 +391,23 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
         rec.close()
         bar.close()
     return [p for p in paths if os.path.isfile(p)]
+
+
+def recipe_shards(model, tokenizer, cfg, prompts=None, log=print, sample=None):
+    """The data stage the recipes share: (held-out prompts, training prompts, count dropped by the 8-gram filter,
+    held-out shard paths, training shard paths) of a recipe config (``select_prompts``, then ``generate_data`` into
+    ``data_folder(cfg)``/eval and /train, the training shards within ``cfg.data_minutes``); with ``sample``
+    (generate's sampling options), sampled continuations in a folder of their own named by those options."""
+    data_dir = data_folder(cfg)
+    if sample:
+        data_dir = os.path.join(data_dir, "sampled-" + "-".join(f"{k}{v}" for k, v in sorted(sample.items())))
+    eval_p, train_p, dropped = select_prompts(cfg, prompts, log)
+    kw = dict(batch=cfg.gen_batch, max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
+              progress=cfg.progress, sample=sample)
+    eval_paths = generate_data(model, tokenizer, eval_p, os.path.join(data_dir, "eval"), desc="data (held-out)", **kw)
+    train_paths = generate_data(model, tokenizer, train_p, os.path.join(data_dir, "train"), desc="data (train)",
+                                seconds=60 * cfg.data_minutes, seed=cfg.seed, **kw)
+    return eval_p, train_p, dropped, eval_paths, train_paths
 
 
 def build_examples(paths, num_heads: int, with_inputs: bool = False):

@@ -50,7 +50,7 @@ from fastverify.hf.attention import cache_kwargs
 from fastverify.hf.slots import BlockSlotDrafter, save_slot_drafter
 from fastverify.lora import slot_gate
 from fastverify.train.cli import parse_config, run_recipe
-from fastverify.train.heads import (DEFAULT_EXCLUDE, data_folder, generate_data, select_prompts, shard_prompts,
+from fastverify.train.heads import (DEFAULT_EXCLUDE, data_folder, generate_data, recipe_shards, shard_prompts,
                                     _rng_state, _set_rng_state)
 
 __all__ = ["SlotsConfig", "train_slots", "slot_batch", "main"]
@@ -113,18 +113,10 @@ def _sequences(paths, tokenizer, prompts, cfg):
 
 def load_data(model, tokenizer, cfg, prompts=None, log=print, sample=None):
     """(training sequences, held-out sequences, prompts dropped by the 8-gram filter) of a recipe config: the
-    proposal-heads recipe's shards of the target's greedy continuations (fastverify.train.heads.generate_data),
+    proposal-heads recipe's shards of the target's greedy continuations (fastverify.train.heads.recipe_shards),
     made here if missing; with ``sample`` (generate's sampling options), sampled continuations in a folder of
     their own named by those options."""
-    data_dir = data_folder(cfg)
-    if sample:
-        data_dir = os.path.join(data_dir, "sampled-" + "-".join(f"{k}{v}" for k, v in sorted(sample.items())))
-    eval_p, train_p, dropped = select_prompts(cfg, prompts, log)
-    kw = dict(batch=cfg.gen_batch, max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-              progress=cfg.progress, sample=sample)
-    eval_paths = generate_data(model, tokenizer, eval_p, os.path.join(data_dir, "eval"), desc="data (held-out)", **kw)
-    train_paths = generate_data(model, tokenizer, train_p, os.path.join(data_dir, "train"), desc="data (train)",
-                                seconds=60 * cfg.data_minutes, seed=cfg.seed, **kw)
+    eval_p, train_p, dropped, eval_paths, train_paths = recipe_shards(model, tokenizer, cfg, prompts, log, sample)
     train_seqs = _sequences(train_paths, tokenizer, train_p, cfg)
     eval_seqs = _sequences(eval_paths, tokenizer, eval_p, cfg)
     log(f"data: {len(train_seqs)} training sequences ({sum(len(s[3]) for s in train_seqs)} continuation tokens) "
