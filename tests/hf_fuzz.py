@@ -4,8 +4,9 @@ exactly the unpatched output, or fall back with a warning (and then, too, give t
 One case = a random config (architecture; sliding windows, chunk sizes, RoPE scaling type, tied or untied
 embeddings, attention implementation), a random batch (1-4 requests, left padding, random prompt lengths,
 repetitive or random prompts), random ``generate`` options (greedy or sampling, max_new_tokens / max_length,
-eos, options the loop does not run) and a random drafter (n-gram, the target itself as a draft model, none) and
-rule (the slot drafters with random, active adapters, which also checks that verify rows stay the base model).
+eos, options the loop does not run), a random drafter (n-gram, the target itself as a draft model, none, GAD /
+LUD slots with random active adapters, which also checks that verify rows stay the base model, proposal heads and
+an EAGLE layer with random weights, alone or merged with the n-gram trie) and rule.
 Checked:
 
 - greedy: patched output == the model's own ``generate(do_sample=False)``, whether the loop ran or fell back;
@@ -30,7 +31,11 @@ import warnings
 
 import torch
 
+from fastverify.eagle import EagleLayer
+from fastverify.heads import ProposalHeads
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, unpatch
+from fastverify.hf.bpd import HeadsDrafter
+from fastverify.hf.eagle import EagleDrafter
 from fastverify.hf.slots import BlockSlotDrafter
 
 from conftest import left_padded
@@ -183,13 +188,58 @@ def _slot_drafter(rng: random.Random, model):
     return d
 
 
-def _drafter(rng: random.Random, model):
-    kind = rng.choice(["ngram", "ngram", "self", "none", "slots"])
+def _heads_drafter(rng: random.Random, model):
+    """A HeadsDrafter with random (untrained, but active) proposal heads, parallel or sequential, over the whole
+    vocabulary or a random subset, alone or merged with the n-gram trie."""
+    D, V_model = model.config.hidden_size, model.get_output_embeddings().weight.shape[0]
+    subset = None
+    if rng.random() < 0.5:
+        subset = sorted(rng.sample(range(V_model), rng.randint(1, V_model)))
+    heads = ProposalHeads(D, num_heads=rng.randint(1, 4), vocab_subset=subset, sequential=rng.random() < 0.5)
+    _randomise(rng, heads)
+    return HeadsDrafter(model, heads, width=rng.randint(1, 4), max_nodes=rng.randint(1, 16),
+                        frontier=rng.randint(1, 4), node_cost=rng.choice([0.0, 0.06]), **_merge(rng))
+
+
+def _eagle_drafter(rng: random.Random, model):
+    """An EagleDrafter with a random (untrained, but active) draft layer."""
+    D, V_model = model.config.hidden_size, model.get_output_embeddings().weight.shape[0]
+    subset = sorted(rng.sample(range(V_model), rng.randint(1, V_model))) if rng.random() < 0.5 else None
+    layer = EagleLayer(D, num_heads=rng.choice([2, 4]), intermediate_size=rng.randint(8, 96), vocab_subset=subset)
+    _randomise(rng, layer)
+    return EagleDrafter(model, layer, width=rng.randint(1, 4), max_nodes=rng.randint(1, 16),
+                        frontier=rng.randint(1, 4), max_depth=rng.randint(1, 6), node_cost=rng.choice([0.0, 0.06]),
+                        **_merge(rng))
+
+
+def _randomise(rng: random.Random, module):
+    g = torch.Generator().manual_seed(rng.randint(0, 2 ** 31))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _merge(rng: random.Random):
+    if rng.random() < 0.5:
+        return {}
+    return {"ngram": NGramDrafter(width=rng.randint(1, 3), max_width=4, depth=rng.randint(1, 6)),
+            "ngram_confident": rng.choice([None, 1.5])}
+
+
+DRAFTERS = ("ngram", "ngram", "self", "none", "slots", "heads", "eagle")
+
+
+def _drafter(rng: random.Random, model, kinds=DRAFTERS):
+    kind = rng.choice(kinds)
     if kind == "slots":
         if model.config.model_type == "gpt2":  # no nn.Linear projections (Conv1D): nothing to adapt
             kind = "ngram"
         else:
             return kind, _slot_drafter(rng, model)
+    if kind == "heads":
+        return kind, _heads_drafter(rng, model)
+    if kind == "eagle":
+        return kind, _eagle_drafter(rng, model)
     if kind == "ngram":
         return kind, NGramDrafter(width=rng.randint(1, 3), max_width=4, depth=rng.randint(1, 6))
     if kind == "self":
@@ -210,7 +260,7 @@ def _generate(model, ids, mask, opts):
 
 
 @torch.no_grad()
-def run_case(seed: int) -> dict:
+def run_case(seed: int, kinds=DRAFTERS) -> dict:
     """One random case. Returns a dict: the case's description and ``outcome``: "identical" (the loop ran and
     matched), "fallback" (it fell back with a warning and matched) or "DIFFERENT" / "NO-WARNING" (a defect),
     plus ``reason`` for fallbacks and ``detail`` for defects."""
@@ -218,7 +268,7 @@ def run_case(seed: int) -> dict:
     model, desc = build_model(rng)
     ids, mask = build_batch(rng)
     opts = build_options(rng, ids)
-    kind, drafter = _drafter(rng, model)
+    kind, drafter = _drafter(rng, model, kinds)
     rule = None
     if rng.random() < 0.2:  # an explicit exact rule (greedy also under do_sample: must switch, with a warning)
         rule = rng.choice(["greedy", "coupled", "speculative"])
@@ -257,9 +307,10 @@ def run_case(seed: int) -> dict:
     return dict(desc, outcome="fallback" if fallback else "identical")
 
 
-def sweep(cases: int, start: int = 0):
-    """Run ``cases`` cases with seeds start .. start + cases - 1; returns the list of results."""
-    return [run_case(seed) for seed in range(start, start + cases)]
+def sweep(cases: int, start: int = 0, kinds=DRAFTERS):
+    """Run ``cases`` cases with seeds start .. start + cases - 1 (drafters drawn from ``kinds``); returns the list
+    of results."""
+    return [run_case(seed, kinds) for seed in range(start, start + cases)]
 
 
 def summary(results) -> dict:
@@ -279,6 +330,10 @@ def summary(results) -> dict:
             key = re.sub(r"=\d+", "", key)
             reasons[key] = reasons.get(key, 0) + 1
     out["fallback_reasons"] = reasons
+    drafters = {}
+    for r in results:
+        drafters[r["drafter"]] = drafters.get(r["drafter"], 0) + 1
+    out["drafters"] = drafters
     return out
 
 
@@ -290,10 +345,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=600)
     ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--drafters", nargs="+", choices=sorted(set(DRAFTERS)), default=DRAFTERS,
+                    help="the drafter kinds to draw from (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    results = sweep(args.cases, args.start)
+    results = sweep(args.cases, args.start, tuple(args.drafters))
     for r in results:
         if r["outcome"] not in ("identical", "fallback"):
             print(json.dumps(r))

@@ -32,5 +32,15 @@ def test_fuzz_sweep_identical_or_fallback():
     assert summary.get("identical", 0) > cases // 2 and summary.get("fallback", 0) > 0
 
 
+def test_fuzz_model_drafters_identical_or_fallback():
+    """The drafters with a model side (proposal heads, the EAGLE layer, GAD / LUD slots; random but active
+    weights) on every architecture: the hidden states they read come from the loop's own forward."""
+    results = hf_fuzz.sweep(60, start=10_000, kinds=("heads", "eagle", "slots"))
+    defects = [r for r in results if r["outcome"] not in ("identical", "fallback")]
+    assert not defects, "\n".join(json.dumps(r) for r in defects)
+    drafters = {r["drafter"] for r in results if r["outcome"] == "identical"}
+    assert {"heads", "eagle", "slots"} <= drafters, drafters
+
+
 def test_fuzz_case_is_reproducible():
     assert hf_fuzz.run_case(3) == hf_fuzz.run_case(3)
