@@ -5,8 +5,8 @@ One case = a random config (architecture; sliding windows, chunk sizes, RoPE sca
 embeddings, attention implementation), a random batch (1-4 requests, left padding, random prompt lengths,
 repetitive or random prompts), random ``generate`` options (greedy or sampling, max_new_tokens / max_length,
 eos, options the loop does not run), a random drafter (n-gram, the target itself as a draft model, none, GAD /
-LUD slots with random active adapters, which also checks that verify rows stay the base model, proposal heads and
-an EAGLE layer with random weights, alone or merged with the n-gram trie) and rule.
+LUD / PTP slots with random active adapters, which also checks that verify rows stay the base model, proposal
+heads and an EAGLE layer with random weights, alone or merged with the n-gram trie) and rule.
 Checked:
 
 - greedy: patched output == the model's own ``generate(do_sample=False)``, whether the loop ran or fell back;
@@ -36,7 +36,7 @@ from fastverify.heads import ProposalHeads
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, unpatch
 from fastverify.hf.bpd import HeadsDrafter
 from fastverify.hf.eagle import EagleDrafter
-from fastverify.hf.slots import BlockSlotDrafter
+from fastverify.hf.slots import BlockSlotDrafter, PTPSlotDrafter
 
 from conftest import left_padded
 
@@ -175,16 +175,28 @@ def build_options(rng: random.Random, ids):
     return opts
 
 
-def _slot_drafter(rng: random.Random, model):
-    """A GAD / LUD slot drafter with random (untrained, but active) adapters and slot embeddings."""
-    d = BlockSlotDrafter(model.config.hidden_size, num_slots=rng.randint(1, 4), method=rng.choice(["gad", "lud"]),
-                         attach=rng.choice(["path", "last"]), tree_topk=rng.choice([1, 2]))
+def _slot_drafter(rng: random.Random, model, ptp: bool = False):
+    """A GAD / LUD slot drafter (ptp: a PTP slot drafter of a random variant, auxiliary input and draft rule,
+    alone or with proposal heads and the n-gram trie) with random (untrained, but active) adapters and slot
+    embeddings."""
+    D = model.config.hidden_size
+    if ptp:
+        d = PTPSlotDrafter(D, num_slots=rng.randint(1, 4), attach=rng.choice(["path", "last"]),
+                           aux_mode=rng.choice(["interp", "bits", "none"]), tree_topk=rng.choice([1, 2]),
+                           variant=rng.choice(["o", "c"]), draft=rng.choice(PTPSlotDrafter.DRAFTS),
+                           first_gate=rng.random() < 0.5,
+                           heads=_heads_drafter(rng, model) if rng.random() < 0.3 else None, **_merge(rng, False))
+    else:
+        d = BlockSlotDrafter(D, num_slots=rng.randint(1, 4), method=rng.choice(["gad", "lud"]),
+                             attach=rng.choice(["path", "last"]), tree_topk=rng.choice([1, 2]))
     d.init_adapters(model, rank=rng.choice([1, 4]))
     g = torch.Generator().manual_seed(rng.randint(0, 2 ** 31))
     with torch.no_grad():
         for a in d.adapters.values():
             a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
         d.slot_embed.copy_(torch.randn(d.slot_embed.shape, generator=g) * 0.1)
+    if getattr(d, "aux", None) is not None:
+        _randomise(rng, d.aux)
     return d
 
 
@@ -219,23 +231,26 @@ def _randomise(rng: random.Random, module):
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
 
 
-def _merge(rng: random.Random):
+def _merge(rng: random.Random, confident: bool = True):
+    """Half the time, an n-gram drafter to merge with (and the heads' ngram_confident threshold)."""
     if rng.random() < 0.5:
         return {}
-    return {"ngram": NGramDrafter(width=rng.randint(1, 3), max_width=4, depth=rng.randint(1, 6)),
-            "ngram_confident": rng.choice([None, 1.5])}
+    out = {"ngram": NGramDrafter(width=rng.randint(1, 3), max_width=4, depth=rng.randint(1, 6))}
+    if confident:
+        out["ngram_confident"] = rng.choice([None, 1.5])
+    return out
 
 
-DRAFTERS = ("ngram", "ngram", "self", "none", "slots", "heads", "eagle")
+DRAFTERS = ("ngram", "ngram", "self", "none", "slots", "heads", "eagle", "ptp")
 
 
 def _drafter(rng: random.Random, model, kinds=DRAFTERS):
     kind = rng.choice(kinds)
-    if kind == "slots":
+    if kind in ("slots", "ptp"):
         if model.config.model_type == "gpt2":  # no nn.Linear projections (Conv1D): nothing to adapt
             kind = "ngram"
         else:
-            return kind, _slot_drafter(rng, model)
+            return kind, _slot_drafter(rng, model, ptp=kind == "ptp")
     if kind == "heads":
         return kind, _heads_drafter(rng, model)
     if kind == "eagle":

@@ -129,6 +129,43 @@ def test_position_dependent_rope(rope, falls_back):
     assert torch.equal(out, ref) and not _fallbacks(messages)
 
 
+def _slot_drafter(model, ptp, seed=0):
+    """A LUD (ptp: O-PTP) slot drafter with 4 slots and random, active adapters."""
+    from fastverify.hf.slots import BlockSlotDrafter, PTPSlotDrafter
+    D = model.config.hidden_size
+    d = PTPSlotDrafter(D, num_slots=4) if ptp else BlockSlotDrafter(D, num_slots=4, method="lud")
+    d.init_adapters(model, rank=4)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for a in d.adapters.values():
+            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
+    return d
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+                                   "original_max_position_embeddings": 40}])
+@pytest.mark.parametrize("ptp", [False, True])
+def test_slot_rows_stay_below_a_position_dependent_rope_bound(rope, ptp):
+    """A slot drafter's placeholder rows stand up to a block past the draft; near the end of a sequence that just
+    fits a dynamic / longrope RoPE's bound they would pass it and switch the frequencies of the whole forward,
+    verified rows included. The loop drops those blocks."""
+    from fastverify.hf.model_limits import position_limit
+    model = _llama(max_position_embeddings=40, rope_parameters=dict(rope, rope_theta=10000.0), head_dim=16)
+    assert position_limit(model.config) == 40
+    ids, mask = _prompts(2, L=24)
+    opts = dict(max_new_tokens=16, do_sample=ptp, **({"top_k": 0} if ptp else {}))
+    if ptp:  # the coupled rule's output is the loop's own autoregressive sampling with the seed
+        patch(model, drafter=Drafter())
+        ref, _ = _run(model, ids, mask, seed=7, **opts)
+    else:
+        ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **opts)
+    patch(model, drafter=_slot_drafter(model, ptp))
+    out, messages = _run(model, ids, mask, **({"seed": 7} if ptp else {}), **opts)
+    assert not _fallbacks(messages) and stats(model).drafted_tokens > 0
+    assert torch.equal(out, ref)
+
+
 def test_unknown_layer_type_falls_back():
     from fastverify.hf.model_limits import sequence_limit
     cfg = transformers.LlamaConfig(**COMMON)

@@ -103,6 +103,7 @@ class DecodeSettings:
     backend: str = "auto"
     sync: bool = False  # synchronise the device around phases (exact CUDA timings; costs a little)
     skinny_linear: bool = True  # few-row float32 CPU nn.Linear layers through fastverify.skinny_linear
+    max_positions: int = None  # every row of a forward below this position (a position-dependent RoPE's bound)
 
 
 def _to_host(res):
@@ -110,6 +111,19 @@ def _to_host(res):
     B, D = res.accepted.shape
     flat = torch.cat([res.accept_len.long(), res.next_token.long(), res.accepted.long().reshape(-1)]).tolist()
     return flat[:B], flat[B:2 * B], [flat[2 * B + b * D:2 * B + (b + 1) * D] for b in range(B)]
+
+
+def _blocks_below(blocks, trees, cache_len, pad_len, m, limit):
+    """The slot attachments whose m slot rows all sit below position ``limit``. Slot rows stand after the draft
+    (up to m positions past the sequence's end), and a dynamic / longrope RoPE switches its frequencies for the
+    whole forward once any row passes its bound, which would change the verified rows' logits too; a dropped
+    block only means no block draft for the next step."""
+    out = []
+    for b, (attach, tree) in enumerate(zip(blocks, trees)):
+        base = cache_len[b] - pad_len[b]  # the root's position
+        depth = tree.depth.tolist() if len(tree) else []
+        out.append([a for a in attach if base + (depth[a] if a >= 0 else 0) + m < limit])
+    return out
 
 
 def _prune(tree: Tree, max_depth: int) -> Tree:
@@ -200,6 +214,8 @@ class Decoder:
         cache_len = self.cache_len
         slots = self.slots
         blocks = slots.slot_attachments(trees, [r > 0 for r in remaining]) if slots is not None else None
+        if blocks is not None and s.max_positions is not None:
+            blocks = _blocks_below(blocks, trees, cache_len, self.pad_len, slots.block_size, s.max_positions)
         inp = step_inputs(trees, self.root, cache_len, self.pad_len, self.dtype, self.device, blocks=blocks,
                           block_size=slots.block_size if slots is not None else 0,
                           bidirectional=slots is not None and slots.bidirectional)

@@ -17,9 +17,11 @@ something else, and both only from some sequence length on:
 
 ``sequence_limit`` turns these into the longest sequence the loop may decode, or a reason it cannot run at all
 (an attention type it does not know). The patched ``generate`` falls back, with a warning, beyond that.
+``position_limit`` is the RoPE part alone: rows that are not verified (a slot drafter's placeholder rows stand
+after the draft) must still sit below it, since the frequencies follow the largest position in the forward.
 """
 
-__all__ = ["sequence_limit"]
+__all__ = ["sequence_limit", "position_limit"]
 
 # layer types of limited reach -> the config attribute holding the reach, in tokens
 _LIMITED_LAYER_TYPES = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
@@ -108,3 +110,10 @@ def sequence_limit(config, extra_attr=None):
     if not limits:
         return None, None
     return min(limits)
+
+
+def position_limit(config):
+    """The number of positions a forward may span without changing the model's RoPE frequencies (every row of
+    it at a position below this), or None where the RoPE does not depend on the positions in the forward."""
+    limits = _rope_limits(_text_config(config))
+    return min(limits)[0] if limits else None

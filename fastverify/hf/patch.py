@@ -20,7 +20,7 @@ import torch
 from fastverify.hf.attention import GQA_ATTENTION
 from fastverify.hf.drafters import Drafter, NGramDrafter
 from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, decode
-from fastverify.hf.model_limits import sequence_limit
+from fastverify.hf.model_limits import position_limit, sequence_limit
 
 __all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
            "SUPPORTED_TRANSFORMERS"]
@@ -378,7 +378,8 @@ def _plan(model, state, args, kwargs):
     settings = DecodeSettings(max_new_tokens=int(max_new), eos_token_ids=eos, pad_token_id=pad, rule=rule,
                               max_draft=int(state.options.get("max_draft", 32)),
                               backend=state.options.get("backend", "auto"), sync=bool(state.options.get("sync")),
-                              skinny_linear=bool(state.options.get("skinny_linear", True)))
+                              skinny_linear=bool(state.options.get("skinny_linear", True)),
+                              max_positions=position_limit(model.config))
     settings.rule_params = rule_params
     if rule in SAMPLING_RULES:
         if sampling:
