@@ -290,6 +290,10 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
     desc.update(seed=seed, batch=ids.shape[0], length=ids.shape[1], drafter=kind, rule=rule,
                 options={k: v for k, v in opts.items() if k != "seed"})
     extra = {"allow_unknown_model": True} if desc["arch"] in UNREGISTERED else {}
+    if rng.random() < 0.3:  # the loop's own options: draft budget, verify backend, torch's GEMM
+        extra.update(max_draft=rng.choice([0, 1, 3, 32]), backend=rng.choice(["auto", "torch"]),
+                     skinny_linear=rng.random() < 0.5)
+        desc["loop"] = {k: extra[k] for k in ("max_draft", "backend", "skinny_linear")}
     sampling = opts.get("do_sample", False)
 
     if not sampling:
