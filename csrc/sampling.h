@@ -316,6 +316,18 @@ FV_AVX2_FN inline double hsum4(__m256d v) {
 FV_AVX2_FN inline __m256d lo_pd(__m256 v) { return _mm256_cvtps_pd(_mm256_castps256_ps128(v)); }
 FV_AVX2_FN inline __m256d hi_pd(__m256 v) { return _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)); }
 
+// A block's last 8-wide steps: the 8 weights at offset j go to lanes j % 16 .. j % 16 + 7 of the 16 float64 lanes
+// (a0 a1 | a2 a3), where the 16-wide loop puts them: element i always goes to lane i % 16.
+FV_AVX2_FN inline void add8_at(__m256 w, int64_t j, __m256d& a0, __m256d& a1, __m256d& a2, __m256d& a3) {
+  if (j % 16 == 0) {
+    a0 = _mm256_add_pd(a0, lo_pd(w));
+    a1 = _mm256_add_pd(a1, hi_pd(w));
+  } else {
+    a2 = _mm256_add_pd(a2, lo_pd(w));
+    a3 = _mm256_add_pd(a3, hi_pd(w));
+  }
+}
+
 // The fused weight pass: P[b] = float64 sum of the weights of blocks 0..b-1 (P[nblocks] = Z), each block summed
 // in 16 float64 lanes (4 vectors, so the adds do not wait on each other) reduced in a fixed order; the weights
 // themselves are stored to w_out when it is not null (top-p needs them). One read of the row (from L2: the max
@@ -367,13 +379,7 @@ FV_AVX2_FN void dense_sums_avx2(const T* logits, int64_t V, const RowDist& d, do
         _mm256_store_ps(tmp, w0);
         for (int64_t k = 0; k < n; ++k) wo[j + k] = tmp[k];
       }
-      if (j % 16 == 0) {  // element i always goes to lane i % 16
-        a0 = _mm256_add_pd(a0, lo_pd(w0));
-        a1 = _mm256_add_pd(a1, hi_pd(w0));
-      } else {
-        a2 = _mm256_add_pd(a2, lo_pd(w0));
-        a3 = _mm256_add_pd(a3, hi_pd(w0));
-      }
+      add8_at(w0, j, a0, a1, a2, a3);
     }
     P[b] = run;
     run += hsum4(_mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
@@ -423,13 +429,7 @@ FV_AVX2_FN inline void masked_sums_avx2(const float* w, int64_t V, float w_min, 
       const int64_t n = std::min<int64_t>(8, len - j);
       __m256 w0 = n == 8 ? _mm256_loadu_ps(x + j) : load_tail(x + j, n, 0.f);
       w0 = _mm256_and_ps(w0, _mm256_cmp_ps(w0, wm, _CMP_GE_OQ));
-      if (j % 16 == 0) {
-        a0 = _mm256_add_pd(a0, lo_pd(w0));
-        a1 = _mm256_add_pd(a1, hi_pd(w0));
-      } else {
-        a2 = _mm256_add_pd(a2, lo_pd(w0));
-        a3 = _mm256_add_pd(a3, hi_pd(w0));
-      }
+      add8_at(w0, j, a0, a1, a2, a3);
     }
     P[b] = run;
     run += hsum4(_mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
