@@ -166,6 +166,25 @@ def test_slot_rows_stay_below_a_position_dependent_rope_bound(rope, ptp):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_greedy_warns_once(dtype):
+    """Half precision: the multi-row verify forward rounds differently from one-row decoding, so near-ties may
+    resolve the other way; the first generate says so, once per patch. float32 and lossy rules do not warn."""
+    model = _llama().to(dtype)
+    ids, mask = _prompts(1)
+    patch(model)
+    messages = [_run(model, ids, mask, max_new_tokens=4, do_sample=False)[1] for _ in range(2)]
+    assert len(messages[0]) == 1 and "rounds differently" in messages[0][0] and str(dtype)[6:] in messages[0][0]
+    assert messages[1] == []
+    patch(model)  # a new patch warns again
+    assert len(_run(model, ids, mask, max_new_tokens=4, do_sample=False)[1]) == 1
+    patch(model, rule="topk", k=2)
+    assert _run(model, ids, mask, max_new_tokens=4, do_sample=False)[1] == []
+    model = _llama()
+    patch(model)
+    assert _run(model, ids, mask, max_new_tokens=4, do_sample=False)[1] == []
+
+
 def test_unknown_layer_type_falls_back():
     from fastverify.hf.model_limits import sequence_limit
     cfg = transformers.LlamaConfig(**COMMON)

@@ -85,6 +85,7 @@ class _PatchState:
     had_instance_generate: bool
     instance_generate: object
     last_stats: object = None
+    warned_precision: bool = False
 
 
 class PatchedGenerate:
@@ -177,7 +178,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     reason; that includes sequences longer than a sliding-window / chunked attention layer's reach or than where
     a dynamic / longrope RoPE changes its frequencies (see fastverify.hf.model_limits). Logits that are NaN,
     +inf or all -inf on a row the output depends on raise a ValueError naming the request and the step (plain
-    greedy ``generate`` would emit an arbitrary token there).
+    greedy ``generate`` would emit an arbitrary token there). Token for token means in float32: a float16 /
+    bfloat16 model's verify forward (several rows) rounds differently from one-row decoding, so near-ties may
+    resolve the other way (as in transformers' assisted decoding); its first greedy / coupled generate warns once.
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "allow_unknown_model")
@@ -422,11 +425,26 @@ def _fallback(model, state, reason, args, kwargs):
         return original(*args, **kwargs)
 
 
+def _warn_precision(model, state, rule):
+    """Once per patch: a half-precision model's greedy / coupled output is generate's only up to rounding."""
+    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    if state.warned_precision or rule not in ("greedy", "coupled") or dtype not in (torch.float16, torch.bfloat16):
+        return
+    state.warned_precision = True
+    name = str(dtype).replace("torch.", "")
+    warnings.warn(f"fastverify: model dtype {name}: a verify forward scores several rows at once and rounds "
+                  f"differently from one-row decoding, so where two tokens' logits lie within {name} rounding of "
+                  f"each other (ties are common at this precision) the output may take the other token, as "
+                  f"transformers' assisted decoding may; in float32 the output is generate's token for token "
+                  f"(warned once per patch)", UserWarning, stacklevel=3)
+
+
 def _patched_generate(self, *args, **kwargs):
     state = self.__dict__[_STATE_ATTR]
     plan, reason = _plan(self, state, args, kwargs)
     if plan is None:
         return _fallback(self, state, reason, args, kwargs)
+    _warn_precision(self, state, plan["settings"].rule)
     sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], state.drafter, plan["settings"],
                                    plan["streamer"])
     state.last_stats = loop_stats
