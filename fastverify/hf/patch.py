@@ -436,7 +436,7 @@ def _warn_precision(model, state, rule):
                   f"differently from one-row decoding, so where two tokens' logits lie within {name} rounding of "
                   f"each other (ties are common at this precision) the output may take the other token, as "
                   f"transformers' assisted decoding may; in float32 the output is generate's token for token "
-                  f"(warned once per patch)", UserWarning, stacklevel=3)
+                  f"(warned once per patch)", UserWarning, stacklevel=4)
 
 
 def _patched_generate(self, *args, **kwargs):
