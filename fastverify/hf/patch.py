@@ -178,9 +178,10 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     reason; that includes sequences longer than a sliding-window / chunked attention layer's reach or than where
     a dynamic / longrope RoPE changes its frequencies (see fastverify.hf.model_limits). Logits that are NaN,
     +inf or all -inf on a row the output depends on raise a ValueError naming the request and the step (plain
-    greedy ``generate`` would emit an arbitrary token there). Token for token means in float32: a float16 /
-    bfloat16 model's verify forward (several rows) rounds differently from one-row decoding, so near-ties may
-    resolve the other way (as in transformers' assisted decoding); its first greedy / coupled generate warns once.
+    greedy ``generate`` would emit an arbitrary token there). A verify forward (several rows) rounds differently
+    from one-row decoding: in float32 by float32 rounding (no output has differed in any measurement), in float16 /
+    bfloat16 enough that near-ties may resolve the other way (as in transformers' assisted decoding); a half-
+    precision model's first greedy / coupled generate warns once.
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "allow_unknown_model")
@@ -435,8 +436,8 @@ def _warn_precision(model, state, rule):
     warnings.warn(f"fastverify: model dtype {name}: a verify forward scores several rows at once and rounds "
                   f"differently from one-row decoding, so where two tokens' logits lie within {name} rounding of "
                   f"each other (ties are common at this precision) the output may take the other token, as "
-                  f"transformers' assisted decoding may; in float32 the output is generate's token for token "
-                  f"(warned once per patch)", UserWarning, stacklevel=4)
+                  f"transformers' assisted decoding may; in float32 the differences are of float32 rounding and no "
+                  f"output has differed in any measurement (warned once per patch)", UserWarning, stacklevel=4)
 
 
 def _patched_generate(self, *args, **kwargs):
