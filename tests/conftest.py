@@ -165,3 +165,17 @@ def tiny_llama(vocab=64, hidden=64, seed=0, init=0.08):
     model.generation_config.pad_token_id = None
     model.generation_config.eos_token_id = None
     return model
+
+
+def patched_generate(model, drafter, input_ids, rule=None, options=None, **generate_kwargs):
+    """(output, fastverify.hf.stats) of one ``generate`` of ``model`` patched with ``drafter`` (and ``rule`` /
+    patch ``options``), without gradients; the model is unpatched afterwards, whatever happens."""
+    from fastverify.hf import patch, stats, unpatch
+
+    patch(model, drafter=drafter, rule=rule, **(options or {}))
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids, **generate_kwargs)
+        return out, stats(model)
+    finally:
+        unpatch(model)

@@ -8,11 +8,11 @@ import torch
 
 from fastverify.eagle import EagleLayer, load_eagle, save_eagle
 from fastverify.heads import BaseModelMismatch, CheckpointError, fingerprint
-from fastverify.hf import Drafter, NGramDrafter, patch, stats, unpatch
+from fastverify.hf import Drafter, NGramDrafter
 from fastverify.hf.eagle import EagleDrafter, load_eagle_drafter
 from fastverify.train import eagle as recipe
 
-from conftest import left_padded
+from conftest import left_padded, patched_generate
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,12 +168,8 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path):
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
     drafter = load_eagle_drafter(str(tmp_path / "ckpt"), model, min_gain=0.5)
     assert drafter.score == "calibrated"
-    patch(model, drafter=drafter)
-    try:
-        with torch.no_grad():
-            got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
-    finally:
-        unpatch(model)
+    got, _ = patched_generate(model, drafter, ids, attention_mask=mask,
+                              max_new_tokens=16, do_sample=False, pad_token_id=PAD)
     assert torch.equal(got, ref)
     steps = config["training"]["steps"]
     logs.clear()
@@ -249,13 +245,8 @@ def test_path_hidden_states_equal_a_plain_forward(model):
     drafter.propose = ngram.propose  # drafts (and accepts) several tokens a step
     drafter.reset = lambda B: ngram.reset(B)
     drafter.update = ngram.update
-    patch(model, drafter=drafter)
-    try:
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
-        st = stats(model)
-    finally:
-        unpatch(model)
+    out, st = patched_generate(model, drafter, ids, attention_mask=mask,
+                               max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     assert st.accepted_tokens > 0 and len(drafter.log) == st.steps
     L = ids.shape[1]
     for b in range(2):
@@ -280,13 +271,8 @@ def test_greedy_exact_with_eagle(model, with_ngram, lengths):
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
     drafter = EagleDrafter(model, _random_layer(subset=torch.arange(3, V)), score="prob", min_gain=0.5,
                            node_cost=0.0, ngram=NGramDrafter() if with_ngram else None)
-    patch(model, drafter=drafter)
-    try:
-        with torch.no_grad():
-            got = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
-        st = stats(model)
-    finally:
-        unpatch(model)
+    got, st = patched_generate(model, drafter, ids, attention_mask=mask,
+                               max_new_tokens=40, do_sample=False, pad_token_id=PAD)
     assert torch.equal(got, ref)
     assert st.drafted_tokens > 0
 

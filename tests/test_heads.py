@@ -21,7 +21,7 @@ from fastverify.hf import Drafter, NGramDrafter, patch, stats, unpatch
 from fastverify.hf.bpd import HeadsDrafter, load_drafter
 from fastverify.train import heads as recipe
 
-from conftest import left_padded
+from conftest import left_padded, patched_generate
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -145,17 +145,13 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch):
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
     drafter = load_drafter(str(tmp_path / "ckpt"), model, min_gain=0.5)
     assert drafter.score == "calibrated"
-    patch(model, drafter=drafter)
-    try:
-        with torch.no_grad():
-            got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
-    finally:
-        unpatch(model)
+    got, _ = patched_generate(model, drafter, ids, attention_mask=mask,
+                              max_new_tokens=16, do_sample=False, pad_token_id=PAD)
     assert torch.equal(got, ref)
     steps = config["training"]["steps"]
     logs.clear()
     _, config2 = recipe.train_heads(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
-    assert any(f"resumed from" in m and f"at step {steps}/{steps}" in m for m in logs)
+    assert any("resumed from" in m and f"at step {steps}/{steps}" in m for m in logs)
     assert config2["training"]["steps"] == steps
     # the wall time recorded is the training's, summed over runs, not the resumed call's (which trained nothing)
     elapsed = torch.load(tmp_path / "ckpt" / "train_state.pt", weights_only=False)["elapsed"]
@@ -334,13 +330,8 @@ class _Recorder(Drafter):
 def test_hidden_state_handed_to_drafter_equals_plain_forward(model):
     ids, mask = _batch([30, 22, 26])
     drafter = _Recorder()
-    patch(model, drafter=drafter)
-    try:
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
-        st = stats(model)
-    finally:
-        unpatch(model)
+    out, st = patched_generate(model, drafter, ids, attention_mask=mask,
+                               max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     assert st.accepted_tokens > 0 and len(drafter.log) == st.steps
     # after step s, request b's committed sequence is prompt + generated[:n]; the hidden state handed over is
     # the one at the position of its second-to-last token (the row whose logits gave the last token)
@@ -479,13 +470,8 @@ def test_greedy_exact_with_heads(model, with_ngram, lengths, sequential):
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
     drafter = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V), sequential=sequential), min_gain=0.5,
                            node_cost=0.0 if sequential else 0.025, ngram=NGramDrafter() if with_ngram else None)
-    patch(model, drafter=drafter)
-    try:
-        with torch.no_grad():
-            got = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
-        st = stats(model)
-    finally:
-        unpatch(model)
+    got, st = patched_generate(model, drafter, ids, attention_mask=mask,
+                               max_new_tokens=40, do_sample=False, pad_token_id=PAD)
     assert torch.equal(got, ref)
     assert st.drafted_tokens > 0
 
@@ -527,13 +513,8 @@ def test_lossy_rules_run_with_heads(model, rule, params):
     do accept tokens the target would not have chosen (the output is not greedy's)."""
     ids, mask = _batch([20, 16])
     drafter = HeadsDrafter(model, _random_heads(), min_gain=0.5)
-    patch(model, drafter=drafter, rule=rule, **params)
-    try:
-        with torch.no_grad():
-            got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
-        st = stats(model)
-    finally:
-        unpatch(model)
+    got, st = patched_generate(model, drafter, ids, attention_mask=mask,
+                               max_new_tokens=16, do_sample=False, pad_token_id=PAD, rule=rule, options=params)
     assert got.shape == (2, ids.shape[1] + 16)
     off_greedy = 0
     for b in range(2):
