@@ -153,18 +153,26 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def tiny_llama(vocab=64, hidden=64, seed=0, init=0.08):
-    """A frozen 2-layer random Llama of ``vocab`` tokens (no pad / eos, so generation runs its full length)."""
+def tiny_llama(vocab=64, hidden=64, seed=0, init=0.08, tie=False):
+    """A frozen 2-layer random Llama of ``vocab`` tokens (no pad / eos, so generation runs its full length);
+    ``tie``: its output projection is its input embedding."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=init)
+                                   initializer_range=init, tie_word_embeddings=tie)
     model = transformers.LlamaForCausalLM(cfg).eval().requires_grad_(False)
     model.generation_config.pad_token_id = None
     model.generation_config.eos_token_id = None
     return model
+
+
+def repetitive(length, vocab, seed):
+    """A prompt of ``length`` tokens: a random 7-token motif (ids in [3, vocab)) repeated."""
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(3, vocab, (7,), generator=g).tolist()
+    return (motif * (length // 7 + 1))[:length]
 
 
 def patched_generate(model, drafter, input_ids, rule=None, options=None, **generate_kwargs):

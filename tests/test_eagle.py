@@ -12,7 +12,7 @@ from fastverify.hf import Drafter, NGramDrafter
 from fastverify.hf.eagle import EagleDrafter, load_eagle_drafter
 from fastverify.train import eagle as recipe
 
-from conftest import left_padded, patched_generate
+from conftest import left_padded, patched_generate, repetitive, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,14 +22,7 @@ PAD = 1
 
 
 def _tiny(seed=0, vocab=V):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=D, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=0.08, tie_word_embeddings=True)
-    model = transformers.LlamaForCausalLM(cfg)
-    model.generation_config.pad_token_id = None
-    model.generation_config.eos_token_id = None
-    return model.eval()
+    return tiny_llama(vocab, D, seed=seed, tie=True)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +40,7 @@ def _random_layer(seed=1, subset=None, heads=4, inter=96):
 
 
 def _repetitive(length, seed):
-    g = torch.Generator().manual_seed(seed)
-    motif = torch.randint(3, V, (7,), generator=g).tolist()
-    return (motif * (length // 7 + 1))[:length]
+    return repetitive(length, V, seed)
 
 
 def _batch(lengths, seed=0):
