@@ -253,4 +253,9 @@ def test_ngram_calibrates_the_fixed_cost_from_step_times():
     d.reset(1)                                        # the gap over a reset (prefill) is not a step
     t[0] += 5.0
     d.propose([plain], [16])
+    t[0] += 3.0                                       # nor the first step's, whose forward runs the prompt
+    d.propose([plain], [16])
     assert d.plain_step == pytest.approx(0.010, rel=1e-3)
+    t[0] += 0.010
+    d.propose([plain], [16])
+    assert d.plain_step == pytest.approx(0.010, rel=1e-3)  # a plain step, timed again

@@ -146,20 +146,25 @@ def _slot_drafter(model, ptp, seed=0):
                                   {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
                                    "original_max_position_embeddings": 40}])
 @pytest.mark.parametrize("ptp", [False, True])
-def test_slot_rows_stay_below_a_position_dependent_rope_bound(rope, ptp):
+@pytest.mark.parametrize("L, new", [(24, 16), (36, 4)])  # the second: slot rows reach the bound in the first step
+def test_slot_rows_stay_below_a_position_dependent_rope_bound(rope, ptp, L, new):
     """A slot drafter's placeholder rows stand up to a block past the draft; near the end of a sequence that just
     fits a dynamic / longrope RoPE's bound they would pass it and switch the frequencies of the whole forward,
     verified rows included. The loop drops those blocks."""
     from fastverify.hf.model_limits import position_limit
     model = _llama(max_position_embeddings=40, rope_parameters=dict(rope, rope_theta=10000.0), head_dim=16)
     assert position_limit(model.config) == 40
-    ids, mask = _prompts(2, L=24)
-    opts = dict(max_new_tokens=16, do_sample=ptp, **({"top_k": 0} if ptp else {}))
+    ids, mask = _prompts(2, L=L)
+    opts = dict(max_new_tokens=new, do_sample=ptp, **({"top_k": 0} if ptp else {}))
     if ptp:  # the coupled rule's output is the loop's own autoregressive sampling with the seed
         patch(model, drafter=Drafter())
         ref, _ = _run(model, ids, mask, seed=7, **opts)
+        unpatch(model)
     else:
         ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **opts)
+    # a longer call in between: a dynamic RoPE grows its frequencies and keeps them until a forward spans fewer
+    # positions than its bound (plain decoding's first forward does; the loop's must too)
+    model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=24, do_sample=False)
     patch(model, drafter=_slot_drafter(model, ptp))
     out, messages = _run(model, ids, mask, **({"seed": 7} if ptp else {}), **opts)
     assert not _fallbacks(messages) and stats(model).drafted_tokens > 0
@@ -259,6 +264,8 @@ def _poison_rows(model):
 
     def post(module, args, kwargs, out):
         ids = state["ids"]
+        if ids is not None:
+            ids = ids[:, ids.shape[1] - out.logits.shape[1]:]  # the rows with logits (logits_to_keep)
         if ids is not None and (ids == POISON).any():
             out.logits[ids == POISON] = float("nan")
         return out

@@ -230,14 +230,15 @@ class NGramDrafter(Drafter):
         self.counts = {}
         # cost calibration (batch of one): wall time between consecutive propose calls = one whole step
         self.calibrate, self.clock = calibrate, time.perf_counter
-        self._last = None                 # (clock at the last propose, draft nodes proposed then)
+        self._last, self._prompt_gap = None, True  # (clock at the last propose, nodes proposed then); see reset
         self.plain_step = None            # running mean of a step without draft, seconds
         self._fixed_obs = []              # observed fixed costs of drafted steps (in plain steps)
 
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)
         self.states = [_NGramState(self.depth0, self.width0) for _ in range(batch_size)]
-        self._last = None  # the gap to the next propose contains the prefill
+        # the first gap between proposes holds the first step's forward, which also runs the prompt: not timed
+        self._last, self._prompt_gap = None, True
 
     def step_fixed_cost(self) -> float:
         """The fixed cost of a drafted step in plain steps: ``fixed_cost`` (prior, weight 4) averaged with the
@@ -247,7 +248,9 @@ class NGramDrafter(Drafter):
 
     def _time_step(self, proposed: int) -> None:
         now = self.clock()
-        if self.calibrate and self.batch_size == 1 and self._last is not None:
+        if self._last is not None and self._prompt_gap:
+            self._prompt_gap = False
+        elif self.calibrate and self.batch_size == 1 and self._last is not None:
             dt, k = now - self._last[0], self._last[1]
             if k == 0:
                 self.plain_step = dt if self.plain_step is None else 0.8 * self.plain_step + 0.2 * dt

@@ -1,7 +1,9 @@
 """The draft-and-verify decoding loop on a Hugging Face causal LM.
 
-One call of ``decode`` = one ``generate``: prefill the prompt (all but its last token, which becomes the
-first root), then repeat ``Decoder.step`` until every request has hit eos or max_new_tokens:
+One call of ``decode`` = one ``generate``: the prompt's last token is the first root, and the rest of the prompt
+(its prefix) goes into the first step's forward, ahead of that root and its draft (one forward, as transformers'
+prefill is; the first step's drafts are verified in it too). Then ``Decoder.step`` repeats until every request has
+hit eos or max_new_tokens:
 
   1. draft      the drafter proposes a Tree per request (possibly empty), pruned to the tokens still allowed;
   2. forward    ONE forward over [root, draft nodes...] per request, padded across the batch, with
@@ -39,10 +41,11 @@ SAMPLING_RULES = ("speculative", "coupled")
 class LoopStats:
     """What the last ``generate`` of a patched model did (``fastverify.hf.stats(model)``).
 
-    steps: decoding steps (forwards after the prefill); drafted / depth / accepted: per step, per request,
-    draft nodes scored, the draft tree's depth and draft nodes accepted (None for finished requests); new_tokens: tokens emitted per
-    request; time_*: seconds spent in prefill, drafting, building masks/positions, the forward, verify,
-    committing tokens (Python bookkeeping) and cache compaction; time_total: the whole loop."""
+    steps: decoding steps (= target forwards: the first one also runs the prompt); drafted / depth / accepted:
+    per step, per request, draft nodes scored, the draft tree's depth and draft nodes accepted (None for finished
+    requests); new_tokens: tokens emitted per request; time_*: seconds spent in prefill (the first step's forward,
+    which runs the prompt), drafting, building masks/positions, the other steps' forwards, verify, committing
+    tokens (Python bookkeeping) and cache compaction; time_total: the whole loop."""
 
     steps: int = 0
     drafted: list = field(default_factory=list)
@@ -114,15 +117,18 @@ def _to_host(res):
 
 
 def _blocks_below(blocks, trees, cache_len, pad_len, m, limit):
-    """The slot attachments whose m slot rows all sit below position ``limit``. Slot rows stand after the draft
-    (up to m positions past the sequence's end), and a dynamic / longrope RoPE switches its frequencies for the
-    whole forward once any row passes its bound, which would change the verified rows' logits too; a dropped
-    block only means no block draft for the next step."""
+    """The slot attachments whose m slot rows all sit at positions below ``limit`` - 1. Slot rows stand after the
+    draft (up to m positions past the sequence's end), and a dynamic / longrope RoPE computes its frequencies for
+    the whole forward from its largest position, which would change the verified rows' logits too. Plain decoding
+    of a sequence of at most ``limit`` tokens never feeds its last token, so its forwards span at most limit - 1
+    positions (below the bound, where a dynamic RoPE also drops frequencies grown by an earlier, longer call): the
+    loop's tree rows stay there (drafts are cut to the tokens still allowed), and so do the kept slot rows. A
+    dropped block only means no block draft for the next step."""
     out = []
     for b, (attach, tree) in enumerate(zip(blocks, trees)):
         base = cache_len[b] - pad_len[b]  # the root's position
         depth = tree.depth.tolist() if len(tree) else []
-        out.append([a for a in attach if base + (depth[a] if a >= 0 else 0) + m < limit])
+        out.append([a for a in attach if base + (depth[a] if a >= 0 else 0) + m < limit - 1])
     return out
 
 
@@ -162,7 +168,11 @@ class Decoder:
         self.hidden = _HiddenCapture(model) if getattr(drafter, "wants_hidden", False) else None
         self.vocab_size = _vocab_size(model)
         self.slots = drafter if getattr(drafter, "wants_slots", False) else None
-        self._prefill(attention_mask)
+        # the prompt's prefix (all but its last token): input ids, mask and positions of the first forward's rows
+        self.prefix = None
+        if L > 1:
+            prefix_mask, prefix_pos = prefill_inputs(attention_mask[:, :-1], self.dtype)
+            self.prefix = (input_ids[:, :-1], prefix_mask, prefix_pos)
         drafter.reset(B)
 
     def _sync(self):
@@ -172,15 +182,32 @@ class Decoder:
     def _forward(self, **kw):
         return self.model(**cache_kwargs(self.model, self.cache), use_cache=True, return_dict=True, **kw)
 
-    def _prefill(self, attention_mask):
-        t0 = time.perf_counter()
-        L = self.input_ids.shape[1]
-        if L > 1:
-            mask, pos = prefill_inputs(attention_mask[:, :-1], self.dtype)
-            kw = {"logits_to_keep": 1} if forward_takes(self.model, "logits_to_keep") else {}
-            self._forward(input_ids=self.input_ids[:, :-1], attention_mask=mask, position_ids=pos, **kw)
-        self._sync()
-        self.stats.time_prefill += time.perf_counter() - t0
+    def _step_forward(self, inp):
+        """The step's forward over [root, draft nodes, slot rows] per request, preceded in the first step by the
+        prompt's prefix (cache slots 0 .. L-2, causal among themselves); logits of the step's q rows only (the
+        output projection's input, read by drafters with wants_hidden, likewise)."""
+        ids, pos, mask, gate = inp.input_ids, inp.position_ids, inp.mask, inp.slot_rows
+        q = ids.shape[1]
+        kw = {}
+        if self.prefix is not None:
+            p_ids, p_mask, p_pos = self.prefix
+            self.prefix = None
+            B, P = p_ids.shape
+            hidden = torch.full((B, 1, P, q), torch.finfo(p_mask.dtype).min, dtype=p_mask.dtype, device=self.device)
+            ids, pos = torch.cat([p_ids, ids], 1), torch.cat([p_pos, pos], 1)
+            mask = torch.cat([torch.cat([p_mask, hidden], 3), mask], 2)  # the prefix rows do not see the step's
+            if gate is not None:
+                gate = torch.cat([torch.zeros(B, P, dtype=torch.bool, device=self.device), gate], 1)
+            if forward_takes(self.model, "logits_to_keep"):
+                kw["logits_to_keep"] = q
+        if self.slots is None:
+            out = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, **kw)
+        else:
+            out = self._forward_with_slots(inp, ids, pos, mask, gate, **kw)
+        logits = out.logits[:, -q:]
+        if self.hidden is not None and self.hidden.value is not None:
+            self.hidden.value = self.hidden.value[:, -q:]
+        return logits
 
     def remaining(self, b: int) -> int:
         return 0 if self.finished[b] else self.s.max_new_tokens - len(self.generated[b])
@@ -223,12 +250,10 @@ class Decoder:
         S = max(cache_len)
         t2 = time.perf_counter()
 
-        # 3. one forward over every request's root and draft nodes.
-        if slots is None:
-            out = self._forward(input_ids=inp.input_ids, attention_mask=inp.mask, position_ids=inp.position_ids)
-        else:
-            out = self._forward_with_slots(inp)
-        logits = out.logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
+        # 3. one forward over every request's root and draft nodes (in the first step, after the prompt's prefix).
+        first = self.prefix is not None
+        step_logits = self._step_forward(inp)  # [B, q, V]
+        logits = step_logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
         self._sync()
         t3 = time.perf_counter()
 
@@ -278,7 +303,7 @@ class Decoder:
         self.drafter.update([accept_len[b] if remaining[b] > 0 else None for b in range(B)])
         if slots is not None:  # the block attached where each accepted path ends drafts the next step
             ends = [accepted[b][accept_len[b] - 1] if accept_len[b] > 0 else -1 for b in range(B)]
-            slots.observe_slots([out.logits[b, inp.slot_local[b][blocks[b].index(ends[b])]]
+            slots.observe_slots([step_logits[b, inp.slot_local[b][blocks[b].index(ends[b])]]
                                  if self.remaining(b) > 0 and ends[b] in blocks[b] else None for b in range(B)])
         if self.hidden is not None:  # drafters that read the target: the row that gave each next token
             self._hand_hidden(inp, cu, accepted, accept_len)
@@ -304,15 +329,19 @@ class Decoder:
         st.steps += 1
         st.time_draft += t1 - t0
         st.time_inputs += t2 - t1
-        st.time_forward += t3 - t2
+        if first:
+            st.time_prefill += t3 - t2
+        else:
+            st.time_forward += t3 - t2
         st.time_verify += t4 - t3
         st.time_commit += t5 - t4
         st.time_cache += t6 - t5
 
-    def _forward_with_slots(self, inp):
-        """The verify forward with slot rows: their input embeddings from the drafter, its adapters gated on."""
+    def _forward_with_slots(self, inp, ids, pos, mask, gate, **kw):
+        """The verify forward with slot rows (ids, pos, mask, gate: the step's, after the prompt's prefix in the
+        first step): their input embeddings from the drafter, its adapters gated on."""
         from fastverify.lora import slot_gate
-        embeds = self.model.get_input_embeddings()(inp.input_ids)
+        embeds = self.model.get_input_embeddings()(ids)
         request, slot = [], []
         for b, blocks in enumerate(inp.slot_local):
             for rows in blocks:
@@ -322,10 +351,10 @@ class Decoder:
             t = torch.tensor
             request = t(request, device=self.device)
             seed = self.s.seed[request] if self.s.seed is not None else None
-            embeds = embeds.index_put((inp.slot_rows,), self.slots.slot_embeddings(
+            embeds = embeds.index_put((gate,), self.slots.slot_embeddings(
                 request, t(slot, device=self.device), inp.position_ids[inp.slot_rows], seed).to(embeds.dtype))
-        with slot_gate(inp.slot_rows):
-            return self._forward(inputs_embeds=embeds, attention_mask=inp.mask, position_ids=inp.position_ids)
+        with slot_gate(gate):
+            return self._forward(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, **kw)
 
     def _verify_around_invalid_rows(self, res, logits, trees, rule, kw, remaining):
         """verify reports accept_len = -1 for a request any of whose rows is invalid (NaN, +inf, all -inf). Plain
