@@ -106,7 +106,7 @@ class DecodeSettings:
     backend: str = "auto"
     sync: bool = False  # synchronise the device around phases (exact CUDA timings; costs a little)
     skinny_linear: bool = True  # few-row float32 CPU nn.Linear layers through fastverify.skinny_linear
-    max_positions: int = None  # every row of a forward below this position (a position-dependent RoPE's bound)
+    max_positions: int = None  # a position-dependent RoPE's bound: a forward's rows stay below it minus one
 
 
 def _to_host(res):
@@ -193,9 +193,9 @@ class Decoder:
             p_ids, p_mask, p_pos = self.prefix
             self.prefix = None
             B, P = p_ids.shape
-            hidden = torch.full((B, 1, P, q), torch.finfo(p_mask.dtype).min, dtype=p_mask.dtype, device=self.device)
+            unseen = torch.full((B, 1, P, q), torch.finfo(p_mask.dtype).min, dtype=p_mask.dtype, device=self.device)
             ids, pos = torch.cat([p_ids, ids], 1), torch.cat([p_pos, pos], 1)
-            mask = torch.cat([torch.cat([p_mask, hidden], 3), mask], 2)  # the prefix rows do not see the step's
+            mask = torch.cat([torch.cat([p_mask, unseen], 3), mask], 2)  # the prefix rows do not see the step's
             if gate is not None:
                 gate = torch.cat([torch.zeros(B, P, dtype=torch.bool, device=self.device), gate], 1)
             if forward_takes(self.model, "logits_to_keep"):
