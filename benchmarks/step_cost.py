@@ -49,12 +49,18 @@ def main(argv=None):
     def post(module, args, kwargs, out):
         if state["record"] and state["k"] is not None:
             times.setdefault(state["k"], []).append(time.perf_counter() - state["t"])
-        state["k"] = None  # the prefill and anything not preceded by a proposal are not recorded
+        state["k"] = None  # anything not preceded by a proposal is not recorded
 
     class Recording(fastverify.HeadsDrafter):
+        def reset(self, batch_size):
+            super().reset(batch_size)
+            self.first = True
+
         def propose(self, contexts, budget):
             trees = super().propose(contexts, budget)
-            state["k"] = len(trees[0])
+            # the first step's forward also runs the prompt: not a step's cost
+            state["k"] = None if self.first else len(trees[0])
+            self.first = False
             return trees
 
     hooks = [model.register_forward_pre_hook(pre, with_kwargs=True),
