@@ -187,3 +187,13 @@ def patched_generate(model, drafter, input_ids, rule=None, options=None, **gener
         return out, stats(model)
     finally:
         unpatch(model)
+
+
+def assert_greedy_exact(model, drafter, input_ids, **generate_kwargs):
+    """Patched greedy ``generate`` with ``drafter`` equals the model's own ``generate(do_sample=False)``; returns
+    the patched call's stats."""
+    with torch.no_grad():
+        ref = model.generate(input_ids, do_sample=False, **generate_kwargs)
+    got, st = patched_generate(model, drafter, input_ids, do_sample=False, **generate_kwargs)
+    assert torch.equal(got, ref)
+    return st

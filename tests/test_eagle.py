@@ -12,7 +12,7 @@ from fastverify.hf import Drafter, NGramDrafter
 from fastverify.hf.eagle import EagleDrafter, load_eagle_drafter
 from fastverify.train import eagle as recipe
 
-from conftest import left_padded, patched_generate, repetitive, tiny_llama
+from conftest import assert_greedy_exact, left_padded, patched_generate, repetitive, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -155,13 +155,9 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path):
     assert torch.equal(loaded.qkv, layer.qkv.detach()) and loaded.vocab_subset.numel() == 64
     assert len(cfg2["calibration"]["acceptance"]) == cfg.passes
     ids, mask = _batch([20, 14])
-    with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
     drafter = load_eagle_drafter(str(tmp_path / "ckpt"), model, min_gain=0.5)
     assert drafter.score == "calibrated"
-    got, _ = patched_generate(model, drafter, ids, attention_mask=mask,
-                              max_new_tokens=16, do_sample=False, pad_token_id=PAD)
-    assert torch.equal(got, ref)
+    assert_greedy_exact(model, drafter, ids, attention_mask=mask, max_new_tokens=16, pad_token_id=PAD)
     steps = config["training"]["steps"]
     logs.clear()
     _, config2 = recipe.train_eagle(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
@@ -258,13 +254,9 @@ def test_path_hidden_states_equal_a_plain_forward(model):
 @pytest.mark.parametrize("lengths", [[30], [30, 18, 25]], ids=["batch1", "batch3"])
 def test_greedy_exact_with_eagle(model, with_ngram, lengths):
     ids, mask = _batch(lengths, seed=3)
-    with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
     drafter = EagleDrafter(model, _random_layer(subset=torch.arange(3, V)), score="prob", min_gain=0.5,
                            node_cost=0.0, ngram=NGramDrafter() if with_ngram else None)
-    got, st = patched_generate(model, drafter, ids, attention_mask=mask,
-                               max_new_tokens=40, do_sample=False, pad_token_id=PAD)
-    assert torch.equal(got, ref)
+    st = assert_greedy_exact(model, drafter, ids, attention_mask=mask, max_new_tokens=40, pad_token_id=PAD)
     assert st.drafted_tokens > 0
 
 

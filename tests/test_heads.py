@@ -21,7 +21,7 @@ from fastverify.hf import Drafter, NGramDrafter, patch, stats, unpatch
 from fastverify.hf.bpd import HeadsDrafter, load_drafter
 from fastverify.train import heads as recipe
 
-from conftest import left_padded, patched_generate, repetitive, tiny_llama
+from conftest import assert_greedy_exact, left_padded, patched_generate, repetitive, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -132,13 +132,9 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch):
     assert len(cfg2["calibration"]["acceptance"]) == 2
     # the trained checkpoint drafts (calibrated scores) and greedy output stays the model's own
     ids, mask = _batch([20, 14])
-    with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD)
     drafter = load_drafter(str(tmp_path / "ckpt"), model, min_gain=0.5)
     assert drafter.score == "calibrated"
-    got, _ = patched_generate(model, drafter, ids, attention_mask=mask,
-                              max_new_tokens=16, do_sample=False, pad_token_id=PAD)
-    assert torch.equal(got, ref)
+    assert_greedy_exact(model, drafter, ids, attention_mask=mask, max_new_tokens=16, pad_token_id=PAD)
     steps = config["training"]["steps"]
     logs.clear()
     _, config2 = recipe.train_heads(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
@@ -457,13 +453,9 @@ def test_sequential_tree_scores_each_path_by_the_heads_run_along_it(model):
 @pytest.mark.parametrize("lengths", [[30], [30, 18, 25]], ids=["batch1", "batch3"])
 def test_greedy_exact_with_heads(model, with_ngram, lengths, sequential):
     ids, mask = _batch(lengths, seed=3)
-    with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=PAD)
     drafter = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V), sequential=sequential), min_gain=0.5,
                            node_cost=0.0 if sequential else 0.025, ngram=NGramDrafter() if with_ngram else None)
-    got, st = patched_generate(model, drafter, ids, attention_mask=mask,
-                               max_new_tokens=40, do_sample=False, pad_token_id=PAD)
-    assert torch.equal(got, ref)
+    st = assert_greedy_exact(model, drafter, ids, attention_mask=mask, max_new_tokens=40, pad_token_id=PAD)
     assert st.drafted_tokens > 0
 
 
