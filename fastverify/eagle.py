@@ -39,17 +39,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastverify.heads import (WEIGHT_DTYPES, CheckpointError, check_fingerprint, output_projection,
-                              read_checkpoint, resolve_checkpoint)
+from fastverify.heads import (WEIGHT_DTYPES, CheckpointError, check_fingerprint, output_projection, read_checkpoint,
+                              resolve_checkpoint, unit_rms)
 
 __all__ = ["EagleLayer", "save_eagle", "load_eagle"]
 
 WEIGHTS_NAME = "eagle.safetensors"
 FORMAT = 1
-
-
-def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -93,7 +89,7 @@ class EagleLayer(nn.Module):
 
     def inputs(self, feature: torch.Tensor, token_emb: torch.Tensor, lin=None) -> torch.Tensor:
         """feature [..., D], token_emb [..., D] -> z [..., D]."""
-        return (lin or self._linear)(torch.cat([feature.float(), _rms(token_emb.float())], -1), "fc")
+        return (lin or self._linear)(torch.cat([feature.float(), unit_rms(token_emb.float())], -1), "fc")
 
     def rope_table(self, positions: torch.Tensor):
         """(cos, sin) [..., T, hd] of positions [..., T] (rotate-half convention, every head alike)."""
@@ -105,7 +101,7 @@ class EagleLayer(nn.Module):
     def qkv_of(self, z: torch.Tensor, rope, lin=None):
         """z [..., T, D], rope: ``rope_table`` of the rows' positions -> q, k, v [..., T, heads, hd] (q and k
         rotated)."""
-        a = _rms(z) * self.norm1
+        a = unit_rms(z) * self.norm1
         q, k, v = (lin or self._linear)(a, "qkv").unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
         return _rotate(q, *rope), _rotate(k, *rope), v
 
@@ -113,7 +109,7 @@ class EagleLayer(nn.Module):
         """z [..., D], attn [..., heads, hd] (the attention's output) -> u [..., D]."""
         lin = lin or self._linear
         h = z + lin(attn.flatten(-2), "o")
-        g, up = lin(_rms(h) * self.norm2, "gate_up").chunk(2, -1)
+        g, up = lin(unit_rms(h) * self.norm2, "gate_up").chunk(2, -1)
         return h + lin(F.silu(g) * up, "down")
 
     # -- training: the unrolled passes ------------------------------------------------------------------------

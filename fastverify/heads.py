@@ -75,6 +75,12 @@ class BaseModelMismatch(ValueError):
     """A heads checkpoint loaded onto a model it was not trained on."""
 
 
+def unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x scaled to unit root mean square over its last dimension (RMSNorm without a weight): how the sequential
+    heads and the EAGLE layer read token embeddings."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class ProposalHeads(nn.Module):
     """k - 1 residual heads. weight fp32 [H, D, D] (zero-initialised), bias fp32 [H, D]; vocab_subset int64 [V']
     or None (all V tokens); sequential: also token_weight fp32 [H, D, D] (Hydra-style heads, above)."""
@@ -113,8 +119,7 @@ class ProposalHeads(nn.Module):
     def step(self, i: int, state: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
         """Sequential head p_{i+2}: state [N, D] (h, or the parent head's output), token_emb [N, D] (the input
         embedding of the token the head reads) -> the head's output [N, D] fp32."""
-        e = token_emb.to(self.weight.dtype)
-        e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)
+        e = unit_rms(token_emb.to(self.weight.dtype))
         return state + F.silu(F.linear(state, self.weight[i], self.bias[i]) + F.linear(e, self.token_weight[i]))
 
     def extra_repr(self):

@@ -62,7 +62,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastverify.heads import ProposalHeads, load_heads, output_projection
+from fastverify.heads import ProposalHeads, load_heads, output_projection, unit_rms
 from fastverify.hf.drafters import Drafter, batch_drafting, cut_scored, empty_tree, merge_scored
 from fastverify.hf.linear import skinny_available
 from fastverify.ops.linear import skinny_linear
@@ -168,7 +168,8 @@ class HeadsDrafter(Drafter):
             self.calib_edges, self.calib_logp = edges[1:-1], torch.log(acc.clamp(min=1e-6))
         self.fixed_cost, self.node_cost, self.min_gain = float(fixed_cost), float(node_cost), float(min_gain)
         if ngram is not None and not callable(getattr(ngram, "scored_nodes", None)):
-            raise TypeError(f"ngram: expected an NGramDrafter (a drafter with scored_nodes), got {type(ngram).__name__}")
+            raise TypeError(f"ngram: expected an NGramDrafter (a drafter with scored_nodes), got "
+                            f"{type(ngram).__name__}")
         self.ngram = ngram
         if ngram_confident is not None and not ngram_confident > 0:
             raise ValueError(f"ngram_confident: expected > 0 or None, got {ngram_confident}")
@@ -278,7 +279,7 @@ class HeadsDrafter(Drafter):
         heads' states [m, D], logits [m, V'])."""
         dev = state.device
         e = self.embed[torch.tensor(tokens, dtype=torch.int64, device=self.embed.device)].to(dev).float()
-        e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)  # as ProposalHeads.step
+        e = unit_rms(e)  # as ProposalHeads.step
         x = torch.cat([state, e], 1)
         pre = (skinny_linear(x, self.step_weight[d], self.heads.bias[d]) if dev.type == "cpu"
                else F.linear(x, self.step_weight[d], self.heads.bias[d]))
