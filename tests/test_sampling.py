@@ -7,8 +7,9 @@ reference with perturbed top_p / min_p), and (b) on u whose u * Z is at least 1e
 of the reference CDF. The round trip cdf_sample(cdf_invert(t)) == t is exact within a backend and tested as such.
 """
 
-import os
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -144,6 +145,49 @@ def test_uniform_matches_reference(backend):
     got = fastverify.uniform(3, torch.arange(6, device=dev).reshape(2, 3), backend=backend)
     assert got.shape == (2, 3)
     assert torch.equal(got.cpu().reshape(-1), ref.uniform(torch.full((6,), 3), torch.arange(6), 0))
+
+
+@pytest.mark.parametrize("backend", _backends("verify_uniforms"))
+def test_verify_uniforms_matches_definition(backend):
+    """verify's seeded draws in one call: entry i = uniform(seed[request[i]], position[request[i]] + offset[i],
+    stream[i]), split after ``rows``; a one-element seed is every request's."""
+    from fastverify.ops import dispatch
+    dev = device_of(backend)
+    g = torch.Generator().manual_seed(2)
+    for B, M, rows in ((1, 1, 1), (3, 17, 11), (5, 40, 40), (4, 9, 0), (2, 0, 0), (7, 300, 123)):
+        for one_seed in (False, True):
+            seed = torch.randint(-(2**63), 2**63 - 1, (1 if one_seed else B,), generator=g, dtype=torch.int64)
+            pos = torch.cat([torch.tensor([2**32 - 3, 2**63 - 40]), torch.randint(0, 2**40, (B,), generator=g)])[:B]
+            req = torch.randint(0, B, (M,), generator=g)
+            off = torch.randint(0, 33, (M,), generator=g)
+            stream = torch.randint(0, 2**32, (M,), generator=g)
+            a, b = dispatch.call("verify_uniforms", backend, torch.device(dev), *(t.to(dev) for t in (
+                seed, pos, req, off, stream)), rows)
+            s = seed.expand(B)[req]
+            want = torch.stack([ref.uniform(s[i:i + 1], pos[req[i]:req[i] + 1] + off[i], int(stream[i]))[0]
+                                for i in range(M)]) if M else torch.empty(0)
+            assert a.dtype == b.dtype == torch.float32 and a.shape == (rows,) and b.shape == (M - rows,)
+            assert torch.equal(torch.cat([a, b]).cpu(), want), (B, M, rows, one_seed)
+
+
+def test_verify_uniforms_bad_input():
+    """The CPU kernel names what is wrong; it never reads outside seed / position."""
+    if "cpp" not in S.implemented_backends("verify_uniforms"):
+        pytest.skip("no C++ extension")
+    op = torch.ops.fastverify.verify_uniforms
+    seed, pos = torch.tensor([1, 2]), torch.tensor([10, 20])
+    req, off, st = torch.tensor([0, 1, 1]), torch.zeros(3, dtype=torch.int64), torch.tensor([0, 1, 2])
+    for args, words in (((seed, pos, torch.tensor([0, 2, 1]), off, st, 3), "request[1] = 2"),
+                        ((seed, pos, torch.tensor([0, -1, 1]), off, st, 3), "request[1] = -1"),
+                        ((seed, pos, req, off, torch.tensor([0, 2**32, 1]), 3), "stream[1]"),
+                        ((seed, pos, req, off, torch.tensor([0, -1, 1]), 3), "stream[1]"),
+                        ((torch.tensor([1, 2, 3]), pos, req, off, st, 3), "seed must have B = 2"),
+                        ((seed, pos, req, off[:2], st, 3), "one length"),
+                        ((seed, pos, req, off, st, 4), "rows must be in [0, 3]"),
+                        ((seed, pos, req.int(), off, st, 3), "request must be int64"),
+                        ((seed, torch.empty(0, dtype=torch.int64), req, off, st, 3), "seed must have B = 0")):
+        with pytest.raises(RuntimeError, match=re.escape(words)):
+            op(*args)
 
 
 def test_uniform_is_uniform():

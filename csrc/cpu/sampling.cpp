@@ -72,6 +72,45 @@ at::Tensor _uniform_kernel(const at::Tensor& seed, const at::Tensor& position, c
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> _verify_uniforms_kernel(const at::Tensor& seed, const at::Tensor& position,
+                                                           const at::Tensor& request, const at::Tensor& offset,
+                                                           const at::Tensor& stream, int64_t rows) {
+  const int64_t B = position.numel(), M = request.numel();
+  for (const auto& [t, name] : {std::pair{&seed, "seed"}, {&position, "position"}, {&request, "request"},
+                                {&offset, "offset"}, {&stream, "stream"}}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong, "verify_uniforms: ", name, " must be int64, got ", t->scalar_type());
+    TORCH_CHECK(t->dim() == 1 && t->device().is_cpu(), "verify_uniforms: ", name, " must be a 1-D CPU tensor, got ",
+                t->sizes(), " on ", t->device());
+  }
+  TORCH_CHECK(seed.numel() == B || seed.numel() == 1, "verify_uniforms: seed must have B = ", B,
+              " elements (position's) or 1, got ", seed.numel());
+  TORCH_CHECK(offset.numel() == M && stream.numel() == M, "verify_uniforms: request, offset and stream must have "
+              "one length, got ", M, ", ", offset.numel(), ", ", stream.numel());
+  TORCH_CHECK(0 <= rows && rows <= M, "verify_uniforms: rows must be in [0, ", M, "], got ", rows);
+  const at::Tensor s = seed.contiguous(), p = position.contiguous(), rq = request.contiguous(),
+                   of = offset.contiguous(), st = stream.contiguous();
+  const int64_t* sp = s.data_ptr<int64_t>();
+  const int64_t* pp = p.data_ptr<int64_t>();
+  const int64_t* rp = rq.data_ptr<int64_t>();
+  const int64_t* ofp = of.data_ptr<int64_t>();
+  const int64_t* stp = st.data_ptr<int64_t>();
+  const int64_t seed_step = s.numel() == 1 ? 0 : 1;
+  at::Tensor first = at::empty({rows}, p.options().dtype(at::kFloat));
+  at::Tensor second = at::empty({M - rows}, p.options().dtype(at::kFloat));
+  float* fp = first.data_ptr<float>();
+  float* sp2 = second.data_ptr<float>();
+  at::parallel_for(0, M, 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t r = rp[i], x = stp[i];
+      TORCH_CHECK(0 <= r && r < B, "verify_uniforms: request[", i, "] = ", r, " is not in [0, ", B, ")");
+      TORCH_CHECK(0 <= x && x <= 0xFFFFFFFFLL, "verify_uniforms: stream[", i, "] = ", x, " is not in [0, 2^32)");
+      const float u = philox_uniform(sp[r * seed_step], pp[r] + ofp[i], static_cast<uint32_t>(x));
+      if (i < rows) fp[i] = u; else sp2[i - rows] = u;
+    }
+  });
+  return {first, second};
+}
+
 // Warps each row of logits [R, V] (parallel over rows, the next row prefetched on the way) and hands it to
 // fn(row, dist, workspace, r): the one loop cdf_sample and cdf_invert share, so both see identical arithmetic.
 template <typename Fn>
@@ -153,6 +192,7 @@ at::Tensor _aux_bits_kernel(const at::Tensor& u) {
 
 TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
   m.impl("uniform", &_uniform_kernel);
+  m.impl("verify_uniforms", &_verify_uniforms_kernel);
   m.impl("cdf_sample", &_cdf_sample_kernel);
   m.impl("cdf_invert", &_cdf_invert_kernel);
   m.impl("aux_bits", &_aux_bits_kernel);

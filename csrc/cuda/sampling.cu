@@ -25,6 +25,22 @@ __global__ void _uniform_kernel(const int64_t* __restrict__ seed, int64_t seed_s
   }
 }
 
+// verify's seeded draws: entry i of request[i] (clamped into [0, B): never an out-of-bounds read), position offset
+// by offset[i], stream i; entries before `rows` go to first, the rest to second.
+__global__ void _verify_uniforms_kernel(const int64_t* __restrict__ seed, int64_t seed_step,
+                                        const int64_t* __restrict__ position, int64_t B,
+                                        const int64_t* __restrict__ request, const int64_t* __restrict__ offset,
+                                        const int64_t* __restrict__ stream, int64_t M, int64_t rows,
+                                        float* __restrict__ first, float* __restrict__ second) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < M;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = min(max(request[i], int64_t{0}), B - 1);
+    const float u = ::fastverify::philox_uniform(seed[r * seed_step], position[r] + offset[i],
+                                                 static_cast<uint32_t>(stream[i]));
+    if (i < rows) first[i] = u; else second[i - rows] = u;
+  }
+}
+
 // out [R, 32]: bit (31 - c) of u's IEEE-754 pattern at column c, as 0.0 / 1.0.
 __global__ void _aux_bits_kernel(const float* __restrict__ u, int64_t R, float* __restrict__ out) {
   const int64_t total = R * 32;
@@ -120,6 +136,37 @@ at::Tensor uniform_cuda(const at::Tensor& seed, const at::Tensor& position, cons
   return out;
 }
 
+// No value is checked here (that would synchronise): request is clamped, a stream's low 32 bits are used.
+std::tuple<at::Tensor, at::Tensor> verify_uniforms_cuda(const at::Tensor& seed, const at::Tensor& position,
+                                                       const at::Tensor& request, const at::Tensor& offset,
+                                                       const at::Tensor& stream, int64_t rows) {
+  for (const auto& [t, name] : {std::pair{&seed, "seed"}, {&position, "position"}, {&request, "request"},
+                                {&offset, "offset"}, {&stream, "stream"}}) {
+    check_cuda(*t, name);
+    check_same_device(*t, position, name, "position");
+    check_dtype(*t, at::kLong, name);
+    check_dim(*t, 1, name);
+  }
+  const int64_t B = position.numel(), M = request.numel();
+  TORCH_CHECK(seed.numel() == B || seed.numel() == 1, "seed: expected B = ", B, " elements (position's) or 1, got ",
+              seed.numel());
+  TORCH_CHECK(offset.numel() == M && stream.numel() == M, "request, offset, stream: expected one length, got ", M,
+              ", ", offset.numel(), ", ", stream.numel());
+  TORCH_CHECK(0 <= rows && rows <= M, "rows: expected a value in [0, ", M, "], got ", rows);
+  TORCH_CHECK(B > 0 || M == 0, "request: expected no entries when position is empty, got ", M);
+  const c10::cuda::CUDAGuard guard(position.device());
+  auto sd = seed.contiguous(), pos = position.contiguous(), rq = request.contiguous(), of = offset.contiguous(),
+       st = stream.contiguous();
+  auto first = at::empty({rows}, position.options().dtype(at::kFloat));
+  auto second = at::empty({M - rows}, position.options().dtype(at::kFloat));
+  if (M == 0) return {first, second};
+  _verify_uniforms_kernel<<<grid_for(M, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      sd.data_ptr<int64_t>(), sd.numel() == 1 ? 0 : 1, pos.data_ptr<int64_t>(), B, rq.data_ptr<int64_t>(),
+      of.data_ptr<int64_t>(), st.data_ptr<int64_t>(), M, rows, first.data_ptr<float>(), second.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {first, second};
+}
+
 at::Tensor aux_bits_cuda(const at::Tensor& u) {
   check_cuda(u, "u");
   check_dtype(u, at::kFloat, "u");
@@ -209,6 +256,7 @@ at::Tensor cdf_invert_cuda(const at::Tensor& logits, const at::Tensor& token, co
 
 TORCH_LIBRARY_IMPL(fastverify, CUDA, m) {
   m.impl("uniform", &uniform_cuda);
+  m.impl("verify_uniforms", &verify_uniforms_cuda);
   m.impl("aux_bits", &aux_bits_cuda);
   m.impl("cdf_sample", &cdf_sample_cuda);
   m.impl("cdf_invert", &cdf_invert_cuda);

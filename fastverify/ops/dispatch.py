@@ -11,8 +11,8 @@ An op implements a backend when that code exists here: a kernel registered for t
 that imports and defines the op (``implemented_backends``). ``backend="auto"`` picks cuda > triton on a CUDA
 tensor (except where CUDA_ORDER says otherwise, with the measurement behind it) and cpp > torch on a CPU tensor;
 an explicit backend that is missing or unusable on the device raises. What is built and importable does not
-change while the process runs, so the choice is made once per (op, backend, device type, TRITON_INTERPRET) and
-the resolved function is kept: a small op call pays one dictionary look-up for it.
+change while the process runs, so the choice is made once per (op, backend, device type; and TRITON_INTERPRET
+for Triton on CPU tensors) and the resolved function is kept: a small op call pays one dictionary look-up for it.
 """
 
 import functools
@@ -31,7 +31,7 @@ BACKENDS = _ext.BACKENDS
 # op -> the module of fastverify.reference and fastverify.kernels that holds it (None: no such module).
 _MODULE = {
     "verify": "verify",
-    "uniform": "sampling", "cdf_sample": "sampling", "cdf_invert": "sampling", "aux_bits": "sampling",
+    "uniform": "sampling", "verify_uniforms": "sampling", "cdf_sample": "sampling", "cdf_invert": "sampling", "aux_bits": "sampling",
     "tree_mask_bool": "tree", "tree_mask_additive": "tree", "tree_mask_packed": "tree", "tree_positions": "tree",
     "compact_cache": "tree",
     "tree_attention": "attention",
@@ -119,11 +119,13 @@ def _implementation(op, name):
     return getattr(torch.ops.fastverify, op)
 
 
-_RESOLVED = {}  # (op, backend, device type, TRITON_INTERPRET) -> (backend name, function)
+_RESOLVED = {}  # (op, backend, device type[, TRITON_INTERPRET]) -> (backend name, function)
 
 
 def _lookup(op, backend, device):
-    key = (op, backend, device.type, os.environ.get("TRITON_INTERPRET"))
+    key = (op, backend, device.type)
+    if backend == "triton" and device.type == "cpu":  # usable only under TRITON_INTERPRET=1 (an environment read
+        key += (os.environ.get("TRITON_INTERPRET"),)  # costs ~1 us: not on the other backends' path)
     hit = _RESOLVED.get(key)
     if hit is None:
         name = _resolve_key(key, device)

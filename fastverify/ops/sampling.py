@@ -39,6 +39,11 @@ if _ext.HAS_CPP:
     def _uniform_fake(seed, position, stream):
         return position.new_empty(position.shape, dtype=torch.float32)
 
+    @torch.library.register_fake("fastverify::verify_uniforms")
+    def _verify_uniforms_fake(seed, position, request, offset, stream, rows):
+        return (position.new_empty((rows,), dtype=torch.float32),
+                position.new_empty((request.shape[0] - rows,), dtype=torch.float32))
+
     @torch.library.register_fake("fastverify::cdf_sample")
     def _cdf_sample_fake(logits, u, warp):
         return logits.new_empty((logits.shape[0],), dtype=torch.int64)

@@ -156,9 +156,9 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
 def _batch_layout(logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample, u_accept, validate, host_offsets):
     """The ragged layout of DESIGN.md "Batch layout" from either form, checked: logits [N + B, V] (unit inner
     stride), draft_tokens int64 [N], cu_nodes int32 [B + 1], parents [N] or None, the dense form's optional
-    per-node / per-row tensors flattened; the offsets as a host list (read back from the device only in the
-    ragged form, and there only when validating or when ``host_offsets``; else None), and the dense form's K
-    (None for the ragged form)."""
+    per-node / per-row tensors flattened; the offsets as a host list when validating (read back from the device in
+    the ragged form), or in the ragged form when ``host_offsets``; else None; and the dense form's K (None for the
+    ragged form)."""
     check_tensor("logits", logits, logits.device if isinstance(logits, torch.Tensor) else None, LOGIT_DTYPES)
     device = logits.device
     check_tensor("draft_tokens", draft_tokens, device, INT_DTYPES)
@@ -175,7 +175,7 @@ def _batch_layout(logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample
                              f"got {tuple(draft_tokens.shape)}")
         logits = logits.reshape(B * K1, V)
         draft_tokens = draft_tokens.reshape(B * K)
-        cu = [b * K for b in range(B + 1)]  # known on the host: no device read-back below
+        cu = [b * K for b in range(B + 1)] if validate else None  # known on the host: no device read-back
         cu_nodes = constant_rows.build(("dense cu_nodes", B, K, device),
                                        lambda: torch.arange(B + 1, device=device, dtype=torch.int32) * K)
         if parents is not None:
@@ -212,7 +212,7 @@ def _batch_layout(logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample
         logits = logits.contiguous()
     cu_nodes = _as(cu_nodes, torch.int32)
     draft_tokens = _as(draft_tokens, torch.int64)
-    if cu is None and (validate or host_offsets):
+    if K is None and (validate or host_offsets):
         cu = cu_nodes.tolist()
     if validate:
         if cu[0] != 0 or cu[-1] != N or any(b > a for a, b in zip(cu[1:], cu[:-1])):
@@ -247,7 +247,8 @@ def _tree(parents, cu_nodes, cu, K, N, device, validate):
                 torch.arange(K, dtype=torch.int32, device=device) - 1).repeat(B))
         else:
             parents = (_node_index(cu_nodes, N)[1] - 1).to(torch.int32)
-        deepest = None if cu is None else max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
+        deepest = K if K is not None else None if cu is None else max((b - a for a, b in zip(cu[:-1], cu[1:])),
+                                                                      default=0)
         return parents, None, deepest
     check_tensor("parents", parents, device, INT_DTYPES, dim=1)
     if parents.numel() != N:
@@ -429,10 +430,11 @@ def _uniforms(rule, u_sample, u_accept, seed, position, generator, cu_nodes, par
         if seed.numel() not in (1, B) or position.numel() != B:
             raise ValueError(f"seed, position: expected shape [B = {B}], got {tuple(seed.shape)}, "
                              f"{tuple(position.shape)}")
-        seed = _as(seed, torch.int64).reshape(-1)
-        seed = seed if seed.shape[0] == B else seed.expand(B)
-        position = _as(position, torch.int64).reshape(B)
-    for name, val, n in (("u_sample", u_sample, N + B), ("u_accept", u_accept, N)):
+        seed, position = _as(seed, torch.int64), _as(position, torch.int64)
+        seed = seed if seed.dim() == 1 else seed.reshape(-1)  # [1] (every request's) or [B]
+        position = position if position.dim() == 1 else position.reshape(B)
+    given = [u_sample, u_accept]
+    for i, (name, val, n) in enumerate((("u_sample", u_sample, N + B), ("u_accept", u_accept, N))):
         if val is None:
             continue
         if name == "u_accept" and not need_accept:
@@ -440,31 +442,25 @@ def _uniforms(rule, u_sample, u_accept, seed, position, generator, cu_nodes, par
         check_tensor(name, val, device, FLOAT_DTYPES)
         if val.numel() != n:
             raise ValueError(f"{name}: expected {n} values, got shape {tuple(val.shape)}")
+        if validate and n:
+            check_range(name, val, lo=0, hi=1, lo_open=True, hi_open=True)
+        if val.dtype != torch.float32 or val.dim() != 1 or not val.is_contiguous():
+            given[i] = val.reshape(-1).to(torch.float32).contiguous()
+    u_sample, u_accept = given
     if seed is not None and (u_sample is None or (need_accept and u_accept is None)):
-        # Every row's and node's uniform in one call of the uniform op (see _seeded_layout)
+        # Every row's and node's uniform in one call (verify_uniforms; the layout: _seeded_layout)
         if K is not None and depth is None:  # equal chains: the layout depends on the shapes alone
             layout = constant_rows.build(("seeded chains", B, K, need_accept, device),
                                          lambda: _seeded_layout(cu_nodes, parents, None, K, B, N, need_accept, device))
         else:
             layout = _seeded_layout(cu_nodes, parents, depth, K if K is not None else N, B, N, need_accept, device)
-        request, offset, stream = layout
-        u = dispatch.call("uniform", "auto", device, seed.index_select(0, request),
-                          position.index_select(0, request).add_(offset), stream)
-        u_sample = u.narrow(0, 0, N + B) if u_sample is None else u_sample
-        u_accept = u.narrow(0, N + B, N) if need_accept and u_accept is None else u_accept
+        rows, nodes = dispatch.call("verify_uniforms", "auto", device, seed, position, *layout, N + B)
+        u_sample = rows if u_sample is None else u_sample
+        u_accept = nodes if need_accept and u_accept is None else u_accept
     if u_sample is None:
         u_sample = sample_v(N + B, generator=generator, device=device)
-    elif u_sample.dtype != torch.float32 or u_sample.dim() != 1 or not u_sample.is_contiguous():
-        u_sample = u_sample.reshape(-1).to(torch.float32).contiguous()
     if need_accept and u_accept is None:
         u_accept = sample_v(N, generator=generator, device=device)
-    elif u_accept is not None and (u_accept.dtype != torch.float32 or u_accept.dim() != 1
-                                   or not u_accept.is_contiguous()):
-        u_accept = u_accept.reshape(-1).to(torch.float32).contiguous()
-    if validate:
-        for name, val in (("u_sample", u_sample), ("u_accept", u_accept)):
-            if val is not None and val.numel():
-                check_range(name, val, lo=0, hi=1, lo_open=True, hi_open=True)
     return u_sample, u_accept
 
 

@@ -34,6 +34,7 @@ import torch
 __all__ = [
     "philox4x32_10",
     "uniform",
+    "verify_uniforms",
     "warp_weights",
     "sample_from_weights",
     "cdf_sample",
@@ -106,6 +107,17 @@ def uniform(seed, position, stream):
     counter = torch.stack([position & _M32, (position >> 32) & _M32, stream_t, torch.zeros_like(position)], -1)
     x = philox4x32_10(counter, key)[..., 0]
     return (((x >> 9).to(torch.float64) + 0.5) * 2.0**-23).to(torch.float32)
+
+
+def verify_uniforms(seed, position, request, offset, stream, rows):
+    """verify's seeded draws in one call: u[i] = uniform(seed[request[i]], position[request[i]] + offset[i],
+    stream[i]) for int64 seed [B] (or [1]: every request's), position [B], request / offset / stream [M];
+    returns (u[:rows], u[rows:]), float32."""
+    if not 0 <= rows <= request.numel():
+        raise ValueError(f"rows: expected a value in [0, {request.numel()}], got {rows}")
+    seed = seed.reshape(-1).expand(position.numel())
+    u = uniform(seed[request], position[request] + offset, stream)
+    return u[:rows], u[rows:]
 
 
 def invalid_rows(logits, warp):
