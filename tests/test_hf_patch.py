@@ -202,6 +202,8 @@ def test_registry_and_bad_arguments(model, monkeypatch):
         patch(model, drafter=object())
     with pytest.raises(TypeError, match="skinny_linear"):
         patch(model, skinny_linear="yes")
+    with pytest.raises(TypeError, match="pack_weights: expected a bool"):
+        patch(model, pack_weights="yes")
     assert not is_patched(model)
 
 

@@ -1,6 +1,8 @@
 """skinny_linear (csrc/linear.h) against F.linear in float64, its batch invariance, bad input, and the routing of a
 Hugging Face model's linear layers through it (fastverify.hf.linear)."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -235,3 +237,153 @@ def test_gated_lora_add_bad_input_names_the_argument():
         op(y.double(), x, idx, A, B, 1.0)
     with pytest.raises(RuntimeError, match="index: expected an int64"):
         op(y, x, idx.int(), A, B, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block-packed weights: a float32 weight dequantised from GGUF Q4_0 / Q4_1 / Q8_0 blocks, streamed packed
+
+from fastverify.hf.linear import packed_weight  # noqa: E402
+from fastverify.ops.linear import PackedWeight, pack_blocks, skinny_linear_packed, unpack_blocks  # noqa: E402
+
+needs_packed = pytest.mark.skipif("cpp" not in implemented_backends("skinny_linear_packed"),
+                                  reason="fastverify._C is not built or has no skinny_linear_packed kernel")
+
+
+def gguf_quantised(N, K, kind, gen):
+    """A float32 [N, K] weight as a GGUF reader returns it: random values quantised per block of 32 the way
+    ggml's reference quantisers do (scales stored in float16), then dequantised in float32 (d * q, or d * q + m).
+    A few blocks are constant and one is all zero."""
+    x = torch.randn(N, K // 32, 32, generator=gen) * torch.rand(N, K // 32, 1, generator=gen) * 0.2
+    if N > 1:  # (a weight that is one zero block packs in 4 bits, whatever its kind)
+        x[0, 0] = 0.0
+        x[1, -1] = 0.37
+    if kind == "q4_1":
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = ((x - lo) * inv + 0.5).floor().clamp(max=15)
+        w = d.half().float() * q + lo.half().float()
+    elif kind == "q4_0":
+        idx = x.abs().argmax(-1, keepdim=True)
+        d = x.gather(-1, idx) / -8
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = (x * inv + 8.5).floor().clamp(max=15)
+        w = (q - 8) * d.half().float()
+    else:  # q8_0
+        d = x.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = (x * inv).round()
+        w = q * d.half().float()
+    return w.reshape(N, K).contiguous()
+
+
+@pytest.mark.parametrize("kind, bits", [("q4_1", 4), ("q4_0", 4), ("q8_0", 8)])
+@pytest.mark.parametrize("N, K", [(1, 32), (7, 64), (49, 576), (9, 1536)])
+def test_pack_blocks_holds_gguf_quantised_weights_exactly(kind, bits, N, K):
+    w = gguf_quantised(N, K, kind, torch.Generator().manual_seed(N * K + bits))
+    p = pack_blocks(w)
+    assert isinstance(p, PackedWeight) and p.bits == bits and p.shape == (N, K)
+    assert p.q.dtype == torch.uint8 and p.q.shape == (N, K * bits // 8) and p.d.shape == p.m.shape == (N, K // 32)
+    assert torch.equal(unpack_blocks(p.q, p.d, p.m, p.bits), w)
+
+
+def test_pack_blocks_refuses_what_it_cannot_hold_exactly():
+    g = torch.Generator().manual_seed(5)
+    w = gguf_quantised(8, 64, "q4_1", g)
+    assert pack_blocks(torch.randn(8, 64, generator=g)) is None  # plain float32 weights
+    assert pack_blocks(w[:, :48].contiguous()) is None  # K not a multiple of 32
+    assert pack_blocks(w.half()) is None and pack_blocks(w.double()) is None
+    assert pack_blocks(w[0]) is None and pack_blocks(torch.empty(0, 32)) is None
+    nudged = w.clone()
+    nudged[3, 40] = torch.nextafter(nudged[3, 40], torch.tensor(1.0))  # one weight one ulp off
+    assert pack_blocks(nudged) is None
+    nan = w.clone()
+    nan[0, 0] = float("nan")
+    assert pack_blocks(nan) is None
+
+
+@needs_packed
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13, 17])
+@pytest.mark.parametrize("N, K, bias", [(1, 32, False), (5, 64, True), (49, 576, True), (9, 1536, False)])
+def test_skinny_linear_packed_is_the_float32_kernel_bit_for_bit(kind, M, N, K, bias):
+    g = torch.Generator().manual_seed(M * 7 + N + K)
+    w = gguf_quantised(N, K, kind, g)
+    x, b = torch.randn(M, K, generator=g), (torch.randn(N, generator=g) if bias else None)
+    p = pack_blocks(w)
+    y = skinny_linear_packed(x, p, b)
+    assert torch.equal(y, fastverify.skinny_linear(x, w, b, backend="cpp"))
+    assert torch.equal(skinny_linear_packed(x, p, b, backend="torch"), F.linear(x, w, b))
+    _check(y, x, w, b)
+    assert skinny_linear_packed(x.reshape(1, M, K), p, b).shape == (1, M, N)
+
+
+@needs_packed
+def test_skinny_linear_packed_opcheck_and_bad_input():
+    g = torch.Generator().manual_seed(9)
+    p = pack_blocks(gguf_quantised(6, 64, "q4_1", g))
+    x, b = torch.randn(3, 64, generator=g), torch.randn(6, generator=g)
+    op = torch.ops.fastverify.skinny_linear_packed
+    torch.library.opcheck(op.default, (x, p.q, p.d, p.m, p.bits, b))
+    for args, words in (((x, p.q, p.d, p.m, 5, b), "bits: expected 4 or 8"),
+                        ((x, p.q.float(), p.d, p.m, 4, b), "q: expected a uint8 tensor"),
+                        ((x, p.q[:, :16], p.d, p.m, 4, b), "q: expected shape [N, K * bits / 8] = [6, 32]"),
+                        ((x, p.q, p.d[:, :1], p.m, 4, b), "d: expected float32 [N, K / 32] = [6, 2]"),
+                        ((x, p.q, p.d, p.m.double(), 4, b), "m: expected float32"),
+                        ((x.double(), p.q, p.d, p.m, 4, b), "x: expected float32"),
+                        ((x, p.q, p.d, p.m, 4, b[:3]), "bias: expected a CPU float32 tensor of shape [6]")):
+        with pytest.raises(RuntimeError, match=re.escape(words)):
+            op(*args)
+    with pytest.raises(TypeError, match="packed: expected a PackedWeight"):
+        skinny_linear_packed(x, (p.q, p.d, p.m, 4))
+    with pytest.raises(ValueError, match=r"x: expected a tensor of shape \[\.\.\., K = 64\]"):
+        skinny_linear_packed(x[:, :32], p)
+
+
+@needs_packed
+def test_skinny_linears_streams_packed_weights_and_repacks_a_changed_weight():
+    g = torch.Generator().manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32), torch.nn.Linear(32, 16))
+    with torch.no_grad():
+        model[0].weight.copy_(gguf_quantised(96, 64, "q4_1", g))
+        model[1].weight.copy_(gguf_quantised(32, 96, "q8_0", g))  # model[2]: random float32, not packable
+    x = torch.randn(3, 64, generator=g)
+    with torch.no_grad():
+        with skinny_linears(model, pack=False):
+            unpacked = model(x)
+        with skinny_linears(model):
+            packed = model(x)
+        assert torch.equal(packed, unpacked)  # the same arithmetic on the same float32 values
+        p0, p1, p2 = (packed_weight(m) for m in model)
+        assert p0.bits == 4 and p1.bits == 8 and p2 is None
+        assert packed_weight(model[0]) is p0  # kept
+        model[0].weight.mul_(2.0)  # an in-place change: packed again (scaled by 2, still exact)
+        p0b = packed_weight(model[0])
+        assert p0b is not p0 and torch.equal(unpack_blocks(p0b.q, p0b.d, p0b.m, 4), model[0].weight)
+        with skinny_linears(model, pack=False):
+            unpacked = model(x)
+        with skinny_linears(model):
+            assert torch.equal(model(x), unpacked)  # the new packed copy, not the stale one
+
+
+@needs_packed
+def test_patched_generate_on_a_gguf_quantised_model_streams_packed_weights_and_stays_exact():
+    from conftest import assert_greedy_exact, patched_generate, repetitive, tiny_llama
+
+    model = tiny_llama(vocab=96, hidden=64)
+    g = torch.Generator().manual_seed(2)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    with torch.no_grad():
+        for m in linears:  # every layer as a GGUF file's: Q4_1 blocks, the output head Q8_0
+            m.weight.copy_(gguf_quantised(*m.weight.shape, "q8_0" if m is model.lm_head else "q4_1", g))
+    assert all(packed_weight(m) is not None for m in linears)
+    ids = torch.tensor([repetitive(40, 96, seed=4)])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert_greedy_exact(model, fastverify.NGramDrafter(), ids, max_new_tokens=24)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "fastverify::skinny_linear_packed")
+    assert calls >= len(linears)  # every layer of every verify forward took the packed kernel
+    # seeded sampling: the same stream with and without packing (the same arithmetic)
+    a, _ = patched_generate(model, fastverify.NGramDrafter(), ids, do_sample=True, max_new_tokens=24, seed=5)
+    b, _ = patched_generate(model, fastverify.NGramDrafter(), ids, options={"pack_weights": False}, do_sample=True,
+                            max_new_tokens=24, seed=5)
+    assert torch.equal(a, b)

@@ -53,6 +53,51 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   return y;
 }
 
+at::Tensor skinny_linear_packed_cpu(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
+                                    int64_t bits, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: expected 4 or 8, got ", bits);
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && d.device().is_cpu() && m.device().is_cpu(),
+              "x, q, d, m: expected CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x: expected float32, got ", x.scalar_type());
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2, "q: expected a uint8 tensor [N, K * bits / 8], got ",
+              q.scalar_type(), " ", q.sizes());
+  TORCH_CHECK(x.dim() >= 1, "x: expected [..., K], got a 0-d tensor");
+  const int64_t N = q.size(0), K = x.size(-1);
+  TORCH_CHECK(K % 32 == 0 && q.size(1) * 8 == K * bits, "q: expected shape [N, K * bits / 8] = [", N, ", ",
+              K * bits / 8, "] for x's K = ", K, " (a multiple of 32), got ", q.sizes());
+  for (const auto& [t, name] : {std::pair{&d, "d"}, {&m, "m"}})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N && t->size(1) == K / 32, name,
+                ": expected float32 [N, K / 32] = [", N, ", ", K / 32, "], got ", t->scalar_type(), " ", t->sizes());
+  const float* bias_ptr = nullptr;
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kFloat && b.dim() == 1 && b.size(0) == N,
+                "bias: expected a CPU float32 tensor of shape [", N, "], got ", b.scalar_type(), " ", b.sizes(),
+                " on ", b.device());
+    bias_ptr = b.data_ptr<float>();
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (y.numel() == 0) return y;
+  if (K == 0) return bias_ptr ? y.copy_(b.expand(out_shape)) : y.zero_();
+  const int64_t M = x.numel() / K;
+  const at::Tensor xc = x.reshape({M, K}).contiguous(), qc = q.contiguous(), dc = d.contiguous(),
+                   mc = m.contiguous();
+  const fastverify::linear::Packed p{qc.data_ptr<uint8_t>(), dc.data_ptr<float>(), mc.data_ptr<float>(),
+                                     static_cast<int>(bits), K};
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (N + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * K));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(4 * K);  // a block of 4 rows as float32, in this thread's cache
+    fastverify::linear::skinny_rows_packed(xp, p, bias_ptr, yp, M, N, 4 * b0, std::min(N, 4 * b1), buf.data());
+  });
+  return y;
+}
+
 void gated_lora_add_cpu(at::Tensor& y, const at::Tensor& x, const at::Tensor& index, const at::Tensor& A,
                         const at::Tensor& B, double scale) {
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"y", y}, {"x", x}, {"A", A}, {"B", B}}) {
@@ -91,5 +136,6 @@ void gated_lora_add_cpu(at::Tensor& y, const at::Tensor& x, const at::Tensor& in
 
 TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
   m.impl("skinny_linear", &skinny_linear_cpu);
+  m.impl("skinny_linear_packed", &skinny_linear_packed_cpu);
   m.impl("gated_lora_add_", &gated_lora_add_cpu);
 }

@@ -106,6 +106,7 @@ class DecodeSettings:
     backend: str = "auto"
     sync: bool = False  # synchronise the device around phases (exact CUDA timings; costs a little)
     skinny_linear: bool = True  # few-row float32 CPU nn.Linear layers through fastverify.skinny_linear
+    pack_weights: bool = True  # with skinny_linear: weights that are exactly block-quantised values stream packed
     max_positions: int = None  # a position-dependent RoPE's bound: a forward's rows stay below it minus one
 
 
@@ -591,7 +592,8 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
     if streamer is not None:
         streamer.put(input_ids.cpu())
     installed = drafter.installed(model) if getattr(drafter, "wants_slots", False) else contextlib.nullcontext()
-    linears = skinny_linears(model) if settings.skinny_linear else contextlib.nullcontext()
+    linears = (skinny_linears(model, pack=settings.pack_weights) if settings.skinny_linear
+               else contextlib.nullcontext())
     with installed, gqa_attention(model), linears:
         dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer)
         try:

@@ -170,6 +170,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         ``sync`` (synchronise CUDA around phases for exact stats), ``skinny_linear`` (default True: while the loop
         runs, the model's float32 CPU ``nn.Linear`` layers compute inputs of at most
         ``fastverify.hf.linear.MAX_ROWS`` (128) rows with ``fastverify.skinny_linear``, which streams the weight once; see fastverify.hf.linear),
+        ``pack_weights`` (default True: with skinny_linear, a layer whose float32 weight is exactly 4- or 8-bit
+        block-quantised values, as a model dequantised from a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors, streams a
+        packed copy of it: the same result bit for bit, a fifth of the bytes; packed once per weight and kept),
         ``allow_unknown_model`` (skip the model-type registry check).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
@@ -184,13 +187,14 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     precision model's first greedy / coupled generate warns once.
     """
     _check_transformers_version()
-    extra = ("max_draft", "backend", "sync", "skinny_linear", "allow_unknown_model")
+    extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "allow_unknown_model")
     unknown = set(options) - set(RULE_PARAMS) - set(extra)
     if unknown:
         raise TypeError(f"fastverify.patch: unknown option(s) {sorted(unknown)}; expected rule parameters "
                         f"{RULE_PARAMS} or {', '.join(extra)}")
-    if options.get("skinny_linear", True) not in (True, False):
-        raise TypeError(f"skinny_linear: expected a bool, got {options['skinny_linear']!r}")
+    for name in ("skinny_linear", "pack_weights"):
+        if options.get(name, True) not in (True, False):
+            raise TypeError(f"{name}: expected a bool, got {options[name]!r}")
     if rule is not None and rule not in RULES:
         raise ValueError(f"rule: expected one of {RULES} or None, got {rule!r}")
     _check_rule_options(rule, options)
@@ -383,6 +387,7 @@ def _plan(model, state, args, kwargs):
                               max_draft=int(state.options.get("max_draft", 32)),
                               backend=state.options.get("backend", "auto"), sync=bool(state.options.get("sync")),
                               skinny_linear=bool(state.options.get("skinny_linear", True)),
+                              pack_weights=bool(state.options.get("pack_weights", True)),
                               max_positions=position_limit(model.config))
     settings.rule_params = rule_params
     if rule in SAMPLING_RULES:

@@ -36,6 +36,7 @@ _MODULE = {
     "compact_cache": "tree",
     "tree_attention": "attention",
     "skinny_linear": None,  # reference: F.linear; no Triton kernel (cuBLAS keeps small-M GEMMs bandwidth-bound)
+    "skinny_linear_packed": "linear",  # no Triton kernel (CPU only, as skinny_linear)
 }
 
 # Per-op preference on CUDA tensors where it departs from DESIGN.md's cuda > triton, with the measurement behind

@@ -9,14 +9,24 @@ Backends: torch (``torch.nn.functional.linear``, the reference) and cpp (csrc/cp
 tensors; the weight may be float16, read as its exact float32 values: half the bytes to stream, the result of its
 float32 copy bit for bit). There is no GPU kernel: cuBLAS already keeps small-M GEMMs bandwidth-bound, so on a GPU
 the op is ``F.linear``.
+
+Block-packed weights (``pack_blocks`` / ``skinny_linear_packed``): a float32 weight dequantised from a 4- or 8-bit
+block format (a GGUF file's Q4_0 / Q4_1 / Q8_0: w = d * q + m per block of 32 weights along K, d a float16 scale)
+holds only 16 or 256 values per block, so it is stored exactly in 0.75 or 1.25 bytes per weight instead of 4; the
+kernel dequantises four weight rows at a time into the thread's cache and runs skinny_linear's own arithmetic on
+them, so the result is skinny_linear's on the float32 weight, bit for bit, for a fifth (4 bits) of the memory
+traffic. ``pack_blocks`` returns None for a weight of any other form: nothing is ever approximated.
 """
+
+from typing import NamedTuple, Optional
 
 import torch
 
 from fastverify import _ext
 from fastverify.ops import dispatch
+from fastverify.reference.linear import unpack_blocks
 
-__all__ = ["skinny_linear"]
+__all__ = ["skinny_linear", "PackedWeight", "pack_blocks", "unpack_blocks", "skinny_linear_packed"]
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = None, *,
@@ -55,7 +65,104 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = No
     return dispatch.call("skinny_linear", backend, x.device, x, weight, bias)
 
 
+class PackedWeight(NamedTuple):
+    """A float32 weight [N, K] in block-packed form (csrc/linear.h): w[n, k] = d[n, k // 32] * q[n, k] +
+    m[n, k // 32] exactly. q uint8 [N, K * bits // 8], d / m float32 [N, K // 32], bits 4 or 8."""
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    bits: int
+
+    @property
+    def shape(self):
+        return (self.q.shape[0], self.d.shape[1] * 32)
+
+
+def _fit(w, bits, d):
+    """(q uint8 [N, nb, 32], ok bool [N, nb]): the blocks of w [N, nb, 32] that d [N, nb] (and m, their minimum)
+    give exactly, with 0 <= q < 2^bits and every product d * q exact in float32."""
+    m = w.amin(-1)
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    qf = torch.where((d > 0)[..., None], ((w - m[..., None]) / safe[..., None]).round(), torch.zeros_like(w))
+    ok = ((qf >= 0) & (qf < 2 ** bits)).all(-1)
+    qf = qf.clamp(0, 2 ** bits - 1)
+    prod = qf * d[..., None]
+    ok &= (prod + m[..., None] == w).all(-1)
+    ok &= (prod.double() == qf.double() * d.double()[..., None]).all(-1)  # exact: a fused multiply-add agrees
+    return qf.to(torch.uint8), ok
+
+
+def pack_blocks(weight: torch.Tensor) -> Optional[PackedWeight]:
+    """``weight`` (float32 [N, K], K a multiple of 32) as a PackedWeight when every block of 32 weights along K
+    is exactly d * q + m with q of 4 bits (tried first) or 8 bits (see the module docstring); else None. The
+    scale d of a block is found as a GGUF quantiser sets it, rounded to float16: the block's span / 15 (Q4_1),
+    its largest magnitude / 8 (Q4_0) or / 127 (Q8_0), or its span / 255; m is the block's minimum. Every block
+    is checked exactly: a weight that is not of this form, or whose blocks these scales do not reproduce, gives
+    None."""
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.float32
+            or weight.shape[1] % 32 or weight.numel() == 0 or weight.device.type != "cpu"):
+        return None
+    N, K = weight.shape
+    w = weight.detach().reshape(N, K // 32, 32)
+    if not bool(torch.isfinite(w).all()):
+        return None
+    lo, hi = w.amin(-1), w.amax(-1)
+    amax = w.abs().amax(-1)
+    candidates = {4: [(hi - lo) / 15, amax / 8], 8: [amax / 127, (hi - lo) / 255]}
+    for bits, scales in candidates.items():
+        q = ok = None
+        for scale in scales:
+            d = scale.half().float()
+            qc, okc = _fit(w, bits, d)
+            if q is None:
+                q, ok, dd = qc, okc, d
+            else:  # keep the blocks an earlier candidate already fits
+                take = okc & ~ok
+                q, dd, ok = torch.where(take[..., None], qc, q), torch.where(take, d, dd), ok | okc
+            if bool(ok.all()):
+                break
+        if bool(ok.all()):
+            if bits == 4:
+                b = q.reshape(N, K // 32, 2, 16)  # byte l of a block: q[l] | q[16 + l] << 4
+                packed = (b[..., 0, :] | (b[..., 1, :] << 4)).reshape(N, K // 2)
+            else:
+                packed = q.reshape(N, K)
+            return PackedWeight(packed.contiguous(), dd.contiguous(), lo.contiguous(), bits)
+    return None
+
+
+def skinny_linear_packed(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor = None, *,
+                         backend: str = "auto") -> torch.Tensor:
+    """``x @ w.T + bias`` for the weight w that ``packed`` holds (``pack_blocks``): skinny_linear's result on w,
+    bit for bit, on the cpp backend (float32 CPU x and bias); the reference (``F.linear`` on the unpacked
+    weight) elsewhere."""
+    if not isinstance(packed, PackedWeight):
+        raise TypeError(f"packed: expected a PackedWeight (fastverify.ops.linear.pack_blocks), got "
+                        f"{type(packed).__name__}")
+    N, K = packed.shape
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"x: expected a tensor of shape [..., K = {K}], got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (N,)):
+        raise ValueError(f"bias: expected a tensor of shape [{N}]")
+    fits_cpp = (x.dtype == torch.float32 and x.device.type == "cpu" and packed.q.device.type == "cpu"
+                and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu")))
+    if backend == "auto":
+        backend = "cpp" if fits_cpp and "cpp" in dispatch.implemented_backends("skinny_linear_packed") else "torch"
+    if dispatch.resolve("skinny_linear_packed", backend, x.device) == "cpp" and not fits_cpp:
+        raise TypeError("x, bias: the cpp backend takes float32 CPU tensors")
+    return dispatch.call("skinny_linear_packed", backend, x.device, x, packed.q, packed.d, packed.m, packed.bits,
+                         bias)
+
+
 if _ext.HAS_CPP:
     @torch.library.register_fake("fastverify::skinny_linear")
     def _skinny_linear_fake(x, weight, bias):
         return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
+
+    try:
+        @torch.library.register_fake("fastverify::skinny_linear_packed")
+        def _skinny_linear_packed_fake(x, q, d, m, bits, bias):
+            return x.new_empty(tuple(x.shape[:-1]) + (q.shape[0],))
+    except RuntimeError:  # the schema is missing from an old build of _C
+        pass
