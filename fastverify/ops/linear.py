@@ -78,17 +78,15 @@ class PackedWeight(NamedTuple):
         return (self.q.shape[0], self.d.shape[1] * 32)
 
 
-def _fit(w, bits, d):
-    """(q uint8 [N, nb, 32], ok bool [N, nb]): the blocks of w [N, nb, 32] that d [N, nb] (and m, their minimum)
-    give exactly, with 0 <= q < 2^bits and every product d * q exact in float32."""
-    m = w.amin(-1)
+def _fit(w, bits, d, m):
+    """(q uint8 [N, nb, 32], ok bool [N, nb]): the blocks of w [N, nb, 32] that d and m [N, nb] give exactly,
+    with 0 <= q < 2^bits. d holds float16 values (11 significant bits), so every product d * q (q < 2^8) is exact
+    in float32 and a fused multiply-add gives what the check below computes."""
     safe = torch.where(d > 0, d, torch.ones_like(d))
-    qf = torch.where((d > 0)[..., None], ((w - m[..., None]) / safe[..., None]).round(), torch.zeros_like(w))
+    qf = torch.where((d > 0)[..., None], ((w - m[..., None]) / safe[..., None]).round_(), torch.zeros_like(w))
     ok = ((qf >= 0) & (qf < 2 ** bits)).all(-1)
-    qf = qf.clamp(0, 2 ** bits - 1)
-    prod = qf * d[..., None]
-    ok &= (prod + m[..., None] == w).all(-1)
-    ok &= (prod.double() == qf.double() * d.double()[..., None]).all(-1)  # exact: a fused multiply-add agrees
+    qf.clamp_(0, 2 ** bits - 1)
+    ok &= (torch.addcmul(m[..., None], qf, d[..., None]) == w).all(-1)
     return qf.to(torch.uint8), ok
 
 
@@ -113,7 +111,7 @@ def pack_blocks(weight: torch.Tensor) -> Optional[PackedWeight]:
         q = ok = None
         for scale in scales:
             d = scale.half().float()
-            qc, okc = _fit(w, bits, d)
+            qc, okc = _fit(w, bits, d, lo)
             if q is None:
                 q, ok, dd = qc, okc, d
             else:  # keep the blocks an earlier candidate already fits
