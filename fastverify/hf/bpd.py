@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from fastverify.heads import ProposalHeads, load_heads, output_projection, unit_rms
 from fastverify.hf.drafters import Drafter, batch_drafting, cut_scored, empty_tree, merge_scored
 from fastverify.hf.linear import skinny_available
-from fastverify.ops.linear import skinny_linear
+from fastverify.ops.linear import pack_blocks, skinny_linear, skinny_linear_packed
 from fastverify.tree import Tree
 
 __all__ = ["HeadsDrafter", "load_drafter"]
@@ -147,6 +147,9 @@ class HeadsDrafter(Drafter):
         # the verified output), or the model's own weight
         w = weight.detach() if subset is None else weight.detach()[self.subset]
         self.weight = w.to(_stream_dtype(w)).contiguous()
+        # a projection of exactly block-quantised values (a GGUF model's output head) streams packed on the CPU:
+        # its exact float32 values in fewer bytes than float16 (SmolLM2's Q8_0 head: 1.25 bytes per weight)
+        self.packed = pack_blocks(w.float()) if w.device.type == "cpu" and skinny_available() else None
         self.bias = None if bias is None else (bias.detach() if subset is None else bias.detach()[self.subset]).float()
         self.width = min(int(width), self.weight.shape[0])
         self.max_nodes, self.score, self.temperature = int(max_nodes), score, float(temperature)
@@ -188,6 +191,8 @@ class HeadsDrafter(Drafter):
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] fp32 -> logits [N, V'] over the heads' vocabulary (skinny_linear on the CPU)."""
         if x.device.type == "cpu":
+            if self.packed is not None:
+                return skinny_linear_packed(x.contiguous(), self.packed, self.bias)
             return skinny_linear(x.contiguous(), self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
