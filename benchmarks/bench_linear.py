@@ -3,7 +3,8 @@ SmolLM2-135M, for the row counts a verify forward has (1 + draft nodes). Effecti
 median time (a skinny GEMM that reads its weight once is bound by it).
 
 Default run: the LM head (49152 x 576) and the MLP up projection (1536 x 576) at M in {1, 2, 4, 8, 16}, and
-every linear layer of the model in turn (test_model_linears) at M up to 128.
+every linear layer of the model in turn (test_model_linears) at M up to 128, also with GGUF-quantised values
+streamed packed (skinny_linear_packed).
 FASTVERIFY_BENCH_FULL=1 adds the other projections (576 x 576, 192 x 576, 576 x 1536) and M = 32.
 The small layers fit in the last-level cache when benchmarked alone, so their GB/s exceed DRAM's; in a forward
 each layer's weight comes from memory.
@@ -41,22 +42,50 @@ def test_linear(benchmark, read_bandwidth, N, K, M, impl):
 MODEL_ROWS = [1, 4, 9, 17, 33, 65, 128] + ([256] if full_grid() else [])
 
 
-@pytest.mark.parametrize("impl", ["skinny", "torch"])
+def gguf_like(n, k, bits, g):
+    """A float32 [n, k] weight as a GGUF file's Q4_1 (bits 4) or Q8_0 (bits 8) blocks dequantise to (float16
+    scales; SmolLM2-135M-Instruct.Q4_1.gguf holds its layers in Q4_1 and its embedding / head in Q8_0)."""
+    x = torch.randn(n, k // 32, 32, generator=g) * 0.05
+    if bits == 4:
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        q = ((x - lo) / (hi - lo) * 15 + 0.5).floor().clamp(max=15)
+        w = ((hi - lo) / 15).half().float() * q + lo.half().float()
+    else:
+        d = x.abs().amax(-1, keepdim=True) / 127
+        w = (x / d).round() * d.half().float()
+    return w.reshape(n, k)
+
+
+@pytest.mark.parametrize("impl", ["skinny", "packed", "torch"])
 @pytest.mark.parametrize("M", MODEL_ROWS)
 def test_model_linears(benchmark, read_bandwidth, M, impl):
     """Every linear layer of SmolLM2-135M in turn (30 x q, k, v, o, gate, up, down, then the LM head; 540 MB of
-    fp32 weights, so each comes from memory as in a forward): the choice of fastverify.hf.linear.MAX_ROWS."""
-    if impl == "skinny" and "cpp" not in implemented_backends("skinny_linear"):
-        pytest.skip("cpp backend: fastverify._C has no skinny_linear kernel")
+    fp32 weights, so each comes from memory as in a forward): the choice of fastverify.hf.linear.MAX_ROWS.
+    "packed": the same layers with GGUF-quantised values (Q4_1 layers, Q8_0 head, as the real model's), streamed
+    by skinny_linear_packed (115 MB; bytes reported are the packed ones)."""
+    op_name = "skinny_linear_packed" if impl == "packed" else "skinny_linear"
+    if impl != "torch" and "cpp" not in implemented_backends(op_name):
+        pytest.skip(f"cpp backend: fastverify._C has no {op_name} kernel")
     g = torch.Generator().manual_seed(0)
     shapes = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30
-    ws = [torch.randn(n, k, generator=g) for n, k in shapes] + [torch.randn(49152, 576, generator=g)]
     xs = {k: torch.randn(1, M, k, generator=g) for k in (576, 1536)}
-    op = torch.ops.fastverify.skinny_linear if impl == "skinny" else None
+    if impl == "packed":
+        from fastverify.ops.linear import pack_blocks
+        ps = [pack_blocks(gguf_like(n, k, 4, g)) for n, k in shapes] + [pack_blocks(gguf_like(49152, 576, 8, g))]
+        op = torch.ops.fastverify.skinny_linear_packed
+        nbytes = sum(p.q.numel() + 4 * (p.d.numel() + p.m.numel()) for p in ps)
 
-    def run():
-        for w in ws:
-            (op(xs[w.shape[1]], w, None) if op is not None else F.linear(xs[w.shape[1]], w))
+        def run():
+            for p in ps:
+                op(xs[p.d.shape[1] * 32], p.q, p.d, p.m, p.bits, None)
+    else:
+        ws = [torch.randn(n, k, generator=g) for n, k in shapes] + [torch.randn(49152, 576, generator=g)]
+        op = torch.ops.fastverify.skinny_linear if impl == "skinny" else None
+        nbytes = sum(w.numel() for w in ws) * 4
+
+        def run():
+            for w in ws:
+                (op(xs[w.shape[1]], w, None) if op is not None else F.linear(xs[w.shape[1]], w))
 
     benchmark.pedantic(run, rounds=5, warmup_rounds=1, iterations=1)
-    report_bytes(benchmark, sum(w.numel() for w in ws) * 4, read_bandwidth, M=M, impl=impl)
+    report_bytes(benchmark, nbytes, read_bandwidth, M=M, impl=impl)

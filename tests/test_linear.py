@@ -316,6 +316,9 @@ def test_skinny_linear_packed_is_the_float32_kernel_bit_for_bit(kind, M, N, K, b
     assert torch.equal(skinny_linear_packed(x, p, b, backend="torch"), F.linear(x, w, b))
     _check(y, x, w, b)
     assert skinny_linear_packed(x.reshape(1, M, K), p, b).shape == (1, M, N)
+    xt = x.T.contiguous().T  # a non-contiguous x: the same rows
+    assert not xt.is_contiguous() or M == 1
+    assert torch.equal(skinny_linear_packed(xt, p, b), y)
 
 
 @needs_packed

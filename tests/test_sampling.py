@@ -177,6 +177,7 @@ def test_verify_uniforms_bad_input():
     op = torch.ops.fastverify.verify_uniforms
     seed, pos = torch.tensor([1, 2]), torch.tensor([10, 20])
     req, off, st = torch.tensor([0, 1, 1]), torch.zeros(3, dtype=torch.int64), torch.tensor([0, 1, 2])
+    torch.library.opcheck(op.default, (seed, pos, req, off, st, 2))
     for args, words in (((seed, pos, torch.tensor([0, 2, 1]), off, st, 3), "request[1] = 2"),
                         ((seed, pos, torch.tensor([0, -1, 1]), off, st, 3), "request[1] = -1"),
                         ((seed, pos, req, off, torch.tensor([0, 2**32, 1]), 3), "stream[1]"),

@@ -32,13 +32,14 @@ independence assumption.
 
 Nodes are added best first (``Tree.from_topk``), and the tree is cut at the size k that maximises expected
 tokens per cost, (1 + sum of the kept nodes' probabilities) / (1 + fixed_cost + node_cost * k), the cost model
-of NGramDrafter; no draft when no k beats ``min_gain``. Defaults fixed_cost 0.05, node_cost 0.06: the model
-forward of the loop, timed per step on SmolLM2-135M (2-core CPU, AVX-512 skinny linears), costs 1.07 plain
-steps at k = 1-2 nodes, 1.12-1.14 at 3-5, 1.25-1.29 at 6-11 and 1.65-1.80 at 12-16 (the kernel computes 6 rows
-per pass over a weight tile, so the cost steps at 6 and 12 rows): a line with the n-gram drafter's node_cost 0.025
-under-charges the trees of 6-16 nodes that the heads propose, and node_cost 0.06 measured faster end to end
-(benchmarks/RESULTS.md). The first step of a generate has no hidden state yet: it drafts nothing (or the
-n-gram drafter's tree, when combined).
+of NGramDrafter; no draft when no k beats ``min_gain``. Defaults fixed_cost 0.1, node_cost 0.11: the model
+forward of the loop, timed per step on SmolLM2-135M with its packed (GGUF Q4_1 / Q8_0) weights (2-core Intel Xeon,
+AVX-512, benchmarks/step_cost.py), costs 1.01 plain steps at k = 1 node, 1.07-1.19 at 2-4, 1.29-1.46 at 5-6,
+1.53-1.68 at 7-9 and 2.06-2.29 at 12-16, and the heads' own pass ~0.1 of a step; on the tuning questions
+(Spec-Bench question 1 of each category) node_cost 0.06 / 0.085 / 0.11 / 0.14 / 0.18 gave 1.11 / 1.13 / 1.15 /
+1.14 / 1.12x n-gram fastverify. (On the float32 weights of the Zen 5 host the curve was flatter, 1.25-1.29 at 6-11
+nodes, and 0.05 / 0.06 measured best: benchmarks/RESULTS.md.) The first step of a generate has no hidden state
+yet: it drafts nothing (or the n-gram drafter's tree, when combined).
 
 Combined with an n-gram drafter (``ngram=NGramDrafter()``, "bpd+ngram"): both propose scored candidate nodes
 (the n-gram drafter's ``scored_nodes``: its candidates with their estimated path probabilities, before its own cost
@@ -104,8 +105,8 @@ class HeadsDrafter(Drafter):
         return self.heads.sequential
 
     def __init__(self, model, heads: ProposalHeads, *, width: int = 4, max_nodes: int = 16, score: str = "auto",
-                 head_acceptance=None, calibration=None, temperature: float = 1.0, fixed_cost: float = 0.05,
-                 node_cost: float = 0.06, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None,
+                 head_acceptance=None, calibration=None, temperature: float = 1.0, fixed_cost: float = 0.1,
+                 node_cost: float = 0.11, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None,
                  frontier: int = 4, ngram_confident: float = 1.5):
         weight = output_projection(model)[0]
         if heads.hidden_size != weight.shape[1]:

@@ -102,6 +102,16 @@ def pack_blocks(weight: torch.Tensor) -> Optional[PackedWeight]:
         return None
     N, K = weight.shape
     w = weight.detach().reshape(N, K // 32, 32)
+    rows = torch.linspace(0, N - 1, min(N, 16)).long().unique()
+    if N * K > 1 << 16 and _pack_blocks(w[rows]) is None:  # a few rows first: other weights are refused in ~1 ms
+        return None
+    return _pack_blocks(w)
+
+
+def _pack_blocks(w):
+    """pack_blocks of the blocks w [N, K // 32, 32]."""
+    N, nb = w.shape[:2]
+    K = nb * 32
     if not bool(torch.isfinite(w).all()):
         return None
     lo, hi = w.amin(-1), w.amax(-1)
