@@ -337,7 +337,8 @@ FASTVERIFY_AVX512 inline void dequant_avx512(const Packed& p, int64_t n, int row
           _mm_prefetch(reinterpret_cast<const char*>(m + b) + kPackedAhead / 4, _MM_HINT_T0);
         }
         const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[b]), _mm512_set1_ps(m[b]));
-        const __m512i v = _mm512_maskz_cvtepu8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b)));
+        const __m512i v =
+            _mm512_maskz_cvtepu8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b)));
         _mm512_storeu_ps(o, _mm512_maskz_permutexvar_ps(0xFFFF, v, table));
         _mm512_storeu_ps(o + 16, _mm512_maskz_permutexvar_ps(0xFFFF, _mm512_maskz_srli_epi32(0xFFFF, v, 4), table));
       }
