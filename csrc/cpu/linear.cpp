@@ -11,6 +11,23 @@
 
 namespace {
 
+// The bias as a float32 pointer (nullptr when there is none), checked: a CPU float32 tensor [N]; b holds it.
+const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& b) {
+  if (!bias.has_value()) return nullptr;
+  b = bias->contiguous();
+  TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kFloat && b.dim() == 1 && b.size(0) == N,
+              "bias: expected a CPU float32 tensor of shape [", N, "], got ", b.scalar_type(), " ", b.sizes(), " on ",
+              b.device());
+  return b.data_ptr<float>();
+}
+
+// x's shape [..., K] with N in place of K.
+std::vector<int64_t> output_shape(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return shape;
+}
+
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "x, weight: expected CPU tensors, got ", x.device(),
               " and ", weight.device());
@@ -21,17 +38,9 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   TORCH_CHECK(x.dim() >= 1, "x: expected [..., K], got a 0-d tensor");
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(x.size(-1) == K, "x: last dimension ", x.size(-1), " must equal weight's K = ", K);
-  const float* bias_ptr = nullptr;
   at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kFloat && b.dim() == 1 && b.size(0) == N,
-                "bias: expected a CPU float32 tensor of shape [", N, "], got ", b.scalar_type(), " ", b.sizes(),
-                " on ", b.device());
-    bias_ptr = b.data_ptr<float>();
-  }
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
+  const float* bias_ptr = checked_bias(bias, N, b);
+  const std::vector<int64_t> out_shape = output_shape(x, N);
   at::Tensor y = at::empty(out_shape, x.options());
   const int64_t M = K == 0 ? 0 : x.numel() / K;
   if (y.numel() == 0) return y;
@@ -68,17 +77,9 @@ at::Tensor skinny_linear_packed_cpu(const at::Tensor& x, const at::Tensor& q, co
   for (const auto& [t, name] : {std::pair{&d, "d"}, {&m, "m"}})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N && t->size(1) == K / 32, name,
                 ": expected float32 [N, K / 32] = [", N, ", ", K / 32, "], got ", t->scalar_type(), " ", t->sizes());
-  const float* bias_ptr = nullptr;
   at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kFloat && b.dim() == 1 && b.size(0) == N,
-                "bias: expected a CPU float32 tensor of shape [", N, "], got ", b.scalar_type(), " ", b.sizes(),
-                " on ", b.device());
-    bias_ptr = b.data_ptr<float>();
-  }
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
+  const float* bias_ptr = checked_bias(bias, N, b);
+  const std::vector<int64_t> out_shape = output_shape(x, N);
   at::Tensor y = at::empty(out_shape, x.options());
   if (y.numel() == 0) return y;
   if (K == 0) return bias_ptr ? y.copy_(b.expand(out_shape)) : y.zero_();
