@@ -156,6 +156,7 @@ def test_e2e_summary_arithmetic():
     table = e2e.format_table(s)
     assert table.count("\n") == 2 + 3 - 1 and "fastverify 2/3" in table
     assert any("0.5" in line or "0.50x" in line for line in e2e.verdict(s))
+    assert any("(target >= 0.95: missed)" in line for line in e2e.verdict(s))  # judged unrounded, said plainly
 
 
 def test_e2e_off_argmax_counts_the_tokens_a_rule_chose_against_the_model():
