@@ -379,7 +379,10 @@ def test_patched_generate_on_a_gguf_quantised_model_streams_packed_weights_and_s
     with torch.no_grad():
         for m in linears:  # every layer as a GGUF file's: Q4_1 blocks, the output head Q8_0
             m.weight.copy_(gguf_quantised(*m.weight.shape, "q8_0" if m is model.lm_head else "q4_1", g))
-    assert all(packed_weight(m) is not None for m in linears)
+    from fastverify.hf import linear as hf_linear
+    fastverify.patch(model)  # packs the layers here, not inside the first generate
+    assert all(hf_linear._PACKED.get(m, (None, None))[1] is not None for m in linears)
+    fastverify.unpatch(model)
     ids = torch.tensor([repetitive(40, 96, seed=4)])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         assert_greedy_exact(model, fastverify.NGramDrafter(), ids, max_new_tokens=24)

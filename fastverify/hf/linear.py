@@ -10,9 +10,10 @@ instance (accelerate hooks) are skipped.
 With ``pack`` (the default), a layer whose float32 weight is exactly 4- or 8-bit block-quantised values (a model
 dequantised from a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors, as fastverify.models.load_smollm2 loads SmolLM2) runs
 ``skinny_linear_packed`` on a packed copy of it (fastverify.ops.linear.pack_blocks: 0.75 or 1.25 bytes per weight
-instead of 4): the same result, bit for bit, for a fraction of the memory traffic. The packed copy is made at the
-first use (SmolLM2-135M: 2.2 s on a 2-core Intel Xeon, 115 MB beside the 540 MB of float32 weights) and kept
-while the layer lives, made again when its weight changes (another tensor, or an in-place update).
+instead of 4): the same result, bit for bit, for a fraction of the memory traffic. The packed copy is made by
+``fastverify.patch`` (``pack_model``; SmolLM2-135M: 2.2 s on a 2-core Intel Xeon, 115 MB beside the 540 MB of
+float32 weights), or at the first use, and kept while the layer lives, made again when its weight changes (another
+tensor, or an in-place update).
 """
 
 import contextlib
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from fastverify.ops.linear import pack_blocks
 from fastverify.ops.tree import implemented_backends
 
-__all__ = ["skinny_linears", "skinny_available", "packed_weight", "MAX_ROWS"]
+__all__ = ["skinny_linears", "skinny_available", "packed_weight", "pack_model", "MAX_ROWS"]
 
 # SmolLM2-135M's linear layers (30 layers + the LM head, fp32, 2 threads, 2-core AMD EPYC (Zen 5) VM), skinny
 # vs torch's GEMM: 2.4x faster at M = 1, 2.4x at 17, 2.4x at 33, 2.0x at 128, 1.7x at 256 (benchmarks/RESULTS.md,
@@ -59,6 +60,14 @@ def packed_weight(module):
             hit = (key, pack_blocks(w.detach()))
         _PACKED[module] = hit
     return hit[1]
+
+
+def pack_model(model) -> int:
+    """Pack every layer that ``skinny_linears`` would reroute and whose weight packs exactly (``packed_weight``),
+    ahead of the first generate; returns how many packed."""
+    if not skinny_available():
+        return 0
+    return sum(packed_weight(m) is not None for m in model.modules() if _eligible(m))
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ import torch
 
 from fastverify.hf.attention import GQA_ATTENTION
 from fastverify.hf.drafters import Drafter, NGramDrafter
+from fastverify.hf.linear import pack_model
 from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, decode
 from fastverify.hf.model_limits import position_limit, sequence_limit
 
@@ -172,7 +173,8 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         ``fastverify.hf.linear.MAX_ROWS`` (128) rows with ``fastverify.skinny_linear``, which streams the weight once; see fastverify.hf.linear),
         ``pack_weights`` (default True: with skinny_linear, a layer whose float32 weight is exactly 4- or 8-bit
         block-quantised values, as a model dequantised from a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors, streams a
-        packed copy of it: the same result bit for bit, a fifth of the bytes; packed once per weight and kept),
+        packed copy of it: the same result bit for bit, a fifth of the bytes; packed here, once per weight, and
+        kept),
         ``allow_unknown_model`` (skip the model-type registry check).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
@@ -223,6 +225,8 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
                         instance_generate=model.__dict__.get("generate"))
     model.__dict__[_STATE_ATTR] = state
     model.__dict__["generate"] = PatchedGenerate(model)
+    if options.get("skinny_linear", True) and options.get("pack_weights", True):
+        pack_model(model)  # here rather than inside the first generate
     return model
 
 
