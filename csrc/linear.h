@@ -317,40 +317,47 @@ inline void dequant_scalar(const Packed& p, int64_t n, int rows, float* out) {
 // did not help.
 constexpr int64_t kPackedAhead = 2048;
 
-// AVX-512: a 4-bit block's 16 possible weights d * j + m (j < 16) are one zmm register, and vpermps looks each
-// weight up by the low 4 bits of its lane: the 16 bytes widened to 16 lanes give q[l] (low nibble) directly and
-// q[16 + l] after a shift by 4, five instructions per 32 weights. An 8-bit block widens and converts its bytes.
-// (Zero-masked conversions: GCC 12's unmasked ones warn.)
+// AVX-512: the 32 weights of one block (bytes qb, scale d, minimum m) as w0 (k = 32b + l) and w1 (32b + 16 + l). A
+// 4-bit block's 16 possible weights d * j + m (j < 16) are one zmm register, and vpermps looks each weight up by the
+// low 4 bits of its lane: the 16 bytes widened to 16 lanes give q[l] (low nibble) directly and q[16 + l] after a
+// shift by 4, five instructions per 32 weights. An 8-bit block widens and converts its bytes. (Zero-masked
+// conversions: GCC 12's unmasked ones warn.)
+template <int BITS>
+FASTVERIFY_AVX512 inline void block_weights_avx512(const uint8_t* qb, float d, float m, __m512& w0, __m512& w1) {
+  if (BITS == 4) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m));
+    const __m512i v = _mm512_maskz_cvtepu8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
+    w0 = _mm512_maskz_permutexvar_ps(0xFFFF, v, table);
+    w1 = _mm512_maskz_permutexvar_ps(0xFFFF, _mm512_maskz_srli_epi32(0xFFFF, v, 4), table);
+  } else {
+    const __m512 db = _mm512_set1_ps(d), mb = _mm512_set1_ps(m);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16 * h));
+      (h ? w1 : w0) = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_maskz_cvtepu8_epi32(0xFFFF, q8)), db, mb);
+    }
+  }
+}
+
+// Rows [n, n + rows) of the packed weight as float32, into out [rows, K].
+template <int BITS>
 FASTVERIFY_AVX512 inline void dequant_avx512(const Packed& p, int64_t n, int rows, float* out) {
   const int64_t blocks = p.K / 32;
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int i = 0; i < rows; ++i) {
     const uint8_t* q = p.q + (n + i) * p.row_bytes();
     const float* d = p.d + (n + i) * blocks;
     const float* m = p.m + (n + i) * blocks;
     float* o = out + i * p.K;
-    if (p.bits == 4) {
-      for (int64_t b = 0; b < blocks; ++b, o += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(q + 16 * b) + kPackedAhead, _MM_HINT_T0);
-        if ((b & 3) == 0) {  // 16 bytes of scales per 4 blocks: a line per 16 blocks, asked for every 4
-          _mm_prefetch(reinterpret_cast<const char*>(d + b) + kPackedAhead / 4, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(m + b) + kPackedAhead / 4, _MM_HINT_T0);
-        }
-        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[b]), _mm512_set1_ps(m[b]));
-        const __m512i v =
-            _mm512_maskz_cvtepu8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b)));
-        _mm512_storeu_ps(o, _mm512_maskz_permutexvar_ps(0xFFFF, v, table));
-        _mm512_storeu_ps(o + 16, _mm512_maskz_permutexvar_ps(0xFFFF, _mm512_maskz_srli_epi32(0xFFFF, v, 4), table));
+    for (int64_t b = 0; b < blocks; ++b, o += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + BITS * 4 * b) + kPackedAhead, _MM_HINT_T0);
+      if ((b & 3) == 0) {  // 16 bytes of scales per 4 blocks: a line per 16 blocks, asked for every 4
+        _mm_prefetch(reinterpret_cast<const char*>(d + b) + kPackedAhead / 4, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(m + b) + kPackedAhead / 4, _MM_HINT_T0);
       }
-    } else {
-      for (int64_t b = 0; b < blocks; ++b, o += 32) {
-        const __m512 db = _mm512_set1_ps(d[b]), mb = _mm512_set1_ps(m[b]);
-        for (int h = 0; h < 2; ++h) {
-          const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 32 * b + 16 * h));
-          const __m512 qf = _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_maskz_cvtepu8_epi32(0xFFFF, q8));
-          _mm512_storeu_ps(o + 16 * h, _mm512_fmadd_ps(qf, db, mb));
-        }
-      }
+      __m512 w0, w1;
+      block_weights_avx512<BITS>(q + BITS * 4 * b, d[b], m[b], w0, w1);
+      _mm512_storeu_ps(o, w0);
+      _mm512_storeu_ps(o + 16, w1);
     }
   }
 }
@@ -388,14 +395,13 @@ FASTVERIFY_AVX2 inline void dequant_avx2(const Packed& p, int64_t n, int rows, f
 }
 
 // The fused AVX-512 path for a few x rows: NR packed weight rows x MR x rows, the weights dequantised in registers
-// (as dequant_avx512 does) straight into the FMAs, whose order per lane (k = 32b + l, then 32b + 16 + l, block after
+// (block_weights_avx512) straight into the FMAs, whose order per lane (k = 32b + l, then 32b + 16 + l, block after
 // block) is the float32 tile's; then the same reduction and bias. The tile prefetches the next block of weight rows
 // [next, end) (bytes, scales and minima, one line per k step) as the float32 tiles do.
 template <int NR, int MR, int BITS>
 FASTVERIFY_AVX512 inline void tile_packed_avx512(const float* x, const Packed& p, const float* bias, float* y,
                                                  int64_t N, int64_t n, int64_t m, int64_t next, int64_t end) {
   const int64_t K = p.K, blocks = K / 32, rb = p.row_bytes();
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -417,21 +423,7 @@ FASTVERIFY_AVX512 inline void tile_packed_avx512(const float* x, const Packed& p
     }
     for (int i = 0; i < NR; ++i) {
       __m512 w0, w1;
-      if (BITS == 4) {
-        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[i * blocks + b]),
-                                             _mm512_set1_ps(mn[i * blocks + b]));
-        const __m512i v = _mm512_maskz_cvtepu8_epi32(
-            0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * rb + 16 * b)));
-        w0 = _mm512_maskz_permutexvar_ps(0xFFFF, v, table);
-        w1 = _mm512_maskz_permutexvar_ps(0xFFFF, _mm512_maskz_srli_epi32(0xFFFF, v, 4), table);
-      } else {
-        const __m512 db = _mm512_set1_ps(d[i * blocks + b]), mb = _mm512_set1_ps(mn[i * blocks + b]);
-        const uint8_t* qb = q + i * rb + 32 * b;
-        w0 = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_maskz_cvtepu8_epi32(
-                                 0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), db, mb);
-        w1 = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_maskz_cvtepu8_epi32(
-                                 0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), db, mb);
-      }
+      block_weights_avx512<BITS>(q + i * rb + BITS * 4 * b, d[i * blocks + b], mn[i * blocks + b], w0, w1);
       for (int j = 0; j < MR; ++j) {
         const float* xr = x + (m + j) * K + 32 * b;
         acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[i][j]);
@@ -489,7 +481,7 @@ inline void skinny_rows_packed(const float* x, const Packed& p, const float* bia
   for (int64_t n = n0; n < n1; n += 4) {
     const int rows = static_cast<int>(std::min<int64_t>(4, n1 - n));
 #ifdef FASTVERIFY_X86
-    if (cpu_has_avx512()) dequant_avx512(p, n, rows, buf);
+    if (cpu_has_avx512()) p.bits == 4 ? dequant_avx512<4>(p, n, rows, buf) : dequant_avx512<8>(p, n, rows, buf);
     else if (cpu_has_avx2_fma()) dequant_avx2(p, n, rows, buf);
     else dequant_scalar(p, n, rows, buf);
 #else
