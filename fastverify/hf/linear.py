@@ -23,10 +23,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from fastverify.ops.linear import pack_blocks
+from fastverify.ops.linear import PackedWeight, pack_blocks
 from fastverify.ops.tree import implemented_backends
 
-__all__ = ["skinny_linears", "skinny_available", "packed_weight", "pack_model", "MAX_ROWS"]
+__all__ = ["skinny_linears", "skinny_available", "packed_weight", "packed_group", "pack_model", "MAX_ROWS"]
 
 # SmolLM2-135M's linear layers (30 layers + the LM head, fp32, 2 threads, 2-core AMD EPYC (Zen 5) VM), skinny
 # vs torch's GEMM: 2.4x faster at M = 1, 2.4x at 17, 2.4x at 33, 2.0x at 128, 1.7x at 256 (benchmarks/RESULTS.md,
@@ -62,11 +62,50 @@ def packed_weight(module):
     return hit[1]
 
 
+def _key(module):
+    w = module.weight
+    return (w.data_ptr(), w._version, tuple(w.shape))
+
+
+_GROUPS = weakref.WeakKeyDictionary()  # first nn.Linear of a group -> (the members' keys, PackedWeight or None)
+
+
+def packed_group(modules):
+    """One block-packed weight for layers that read the same input (a layer's q / k / v projections, its gate /
+    up projections): their weights stacked along the outputs, so that one ``skinny_linear_packed`` call computes
+    them all (each output column is computed as it is alone: the same result bit for bit). None unless every layer
+    is eligible (as for ``skinny_linears``) and the stack packs exactly at one bit width. Each member's own packed
+    weight (``packed_weight``) then becomes its rows of the stack (a view: no second copy). Made once per weight
+    version of the members."""
+    modules = list(modules)
+    keys = tuple(_key(m) for m in modules)
+    hit = _GROUPS.get(modules[0])
+    if hit is not None and hit[0] == keys:
+        return hit[1]
+    packed = None
+    if (len(modules) > 1 and all(_eligible(m) for m in modules)
+            and len({m.in_features for m in modules}) == 1):
+        with torch.no_grad():
+            packed = pack_blocks(torch.cat([m.weight.detach() for m in modules]))
+    if packed is not None:
+        start = 0
+        for m, key in zip(modules, keys):
+            rows = slice(start, start + m.out_features)
+            _PACKED[m] = (key, PackedWeight(packed.q[rows], packed.d[rows], packed.m[rows], packed.bits))
+            start = rows.stop
+    _GROUPS[modules[0]] = (keys, packed)
+    return packed
+
+
 def pack_model(model) -> int:
     """Pack every layer that ``skinny_linears`` would reroute and whose weight packs exactly (``packed_weight``),
-    ahead of the first generate; returns how many packed."""
+    ahead of the first generate, the projections that ``fastverify.hf.layers`` computes together stacked
+    (``packed_group``); returns how many layers packed."""
     if not skinny_available():
         return 0
+    from fastverify.hf.layers import projection_groups
+    for group in projection_groups(model):  # first, so that their members' packed weights are views of the stack
+        packed_group(group)
     return sum(packed_weight(m) is not None for m in model.modules() if _eligible(m))
 
 
@@ -77,6 +116,10 @@ def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
     mods = [m for m in model.modules() if _eligible(m)] if skinny_available() else []
     op = torch.ops.fastverify.skinny_linear if mods else None
     op_packed = torch.ops.fastverify.skinny_linear_packed if mods and pack else None
+    if op_packed is not None:  # the stacks first (as pack_model), so that their members stream views of them
+        from fastverify.hf.layers import projection_groups
+        for group in projection_groups(model):
+            packed_group(group)
     packs = {m: packed_weight(m) for m in mods} if op_packed is not None else {}
 
     def forward(self, x):
@@ -88,6 +131,7 @@ def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
             return op(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    forward.skinny = True  # fastverify.hf.layers tells this rebinding from others'
     for m in mods:
         m.forward = types.MethodType(forward, m)
     try:

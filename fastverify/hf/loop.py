@@ -27,6 +27,7 @@ import torch
 from fastverify.hf.attention import (cache_kwargs, crop_cache, forward_takes, gqa_attention, new_cache, prefill_inputs,
                                      step_inputs)
 from fastverify.hf.drafters import empty_tree
+from fastverify.hf.layers import lean_layers
 from fastverify.hf.linear import skinny_linears
 from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
@@ -107,6 +108,7 @@ class DecodeSettings:
     sync: bool = False  # synchronise the device around phases (exact CUDA timings; costs a little)
     skinny_linear: bool = True  # few-row float32 CPU nn.Linear layers through fastverify.skinny_linear
     pack_weights: bool = True  # with skinny_linear: weights that are exactly block-quantised values stream packed
+    lean_layers: bool = True  # Llama-style decoder layers run fastverify.hf.layers' forward (same ops, fewer calls)
     max_positions: int = None  # a position-dependent RoPE's bound: a forward's rows stay below it minus one
 
 
@@ -594,7 +596,9 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
     installed = drafter.installed(model) if getattr(drafter, "wants_slots", False) else contextlib.nullcontext()
     linears = (skinny_linears(model, pack=settings.pack_weights) if settings.skinny_linear
                else contextlib.nullcontext())
-    with installed, gqa_attention(model), linears:
+    layers = (lean_layers(model, pack=settings.skinny_linear and settings.pack_weights) if settings.lean_layers
+              else contextlib.nullcontext())
+    with installed, gqa_attention(model), linears, layers:
         dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer)
         try:
             while not dec.done():

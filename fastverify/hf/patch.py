@@ -174,7 +174,8 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         ``pack_weights`` (default True: with skinny_linear, a layer whose float32 weight is exactly 4- or 8-bit
         block-quantised values, as a model dequantised from a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors, streams a
         packed copy of it: the same result bit for bit, a fifth of the bytes; packed here, once per weight, and
-        kept),
+        kept), ``lean_layers`` (default True: Llama / Mistral / Qwen2 decoder layers run the loop's forward of them,
+        the same ops in fewer calls, their q / k / v and gate / up projections stacked; see fastverify.hf.layers),
         ``allow_unknown_model`` (skip the model-type registry check).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
@@ -189,12 +190,12 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     precision model's first greedy / coupled generate warns once.
     """
     _check_transformers_version()
-    extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "allow_unknown_model")
+    extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "allow_unknown_model")
     unknown = set(options) - set(RULE_PARAMS) - set(extra)
     if unknown:
         raise TypeError(f"fastverify.patch: unknown option(s) {sorted(unknown)}; expected rule parameters "
                         f"{RULE_PARAMS} or {', '.join(extra)}")
-    for name in ("skinny_linear", "pack_weights"):
+    for name in ("skinny_linear", "pack_weights", "lean_layers"):
         if options.get(name, True) not in (True, False):
             raise TypeError(f"{name}: expected a bool, got {options[name]!r}")
     if rule is not None and rule not in RULES:
@@ -392,6 +393,7 @@ def _plan(model, state, args, kwargs):
                               backend=state.options.get("backend", "auto"), sync=bool(state.options.get("sync")),
                               skinny_linear=bool(state.options.get("skinny_linear", True)),
                               pack_weights=bool(state.options.get("pack_weights", True)),
+                              lean_layers=bool(state.options.get("lean_layers", True)),
                               max_positions=position_limit(model.config))
     settings.rule_params = rule_params
     if rule in SAMPLING_RULES:

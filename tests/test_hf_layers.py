@@ -1,0 +1,165 @@
+"""fastverify.hf.layers: the loop's forward of Llama / Mistral / Qwen2 decoder layers is the model's, bit for bit."""
+
+import contextlib
+
+import pytest
+import torch
+
+import fastverify
+from fastverify.hf import layers as hf_layers
+from fastverify.hf.attention import cache_kwargs, gqa_attention, new_cache
+from fastverify.hf.layers import lean_layers, projection_groups
+from fastverify.hf.linear import packed_group, packed_weight, skinny_available, skinny_linears
+from fastverify.ops.linear import unpack_blocks
+from test_linear import gguf_quantised
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def tiny(family, dtype=torch.float32, quantised=False, seed=0, vocab=96):
+    """A 2-layer random model of ``family`` (Qwen2: biased q / k / v); ``quantised``: every linear layer's weight
+    as a GGUF file's (Q4_1 blocks, the output head Q8_0), so that the layers pack."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.08)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    model = model.eval().requires_grad_(False)
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    if quantised:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for m in model.modules():
+                if type(m) is torch.nn.Linear:
+                    m.weight.copy_(gguf_quantised(*m.weight.shape, "q8_0" if m is model.lm_head else "q4_1", g))
+                    if m.bias is not None:
+                        m.bias.normal_(0, 0.1, generator=g)
+    return model.to(dtype)
+
+
+def forwards(model, ids, lean, prof=None):
+    """Logits of a prefill of ids[:, :6], then of 3 rows and 1 row over the cache, within the loop's contexts (its
+    linears, its attention, and ``lean_layers`` when ``lean``); and how many layers ran the lean forward."""
+    out = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(skinny_linears(model))
+        stack.enter_context(gqa_attention(model))
+        n = stack.enter_context(lean_layers(model)) if lean else 0
+        if prof is not None:
+            stack.enter_context(prof)
+        cache = new_cache()
+        for lo, hi in ((0, 6), (6, 9), (9, 10)):
+            out.append(model(ids[:, lo:hi], use_cache=True, **cache_kwargs(model, cache)).logits)
+    return out, n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("quantised", [False, True])
+def test_lean_layers_give_the_model_forward_bit_for_bit(family, quantised):
+    model = tiny(family, quantised=quantised)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(3))
+    want, _ = forwards(model, ids, lean=False)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    got, n = forwards(model, ids, lean=True, prof=prof)
+    assert n == 2
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    if quantised and skinny_available():
+        # per layer and forward: q / k / v in one call, o, gate / up in one, down; and the output head
+        calls = sum(e.count for e in prof.key_averages() if e.key == "fastverify::skinny_linear_packed")
+        assert calls == 3 * (2 * 4 + 1)
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)  # removed on exit
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lean_layers_in_half_precision(dtype):
+    model = tiny("qwen2", dtype=dtype)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(4))
+    want, _ = forwards(model, ids, lean=False)
+    got, n = forwards(model, ids, lean=True)
+    assert n == 2
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_generate_with_lean_layers_is_greedy_exact_and_samples_the_same_stream(family):
+    from conftest import assert_greedy_exact, patched_generate, repetitive
+
+    model = tiny(family, quantised=True, seed=5)
+    ids = torch.tensor([repetitive(30, 96, seed=6), repetitive(30, 96, seed=7)])
+    assert_greedy_exact(model, fastverify.NGramDrafter(), ids, max_new_tokens=20)
+    a, _ = patched_generate(model, fastverify.NGramDrafter(), ids, do_sample=True, max_new_tokens=20, seed=8)
+    b, _ = patched_generate(model, fastverify.NGramDrafter(), ids, options={"lean_layers": False}, do_sample=True,
+                            max_new_tokens=20, seed=8)
+    assert torch.equal(a, b)
+
+
+def test_hooked_and_other_layers_keep_their_own_forward():
+    model = tiny("llama")
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *args: None)
+    try:
+        with lean_layers(model) as n:
+            assert n == 1
+            assert "forward" not in model.model.layers[0].__dict__
+            assert "forward" in model.model.layers[1].__dict__
+    finally:
+        handle.remove()
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2))
+    assert projection_groups(gpt2) == []
+    with lean_layers(gpt2) as n:
+        assert n == 0
+
+
+def test_a_layer_that_computes_otherwise_keeps_its_own_forward(monkeypatch):
+    """The first layer of a class is run both ways; a class whose forward differs (here its MLP multiplies the
+    other way round) is not rebound, and the verdict is kept."""
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(hf_layers, "_VERDICT", {})
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward",
+                        lambda self, x: self.down_proj(self.up_proj(x) * self.act_fn(self.gate_proj(x)) + 1.0))
+    model = tiny("llama")
+    with lean_layers(model) as n:
+        assert n == 0
+    assert list(hf_layers._VERDICT.values()) == [False]
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+
+
+@pytest.mark.skipif(not skinny_available(), reason="fastverify._C is not built")
+def test_packed_group_stacks_the_projections_and_its_members_stream_views_of_it():
+    model = tiny("qwen2", quantised=True)
+    a = model.model.layers[0].self_attn
+    mods = [a.q_proj, a.k_proj, a.v_proj]
+    stack = packed_group(mods)
+    assert stack is not None and stack.shape == (64 + 32 + 32, 64)
+    assert torch.equal(unpack_blocks(*stack), torch.cat([m.weight for m in mods]))
+    row_bytes = stack.q.shape[1]
+    for m, start in zip(mods, (0, 64, 96)):
+        p = packed_weight(m)
+        assert p.q.data_ptr() == stack.q.data_ptr() + start * row_bytes  # a view: no second copy
+        assert torch.equal(unpack_blocks(*p), m.weight)
+    assert packed_group(mods) is stack  # kept
+    with torch.no_grad():  # a member whose weight changed (and no longer packs): the stack is made again, or None
+        a.k_proj.weight.add_(1e-3 * torch.randn(a.k_proj.weight.shape))
+    assert packed_group(mods) is None
+    assert packed_weight(a.q_proj) is not None and packed_weight(a.k_proj) is None
+
+
+def test_lean_layers_with_eager_attention():
+    model = tiny("mistral", quantised=True)
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(5))
+    want, _ = forwards(model, ids, lean=False)
+    got, n = forwards(model, ids, lean=True)
+    assert n == 2
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
