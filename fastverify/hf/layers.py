@@ -89,26 +89,39 @@ def projection_groups(model):
     return out
 
 
-def _rms(norm, h):
+def _rms(weight, eps, h):
     """transformers' Llama / Mistral / Qwen2 RMSNorm, its float32 casts skipped where they are no-ops."""
     dtype = h.dtype
     x = h if dtype == torch.float32 else h.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * (x if dtype == torch.float32 else x.to(dtype))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x if dtype == torch.float32 else x.to(dtype))
+
+
+def _silu(act):
+    """F.silu where the activation module is a plain SiLU (what its forward returns), else the module."""
+    plain = type(act) is torch.nn.SiLU and not act.inplace
+    plain = plain or (type(act).__name__ == "SiLUActivation" and type(act).__module__ == "transformers.activations")
+    return torch.nn.functional.silu if plain else act
 
 
 class _Plan:
-    """Per layer: the stacked packed projections (or None) and their biases; shared: the last ``sin'``."""
+    """What ``_forward`` reads of one layer, looked up once per ``lean_layers``: its modules' attributes, the
+    attention function, the stacked packed projections (or None) and their biases."""
 
     def __init__(self, layer, pack: bool, max_rows: int):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         a, m = layer.self_attn, layer.mlp
-        self.qkv, self.qkv_bias = self._stack([a.q_proj, a.k_proj, a.v_proj], pack)
-        self.gate_up, self.gate_up_bias = self._stack([m.gate_proj, m.up_proj], pack)
+        self.attn, self.head_dim, self.layer_idx, self.scaling = a, a.head_dim, a.layer_idx, a.scaling
+        self.norms = [(n.weight, n.variance_epsilon) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.qkv_mods, self.gate_up_mods = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+        self.qkv, self.qkv_bias = self._stack(self.qkv_mods, pack)
+        self.gate_up, self.gate_up_bias = self._stack(self.gate_up_mods, pack)
+        self.o_proj, self.down_proj, self.act = a.o_proj.forward, m.down_proj.forward, _silu(m.act_fn)
         self.nq = a.q_proj.out_features // a.head_dim
         self.nk = a.k_proj.out_features // a.head_dim
         self.inter = m.gate_proj.out_features
         self.extra = _LAYERS[type(layer).__name__](a)
-        self.eager = _eager(a)
+        self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(a.config._attn_implementation, _eager(a))
         self.max_rows = max_rows
 
     @staticmethod
@@ -147,27 +160,25 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     plan, signed_sin = self._fastverify
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
-    a, mlp = self.self_attn, self.mlp
     kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)
-    residual = hidden_states
-    x = _rms(self.input_layernorm, hidden_states)
+    (w1, eps1), (w2, eps2) = plan.norms
+    x = _rms(w1, eps1, hidden_states)
     shape = x.shape[:-1]
-    qkv = plan.project(plan.qkv, plan.qkv_bias, (a.q_proj, a.k_proj, a.v_proj), x)
-    qkv = qkv.view(*shape, -1, a.head_dim).transpose(1, 2)
+    qkv = plan.project(plan.qkv, plan.qkv_bias, plan.qkv_mods, x).view(*shape, -1, plan.head_dim).transpose(1, 2)
     cos, sin = position_embeddings
-    qk = qkv[:, :plan.nq + plan.nk]
+    nq, nqk = plan.nq, plan.nq + plan.nk
+    qk = qkv[:, :nqk]
     qk = qk * cos.unsqueeze(1) + qk.roll(cos.shape[-1] // 2, -1) * signed_sin(sin).unsqueeze(1)
-    q, k, v = qk[:, :plan.nq], qk[:, plan.nq:], qkv[:, plan.nq + plan.nk:]
+    q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nqk:]
     if cache is not None:
-        k, v = cache.update(k, v, a.layer_idx, kwargs=kwargs)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(a.config._attn_implementation, plan.eager)
-    out, _ = attention(a, q, k, v, attention_mask, dropout=0.0 if not a.training else a.attention_dropout,
-                       scaling=a.scaling, **plan.extra, **kwargs)
-    h = residual + a.o_proj.forward(out.reshape(*shape, -1).contiguous())
-    x = _rms(self.post_attention_layernorm, h)
-    gu = plan.project(plan.gate_up, plan.gate_up_bias, (mlp.gate_proj, mlp.up_proj), x)
-    return h + mlp.down_proj.forward(mlp.act_fn(gu[..., :plan.inter]) * gu[..., plan.inter:])
+        k, v = cache.update(k, v, plan.layer_idx, kwargs=kwargs)
+    a = plan.attn
+    out, _ = plan.attention(a, q, k, v, attention_mask, dropout=0.0 if not a.training else a.attention_dropout,
+                            scaling=plan.scaling, **plan.extra, **kwargs)
+    h = hidden_states + plan.o_proj(out.reshape(*shape, -1).contiguous())
+    x = _rms(w2, eps2, h)
+    gu = plan.project(plan.gate_up, plan.gate_up_bias, plan.gate_up_mods, x)
+    return h + plan.down_proj(plan.act(gu[..., :plan.inter]) * gu[..., plan.inter:])
 
 
 @torch.no_grad()
