@@ -61,17 +61,22 @@ def forwards(model, ids, lean, prof=None):
     return out, n
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("quantised", [False, True])
-def test_lean_layers_give_the_model_forward_bit_for_bit(family, quantised):
-    model = tiny(family, quantised=quantised)
-    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(3))
+def assert_lean_is_the_model(model, seed, prof=None):
+    """Both layers run the lean forward, and every logit is the model's own, bit for bit."""
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(seed))
     want, _ = forwards(model, ids, lean=False)
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     got, n = forwards(model, ids, lean=True, prof=prof)
     assert n == 2
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("quantised", [False, True])
+def test_lean_layers_give_the_model_forward_bit_for_bit(family, quantised):
+    model = tiny(family, quantised=quantised)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    assert_lean_is_the_model(model, 3, prof)
     if quantised and skinny_available():
         # per layer and forward: q / k / v in one call, o, gate / up in one, down; and the output head
         calls = sum(e.count for e in prof.key_averages() if e.key == "fastverify::skinny_linear_packed")
@@ -81,13 +86,7 @@ def test_lean_layers_give_the_model_forward_bit_for_bit(family, quantised):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_lean_layers_in_half_precision(dtype):
-    model = tiny("qwen2", dtype=dtype)
-    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(4))
-    want, _ = forwards(model, ids, lean=False)
-    got, n = forwards(model, ids, lean=True)
-    assert n == 2
-    for a, b in zip(want, got):
-        assert torch.equal(a, b)
+    assert_lean_is_the_model(tiny("qwen2", dtype=dtype), 4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -113,6 +112,12 @@ def test_hooked_and_other_layers_keep_their_own_forward():
             assert "forward" in model.model.layers[1].__dict__
     finally:
         handle.remove()
+    # transformers' output-capturing hooks (installed for good by a call that asks for attentions) record nothing
+    # unless asked: the layers stay eligible; so do layers with hooks of their own (they run around the forward)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), output_attentions=True, output_hidden_states=True)
+    assert model.model.layers[1].self_attn._forward_hooks and model.model.layers[1]._forward_hooks
+    assert_lean_is_the_model(model, 6)
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2))
     assert projection_groups(gpt2) == []
     with lean_layers(gpt2) as n:
@@ -157,9 +162,4 @@ def test_packed_group_stacks_the_projections_and_its_members_stream_views_of_it(
 def test_lean_layers_with_eager_attention():
     model = tiny("mistral", quantised=True)
     model.config._attn_implementation = "eager"
-    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(5))
-    want, _ = forwards(model, ids, lean=False)
-    got, n = forwards(model, ids, lean=True)
-    assert n == 2
-    for a, b in zip(want, got):
-        assert torch.equal(a, b)
+    assert_lean_is_the_model(model, 5)
