@@ -1,4 +1,5 @@
-"""fastverify.hf.layers: the loop's forward of Llama / Mistral / Qwen2 decoder layers is the model's, bit for bit."""
+"""fastverify.hf.layers: the loop's forward of Llama / Mistral / Qwen2 / Qwen3 decoder layers is the model's, bit for
+bit."""
 
 import contextlib
 
@@ -15,12 +16,12 @@ from test_linear import gguf_quantised
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def tiny(family, dtype=torch.float32, quantised=False, seed=0, vocab=96):
-    """A 2-layer random model of ``family`` (Qwen2: biased q / k / v); ``quantised``: every linear layer's weight
-    as a GGUF file's (Q4_1 blocks, the output head Q8_0), so that the layers pack."""
+    """A 2-layer random model of ``family`` (Qwen2: biased q / k / v; Qwen3: q / k norms); ``quantised``: every
+    linear layer's weight as a GGUF file's (Q4_1 blocks, the output head Q8_0), so that the layers pack."""
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.08)
@@ -28,8 +29,10 @@ def tiny(family, dtype=torch.float32, quantised=False, seed=0, vocab=96):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif family == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
-    else:
+    elif family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:  # q_norm / k_norm over each head's 16 dimensions
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
     model = model.eval().requires_grad_(False)
     model.generation_config.pad_token_id = None
     model.generation_config.eos_token_id = None

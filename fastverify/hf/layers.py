@@ -15,14 +15,16 @@ eligible decoder layer runs ``_forward`` instead of its own forward (rebound on 
   attention and the MLP themselves, no deprecation wrappers.
 
 Each result is the layer's own, bit for bit: the same ops on the same values in the same order. Eligible: the
-exact classes of transformers' Llama, Mistral and Qwen2 decoder layers (``_LAYERS``) with their own attention, MLP
-and RMSNorm classes, exactly ``nn.Linear`` projections, no hooks and no forward rebound on the instance (other than
-the linears' by ``skinny_linears``). And the first time a layer class meets an attention implementation, one of its
-layers is run both ways on random rows and must agree bit for bit (the verdict kept for the process), so a
-transformers release whose layer computes otherwise keeps its own forward. Measured on SmolLM2-135M (2-core Intel
-Xeon, ``benchmarks/patch_option.py lean_layers``: patched generate on four Spec-Bench questions, on and off side by
-side, outputs identical to ``generate``): the model forward of a step 13.9 -> 10.8 ms with the n-gram drafter
-(the whole generate 21% faster), 15.4 -> 12.3 ms with heads + n-gram (17%).
+exact classes of transformers' Llama, Mistral, Qwen2 and Qwen3 decoder layers (``_LAYERS``) with their own
+attention, MLP and RMSNorm classes, exactly ``nn.Linear`` projections, no hooks on the submodules whose calls it
+skips (transformers' inactive output-capturing hooks aside; the layer's own hooks run around it) and no forward
+rebound on an instance (other than the linears' by ``skinny_linears``), no global module hooks. And the first
+time a layer class meets an attention implementation, one of its layers is run both ways on random rows and must
+agree bit for bit (the verdict kept for the process), so a transformers release whose layer computes otherwise
+keeps its own forward. Measured on SmolLM2-135M (2-core Intel Xeon, ``benchmarks/patch_option.py lean_layers``:
+patched generate on four Spec-Bench questions, on and off side by side, outputs identical to ``generate``): the
+model forward of a step 13.9 -> 10.8 ms with the n-gram drafter (the whole generate 21% faster), 15.4 -> 12.3 ms
+with heads + n-gram (17%).
 """
 
 import contextlib
@@ -41,7 +43,9 @@ _LAYERS = {
     "LlamaDecoderLayer": lambda attn: {},
     "MistralDecoderLayer": lambda attn: {"sliding_window": getattr(attn.config, "sliding_window", None)},
     "Qwen2DecoderLayer": lambda attn: {"sliding_window": attn.sliding_window},
+    "Qwen3DecoderLayer": lambda attn: {"sliding_window": attn.sliding_window},
 }
+_HEAD_NORMS = ("Qwen3DecoderLayer",)  # q_norm / k_norm: RMSNorm over each head's dimensions before the rotation
 _VERDICT = {}  # (layer class, attention implementation) -> whether ``_forward`` reproduced its forward bit for bit
 
 
@@ -78,6 +82,8 @@ def _structure(layer) -> bool:
     prefix = name[:-len("DecoderLayer")]
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    if name in _HEAD_NORMS:
+        norms += (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
     if (type(attn).__name__ != prefix + "Attention" or type(mlp).__name__ != prefix + "MLP"
             or any(type(n).__name__ != prefix + "RMSNorm" for n in norms) or _eager(attn) is None):
         return False
@@ -101,7 +107,7 @@ def projection_groups(model):
 
 
 def _rms(weight, eps, h):
-    """transformers' Llama / Mistral / Qwen2 RMSNorm, its float32 casts skipped where they are no-ops."""
+    """transformers' Llama / Mistral / Qwen2 / Qwen3 RMSNorm, its float32 casts skipped where they are no-ops."""
     dtype = h.dtype
     x = h if dtype == torch.float32 else h.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -124,6 +130,8 @@ class _Plan:
         a, m = layer.self_attn, layer.mlp
         self.attn, self.head_dim, self.layer_idx, self.scaling = a, a.head_dim, a.layer_idx, a.scaling
         self.norms = [(n.weight, n.variance_epsilon) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.head_norms = ([(n.weight, n.variance_epsilon) for n in (a.q_norm, a.k_norm)]
+                           if type(layer).__name__ in _HEAD_NORMS else None)
         self.qkv_mods, self.gate_up_mods = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
         self.qkv, self.qkv_bias = self._stack(self.qkv_mods, pack)
         self.gate_up, self.gate_up_bias = self._stack(self.gate_up_mods, pack)
@@ -166,8 +174,8 @@ class _SignedSin:
 
 def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
              position_embeddings=None, **kwargs):
-    """The decoder layer's forward (transformers' Llama / Mistral / Qwen2), op for op; ``self._fastverify``: its
-    ``_Plan`` and the shared ``_SignedSin``."""
+    """The decoder layer's forward (transformers' Llama / Mistral / Qwen2 / Qwen3), op for op;
+    ``self._fastverify``: its ``_Plan`` and the shared ``_SignedSin``."""
     plan, signed_sin = self._fastverify
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
@@ -175,10 +183,15 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     (w1, eps1), (w2, eps2) = plan.norms
     x = _rms(w1, eps1, hidden_states)
     shape = x.shape[:-1]
-    qkv = plan.project(plan.qkv, plan.qkv_bias, plan.qkv_mods, x).view(*shape, -1, plan.head_dim).transpose(1, 2)
-    cos, sin = position_embeddings
+    qkv = plan.project(plan.qkv, plan.qkv_bias, plan.qkv_mods, x).view(*shape, -1, plan.head_dim)
     nq, nqk = plan.nq, plan.nq + plan.nk
-    qk = qkv[:, :nqk]
+    if plan.head_norms is None:
+        qk = qkv[..., :nqk, :].transpose(1, 2)
+    else:  # Qwen3: q_norm over q's heads, k_norm over k's, each head's dimensions
+        (wq, eq), (wk, ek) = plan.head_norms
+        qk = torch.cat((_rms(wq, eq, qkv[..., :nq, :]), _rms(wk, ek, qkv[..., nq:nqk, :])), -2).transpose(1, 2)
+    qkv = qkv.transpose(1, 2)
+    cos, sin = position_embeddings
     qk = qk * cos.unsqueeze(1) + qk.roll(cos.shape[-1] // 2, -1) * signed_sin(sin).unsqueeze(1)
     q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nqk:]
     if cache is not None:

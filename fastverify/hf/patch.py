@@ -174,8 +174,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         ``pack_weights`` (default True: with skinny_linear, a layer whose float32 weight is exactly 4- or 8-bit
         block-quantised values, as a model dequantised from a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors, streams a
         packed copy of it: the same result bit for bit, a fifth of the bytes; packed here, once per weight, and
-        kept), ``lean_layers`` (default True: Llama / Mistral / Qwen2 decoder layers run the loop's forward of them,
-        the same ops in fewer calls, their q / k / v and gate / up projections stacked; see fastverify.hf.layers),
+        kept), ``lean_layers`` (default True: Llama / Mistral / Qwen2 / Qwen3 decoder layers run the loop's forward
+        of them, the same ops in fewer calls, their q / k / v and gate / up projections stacked; see
+        fastverify.hf.layers),
         ``allow_unknown_model`` (skip the model-type registry check).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
