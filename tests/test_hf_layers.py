@@ -166,3 +166,19 @@ def test_lean_layers_with_eager_attention():
     model = tiny("mistral", quantised=True)
     model.config._attn_implementation = "eager"
     assert_lean_is_the_model(model, 5)
+
+
+def test_a_layer_whose_attributes_the_plan_cannot_read_keeps_its_own_forward(monkeypatch):
+    model = tiny("llama")
+    first = model.model.layers[0]
+    init = hf_layers._Plan.__init__
+
+    def plan(self, layer, *args):
+        if layer is first:
+            raise AttributeError("head_dim")  # as a transformers release without the attribute would
+        init(self, layer, *args)
+
+    monkeypatch.setattr(hf_layers._Plan, "__init__", plan)
+    with lean_layers(model) as n:
+        assert n == 1
+        assert "forward" not in first.__dict__ and "forward" in model.model.layers[1].__dict__
