@@ -137,7 +137,7 @@ if has test; then
   start=$(date +%s)
   files=(tests/test_cuda_build.py tests/test_verify.py tests/test_sampling.py tests/test_masks.py
          tests/test_tree_attention.py tests/test_triton_smoke.py tests/test_tree.py tests/test_cache.py
-         tests/test_verify_speculative_stats.py tests/test_sync_free.py)
+         tests/test_verify_speculative_stats.py tests/test_sync_free.py tests/test_hf_layers.py)
   if [ -n "$DRY" ]; then  # collect only: the file list and the imports, no test runs on this machine
     $PY -m pytest -q -p no:cacheprovider --collect-only -k "cuda or triton" "${files[@]}" >"$OUT/test.log" 2>&1
     echo "tests (dry, collected only): rc=$?"; tail -1 "$OUT/test.log"

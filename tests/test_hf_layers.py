@@ -66,7 +66,7 @@ def forwards(model, ids, lean, prof=None):
 
 def assert_lean_is_the_model(model, seed, prof=None):
     """Both layers run the lean forward, and every logit is the model's own, bit for bit."""
-    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(seed)).to(model.device)
     want, _ = forwards(model, ids, lean=False)
     got, n = forwards(model, ids, lean=True, prof=prof)
     assert n == 2
@@ -182,3 +182,11 @@ def test_a_layer_whose_attributes_the_plan_cannot_read_keeps_its_own_forward(mon
     with lean_layers(model) as n:
         assert n == 1
         assert "forward" not in first.__dict__ and "forward" in model.model.layers[1].__dict__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lean_layers_on_cuda_give_the_model_forward_bit_for_bit(family, dtype):
+    """On a GPU the projections are each layer's own GEMMs (concatenated), the rest the same ops."""
+    assert_lean_is_the_model(tiny(family, dtype=dtype).cuda(), 7)
