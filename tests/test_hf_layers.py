@@ -190,3 +190,10 @@ def test_a_layer_whose_attributes_the_plan_cannot_read_keeps_its_own_forward(mon
 def test_lean_layers_on_cuda_give_the_model_forward_bit_for_bit(family, dtype):
     """On a GPU the projections are each layer's own GEMMs (concatenated), the rest the same ops."""
     assert_lean_is_the_model(tiny(family, dtype=dtype).cuda(), 7)
+
+
+def test_signed_sin_follows_its_input():
+    signed = hf_layers._SignedSin()
+    a, b = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    for sin in (a, a, b, a, b, b):
+        assert torch.equal(signed(sin), torch.cat((-sin[..., :4], sin[..., 4:]), -1))

@@ -160,16 +160,20 @@ class _Plan:
 
 
 class _SignedSin:
-    """``sin' = [-sin_lo, sin_hi]`` of the last forward's ``sin`` (every layer of a forward gets the same one)."""
+    """``sin' = [-sin_lo, sin_hi]`` of the last forward's ``sin`` (every layer of a forward gets the same one). One
+    attribute holds the pair, so that two threads generating with the model at once never pair one's ``sin`` with
+    the other's ``sin'``."""
 
     def __init__(self):
-        self.sin, self.signed = None, None
+        self.last = (None, None)
 
     def __call__(self, sin):
-        if sin is not self.sin:
+        last = self.last
+        if last[0] is not sin:
             half = sin.shape[-1] // 2
-            self.sin, self.signed = sin, torch.cat((-sin[..., :half], sin[..., half:]), -1)
-        return self.signed
+            last = (sin, torch.cat((-sin[..., :half], sin[..., half:]), -1))
+            self.last = last
+        return last[1]
 
 
 def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
