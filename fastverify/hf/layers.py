@@ -33,7 +33,7 @@ import types
 
 import torch
 
-from fastverify.hf.linear import MAX_ROWS, packed_group, skinny_available
+from fastverify.hf.linear import MAX_ROWS, packed_group, skinny_available, takes_skinny
 
 __all__ = ["lean_layers", "projection_groups"]
 
@@ -153,8 +153,7 @@ class _Plan:
 
     def project(self, packed, bias, mods, x):
         """The projections ``mods`` of x, concatenated along the last dimension."""
-        if (packed is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-                and x.numel() <= self.max_rows * x.shape[-1]):
+        if packed is not None and x.device.type == "cpu" and takes_skinny(x, mods[0].weight, self.max_rows):
             return torch.ops.fastverify.skinny_linear_packed(x, packed.q, packed.d, packed.m, packed.bits, bias)
         return torch.cat([mod.forward(x) for mod in mods], -1)
 

@@ -46,25 +46,31 @@ def _eligible(module) -> bool:
             and (module.bias is None or module.bias.dtype == torch.float32))
 
 
+def takes_skinny(x, weight, max_rows: int) -> bool:
+    """Whether an input of an eligible layer goes to the skinny kernels: float32, at most ``max_rows`` rows, and
+    nothing that needs gradients (anything else goes to ``F.linear``)."""
+    return (x.dtype == torch.float32 and x.numel() <= max_rows * x.shape[-1]
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
 _PACKED = weakref.WeakKeyDictionary()  # nn.Linear -> ((weight's data_ptr, _version, shape), PackedWeight or None)
-
-
-def packed_weight(module):
-    """The block-packed copy of ``module.weight`` (fastverify.ops.linear.PackedWeight), or None when the weight is
-    not exactly of that form; made once per weight tensor and version."""
-    w = module.weight
-    key = (w.data_ptr(), w._version, tuple(w.shape))
-    hit = _PACKED.get(module)
-    if hit is None or hit[0] != key:
-        with torch.no_grad():
-            hit = (key, pack_blocks(w.detach()))
-        _PACKED[module] = hit
-    return hit[1]
 
 
 def _key(module):
     w = module.weight
     return (w.data_ptr(), w._version, tuple(w.shape))
+
+
+def packed_weight(module):
+    """The block-packed copy of ``module.weight`` (fastverify.ops.linear.PackedWeight), or None when the weight is
+    not exactly of that form; made once per weight tensor and version."""
+    key = _key(module)
+    hit = _PACKED.get(module)
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            hit = (key, pack_blocks(module.weight.detach()))
+        _PACKED[module] = hit
+    return hit[1]
 
 
 _GROUPS = weakref.WeakKeyDictionary()  # first nn.Linear of a group -> (the members' keys, PackedWeight or None)
@@ -97,15 +103,21 @@ def packed_group(modules):
     return packed
 
 
+def _pack_groups(model) -> None:
+    """``packed_group`` of every group ``fastverify.hf.layers`` computes together, before the layers are packed
+    one by one, so that their members' packed weights are views of the stacks."""
+    from fastverify.hf.layers import projection_groups
+    for group in projection_groups(model):
+        packed_group(group)
+
+
 def pack_model(model) -> int:
     """Pack every layer that ``skinny_linears`` would reroute and whose weight packs exactly (``packed_weight``),
     ahead of the first generate, the projections that ``fastverify.hf.layers`` computes together stacked
     (``packed_group``); returns how many layers packed."""
     if not skinny_available():
         return 0
-    from fastverify.hf.layers import projection_groups
-    for group in projection_groups(model):  # first, so that their members' packed weights are views of the stack
-        packed_group(group)
+    _pack_groups(model)
     return sum(packed_weight(m) is not None for m in model.modules() if _eligible(m))
 
 
@@ -116,15 +128,12 @@ def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
     mods = [m for m in model.modules() if _eligible(m)] if skinny_available() else []
     op = torch.ops.fastverify.skinny_linear if mods else None
     op_packed = torch.ops.fastverify.skinny_linear_packed if mods and pack else None
-    if op_packed is not None:  # the stacks first (as pack_model), so that their members stream views of them
-        from fastverify.hf.layers import projection_groups
-        for group in projection_groups(model):
-            packed_group(group)
+    if op_packed is not None:
+        _pack_groups(model)
     packs = {m: packed_weight(m) for m in mods} if op_packed is not None else {}
 
     def forward(self, x):
-        if (x.dtype == torch.float32 and x.numel() <= max_rows * x.shape[-1]
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+        if takes_skinny(x, self.weight, max_rows):
             p = packs.get(self)
             if p is not None:
                 return op_packed(x, p.q, p.d, p.m, p.bits, self.bias)
