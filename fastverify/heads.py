@@ -25,6 +25,19 @@ whenever its path is accepted, so the measured conditional accuracy is the proba
 starts at zero too. W_i and b_i start at zero (SiLU(0) = 0, so h_i = h): an untrained
 head p_i proposes what the target predicts for the row's next position, and training starts from there.
 
+Feed-forward heads (``ffn_size`` F > 0; Hydra++'s deeper heads, in one hidden layer). The residual branch above is
+a single square layer, so whatever a head adds to the state is one SiLU of a linear map of it. With F > 0 it is a
+feed-forward block with an F-wide hidden layer and an output projection O_i [D, F]:
+
+    s_i = s_{i-1} + O_i SiLU(W_i s_{i-1} + U_i n(e(x_{r+i-1})) + b_i)          (W_i, U_i [F, D]; b_i [F])
+
+(parallel heads: h_i = h + O_i SiLU(W_i h + b_i)). O_i starts at zero, so an untrained head is again the identity;
+W_i and U_i start random (a zero hidden layer would get no gradient). F = 0 is the block above (O_i the identity,
+F = D). On SmolLM2-135M, F = 2D raised the held-out top-1 of p_2..p_4 by 3-4 points at the same training steps
+and the tokens per target forward on Spec-Bench by ~3%, at 2.0M weights per head against 0.66M; on the 2-core CPU
+the drafter's level then costs ~35% more (the block's weights are read at every level, beside the 4.7M of the
+output projection at V' = 8192), which ate the gain there (benchmarks/RESULTS.md), so the shipped heads keep F = 0.
+
 Vocabulary subset. A head may propose from a subset of the vocabulary (``vocab_subset`` int64 [V']: the
 V' most frequent tokens of the training continuations): its logits are ``h_i @ E[vocab_subset]^T``. The
 drafted tokens are only candidates, so exactness does not depend on it; what it buys is the cost of the
@@ -38,8 +51,9 @@ Checkpoint (a directory):
     config.json         {"method": "bpd", "format": 1, "num_heads", "hidden_size", "vocab_size",
                          "vocab_subset_size", "base_model", "base_fingerprint": {...}, "head_acceptance",
                          "training": {...}, "eval": {...}}
-    heads.safetensors   "weight" fp32 [H, D, D], "bias" fp32 [H, D], "vocab_subset" int64 [V'] (when used),
-                        "token_weight" fp32 [H, D, D] (sequential heads: config "arch": "sequential")
+    heads.safetensors   "weight" fp32 [H, F, D], "bias" fp32 [H, F], "vocab_subset" int64 [V'] (when used),
+                        "token_weight" fp32 [H, F, D] (sequential heads: config "arch": "sequential"),
+                        "out_weight" fp32 [H, D, F] (config "ffn_size" F > 0; F = D without it)
 
 ``base_fingerprint`` identifies the output projection the heads were trained against: its shape, the sha256
 of its fp32 bytes, and ``probe``: the sums of 16 fixed rows in float64. Loading compares shape (a vocabulary
@@ -82,20 +96,37 @@ def unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class ProposalHeads(nn.Module):
-    """k - 1 residual heads. weight fp32 [H, D, D] (zero-initialised), bias fp32 [H, D]; vocab_subset int64 [V']
-    or None (all V tokens); sequential: also token_weight fp32 [H, D, D] (Hydra-style heads, above)."""
+    """k - 1 residual heads. weight fp32 [H, F, D], bias fp32 [H, F]; vocab_subset int64 [V'] or None (all V
+    tokens); sequential: also token_weight fp32 [H, F, D] (Hydra-style heads, above); ffn_size F > 0: also
+    out_weight fp32 [H, D, F] (feed-forward heads, above; zero-initialised, weight and token_weight random), else
+    F = D, out_weight None and every weight zero-initialised."""
 
-    def __init__(self, hidden_size: int, num_heads: int, vocab_subset=None, sequential: bool = False):
+    def __init__(self, hidden_size: int, num_heads: int, vocab_subset=None, sequential: bool = False,
+                 ffn_size: int = 0):
         super().__init__()
-        if num_heads < 1 or hidden_size < 1:
-            raise ValueError(f"num_heads, hidden_size: expected >= 1, got {num_heads}, {hidden_size}")
+        if num_heads < 1 or hidden_size < 1 or ffn_size < 0:
+            raise ValueError(f"num_heads, hidden_size, ffn_size: expected >= 1, >= 1, >= 0, got {num_heads}, "
+                             f"{hidden_size}, {ffn_size}")
         self.hidden_size, self.num_heads, self.sequential = int(hidden_size), int(num_heads), bool(sequential)
-        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
-        self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))
+        self.ffn_size = int(ffn_size)
+        D, F_ = self.hidden_size, self.ffn_size or self.hidden_size
+        # F > 0: the hidden layer reads [state | n(e)] (sequential) or the state, unit-variance preactivations at the
+        # start for unit-variance inputs; F = 0: zeros
+        std = (2 * D if self.sequential else D) ** -0.5
+
+        def init(*shape):
+            return nn.Parameter(torch.randn(*shape) * std if self.ffn_size else torch.zeros(*shape))
+
+        self.weight = init(num_heads, F_, D)
+        self.bias = nn.Parameter(torch.zeros(num_heads, F_))
         if self.sequential:
-            self.token_weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+            self.token_weight = init(num_heads, F_, D)
         else:
             self.register_parameter("token_weight", None)
+        if self.ffn_size:
+            self.out_weight = nn.Parameter(torch.zeros(num_heads, D, F_))
+        else:
+            self.register_parameter("out_weight", None)
         if vocab_subset is not None:
             vocab_subset = torch.as_tensor(vocab_subset, dtype=torch.int64).reshape(-1)
         self.register_buffer("vocab_subset", vocab_subset, persistent=False)
@@ -105,7 +136,8 @@ class ProposalHeads(nn.Module):
         also take token_emb [N, H, D]: the input embeddings of x_{r+1} .. x_{r+H}, the tokens each head reads."""
         h = hidden.to(self.weight.dtype)
         if not self.sequential:
-            return h[None] + F.silu(torch.einsum("nd,hed->hne", h, self.weight) + self.bias[:, None, :])
+            a = F.silu(torch.einsum("nd,hfd->hnf", h, self.weight) + self.bias[:, None, :])
+            return h[None] + (a if self.out_weight is None else torch.einsum("hnf,hdf->hnd", a, self.out_weight))
         if token_emb is None or token_emb.shape != (h.shape[0], self.num_heads, self.hidden_size):
             got = None if token_emb is None else tuple(token_emb.shape)
             raise ValueError(f"token_emb: sequential heads expected [{h.shape[0]}, {self.num_heads}, "
@@ -120,12 +152,14 @@ class ProposalHeads(nn.Module):
         """Sequential head p_{i+2}: state [N, D] (h, or the parent head's output), token_emb [N, D] (the input
         embedding of the token the head reads) -> the head's output [N, D] fp32."""
         e = unit_rms(token_emb.to(self.weight.dtype))
-        return state + F.silu(F.linear(state, self.weight[i], self.bias[i]) + F.linear(e, self.token_weight[i]))
+        a = F.silu(F.linear(state, self.weight[i], self.bias[i]) + F.linear(e, self.token_weight[i]))
+        return state + (a if self.out_weight is None else F.linear(a, self.out_weight[i]))
 
     def extra_repr(self):
         v = "all" if self.vocab_subset is None else self.vocab_subset.numel()
         arch = ", sequential" if self.sequential else ""
-        return f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, vocab={v}{arch}"
+        ffn = f", ffn_size={self.ffn_size}" if self.ffn_size else ""
+        return f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, vocab={v}{arch}{ffn}"
 
 
 def output_projection(model):
@@ -185,9 +219,12 @@ def save_heads(heads: ProposalHeads, path: str, config: dict, dtype: str = "floa
         tensors["vocab_subset"] = heads.vocab_subset.cpu().contiguous()
     if heads.sequential:
         tensors["token_weight"] = heads.token_weight.detach().to(dt).cpu().contiguous()
+    if heads.out_weight is not None:
+        tensors["out_weight"] = heads.out_weight.detach().to(dt).cpu().contiguous()
     cfg = dict(config)
     cfg.update({"method": "bpd", "format": FORMAT, "num_heads": heads.num_heads, "hidden_size": heads.hidden_size,
-                "arch": "sequential" if heads.sequential else "parallel", "weights_dtype": dtype,
+                "arch": "sequential" if heads.sequential else "parallel", "ffn_size": heads.ffn_size,
+                "weights_dtype": dtype,
                 "vocab_subset_size": None if heads.vocab_subset is None else int(heads.vocab_subset.numel())})
     tmp = os.path.join(path, WEIGHTS_NAME + ".tmp")
     save_file(tensors, tmp)
@@ -248,20 +285,28 @@ def load_heads(name_or_path: str, model=None):
     (unreadable or inconsistent)."""
     path = resolve_checkpoint(name_or_path)
     cfg, tensors = read_checkpoint(path, WEIGHTS_NAME, "heads", ("bpd",), FORMAT, "proposal heads")
-    H, D = cfg.get("num_heads"), cfg.get("hidden_size")
+    H, D, ffn = cfg.get("num_heads"), cfg.get("hidden_size"), cfg.get("ffn_size", 0)
+    if not isinstance(ffn, int) or ffn < 0:
+        raise CheckpointError(f"heads checkpoint {path!r}: ffn_size {ffn!r}, expected an int >= 0")
+    F_ = ffn or D
     w, b = tensors.get("weight"), tensors.get("bias")
-    if w is None or b is None or tuple(w.shape) != (H, D, D) or tuple(b.shape) != (H, D):
-        raise CheckpointError(f"heads checkpoint {path!r}: expected weight [{H}, {D}, {D}] and bias [{H}, {D}] as the "
-                              f"config says, got {None if w is None else tuple(w.shape)} and "
+    if w is None or b is None or tuple(w.shape) != (H, F_, D) or tuple(b.shape) != (H, F_):
+        raise CheckpointError(f"heads checkpoint {path!r}: expected weight [{H}, {F_}, {D}] and bias [{H}, {F_}] as "
+                              f"the config says, got {None if w is None else tuple(w.shape)} and "
                               f"{None if b is None else tuple(b.shape)}")
     arch = cfg.get("arch", "parallel")
     if arch not in ("parallel", "sequential"):
         raise CheckpointError(f"heads checkpoint {path!r}: arch {arch!r}, expected 'parallel' or 'sequential'")
     u = tensors.get("token_weight")
-    if (arch == "sequential") != (u is not None) or (u is not None and tuple(u.shape) != (H, D, D)):
+    if (arch == "sequential") != (u is not None) or (u is not None and tuple(u.shape) != (H, F_, D)):
         raise CheckpointError(f"heads checkpoint {path!r}: arch {arch!r} with token_weight "
-                              f"{None if u is None else tuple(u.shape)} (sequential heads need [{H}, {D}, {D}], "
+                              f"{None if u is None else tuple(u.shape)} (sequential heads need [{H}, {F_}, {D}], "
                               f"parallel ones none)")
+    o = tensors.get("out_weight")
+    if bool(ffn) != (o is not None) or (o is not None and tuple(o.shape) != (H, D, F_)):
+        raise CheckpointError(f"heads checkpoint {path!r}: ffn_size {ffn} with out_weight "
+                              f"{None if o is None else tuple(o.shape)} (feed-forward heads need [{H}, {D}, {F_}], "
+                              f"ffn_size 0 none)")
     subset = tensors.get("vocab_subset")
     V = cfg.get("base_fingerprint", {}).get("shape", [None])[0]
     if subset is not None and (subset.numel() != cfg.get("vocab_subset_size")
@@ -271,12 +316,14 @@ def load_heads(name_or_path: str, model=None):
         if "base_fingerprint" not in cfg:
             raise CheckpointError(f"heads checkpoint {path!r}: config has no base_fingerprint")
         check_fingerprint(cfg["base_fingerprint"], model, where=f"heads checkpoint {path!r}")
-    heads = ProposalHeads(D, H, subset, sequential=u is not None)
+    heads = ProposalHeads(D, H, subset, sequential=u is not None, ffn_size=ffn)
     with torch.no_grad():
         heads.weight.copy_(w)
         heads.bias.copy_(b)
         if u is not None:
             heads.token_weight.copy_(u)
+        if o is not None:
+            heads.out_weight.copy_(o)
     heads.requires_grad_(False).eval()
     if model is not None:
         heads.to(output_projection(model)[0].device)

@@ -201,13 +201,14 @@ def _slot_drafter(rng: random.Random, model, ptp: bool = False):
 
 
 def _heads_drafter(rng: random.Random, model):
-    """A HeadsDrafter with random (untrained, but active) proposal heads, parallel or sequential, over the whole
-    vocabulary or a random subset, alone or merged with the n-gram trie."""
+    """A HeadsDrafter with random (untrained, but active) proposal heads, parallel or sequential, one layer or a
+    feed-forward block, over the whole vocabulary or a random subset, alone or merged with the n-gram trie."""
     D, V_model = model.config.hidden_size, model.get_output_embeddings().weight.shape[0]
     subset = None
     if rng.random() < 0.5:
         subset = sorted(rng.sample(range(V_model), rng.randint(1, V_model)))
-    heads = ProposalHeads(D, num_heads=rng.randint(1, 4), vocab_subset=subset, sequential=rng.random() < 0.5)
+    heads = ProposalHeads(D, num_heads=rng.randint(1, 4), vocab_subset=subset, sequential=rng.random() < 0.5,
+                          ffn_size=rng.choice([0, 0, D, 2 * D]))
     _randomise(rng, heads)
     return HeadsDrafter(model, heads, width=rng.randint(1, 4), max_nodes=rng.randint(1, 16),
                         frontier=rng.randint(1, 4), node_cost=rng.choice([0.0, 0.06]), **_merge(rng))

@@ -39,14 +39,17 @@ def model():
     return _tiny()
 
 
-def _random_heads(num_heads=3, seed=1, subset=None, sequential=False):
+def _random_heads(num_heads=3, seed=1, subset=None, sequential=False, ffn_size=0):
     g = torch.Generator().manual_seed(seed)
-    h = ProposalHeads(D, num_heads, subset, sequential=sequential)
+    h = ProposalHeads(D, num_heads, subset, sequential=sequential, ffn_size=ffn_size)
+    F_ = ffn_size or D
     with torch.no_grad():
-        h.weight.copy_(torch.randn(num_heads, D, D, generator=g) * 0.3)
-        h.bias.copy_(torch.randn(num_heads, D, generator=g) * 0.1)
+        h.weight.copy_(torch.randn(num_heads, F_, D, generator=g) * 0.3)
+        h.bias.copy_(torch.randn(num_heads, F_, generator=g) * 0.1)
         if sequential:
-            h.token_weight.copy_(torch.randn(num_heads, D, D, generator=g) * 0.3)
+            h.token_weight.copy_(torch.randn(num_heads, F_, D, generator=g) * 0.3)
+        if ffn_size:
+            h.out_weight.copy_(torch.randn(num_heads, D, F_, generator=g) * 0.3)
     return h.eval()
 
 
@@ -94,12 +97,31 @@ def test_sequential_heads_learn_what_parallel_heads_cannot(tmp_path):
     cfg = recipe.HeadsConfig(out="unused", epochs=12, batch_size=256, lr=3e-3, warmup=10, save_every=10 ** 9,
                              resume=False, progress=False)
     top1 = {}
-    for seq in (False, True):
-        heads = ProposalHeads(Dm, H, sequential=seq)
-        recipe.train_loop(heads, hidden, targets, E, None, cfg, state_path=str(tmp_path / f"s{seq}.pt"),
+    for seq, ffn in ((False, 0), (True, 0), (False, 2 * Dm), (True, 2 * Dm)):
+        torch.manual_seed(1)
+        heads = ProposalHeads(Dm, H, sequential=seq, ffn_size=ffn)
+        recipe.train_loop(heads, hidden, targets, E, None, cfg, state_path=str(tmp_path / f"s{seq}{ffn}.pt"),
                           log=lambda *a: 0, inputs=inputs, embed=E_in)
-        top1[seq] = recipe.evaluate(heads, hidden, targets, E, None, inputs=inputs, embed=E_in)["top1"]
-    assert max(top1[False]) < 0.2 and min(top1[True]) > 0.9, top1
+        top1[seq, ffn] = recipe.evaluate(heads, hidden, targets, E, None, inputs=inputs, embed=E_in)["top1"]
+    assert max(top1[False, 0]) < 0.2 and min(top1[True, 0]) > 0.9, top1
+    assert max(top1[False, 2 * Dm]) < 0.2 and min(top1[True, 2 * Dm]) > 0.9, top1  # feed-forward heads alike
+
+
+def test_feed_forward_heads_start_as_the_identity():
+    """ffn_size > 0: the output projection starts at zero, so an untrained head passes the state through (and
+    proposes what the target predicts), while its hidden layer starts random so that it gets a gradient."""
+    torch.manual_seed(0)
+    for seq in (False, True):
+        heads = ProposalHeads(D, 2, sequential=seq, ffn_size=3 * D)
+        assert heads.weight.shape == (2, 3 * D, D) and heads.out_weight.shape == (2, D, 3 * D)
+        assert heads.weight.abs().sum() > 0 and heads.out_weight.abs().sum() == 0
+        h = torch.randn(5, D)
+        out = heads(h, torch.randn(5, 2, D) if seq else None)
+        assert torch.equal(out, h[None].expand(2, -1, -1))
+        out.sum().backward()
+        assert heads.out_weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="ffn_size"):
+        ProposalHeads(D, 2, ffn_size=-1)
 
 
 def test_build_examples_inputs_are_the_tokens_before_each_target(tmp_path):
@@ -112,14 +134,14 @@ def test_build_examples_inputs_are_the_tokens_before_each_target(tmp_path):
     assert inputs.tolist() == [[10, 11, 12], [11, 12, 13], [12, 13, 0], [13, 0, 0]]
 
 
-@pytest.mark.parametrize("arch", ["parallel", "sequential"])
-def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch):
+@pytest.mark.parametrize("arch,ffn", [("parallel", 2.0), ("sequential", 2.0), ("sequential", 0.0)])
+def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch, ffn):
     """train_heads on token-id prompts: data shards, a trained checkpoint that loads onto the model, and a
     second call that resumes (no new shards, the training state's last step) instead of starting over."""
     prompts = [_repetitive(12 + i % 5, i) for i in range(20)]
     cfg = recipe.HeadsConfig(out=str(tmp_path / "ckpt"), data_dir=str(tmp_path / "data"), num_heads=2,
                              vocab_subset=64, exclude="", num_prompts=16, eval_prompts=4, max_new_tokens=12,
-                             gen_batch=4, epochs=2, batch_size=32, save_every=3, progress=False, arch=arch)
+                             gen_batch=4, epochs=2, batch_size=32, save_every=3, progress=False, arch=arch, ffn=ffn)
     logs = []
     heads, config = recipe.train_heads(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "heads.safetensors", "train_state.pt"]
@@ -128,6 +150,7 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch):
     loaded, cfg2 = load_heads(str(tmp_path / "ckpt"), model)
     assert torch.equal(loaded.weight, heads.weight.detach()) and loaded.vocab_subset.numel() == 64
     assert loaded.sequential == (arch == "sequential") and cfg2["arch"] == arch
+    assert loaded.ffn_size == cfg2["ffn_size"] == round(ffn * D)
     assert len(cfg2["head_acceptance"]) == 2
     assert len(cfg2["calibration"]["acceptance"]) == 2
     # the trained checkpoint drafts (calibrated scores) and greedy output stays the model's own
@@ -224,6 +247,37 @@ def test_checkpoint_round_trip_and_refusals(model, tmp_path):
         load_heads(path, _tiny(vocab=V + 8))
     with pytest.raises(BaseModelMismatch, match="mismatch"):
         load_drafter(path, _tiny(seed=5))
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["parallel", "sequential"])
+def test_feed_forward_checkpoint_round_trip_and_refusals(model, tmp_path, sequential):
+    heads = _random_heads(subset=torch.arange(0, V, 2), sequential=sequential, ffn_size=2 * D + 3)
+    path = str(tmp_path / "h")
+    save_heads(heads, path, {"base_model": "tiny", "base_fingerprint": fingerprint(model)})
+    loaded, cfg = load_heads(path, model)
+    assert cfg["ffn_size"] == 2 * D + 3 and loaded.ffn_size == 2 * D + 3
+    for name in ("weight", "bias", "token_weight", "out_weight"):
+        a, b = getattr(loaded, name), getattr(heads, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    h = torch.randn(4, D)
+    emb = torch.randn(4, 3, D) if sequential else None
+    assert torch.equal(loaded(h, emb), heads(h, emb))
+    # a config whose ffn_size disagrees with the weights is refused, as is one without the output projection
+    with open(os.path.join(path, "config.json")) as f:
+        good = json.load(f)
+    for bad in ({"ffn_size": 2 * D}, {"ffn_size": 0}, {"ffn_size": -1}, {"ffn_size": "wide"}):
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**good, **bad}, f)
+        with pytest.raises(CheckpointError, match="ffn_size|weight"):
+            load_heads(path, model)
+    from safetensors.torch import load_file, save_file
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(good, f)
+    tensors = load_file(os.path.join(path, "heads.safetensors"))
+    del tensors["out_weight"]
+    save_file(tensors, os.path.join(path, "heads.safetensors"))
+    with pytest.raises(CheckpointError, match="out_weight"):
+        load_heads(path, model)
 
 
 def test_sequential_checkpoint_round_trip(model, tmp_path):
@@ -412,11 +466,13 @@ def test_batched_cut_charges_each_node_to_the_shared_step(model):
     assert cut([16, 0]) == [[5, 6, 8], []]  # a request that cannot draft does not share the cost
 
 
-def test_sequential_tree_scores_each_path_by_the_heads_run_along_it(model):
+@pytest.mark.parametrize("ffn_size", [0, 2 * D + 3], ids=["block", "ffn"])
+def test_sequential_tree_scores_each_path_by_the_heads_run_along_it(model, ffn_size):
     """Level-by-level expansion: every node's estimate (score="prob") is the product over its path of the heads'
     softmax probabilities computed by a plain teacher-forced forward of the heads along that path (the root is
     the context's last token), parents come first, and only ``frontier`` nodes per depth are expanded."""
-    heads = _random_heads(num_heads=3, subset=torch.arange(3, V), sequential=True).requires_grad_(False)
+    heads = _random_heads(num_heads=3, subset=torch.arange(3, V), sequential=True,
+                          ffn_size=ffn_size).requires_grad_(False)
     d = HeadsDrafter(model, heads, score="prob", width=3, frontier=2, node_cost=0.0, max_nodes=64)
     d.reset(2)
     hidden = torch.randn(2, D)
@@ -448,14 +504,37 @@ def test_sequential_tree_scores_each_path_by_the_heads_run_along_it(model):
     assert all(p > 0.05 for _, p in d2._sequential_nodes(contexts[:1], [64], drafting=1)[0])
 
 
-@pytest.mark.parametrize("sequential", [False, True], ids=["parallel", "sequential"])
+@pytest.mark.parametrize("sequential,ffn_size", [(False, 0), (True, 0), (False, 2 * D), (True, 2 * D)],
+                         ids=["parallel", "sequential", "parallel-ffn", "sequential-ffn"])
 @pytest.mark.parametrize("with_ngram", [False, True], ids=["bpd", "bpd+ngram"])
 @pytest.mark.parametrize("lengths", [[30], [30, 18, 25]], ids=["batch1", "batch3"])
-def test_greedy_exact_with_heads(model, with_ngram, lengths, sequential):
+def test_greedy_exact_with_heads(model, with_ngram, lengths, sequential, ffn_size):
     ids, mask = _batch(lengths, seed=3)
-    drafter = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V), sequential=sequential), min_gain=0.5,
+    drafter = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V), sequential=sequential, ffn_size=ffn_size),
+                           min_gain=0.5,
                            node_cost=0.0 if sequential else 0.025, ngram=NGramDrafter() if with_ngram else None)
     st = assert_greedy_exact(model, drafter, ids, attention_mask=mask, max_new_tokens=40, pad_token_id=PAD)
+    assert st.drafted_tokens > 0
+
+
+def test_a_block_quantised_projection_streams_packed_and_alone():
+    """An output projection of exactly block-quantised values (a GGUF model's head) is streamed packed on the CPU,
+    with no float16 copy beside it; the heads' logits are the float32 projection's, and greedy output stays exact."""
+    from fastverify.hf.linear import skinny_available
+    if not skinny_available():
+        pytest.skip("the C++ extension is not built")
+    m = _tiny(seed=4)
+    with torch.no_grad():  # Q8_0: a float16 scale per 32 weights times an integer in [-127, 127]
+        w = m.lm_head.weight.reshape(V, D // 32, 32)
+        d = (w.abs().amax(-1, keepdim=True) / 127).half().float()
+        m.lm_head.weight.copy_((d * torch.round(w / d)).reshape(V, D))
+    drafter = HeadsDrafter(m, _random_heads(subset=torch.arange(3, V), sequential=True), min_gain=0.5, node_cost=0.0)
+    assert drafter.packed is not None and drafter.weight is None
+    x = torch.randn(3, D)
+    ref = torch.nn.functional.linear(x.double(), m.lm_head.weight[3:].double()).float()
+    torch.testing.assert_close(drafter._project(x), ref, rtol=1e-5, atol=1e-5)
+    ids, mask = _batch([24, 17], seed=5)
+    st = assert_greedy_exact(m, drafter, ids, attention_mask=mask, max_new_tokens=24, pad_token_id=PAD)
     assert st.drafted_tokens > 0
 
 

@@ -119,9 +119,12 @@ class HeadsDrafter(Drafter):
                     frontier=frontier, ngram_confident=ngram_confident)
         # sequential heads read draft tokens through the target's input embedding
         self.embed = model.get_input_embeddings().weight.detach() if heads.sequential else None
-        # a sequential head's two products in one: [W_i | U_i] [D, 2D] against [state | n(e)] (one skinny_linear)
+        # a sequential head's two products in one: [W_i | U_i] [F, 2D] against [state | n(e)] (one skinny_linear),
+        # and a feed-forward head's output projection O_i [D, F]
         self.step_weight = ([_lossless(torch.cat([heads.weight[i], heads.token_weight[i]], 1).detach().float())
                              for i in range(heads.num_heads)] if heads.sequential else None)
+        self.out_weight = ([_lossless(heads.out_weight[i].detach().float()) for i in range(heads.num_heads)]
+                           if heads.sequential and heads.out_weight is not None else None)
 
     def _setup(self, model, subset, levels: int, *, width, max_nodes, score, head_acceptance, calibration,
                temperature, fixed_cost, node_cost, min_gain, max_depth, ngram, frontier, ngram_confident):
@@ -147,12 +150,14 @@ class HeadsDrafter(Drafter):
         # reads as their exact float32 values; rounding the model's weights to float16 moves drafts only, never
         # the verified output), or the model's own weight
         w = weight.detach() if subset is None else weight.detach()[self.subset]
-        self.weight = w.to(_stream_dtype(w)).contiguous()
+        self.device = w.device
         # a projection of exactly block-quantised values (a GGUF model's output head) streams packed on the CPU:
-        # its exact float32 values in fewer bytes than float16 (SmolLM2's Q8_0 head: 1.25 bytes per weight)
+        # its exact float32 values in fewer bytes than float16 (SmolLM2's Q8_0 head: 1.25 bytes per weight); then
+        # no other copy is kept
         self.packed = pack_blocks(w.float()) if w.device.type == "cpu" and skinny_available() else None
+        self.weight = w.to(_stream_dtype(w)).contiguous() if self.packed is None else None
         self.bias = None if bias is None else (bias.detach() if subset is None else bias.detach()[self.subset]).float()
-        self.width = min(int(width), self.weight.shape[0])
+        self.width = min(int(width), w.shape[0])
         self.max_nodes, self.score, self.temperature = int(max_nodes), score, float(temperature)
         self.frontier = int(frontier)
         self.depth = levels if max_depth is None else max(1, min(int(max_depth), levels))
@@ -287,10 +292,13 @@ class HeadsDrafter(Drafter):
         e = self.embed[torch.tensor(tokens, dtype=torch.int64, device=self.embed.device)].to(dev).float()
         e = unit_rms(e)  # as ProposalHeads.step
         x = torch.cat([state, e], 1)
-        pre = (skinny_linear(x, self.step_weight[d], self.heads.bias[d]) if dev.type == "cpu"
-               else F.linear(x, self.step_weight[d], self.heads.bias[d]))
-        state = state + F.silu(pre)
+        a = F.silu(self._linear(x, self.step_weight[d], self.heads.bias[d]))
+        state = state + (a if self.out_weight is None else self._linear(a, self.out_weight[d]))
         return state, self._project(state)
+
+    @staticmethod
+    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = None) -> torch.Tensor:
+        return skinny_linear(x, weight, bias) if x.device.type == "cpu" else F.linear(x, weight, bias)
 
     def _grow_select(self, state, rows):
         """The state of the frontier's nodes ``rows`` (indices into the last level's rows), which expand next."""

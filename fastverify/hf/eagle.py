@@ -113,7 +113,7 @@ class EagleDrafter(HeadsDrafter):
 
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)
-        dev = self.weight.device
+        dev = self.device
         self.caches = [_Cache(self.layer.num_heads, self.layer.head_dim, dev) for _ in range(batch_size)]
         self.pending = [[] for _ in range(batch_size)]
 
@@ -147,7 +147,7 @@ class EagleDrafter(HeadsDrafter):
             owner.append((b, n))
         if not feats:
             return {}
-        dev = self.weight.device
+        dev = self.device
         z, q, k, v = self._rows_in(torch.cat(feats), torch.tensor(toks, dtype=torch.int64),
                                    torch.tensor(pos, device=dev))
         roots, zs, outs, r0 = [], [], [], 0

