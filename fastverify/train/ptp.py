@@ -48,7 +48,7 @@ __all__ = ["PTPConfig", "train_ptp", "ptp_targets", "main"]
 
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PTPConfig(SlotsConfig):
     method: str = "ptp"
     variant: str = "o"                         # "o" (O-PTP: one-hot targets) or "c" (C-PTP: the distribution)

@@ -50,32 +50,21 @@ from fastverify.hf.attention import cache_kwargs
 from fastverify.hf.slots import BlockSlotDrafter, save_slot_drafter
 from fastverify.lora import slot_gate
 from fastverify.train.cli import parse_config, run_recipe
-from fastverify.train.heads import (DEFAULT_EXCLUDE, data_folder, generate_data, recipe_shards, shard_prompts,
+from fastverify.train.heads import (RecipeOptions, data_folder, generate_data, recipe_shards, shard_prompts,
                                     _rng_state, _set_rng_state)
 
 __all__ = ["SlotsConfig", "train_slots", "slot_batch", "main"]
 
 
-@dataclass
-class SlotsConfig:
-    out: str                                   # output folder (checkpoint + training state)
+@dataclass(kw_only=True)
+class SlotsConfig(RecipeOptions):
+    num_prompts: int = 1500                    # the proposal-heads recipe's shards (same options, same cache)
     method: str = "gad"                        # "gad" (bidirectional blocks) or "lud" (causal, unit-masked loss)
-    model: str = "smollm2"
     num_slots: int = 4                         # m: slots per block
     rank: int = 8                              # LoRA rank on every projection of every decoder layer
     alpha: float = 16.0
     unit_alpha: float = 0.6                    # LUD: confidence threshold of a lexical unit
     attach_every: int = 3                      # a block every this many continuation positions
-    # data: the proposal-heads recipe's shards (same options, same cache folder)
-    prompts: str = None
-    exclude: str = DEFAULT_EXCLUDE
-    num_prompts: int = 1500
-    eval_prompts: int = 48
-    max_prompt_tokens: int = 256
-    max_new_tokens: int = 128
-    gen_batch: int = 16
-    data_minutes: float = 0.0
-    data_dir: str = None
     # training
     minutes: float = 60.0                      # time budget of the training stage (0: one epoch)
     steps: int = 0                             # > 0: exactly this many sequences instead (minutes ignored)
