@@ -34,7 +34,7 @@ feed-forward block with an F-wide hidden layer and an output projection O_i [D, 
 (parallel heads: h_i = h + O_i SiLU(W_i h + b_i)). O_i starts at zero, so an untrained head is again the identity;
 W_i and U_i start random (a zero hidden layer would get no gradient). F = 0 is the block above (O_i the identity,
 F = D). On SmolLM2-135M, F = 2D raised the held-out top-1 of p_2..p_4 by 3-4 points at the same training steps
-and the tokens per target forward on Spec-Bench by ~3%, at 2.0M weights per head against 0.66M; on the 2-core CPU
+and the tokens per target forward on Spec-Bench by 3-6%, at 2.0M weights per head against 0.66M; on the 2-core CPU
 the drafter's level then costs ~35% more (the block's weights are read at every level, beside the 4.7M of the
 output projection at V' = 8192), which ate the gain there (benchmarks/RESULTS.md), so the shipped heads keep F = 0.
 

@@ -34,7 +34,7 @@ for the first head, then g_{j+1}, ...
 
 Feed-forward heads (``--ffn X``, fastverify.heads): each head's residual branch is a feed-forward block whose hidden
 layer is X times the hidden size wide (default 0: the single residual layer of Medusa-1 / Hydra). On SmolLM2-135M,
-``--ffn 2`` raised the held-out top-1 of p_2..p_4 by 3-4 points and the tokens per forward on Spec-Bench by ~3%,
+``--ffn 2`` raised the held-out top-1 of p_2..p_4 by 3-4 points and the tokens per forward on Spec-Bench by 3-6%,
 but on the 2-core CPU its heads' pass cost as much as that saved (benchmarks/RESULTS.md): it pays where drafting is
 cheap next to a forward (a GPU), so it is an option, not the default.
 
