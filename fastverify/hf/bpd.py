@@ -298,7 +298,11 @@ class HeadsDrafter(Drafter):
 
     @staticmethod
     def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = None) -> torch.Tensor:
-        return skinny_linear(x, weight, bias) if x.device.type == "cpu" else F.linear(x, weight, bias)
+        """x @ weight.T + bias for the drafter's own weights: skinny_linear on the CPU (a float16 weight streamed as
+        its values), F.linear in x's dtype elsewhere."""
+        if x.device.type == "cpu":
+            return skinny_linear(x.contiguous(), weight, bias)
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def _grow_select(self, state, rows):
         """The state of the frontier's nodes ``rows`` (indices into the last level's rows), which expand next."""

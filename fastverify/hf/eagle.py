@@ -21,13 +21,11 @@ import itertools
 import math
 
 import torch
-import torch.nn.functional as F
 
 from fastverify.eagle import EagleLayer, load_eagle
 from fastverify.heads import output_projection
 from fastverify.hf.bpd import HeadsDrafter, _lossless
 from fastverify.hf.drafters import Drafter
-from fastverify.ops.linear import skinny_linear
 
 __all__ = ["EagleDrafter", "load_eagle_drafter"]
 
@@ -92,8 +90,7 @@ class EagleDrafter(HeadsDrafter):
     # -- the layer's pieces on the CPU's skinny path ------------------------------------------------------------
 
     def _lin(self, x, name):
-        w = self.w[name]
-        return skinny_linear(x.contiguous(), w) if x.device.type == "cpu" else F.linear(x, w.to(x.dtype))
+        return self._linear(x, self.w[name])
 
     def _rows_in(self, feature, token_ids, positions):
         """Rows (feature [n, D], token ids [n]) at positions [n] -> z, q, k, v (q, k rotated)."""
