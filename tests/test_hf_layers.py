@@ -192,8 +192,10 @@ def test_lean_layers_on_cuda_give_the_model_forward_bit_for_bit(family, dtype):
     assert_lean_is_the_model(tiny(family, dtype=dtype).cuda(), 7)
 
 
-def test_signed_sin_follows_its_input():
-    signed = hf_layers._SignedSin()
-    a, b = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
-    for sin in (a, a, b, a, b, b):
-        assert torch.equal(signed(sin), torch.cat((-sin[..., :4], sin[..., 4:]), -1))
+def test_rotary_follows_its_inputs():
+    rotary = hf_layers._Rotary()
+    a, b, c = torch.randn(1, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    for cos, sin in ((c, a), (c, a), (c, b), (a, b), (c, a), (b, b)):
+        got_cos, got_sin = rotary(cos, sin)
+        assert torch.equal(got_cos, cos.unsqueeze(1))
+        assert torch.equal(got_sin, torch.cat((-sin[..., :4], sin[..., 4:]), -1).unsqueeze(1))

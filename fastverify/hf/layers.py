@@ -158,28 +158,28 @@ class _Plan:
         return torch.cat([mod.forward(x) for mod in mods], -1)
 
 
-class _SignedSin:
-    """``sin' = [-sin_lo, sin_hi]`` of the last forward's ``sin`` (every layer of a forward gets the same one). One
-    attribute holds the pair, so that two threads generating with the model at once never pair one's ``sin`` with
-    the other's ``sin'``."""
+class _Rotary:
+    """``(cos, sin')`` of the last forward's rotary embedding ``(cos, sin)``, each with a head dimension, where
+    ``sin' = [-sin_lo, sin_hi]``: made once per forward, shared by every layer. One attribute holds the set, so that
+    two threads generating with the model at once never pair one's ``cos`` with the other's ``sin'``."""
 
     def __init__(self):
-        self.last = (None, None)
+        self.last = (None, None, None, None)
 
-    def __call__(self, sin):
+    def __call__(self, cos, sin):
         last = self.last
-        if last[0] is not sin:
+        if last[0] is not cos or last[1] is not sin:
             half = sin.shape[-1] // 2
-            last = (sin, torch.cat((-sin[..., :half], sin[..., half:]), -1))
+            last = (cos, sin, cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), -1).unsqueeze(1))
             self.last = last
-        return last[1]
+        return last[2], last[3]
 
 
 def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
              position_embeddings=None, **kwargs):
     """The decoder layer's forward (transformers' Llama / Mistral / Qwen2 / Qwen3), op for op;
-    ``self._fastverify``: its ``_Plan`` and the shared ``_SignedSin``."""
-    plan, signed_sin = self._fastverify
+    ``self._fastverify``: its ``_Plan`` and the shared ``_Rotary``."""
+    plan, rotary = self._fastverify
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)
@@ -194,8 +194,8 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
         (wq, eq), (wk, ek) = plan.head_norms
         qk = torch.cat((_rms(wq, eq, qkv[..., :nq, :]), _rms(wk, ek, qkv[..., nq:nqk, :])), -2).transpose(1, 2)
     qkv = qkv.transpose(1, 2)
-    cos, sin = position_embeddings
-    qk = qk * cos.unsqueeze(1) + qk.roll(cos.shape[-1] // 2, -1) * signed_sin(sin).unsqueeze(1)
+    cos, sin = rotary(*position_embeddings)
+    qk = qk * cos + qk.roll(cos.shape[-1] // 2, -1) * sin
     q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nqk:]
     if cache is not None:
         k, v = cache.update(k, v, plan.layer_idx, kwargs=kwargs)
@@ -232,14 +232,14 @@ def lean_layers(model, pack: bool = True, max_rows: int = MAX_ROWS):
     from torch.nn.modules import module as nn_module
     global_hooks = nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks  # they see every call
     layers = [] if global_hooks else [m for m in model.modules() if _structure(m)]
-    signed_sin, done = _SignedSin(), []
+    rotary, done = _Rotary(), []
     try:
         for layer in layers:
             try:
                 plan = _Plan(layer, pack, max_rows)
             except AttributeError:  # a release whose modules lack what the plan reads: the layer's own forward
                 continue
-            layer._fastverify = (plan, signed_sin)
+            layer._fastverify = (plan, rotary)
             layer.forward = types.MethodType(_forward, layer)
             done.append(layer)
             cls = (type(layer), getattr(layer.self_attn.config, "_attn_implementation", None))
