@@ -7,6 +7,7 @@ Ops (each with torch / cpp / triton / cuda backends, see ``fastverify.backends()
   cdf_invert, aux_bits
   tree_mask, block_mask,      tree / block attention masks, positions, tree attention, cache compaction
   tree_positions, tree_attention, compact_cache
+  masked_attention            SDPA with an additive mask and grouped-query heads for a few query rows (CPU)
   skinny_linear               x @ W^T for a few rows, streaming W once (CPU; the verify forward's GEMMs)
 
 Hugging Face integration: ``fastverify.patch(model)`` / ``fastverify.unpatch(model)``; drafters NGramDrafter,
@@ -18,7 +19,7 @@ DraftModelDrafter, HeadsDrafter (proposal heads: ``fastverify.load_drafter("smol
 from fastverify._ext import backends  # noqa: F401  (loads the compiled extension, warning once if missing)
 from fastverify.ops.verify import RULES, VerifyOutput, verify  # noqa: F401
 from fastverify.ops.tree import block_mask, tree_mask, tree_positions  # noqa: F401
-from fastverify.ops.attention import tree_attention  # noqa: F401
+from fastverify.ops.attention import masked_attention, tree_attention  # noqa: F401
 from fastverify.ops.cache import compact_cache  # noqa: F401
 from fastverify.ops.linear import skinny_linear  # noqa: F401
 from fastverify import tree  # noqa: F401

@@ -3,7 +3,8 @@
 # kernels, the Triton kernels under TRITON_INTERPRET=1, the CUDA build check, tiny Hugging Face models of several
 # architectures and the real SmolLM2-135M model. Tests that need a GPU are skipped here, with the reason.
 # Then the C++ kernels' portable scalar paths (FASTVERIFY_NO_SIMD=1), which AVX2 machines otherwise never take, and
-# skinny_linear's AVX2 path (FASTVERIFY_NO_AVX512=1), which AVX-512 machines otherwise never take.
+# skinny_linear's and masked_attention's AVX2 paths (FASTVERIFY_NO_AVX512=1), which AVX-512 machines otherwise
+# never take.
 # Arguments go to the first pytest run only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,8 @@ if [ "$#" -eq 0 ]; then
   echo "--- C++ kernels, scalar paths (FASTVERIFY_NO_SIMD=1)"
   FASTVERIFY_NO_SIMD=1 .venv/bin/python -m pytest -q -rs tests/test_simd.py tests/test_linear.py
   echo "--- skinny_linear, AVX2 path on an AVX-512 CPU (FASTVERIFY_NO_AVX512=1)"
-  FASTVERIFY_NO_AVX512=1 .venv/bin/python -m pytest -q -rs tests/test_simd.py tests/test_linear.py
+  FASTVERIFY_NO_AVX512=1 .venv/bin/python -m pytest -q -rs tests/test_simd.py tests/test_linear.py \
+    tests/test_masked_attention.py
   FASTVERIFY_NO_SIMD=1 .venv/bin/python -m pytest -q -rs -k cpp tests/test_verify.py tests/test_sampling.py \
-    tests/test_tree_attention.py tests/test_masks.py
+    tests/test_tree_attention.py tests/test_masks.py tests/test_masked_attention.py
 fi

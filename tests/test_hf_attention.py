@@ -1,11 +1,13 @@
 """The loop's attention and cache plumbing: the grouped-query sdpa (gqa_attention) against transformers' own sdpa
-function, bit for bit; its switch and restore of the attention implementation; the buffered cache layer against a
-DynamicLayer under the loop's updates, crops and compactions; patched generate exact with both in place."""
+function (bit for bit where it runs torch's SDPA, to float32 rounding where fastverify's masked_attention); its
+switch and restore of the attention implementation; the buffered cache layer against a DynamicLayer under the
+loop's updates, crops and compactions; patched generate exact with both in place."""
 
 import pytest
 import torch
 
 from fastverify.hf import patch, unpatch
+from fastverify.hf import attention
 from fastverify.hf.attention import GQA_ATTENTION, _gqa_sdpa, crop_cache, gqa_attention, new_cache
 from fastverify.ops.cache import compact_cache
 
@@ -21,23 +23,41 @@ class _Attn(torch.nn.Module):
         self.is_causal = True
 
 
-@pytest.mark.parametrize("B,Hkv,groups,q,S,D", [(1, 3, 3, 1, 37, 64), (1, 3, 3, 16, 300, 64), (2, 2, 2, 5, 19, 16),
-                                               (3, 1, 4, 7, 8, 8), (1, 2, 1, 4, 11, 32)])
-def test_gqa_sdpa_equals_transformers_sdpa_bit_for_bit(B, Hkv, groups, q, S, D):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def _inputs(B, Hkv, groups, q, S, D, dtype=torch.float32):
     g = torch.Generator().manual_seed(B * 1000 + q * 10 + S)
-    query = torch.randn(B, Hkv * groups, q, D, generator=g)
-    key = torch.randn(B, Hkv, S + q, D, generator=g)
-    value = torch.randn(B, Hkv, S + q, D, generator=g)
+    query = torch.randn(B, Hkv * groups, q, D, generator=g).to(dtype)
+    key = torch.randn(B, Hkv, S + q, D, generator=g).to(dtype)
+    value = torch.randn(B, Hkv, S + q, D, generator=g).to(dtype)
     visible = torch.rand(B, 1, q, S + q, generator=g) < 0.7
     visible[..., -1] = True  # every row sees something
-    mask = torch.zeros(B, 1, q, S + q).masked_fill(~visible, torch.finfo(torch.float32).min)
+    mask = torch.zeros(B, 1, q, S + q, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+    return query, key, value, mask
+
+
+SHAPES = [(1, 3, 3, 1, 37, 64), (1, 3, 3, 16, 300, 64), (2, 2, 2, 5, 19, 16), (3, 1, 4, 7, 8, 8), (1, 2, 1, 4, 11, 32),
+          (1, 3, 3, 17, 40, 64), (2, 2, 2, 20, 9, 16)]
+
+
+@pytest.mark.parametrize("B,Hkv,groups,q,S,D", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_sdpa_equals_transformers_sdpa(B, Hkv, groups, q, S, D, dtype):
+    """Bit for bit where it runs torch's SDPA (more query rows than MASKED_ATTENTION_ROWS, other dtypes, no mask);
+    with a float32 mask and at most that many rows it is fastverify's masked_attention, to float32 rounding."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    query, key, value, mask = _inputs(B, Hkv, groups, q, S, D, dtype)
     module = _Attn(groups)
     for m in (mask, None):
         want, _ = sdpa_attention_forward(module, query, key, value, m, scaling=D ** -0.5)
         got, none = _gqa_sdpa(module, query, key, value, m, scaling=D ** -0.5)
         assert none is None and got.shape == want.shape == (B, q, Hkv * groups, D)
-        assert torch.equal(got, want)
+        kernel = (m is not None and dtype == torch.float32 and q <= attention.MASKED_ATTENTION_ROWS
+                  and attention._masked_attention_op() is not None)
+        if kernel:
+            op = torch.ops.fastverify.masked_attention(query, key, value, m, D ** -0.5)
+            assert torch.equal(got, op.transpose(1, 2))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+        else:
+            assert torch.equal(got, want)
 
 
 def test_gqa_attention_switches_and_restores():

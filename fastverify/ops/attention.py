@@ -3,6 +3,10 @@
 Backends: torch (fastverify/reference/attention.py: builds the dense mask, the spec), cpp (csrc/cpu/tree.cpp:
 per query block an online softmax over key tiles, reading the packed bits; never an [n, P + n] float mask),
 triton (fastverify.kernels.attention.tree_attention), cuda (csrc/cuda/tree.cu).
+
+Masked attention (``masked_attention``): scaled_dot_product_attention with an additive mask and grouped-query
+heads for the few query rows of a verify forward, on the CPU (csrc/attention.h): what the patched loop's
+attention runs there (fastverify.hf.attention). Backends: torch (SDPA itself, the spec) and cpp.
 """
 
 import math
@@ -13,7 +17,7 @@ from fastverify import _ext
 from fastverify.ops import dispatch
 from fastverify.ops.checks import index_tensor
 
-__all__ = ["tree_attention"]
+__all__ = ["tree_attention", "masked_attention"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CUDA_MAX_HEAD_DIM = 128  # csrc/cuda/attention.cu rejects larger head dims
@@ -74,7 +78,56 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mas
     return dispatch.call("tree_attention", backend, q.device, q, k, v, packed_mask.contiguous(), plen, scale)
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor = None,
+                     scale: float = None, backend: str = "auto") -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v with grouped-query heads, as ``F.scaled_dot_product_attention(q, k, v,
+    attn_mask=mask, scale=scale, enable_gqa=True)`` computes it, to float32 rounding.
+
+    q [B, Hq, n, D]; k, v [B, Hkv, S, D] (Hq a multiple of Hkv: query head h reads key / value head
+    h // (Hq // Hkv)); mask: additive [B, 1 or Hq, n, S] in q's dtype (0 where visible, a large negative number
+    such as finfo.min elsewhere), or None. scale defaults to 1 / sqrt(D). Returns [B, Hq, n, D]. The cpp backend
+    takes float32 CPU tensors ("auto" uses it for those and the reference elsewhere); it is meant for a few query
+    rows per head (a verify forward's), where it streams each key / value head once for all of its query rows.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)) + ((("mask", mask),) if mask is not None else ()):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v: expected 4-D [B, H, seq, D] tensors, got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, Hq, n, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k, v: expected [B = {B}, Hkv, S, D = {D}] each, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[1] < 1 or Hq % k.shape[1]:
+        raise ValueError(f"q, k: the query heads ({Hq}) must be a multiple of the key / value heads ({k.shape[1]})")
+    if k.shape[2] < 1:
+        raise ValueError("k, v: expected at least one key (S >= 1)")
+    if mask is not None and (mask.dim() != 4 or tuple(mask.shape) != (B, mask.shape[1], n, k.shape[2])
+                             or mask.shape[1] not in (1, Hq)):
+        raise ValueError(f"mask: expected [B = {B}, 1 or Hq = {Hq}, n = {n}, S = {k.shape[2]}], got "
+                         f"{tuple(mask.shape)}")
+    tensors = (q, k, v) + ((mask,) if mask is not None else ())
+    if any(t.device != q.device for t in tensors):
+        raise ValueError(f"q, k, v, mask: expected one device, got {[str(t.device) for t in tensors]}")
+    if any(t.dtype != q.dtype for t in tensors) or q.dtype not in _DTYPES:
+        raise TypeError(f"q, k, v, mask: expected one dtype of {_DTYPES}, got {[t.dtype for t in tensors]}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    fits_cpp = q.dtype == torch.float32 and q.device.type == "cpu"
+    if backend == "auto":
+        backend = "cpp" if fits_cpp and "cpp" in dispatch.implemented_backends("masked_attention") else "torch"
+    if dispatch.resolve("masked_attention", backend, q.device) == "cpp" and not fits_cpp:
+        raise TypeError(f"q, k, v, mask: the cpp backend takes float32 CPU tensors, got {q.dtype} on {q.device}")
+    return dispatch.call("masked_attention", backend, q.device, q, k, v, mask, scale)
+
+
 if _ext.HAS_CPP:
     @torch.library.register_fake("fastverify::tree_attention")
     def _tree_attention_fake(q, k, v, packed_mask, prefix_len, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    try:
+        @torch.library.register_fake("fastverify::masked_attention")
+        def _masked_attention_fake(q, k, v, mask, scale):
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
+    except RuntimeError:  # the schema is missing from an old build of _C
+        pass

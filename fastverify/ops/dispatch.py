@@ -35,6 +35,7 @@ _MODULE = {
     "tree_mask_bool": "tree", "tree_mask_additive": "tree", "tree_mask_packed": "tree", "tree_positions": "tree",
     "compact_cache": "tree",
     "tree_attention": "attention",
+    "masked_attention": "attention",  # CPU only (the loop's few-row attention); no Triton / CUDA kernel
     "skinny_linear": None,  # reference: F.linear; no Triton kernel (cuBLAS keeps small-M GEMMs bandwidth-bound)
     "skinny_linear_packed": "linear",  # no Triton kernel (CPU only, as skinny_linear)
 }

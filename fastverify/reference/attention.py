@@ -11,7 +11,7 @@ import torch
 
 from fastverify.reference.tree import unpack_bits
 
-__all__ = ["dense_tree_attention_mask", "tree_attention"]
+__all__ = ["dense_tree_attention_mask", "tree_attention", "masked_attention"]
 
 
 def dense_tree_attention_mask(packed_mask: torch.Tensor, prefix_len: torch.Tensor, P: int) -> torch.Tensor:
@@ -43,3 +43,10 @@ def tree_attention(q, k, v, packed_mask, prefix_len, scale: float) -> torch.Tens
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def masked_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v: torch's scaled_dot_product_attention with the additive mask (or none) and
+    enable_gqa (query head h reads key / value head h // (Hq // Hkv)). The specification of
+    fastverify::masked_attention."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -1,0 +1,237 @@
+// Framework-free CPU kernel of fastverify::masked_attention: softmax(q k^T * scale + mask) v for the few query rows
+// of a verify forward (its root and draft rows), every query head of a grouped-query group read against its key /
+// value head in one pass. Raw pointers and sizes only; csrc/cpu/attention.cpp checks inputs and splits the work.
+//
+// Why: torch's CPU SDPA costs ~40 us per call at one query row against 400 keys on a 2-core Intel Xeon (its tiling
+// and bookkeeping, for ~0.5 MFLOP), which is 30 calls (one per layer of SmolLM2-135M) and ~1.2 ms of every decoding
+// step. Here one (key / value head, batch row) is one small GEMM pair on the rows of its G query heads:
+//
+//   scores [R, S] = Q [R, D] K^T            skinny_rows (linear.h): K's rows streamed once for all R rows
+//   p = softmax(scores * scale + mask)      per row: the maximum, exp(s - max) (torch's expf, sampling.h), the
+//                                           sum in key order, then each p = e / sum
+//   out [R, D] = p V                        V's rows streamed once; per output element the sum in key order
+//
+// with R = G * n (n query rows per head). Results agree with SDPA to float32 rounding, not bit for bit (another
+// order of sums). A query row depends on nothing but its own q, mask row and the keys and values.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "cpu_features.h"
+#include "linear.h"
+#include "sampling.h"
+
+namespace fastverify {
+namespace attention {
+
+// Row s [S] in place: s * scale + mask (mask may be nullptr), then its softmax: exp(s - max) / sum.
+inline void softmax_row_scalar(float* s, const float* mask, int64_t S, float scale) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < S; ++j) {
+    s[j] = mask ? s[j] * scale + mask[j] : s[j] * scale;
+    mx = std::max(mx, s[j]);
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < S; ++j) sum += (s[j] = sampling::weight_exp(s[j] - mx));
+  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < S; ++j) s[j] *= inv;
+}
+
+#if defined(FV_SAMPLING_AVX2)
+// The same on 8 lanes (exp: torch's expf, sampling::exp8; the tail through weight_exp, the same function); the sum
+// in 8 lane sums, then the tail, folded in a fixed order.
+FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, float scale) {
+  const int64_t S8 = S & ~int64_t(7);
+  const __m256 sc = _mm256_set1_ps(scale);
+  __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < S8; j += 8) {
+    __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + j), sc);
+    if (mask) x = _mm256_add_ps(x, _mm256_loadu_ps(mask + j));
+    _mm256_storeu_ps(s + j, x);
+    mv = _mm256_max_ps(mv, x);
+  }
+  float mx = sampling::hmax8(mv);
+  for (int64_t j = S8; j < S; ++j) {
+    s[j] = mask ? s[j] * scale + mask[j] : s[j] * scale;
+    mx = std::max(mx, s[j]);
+  }
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < S8; j += 8) {
+    const __m256 e = sampling::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+  for (int64_t j = S8; j < S; ++j) sum += (s[j] = sampling::weight_exp(s[j] - mx));
+  const __m256 inv = _mm256_set1_ps(1.f / sum);
+  for (int64_t j = 0; j < S8; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+  for (int64_t j = S8; j < S; ++j) s[j] *= 1.f / sum;
+}
+#endif
+
+inline void softmax_row(float* s, const float* mask, int64_t S, float scale) {
+#if defined(FV_SAMPLING_AVX2)
+  if (sampling::cpu_has_avx2()) return softmax_row_avx2(s, mask, S, scale);
+#endif
+  softmax_row_scalar(s, mask, S, scale);
+}
+
+#ifdef FASTVERIFY_X86
+// The 16 lane sums of a[0..15] as one vector (lane i: a[i]'s lanes summed): pairwise unpacks within 128-bit
+// blocks, then the blocks transposed and added.
+FASTVERIFY_AVX512 inline __m512 reduce16(const __m512* a) {
+  __m512 s2[8], s4[4];
+  for (int i = 0; i < 8; ++i)
+    s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(s2[2 * i]), y = _mm512_castps_pd(s2[2 * i + 1]);
+    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], 0x44), _mm512_shuffle_f32x4(s4[0], s4[1], 0xEE));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], 0x44), _mm512_shuffle_f32x4(s4[2], s4[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
+// The lane sum of one accumulator in reduce16's order: per 128-bit block (e0 + e2) + (e1 + e3), then the blocks as
+// (b0 + b2) + (b1 + b3). So every score has the same rounding whichever tile computed it.
+FASTVERIFY_AVX512 inline float reduce1(__m512 a) {
+  alignas(64) float l[16];
+  _mm512_store_ps(l, a);
+  float b[4];
+  for (int i = 0; i < 4; ++i) b[i] = (l[4 * i] + l[4 * i + 2]) + (l[4 * i + 1] + l[4 * i + 3]);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// scores [R, S] = q [R, D] k^T for D a multiple of 16; per score 16 lane sums over D in order, then reduce16's
+// fold. Tiles of 4 query rows x 4 keys (16 accumulators: each loaded key vector serves 4 rows), the remaining rows
+// 16 keys at a time, the remaining keys one by one.
+FASTVERIFY_AVX512 inline void scores_avx512(const float* q, int64_t R, int64_t D, const float* k, int64_t S,
+                                            float* out) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) {
+    int64_t j = 0;
+    for (; j + 4 <= S; j += 4) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += 16) {
+        __m512 qv[4], kv[4];
+        for (int i = 0; i < 4; ++i) qv[i] = _mm512_loadu_ps(q + (r + i) * D + c);
+        for (int i = 0; i < 4; ++i) kv[i] = _mm512_loadu_ps(k + (j + i) * D + c);
+        for (int a = 0; a < 4; ++a)
+          for (int b = 0; b < 4; ++b) acc[4 * a + b] = _mm512_fmadd_ps(qv[a], kv[b], acc[4 * a + b]);
+      }
+      const __m512 sums = reduce16(acc);  // lane 4a + b: row r + a, key j + b
+      for (int a = 0; a < 4; ++a)
+        _mm_storeu_ps(out + (r + a) * S + j, _mm512_extractf32x4_ps(sums, a));
+    }
+    for (; j < S; ++j)
+      for (int a = 0; a < 4; ++a) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + (r + a) * D + c), _mm512_loadu_ps(k + j * D + c), acc);
+        out[(r + a) * S + j] = reduce1(acc);
+      }
+  }
+  for (; r < R; ++r) {
+    const float* qr = q + r * D;
+    float* o = out + r * S;
+    int64_t j = 0;
+    for (; j + 16 <= S; j += 16) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += 16) {
+        const __m512 qv = _mm512_loadu_ps(qr + c);
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + (j + i) * D + c), acc[i]);
+      }
+      _mm512_storeu_ps(o + j, reduce16(acc));
+    }
+    for (; j < S; ++j) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c), _mm512_loadu_ps(k + j * D + c), acc);
+      o[j] = reduce1(acc);
+    }
+  }
+}
+#endif
+
+// out [R, D] = p [R, S] v, v's rows at stride vs (floats); per output element the sum over keys in order.
+inline void pv_scalar(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, int64_t D, float* out) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < S; ++j) acc = std::fma(p[r * S + j], v[j * vs + d], acc);
+      out[r * D + d] = acc;
+    }
+}
+
+#ifdef FASTVERIFY_X86
+// AVX-512 (D a multiple of 16, at most 128): tiles of up to TR rows x D, each V row loaded once per tile; the same
+// fused multiply-adds in the same order as pv_scalar, so the same result.
+template <int DV, int TR>
+FASTVERIFY_AVX512 inline void pv_tile_avx512(const float* p, int64_t rows, int64_t S, const float* v, int64_t vs,
+                                             float* out, int64_t D) {
+  __m512 acc[TR][DV];
+  for (int r = 0; r < TR; ++r)
+    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < S; ++j) {
+    __m512 vr[DV];
+    for (int c = 0; c < DV; ++c) vr[c] = _mm512_loadu_ps(v + j * vs + 16 * c);
+    for (int r = 0; r < TR; ++r) {
+      if (r >= rows) break;
+      const __m512 pr = _mm512_set1_ps(p[r * S + j]);
+      for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(pr, vr[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < TR && r < rows; ++r)
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + r * D + 16 * c, acc[r][c]);
+}
+
+template <int DV>
+FASTVERIFY_AVX512 inline void pv_avx512(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, float* out) {
+  constexpr int TR = DV >= 8 ? 3 : 24 / DV;  // TR * DV accumulators + DV V vectors + 1 broadcast <= 32 zmm
+  for (int64_t r = 0; r < R; r += TR)
+    pv_tile_avx512<DV, TR>(p + r * S, std::min<int64_t>(TR, R - r), S, v, vs, out + r * 16 * DV, 16 * DV);
+}
+#endif
+
+inline void pv(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, int64_t D, float* out) {
+#ifdef FASTVERIFY_X86
+  if (cpu_has_avx512()) {
+    switch (D) {
+      case 16: return pv_avx512<1>(p, R, S, v, vs, out);
+      case 32: return pv_avx512<2>(p, R, S, v, vs, out);
+      case 48: return pv_avx512<3>(p, R, S, v, vs, out);
+      case 64: return pv_avx512<4>(p, R, S, v, vs, out);
+      case 80: return pv_avx512<5>(p, R, S, v, vs, out);
+      case 96: return pv_avx512<6>(p, R, S, v, vs, out);
+      case 128: return pv_avx512<8>(p, R, S, v, vs, out);
+      default: break;
+    }
+  }
+#endif
+  pv_scalar(p, R, S, v, vs, D, out);
+}
+
+// One (batch row, key / value head): q [R, D] (the group's query rows), k and v [S, D] (row-major), mask_rows[r]
+// the additive mask row of query row r (or nullptr: no mask). scores: [R, S] scratch; out [R, D].
+inline void group(const float* q, int64_t R, int64_t D, const float* k, const float* v, int64_t S,
+                  const float* const* mask_rows, float scale, float* scores, float* out) {
+#ifdef FASTVERIFY_X86
+  if (cpu_has_avx512() && D % 16 == 0) scores_avx512(q, R, D, k, S, scores);
+  else linear::skinny_rows(q, k, nullptr, scores, R, D, S, 0, S);
+#else
+  linear::skinny_rows(q, k, nullptr, scores, R, D, S, 0, S);
+#endif
+  for (int64_t r = 0; r < R; ++r) softmax_row(scores + r * S, mask_rows ? mask_rows[r] : nullptr, S, scale);
+  pv(scores, R, S, v, D, D, out);
+}
+
+}  // namespace attention
+}  // namespace fastverify

@@ -1,0 +1,82 @@
+// CPU kernel of fastverify::masked_attention (schema: csrc/attention.cpp; arithmetic: csrc/attention.h). One task
+// per (batch row, key / value head): its group's query rows gathered into one block, then the kernel.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "attention.h"
+
+namespace {
+
+at::Tensor masked_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const std::optional<at::Tensor>& mask, double scale) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4, name,
+                ": expected a 4-D float32 CPU tensor, got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && v.sizes() == k.sizes(), "k, v: expected [B = ", B,
+              ", Hkv, S, D = ", D, "] each, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "q, k: the query heads (", Hq, ") must be a multiple of the key / value "
+              "heads (", Hkv, ")");
+  at::Tensor kc = k, vc = v;  // each key's D values contiguous (a cache's view keeps them so)
+  if (D > 0 && (k.stride(3) != 1 || k.stride(2) != D)) kc = k.contiguous();
+  if (D > 0 && (v.stride(3) != 1 || v.stride(2) != D)) vc = v.contiguous();
+  at::Tensor mc;
+  const float* mp = nullptr;
+  int64_t m_b = 0, m_h = 0, m_i = 0;
+  if (mask.has_value()) {
+    const at::Tensor& m = *mask;
+    TORCH_CHECK(m.device().is_cpu() && m.scalar_type() == at::kFloat && m.dim() == 4 && m.size(0) == B &&
+                    (m.size(1) == 1 || m.size(1) == Hq) && m.size(2) == n && m.size(3) == S,
+                "mask: expected an additive float32 CPU mask [B = ", B, ", 1 or Hq = ", Hq, ", n = ", n, ", S = ", S,
+                "], got ", m.scalar_type(), " ", m.sizes(), " on ", m.device());
+    mc = m.stride(3) == 1 ? m : m.contiguous();
+    mp = mc.data_ptr<float>();
+    m_b = mc.stride(0);
+    m_h = mc.size(1) == 1 ? 0 : mc.stride(1);
+    m_i = mc.stride(2);
+  }
+  at::Tensor out = at::empty({B, Hq, n, D}, q.options());
+  if (out.numel() == 0) return out;
+  TORCH_CHECK(S > 0, "k, v: expected at least one key");
+  const int64_t G = Hq / Hkv, R = G * n;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t q_b = q.stride(0), q_h = q.stride(1), q_i = q.stride(2), q_d = q.stride(3);
+  const int64_t k_b = kc.stride(0), k_h = kc.stride(1), v_b = vc.stride(0), v_h = vc.stride(1);
+  const int64_t tasks = B * Hkv;
+  // one thread for small calls (a decoding step's: waking the pool costs more than the work)
+  const int64_t grain = R * S * D * 2 >= (int64_t(1) << 18) ? 1 : tasks;
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qrows(R * D), scores(R * S), orows(R * D);
+    std::vector<const float*> mrows(mp ? R : 0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / Hkv, h = t % Hkv;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t hq = h * G + g, r = g * n + i;
+          const float* src = qp + b * q_b + hq * q_h + i * q_i;
+          if (q_d == 1) std::copy(src, src + D, qrows.data() + r * D);
+          else for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d * q_d];
+          if (mp) mrows[r] = mp + b * m_b + hq * m_h + i * m_i;
+        }
+      fastverify::attention::group(qrows.data(), R, D, kp + b * k_b + h * k_h, vp + b * v_b + h * v_h, S,
+                                   mp ? mrows.data() : nullptr, sc, scores.data(), orows.data());
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < n; ++i)
+          std::copy(orows.data() + (g * n + i) * D, orows.data() + (g * n + i + 1) * D,
+                    op + ((b * Hq + h * G + g) * n + i) * D);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastverify, CPU, m) { m.impl("masked_attention", &masked_attention_cpu); }

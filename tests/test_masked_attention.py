@@ -1,0 +1,109 @@
+"""fastverify.ops.attention.masked_attention: the cpp kernel (csrc/attention.h) against its reference, torch's
+scaled_dot_product_attention with an additive mask and enable_gqa, on fresh random inputs: odd sizes, grouped and
+plain heads, head dims on and off the AVX-512 path, masks per batch row or per head, views of a longer cache; a
+query row's result independent of the other rows; clear errors for bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastverify import _ext
+from fastverify.ops.attention import masked_attention
+
+cpp = pytest.mark.skipif(not _ext.HAS_CPP, reason="cpp backend: fastverify._C is not built")
+MIN = torch.finfo(torch.float32).min
+
+
+def _case(B, Hkv, G, n, S, D, seed, per_head=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, n, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    visible = torch.rand(B, Hkv * G if per_head else 1, n, S, generator=g) < 0.6
+    visible[..., 0] = True
+    mask = torch.zeros(visible.shape).masked_fill(~visible, MIN)
+    return q, k, v, mask
+
+
+SHAPES = [(1, 3, 3, 1, 401, 64), (1, 3, 3, 5, 37, 64), (2, 2, 2, 7, 33, 16), (3, 1, 4, 16, 8, 32),
+          (1, 2, 1, 3, 9, 80), (2, 3, 3, 2, 1000, 64), (1, 1, 1, 1, 1, 16), (2, 2, 3, 4, 50, 24), (1, 4, 2, 9, 130, 8),
+          (2, 1, 1, 20, 19, 128), (1, 2, 5, 6, 17, 48)]
+
+
+@cpp
+@pytest.mark.parametrize("B,Hkv,G,n,S,D", SHAPES)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_cpp_matches_sdpa(B, Hkv, G, n, S, D, per_head):
+    q, k, v, mask = _case(B, Hkv, G, n, S, D, seed=B * 7919 + n * 31 + S + D, per_head=per_head)
+    for m in (mask, None):
+        for scale in (None, 0.3):
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=True)
+            got = masked_attention(q, k, v, m, scale=scale, backend="cpp")
+            assert got.shape == want.shape and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-6)
+            ref = masked_attention(q, k, v, m, scale=scale, backend="torch")
+            assert torch.equal(ref, want)
+
+
+@cpp
+def test_cpp_reads_views_of_a_longer_cache_and_strided_queries():
+    """The loop's keys and values are [B, H, length, D] views of longer buffers; its queries slices of q and k."""
+    q, k, v, mask = _case(2, 3, 3, 4, 60, 64, seed=5)
+    kbuf, vbuf = torch.randn(2, 3, 100, 64), torch.randn(2, 3, 100, 64)
+    kbuf[:, :, :60], vbuf[:, :, :60] = k, v
+    qk = torch.randn(2, 12, 4, 64)
+    qk[:, :9] = q
+    got = masked_attention(qk[:, :9], kbuf[:, :, :60], vbuf[:, :, :60], mask, backend="cpp")
+    assert torch.equal(got, masked_attention(q, k, v, mask, backend="cpp"))
+    # keys transposed in memory (not rows of D contiguous values): copied, same result
+    kt = k.transpose(2, 3).contiguous().transpose(2, 3)
+    assert torch.equal(masked_attention(q, kt, v, mask, backend="cpp"), masked_attention(q, k, v, mask, backend="cpp"))
+
+
+@cpp
+@pytest.mark.parametrize("D", [64, 24])
+def test_cpp_rows_do_not_depend_on_the_batch(D):
+    """Each query row alone gives what it gives among the others, bit for bit (the loop's root row is computed the
+    same whatever the draft's size)."""
+    q, k, v, mask = _case(1, 3, 3, 11, 77, D, seed=11)
+    together = masked_attention(q, k, v, mask, backend="cpp")
+    for i in range(11):
+        alone = masked_attention(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], backend="cpp")
+        assert torch.equal(alone, together[:, :, i:i + 1])
+
+
+@cpp
+def test_cpp_edge_rows():
+    q, k, v, mask = _case(1, 2, 2, 3, 21, 16, seed=3)
+    mask[0, 0, 1] = MIN  # a row that sees nothing (finfo.min everywhere): SDPA's uniform average
+    mask[0, 0, 2, 5] = float("-inf")  # -inf next to finite entries: weight 0
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(masked_attention(q, k, v, mask, backend="cpp"), want, rtol=1e-5, atol=3e-6)
+    q[0, 1, 0, 3] = float("nan")  # NaN propagates to that query head's row only, as in SDPA
+    got = masked_attention(q, k, v, mask, backend="cpp")
+    assert got[0, 1, 0].isnan().all() and not got[0, 0].isnan().any() and not got[0, 1, 1:].isnan().any()
+    empty = masked_attention(q[:, :, :0], k, v, mask[:, :, :0], backend="cpp")
+    assert empty.shape == (1, 4, 0, 16)
+
+
+def test_bad_input_is_refused():
+    q, k, v, mask = _case(1, 2, 2, 3, 10, 16, seed=1)
+    with pytest.raises(ValueError, match="multiple of the key / value heads"):
+        masked_attention(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="k, v: expected"):
+        masked_attention(q, k, v[:, :, :9])
+    with pytest.raises(ValueError, match="mask: expected"):
+        masked_attention(q, k, v, mask[..., :9])
+    with pytest.raises(ValueError, match="mask: expected"):
+        masked_attention(q, k, v, mask.expand(1, 3, 3, 10))
+    with pytest.raises(ValueError, match="at least one key"):
+        masked_attention(q, k[:, :, :0], v[:, :, :0])
+    with pytest.raises(TypeError, match="one dtype"):
+        masked_attention(q, k.double(), v)
+    with pytest.raises(ValueError, match="4-D"):
+        masked_attention(q[0], k, v)
+    if _ext.HAS_CPP:
+        with pytest.raises(TypeError, match="float32 CPU"):
+            masked_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), backend="cpp")
+        with pytest.raises(RuntimeError, match="multiple of the key / value heads"):
+            torch.ops.fastverify.masked_attention(q[:, :3], k, v, None, 0.25)
