@@ -60,6 +60,17 @@ def test_gqa_sdpa_equals_transformers_sdpa(B, Hkv, groups, q, S, D, dtype):
             assert torch.equal(got, want)
 
 
+def test_gqa_sdpa_leaves_masks_it_does_not_take_to_sdpa():
+    """A mask that broadcasts over the batch, or a boolean one, goes to transformers' own function (bit for bit)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    query, key, value, mask = _inputs(2, 3, 3, 4, 20, 64)
+    module = _Attn(3)
+    for m in (mask[:1], mask == 0):
+        want, _ = sdpa_attention_forward(module, query, key, value, m, scaling=0.125)
+        got, _ = _gqa_sdpa(module, query, key, value, m, scaling=0.125)
+        assert torch.equal(got, want)
+
+
 def test_gqa_attention_switches_and_restores():
     model = tiny_llama()
     model.config._attn_implementation = "sdpa"

@@ -291,7 +291,9 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
             and not kwargs.get("output_attentions", False) and not dropout):
         if (query.shape[2] <= MASKED_ATTENTION_ROWS and _masked_attention_op() is not None
                 and query.dtype == key.dtype == value.dtype == attention_mask.dtype == torch.float32
-                and attention_mask.dim() == 4 and attention_mask.shape[-1] == key.shape[-2]):
+                and attention_mask.dim() == 4 and attention_mask.shape[0] == query.shape[0]
+                and attention_mask.shape[1] in (1, query.shape[1])
+                and attention_mask.shape[2:] == (query.shape[2], key.shape[2])):
             out = _masked_attention_op()(query, key, value, attention_mask,
                                          query.shape[-1] ** -0.5 if scaling is None else scaling)
             return out.transpose(1, 2).contiguous(), None
