@@ -6,13 +6,17 @@
 // and bookkeeping, for ~0.5 MFLOP), which is 30 calls (one per layer of SmolLM2-135M) and ~1.2 ms of every decoding
 // step. Here one (key / value head, batch row) is one small GEMM pair on the rows of its G query heads:
 //
-//   scores [R, S] = Q [R, D] K^T            skinny_rows (linear.h): K's rows streamed once for all R rows
-//   p = softmax(scores * scale + mask)      per row: the maximum, exp(s - max) (torch's expf, sampling.h), the
-//                                           sum in key order, then each p = e / sum
-//   out [R, D] = p V                        V's rows streamed once; per output element the sum in key order
+//   scores [R, S] = Q [R, D] K^T            AVX-512 with D a multiple of 16: tiles of 4 query rows x 4 keys, each
+//                                           score 16 lane sums over D then reduce16's fold (scores_avx512); else
+//                                           skinny_rows (linear.h)
+//   p = softmax(scores * scale + mask)      per row: the maximum, exp(s - max) (torch's expf, sampling.h), the sum
+//                                           (8 lane sums on AVX2, in key order on the scalar path), times 1 / sum
+//   out [R, D] = p V                        V's rows streamed once per tile of query rows; per output element the sum
+//                                           in key order (pv)
 //
 // with R = G * n (n query rows per head). Results agree with SDPA to float32 rounding, not bit for bit (another
-// order of sums). A query row depends on nothing but its own q, mask row and the keys and values.
+// order of sums). On each path a query row's result depends on nothing but its own q, mask row and the keys and
+// values: every score, softmax and output element is computed in the same order whatever the other rows.
 #pragma once
 
 #include <algorithm>
