@@ -73,9 +73,10 @@ FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, 
   _mm256_store_ps(lanes, acc);
   float sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
   for (int64_t j = S8; j < S; ++j) sum += (s[j] = sampling::weight_exp(s[j] - mx));
-  const __m256 inv = _mm256_set1_ps(1.f / sum);
-  for (int64_t j = 0; j < S8; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
-  for (int64_t j = S8; j < S; ++j) s[j] *= 1.f / sum;
+  const float inv = 1.f / sum;
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  for (int64_t j = 0; j < S8; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv8));
+  for (int64_t j = S8; j < S; ++j) s[j] *= inv;
 }
 #endif
 
@@ -90,16 +91,23 @@ inline void softmax_row(float* s, const float* mask, int64_t S, float scale) {
 // The 16 lane sums of a[0..15] as one vector (lane i: a[i]'s lanes summed): pairwise unpacks within 128-bit
 // blocks, then the blocks transposed and added.
 FASTVERIFY_AVX512 inline __m512 reduce16(const __m512* a) {
+  // zero-masked forms: GCC 12's unmasked unpacks and shuffles trip -Wmaybe-uninitialized
+  constexpr __mmask16 all = 0xFFFF;
   __m512 s2[8], s4[4];
   for (int i = 0; i < 8; ++i)
-    s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    s2[i] = _mm512_add_ps(_mm512_maskz_unpacklo_ps(all, a[2 * i], a[2 * i + 1]),
+                          _mm512_maskz_unpackhi_ps(all, a[2 * i], a[2 * i + 1]));
   for (int i = 0; i < 4; ++i) {
     const __m512d x = _mm512_castps_pd(s2[2 * i]), y = _mm512_castps_pd(s2[2 * i + 1]);
-    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_maskz_unpacklo_pd(0xFF, x, y)),
+                          _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(0xFF, x, y)));
   }
-  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], 0x44), _mm512_shuffle_f32x4(s4[0], s4[1], 0xEE));
-  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], 0x44), _mm512_shuffle_f32x4(s4[2], s4[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+  const __m512 x01 = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(all, s4[0], s4[1], 0x44),
+                                   _mm512_maskz_shuffle_f32x4(all, s4[0], s4[1], 0xEE));
+  const __m512 x23 = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(all, s4[2], s4[3], 0x44),
+                                   _mm512_maskz_shuffle_f32x4(all, s4[2], s4[3], 0xEE));
+  return _mm512_add_ps(_mm512_maskz_shuffle_f32x4(all, x01, x23, 0x88),
+                       _mm512_maskz_shuffle_f32x4(all, x01, x23, 0xDD));
 }
 
 // The lane sum of one accumulator in reduce16's order: per 128-bit block (e0 + e2) + (e1 + e3), then the blocks as
@@ -110,6 +118,13 @@ FASTVERIFY_AVX512 inline float reduce1(__m512 a) {
   float b[4];
   for (int i = 0; i < 4; ++i) b[i] = (l[4 * i] + l[4 * i + 2]) + (l[4 * i + 1] + l[4 * i + 3]);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// One score q . k (D a multiple of 16): 16 lane sums over D, then reduce1.
+FASTVERIFY_AVX512 inline float dot_avx512(const float* q, const float* k, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), acc);
+  return reduce1(acc);
 }
 
 // scores [R, S] = q [R, D] k^T for D a multiple of 16; per score 16 lane sums over D in order, then reduce16's
@@ -132,15 +147,10 @@ FASTVERIFY_AVX512 inline void scores_avx512(const float* q, int64_t R, int64_t D
       }
       const __m512 sums = reduce16(acc);  // lane 4a + b: row r + a, key j + b
       for (int a = 0; a < 4; ++a)
-        _mm_storeu_ps(out + (r + a) * S + j, _mm512_extractf32x4_ps(sums, a));
+        _mm_storeu_ps(out + (r + a) * S + j, _mm512_maskz_extractf32x4_ps(0xF, sums, a));
     }
     for (; j < S; ++j)
-      for (int a = 0; a < 4; ++a) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t c = 0; c < D; c += 16)
-          acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + (r + a) * D + c), _mm512_loadu_ps(k + j * D + c), acc);
-        out[(r + a) * S + j] = reduce1(acc);
-      }
+      for (int a = 0; a < 4; ++a) out[(r + a) * S + j] = dot_avx512(q + (r + a) * D, k + j * D, D);
   }
   for (; r < R; ++r) {
     const float* qr = q + r * D;
@@ -155,12 +165,7 @@ FASTVERIFY_AVX512 inline void scores_avx512(const float* q, int64_t R, int64_t D
       }
       _mm512_storeu_ps(o + j, reduce16(acc));
     }
-    for (; j < S; ++j) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < D; c += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c), _mm512_loadu_ps(k + j * D + c), acc);
-      o[j] = reduce1(acc);
-    }
+    for (; j < S; ++j) o[j] = dot_avx512(qr, k + j * D, D);
   }
 }
 #endif
@@ -199,7 +204,7 @@ FASTVERIFY_AVX512 inline void pv_tile_avx512(const float* p, int64_t rows, int64
 
 template <int DV>
 FASTVERIFY_AVX512 inline void pv_avx512(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, float* out) {
-  constexpr int TR = DV >= 8 ? 3 : 24 / DV;  // TR * DV accumulators + DV V vectors + 1 broadcast <= 32 zmm
+  constexpr int TR = DV >= 8 ? 2 : 24 / DV;  // TR * DV accumulators + DV V vectors + 1 broadcast <= 32 zmm
   for (int64_t r = 0; r < R; r += TR)
     pv_tile_avx512<DV, TR>(p + r * S, std::min<int64_t>(TR, R - r), S, v, vs, out + r * 16 * DV, 16 * DV);
 }

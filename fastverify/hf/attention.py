@@ -289,13 +289,13 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if (attention_mask is not None and query.device.type == "cpu" and query.shape[1] % key.shape[1] == 0
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
             and not kwargs.get("output_attentions", False) and not dropout):
-        if (query.shape[2] <= MASKED_ATTENTION_ROWS and _masked_attention_op() is not None
+        op = _masked_attention_op()
+        if (op is not None and query.shape[2] <= MASKED_ATTENTION_ROWS
                 and query.dtype == key.dtype == value.dtype == attention_mask.dtype == torch.float32
                 and attention_mask.dim() == 4 and attention_mask.shape[0] == query.shape[0]
                 and attention_mask.shape[1] in (1, query.shape[1])
                 and attention_mask.shape[2:] == (query.shape[2], key.shape[2])):
-            out = _masked_attention_op()(query, key, value, attention_mask,
-                                         query.shape[-1] ** -0.5 if scaling is None else scaling)
+            out = op(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
             return out.transpose(1, 2).contiguous(), None
         if query.shape[2] > 1 and key.shape[1] != query.shape[1]:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
