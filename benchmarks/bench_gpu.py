@@ -26,7 +26,8 @@ How a figure is measured:
   median: the logits (plus draft_probs where given) for verify and cdf_sample, q, k, v and the output for
   tree_attention, the accepted rows read and written for compact_cache (against the copy ceiling; the rest against
   the read ceiling). "x base" = the baseline's median / this row's median (call, gpu): above 1 is faster.
-- Agreement: backends that ran the same inputs are compared (cuda vs triton); a difference prints MISMATCH.
+- Agreement: backends that ran the same inputs are compared (cuda vs triton; for tree_attention, which has no CUDA
+  kernel, each backend against the torch reference); a difference prints MISMATCH.
 
 --dry-run runs the same tables on CPU tensors at tiny sizes with the CPU backends (cpp, torch), timed with
 time.perf_counter (call and gpu are then the same timing) and a 4 MiB flush: it proves the script, not the kernels.
@@ -41,6 +42,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fastverify  # noqa: E402
@@ -361,8 +363,9 @@ def bench_flashinfer(run, quick):
 
 
 def bench_attention(run, quick):
-    """tree_attention, the CUDA kernel against the Triton kernel on the same inputs (the Triton rows first, the
-    baseline of the CUDA rows), each output's error against the torch reference."""
+    """tree_attention (on a GPU the Triton kernel: the op has no CUDA one) against what torch does today, SDPA with
+    the dense bool tree mask (benchmarks/bench_tree.py's sdpa_dense_mask), each output's error against the torch
+    reference."""
     if run.dry:
         shapes, dtype = [(2, 4, 2, 8, 64, 16)], torch.float32
     else:
@@ -372,14 +375,16 @@ def bench_attention(run, quick):
         parents = (torch.arange(B * n, device=run.device, dtype=torch.int32) % n) // 2 - 1  # binary trees
         cu = torch.arange(0, B * n + 1, n, dtype=torch.int32, device=run.device)
         packed = fastverify.tree_mask(parents, cu, n, format="packed")
+        dense = fastverify.tree_mask(parents, cu, P, format="bool")[:, None]  # [B, 1, n, P + n]
         q = torch.randn(B, Hq, n, D, device=run.device, dtype=dtype)
         k = torch.randn(B, Hkv, P + n, D, device=run.device, dtype=dtype)
         v = torch.randn_like(k)
         ref = fastverify.tree_attention(q.float(), k.float(), v.float(), packed, P, backend="torch")
         nbytes = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()
         case = f"B{B} Hq{Hq} Hkv{Hkv} n{n} P{P} D{D} {str(dtype)[6:]}"
-        bases = {}
-        for be in reversed(run.backends("tree_attention")):  # triton before cuda (cpp before torch, dry)
+        base = run.record("attention", case, "torch SDPA, dense bool mask",
+                          lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True), nbytes)
+        for be in run.backends("tree_attention"):
             fn = lambda be=be: fastverify.tree_attention(q, k, v, packed, P, backend=be)  # noqa: E731
             try:
                 err = ((fn().float() - ref).norm() / ref.norm()).item()
@@ -390,9 +395,8 @@ def bench_attention(run, quick):
             if not err < (1e-4 if dtype == torch.float32 else 2e-2):
                 print(f"MISMATCH {be} vs torch reference: {case} (relative error {err:.1e})", flush=True)
             note = f"rel. error vs reference {err:.1e}"
-            api = run.record("attention", case, be + " api", fn, nbytes, base=bases.get("api"), note=note)
-            op = run.record("attention", case, be + " op", op_fn, nbytes, base=bases.get("op"), note=note)
-            bases = bases or {"api": api, "op": op}
+            run.record("attention", case, be + " api", fn, nbytes, base=base, note=note)
+            run.record("attention", case, be + " op", op_fn, nbytes, base=base, note=note)
         _free(run)
 
 

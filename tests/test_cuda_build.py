@@ -1,5 +1,6 @@
-"""The CUDA backend (csrc/cuda/*.cu): every op has a CUDA kernel registered when the extension is built with CUDA,
-and, where a GPU is present, each CUDA kernel agrees with the torch reference on small random inputs.
+"""The CUDA backend (csrc/cuda/*.cu): every op of OPS has a CUDA kernel registered when the extension is built with
+CUDA, the ops of NO_CUDA_KERNEL have none in any build, and, where a GPU is present, each CUDA kernel agrees with the
+torch reference on small random inputs.
 
 By default this checks the installed extension (fastverify._C). `.ci/cuda_build_check.sh` builds a CUDA extension
 into a scratch directory and points FASTVERIFY_CUDA_SO at it (with FASTVERIFY_DISABLE_EXT=1, so that the in-place
@@ -21,9 +22,11 @@ OPS = (
     "tree_mask_additive",
     "tree_mask_packed",
     "tree_positions",
-    "tree_attention",
     "compact_cache",
 )
+# Ops with a CPU kernel and no CUDA one: on CUDA tensors tree_attention runs on Triton (the Triton kernel is its GPU
+# kernel); masked_attention and skinny_linear are the CPU loop's (SDPA and cuBLAS serve a GPU).
+NO_CUDA_KERNEL = ("tree_attention", "masked_attention", "skinny_linear", "skinny_linear_packed")
 
 
 def _load():
@@ -56,6 +59,16 @@ needs_gpu = pytest.mark.skipif(
 def test_cuda_kernel_registered(op):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastverify::{op}", "CUDA"), (
         f"fastverify::{op} has no CUDA kernel although fastverify._C was built with CUDA")
+
+
+@pytest.mark.parametrize("op", NO_CUDA_KERNEL)
+def test_no_cuda_kernel(op):
+    """Registered for CPU, not for CUDA, whether or not the extension was built with CUDA."""
+    if not LOADED:
+        pytest.skip(WHY)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastverify::{op}", "CPU"), f"{op}: no CPU kernel"
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"fastverify::{op}", "CUDA"), (
+        f"fastverify::{op} has a CUDA kernel registered, but csrc/cuda defines none for it (a stale build?)")
 
 
 def test_cpu_build_reports_no_cuda():
@@ -118,30 +131,6 @@ def test_tree_ops_match_reference(counts):
                            ref.tree_mask_additive(parents, cu, prefix_len, n, P, dt))
     assert torch.equal(torch.ops.fastverify.tree_positions(*args, prefix_len.cuda()).cpu(),
                        ref.tree_positions(parents, cu, prefix_len))
-
-
-@needs_gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [64, 128, 80, 32])
-def test_tree_attention_matches_reference(dtype, D):
-    from fastverify.reference import attention as ref_attn
-    from fastverify.reference import tree as ref_tree
-
-    counts = [5, 0, 37]
-    cu, parents = _ragged(counts, seed=1)
-    B, n, Hq, Hkv = len(counts), max(counts), 4, 2
-    prefix_len = torch.tensor([7, 0, 40], dtype=torch.int32)
-    P = int(prefix_len.max())
-    packed = ref_tree.tree_mask_packed(parents, cu, n)
-    q = torch.randn(B, Hq, n, D).to(dtype)
-    k = torch.randn(B, Hkv, P + n, D).to(dtype)
-    v = torch.randn(B, Hkv, P + n, D).to(dtype)
-    scale = D ** -0.5
-    want = ref_attn.tree_attention(q, k, v, packed, prefix_len, scale).float()
-    got = torch.ops.fastverify.tree_attention(q.cuda(), k.cuda(), v.cuda(), packed.cuda(), prefix_len.cuda(),
-                                              scale).cpu().float()
-    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 @needs_gpu

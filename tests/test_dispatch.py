@@ -55,3 +55,16 @@ def test_explicit_backend_that_cannot_run_here():
         pytest.skip("cuda is usable on CPU tensors here")
     with pytest.raises((RuntimeError, ValueError), match="backend"):
         fastverify.verify(torch.randn(1, 2, 4), torch.zeros(1, 1, dtype=torch.int64), backend="cuda")
+
+
+@pytest.mark.parametrize("op", ["tree_attention", "masked_attention", "skinny_linear"])
+def test_op_without_cuda_kernel(monkeypatch, op):
+    """An op fastverify._C registers for CPU only has no cuda backend, even in a build with CUDA kernels, and an
+    explicit backend="cuda" says so."""
+    monkeypatch.setattr(_ext, "HAS_CUDA_KERNELS", True)  # as in a CUDA build: the registrations decide
+    has = dispatch.implemented_backends.__wrapped__(op)
+    assert "cuda" not in has
+    if _ext.HAS_CPP:
+        assert "cpp" in has
+    with pytest.raises(ValueError, match=f"backend: 'cuda' does not implement {op}"):
+        dispatch.resolve_backend("cuda", CPU, has=has, op=op)

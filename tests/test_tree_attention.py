@@ -1,4 +1,5 @@
-"""tree_attention on every backend against torch's scaled_dot_product_attention with the dense tree mask."""
+"""tree_attention on every backend against torch's scaled_dot_product_attention with the dense tree mask. The op
+has no CUDA C++ kernel: on CUDA tensors it runs on Triton, and backend="cuda" raises."""
 
 import os
 import random
@@ -12,6 +13,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from fastverify import _ext  # noqa: E402
+from fastverify.ops import dispatch  # noqa: E402
 from fastverify.ops.attention import tree_attention  # noqa: E402
 from fastverify.ops.tree import implemented_backends, tree_mask  # noqa: E402
 
@@ -23,8 +25,6 @@ def _skip_reason(backend):
         return None
     if backend not in implemented_backends("tree_attention", "attention"):
         return f"{backend} backend does not implement tree_attention here (not built / not written / not importable)"
-    if backend == "cuda" and not torch.cuda.is_available():
-        return "no CUDA device"
     device = device_of(backend)
     if not _ext.backends(device)[backend]:
         return f"{backend} backend is not usable on {device} here"
@@ -32,13 +32,13 @@ def _skip_reason(backend):
 
 
 def device_of(backend):
-    if backend == "cuda" or (backend == "triton" and torch.cuda.is_available()):
+    if backend == "triton" and torch.cuda.is_available():
         return torch.device("cuda")
     return torch.device("cpu")
 
 
 BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(_skip_reason(b) is not None, reason=str(_skip_reason(b))))
-            for b in ("torch", "cpp", "triton", "cuda")]
+            for b in ("torch", "cpp", "triton")]
 
 
 def interpreted(backend):
@@ -165,7 +165,7 @@ def test_cpp_checks_prefix_itself():
         torch.ops.fastverify.tree_attention(q, k, k, packed, torch.tensor([9], dtype=torch.int32), 1.0)
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] in ("cpp", "cuda")])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] == "cpp"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck(backend, dtype):
     dev = device_of(backend)
@@ -188,3 +188,27 @@ def test_stray_bits_past_n_are_ignored(backend):
     clean = tree_attention(q.to(dev), k.to(dev), v.to(dev), packed.to(dev), plen.to(dev), backend=backend)
     got = tree_attention(q.to(dev), k.to(dev), v.to(dev), dirty.to(dev), plen.to(dev), backend=backend)
     torch.testing.assert_close(got.cpu(), clean.cpu(), atol=0, rtol=0)
+
+
+def test_no_cuda_backend():
+    """Discovery reports no cuda backend (fastverify._C registers tree_attention for CPU only), and asking for it
+    raises the error of any op without a CUDA kernel, whatever the device."""
+    assert "cuda" not in implemented_backends("tree_attention")
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 7, 8)
+    packed = tree_mask(torch.tensor([-1, 0, 0]), None, 4, format="packed")
+    with pytest.raises(ValueError, match="backend: 'cuda' does not implement tree_attention"):
+        tree_attention(q, k, k, packed, 4, backend="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_tensors_run_on_triton():
+    """backend="auto" on CUDA tensors: the Triton kernel, or the reference where Triton is not usable; any head dim."""
+    dev = torch.device("cuda")
+    want = "triton" if "triton" in implemented_backends("tree_attention") and _ext.backends(dev)["triton"] else "torch"
+    assert dispatch.resolve("tree_attention", "auto", dev) == want
+    parents, cu, plen = random_batch([5, 3], [6, 2], seed=4)
+    for D in (64, 256):
+        q, k, v = torch.randn(2, 4, 5, D), torch.randn(2, 2, 11, D), torch.randn(2, 2, 11, D)
+        packed = tree_mask(parents, cu, plen, format="packed")
+        got = tree_attention(q.to(dev), k.to(dev), v.to(dev), packed.to(dev), plen.to(dev))
+        torch.testing.assert_close(got.cpu(), sdpa_expected(q, k, v, parents, cu, plen), atol=2e-5, rtol=2e-5)

@@ -25,15 +25,6 @@ __device__ __forceinline__ float load_as_float(const float* p) { return *p; }
 __device__ __forceinline__ float load_as_float(const __half* p) { return __half2float(*p); }
 __device__ __forceinline__ float load_as_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 
-template <typename T>
-__device__ __forceinline__ T store_from_float(float x);
-template <>
-__device__ __forceinline__ float store_from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half store_from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 store_from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
 // Row traversal of one CTA: calls f(v, row[v] as float) for the tokens this thread owns. Tokens come in chunks
 // of W = 16 / sizeof(T) consecutive ids (4 fp32, 8 bf16 / fp16), chunk i owned by thread i % BLOCK and visited
 // in id order; a 16-byte load per chunk where the row is 16-byte aligned, else W element loads of the same
@@ -62,15 +53,6 @@ __device__ __forceinline__ void for_each_owned(const T* row, int64_t V, F&& f) {
   if (threadIdx.x == nfull % BLOCK) {  // the last, partial chunk
     for (int64_t v = nfull * W; v < V; ++v) f(v, load_as_float(row + v));
   }
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
 }
 
 // Request of global node g: the b with cu_nodes[b] <= g < cu_nodes[b + 1] (cu_nodes non-decreasing;

@@ -1,6 +1,6 @@
 // CUDA kernels of the tree ops (schemas and semantics: csrc/tree.cpp; reference: fastverify/reference/tree.py):
 // tree_mask_packed / tree_mask_bool / tree_mask_additive, tree_positions, compact_cache.
-// tree_attention lives in csrc/cuda/attention.cu.
+// tree_attention has no CUDA kernel: on CUDA tensors it runs on Triton (kernels/attention.py).
 //
 // The masks are built in two steps: the packed ancestor bits (one thread per 32-bit word of a query row,
 // walking that query's ancestor chain), then, for the dense formats, one thread per output element reading

@@ -2,7 +2,9 @@
 
 Backends: torch (fastverify/reference/attention.py: builds the dense mask, the spec), cpp (csrc/cpu/tree.cpp:
 per query block an online softmax over key tiles, reading the packed bits; never an [n, P + n] float mask),
-triton (fastverify.kernels.attention.tree_attention), cuda (csrc/cuda/tree.cu).
+triton (fastverify.kernels.attention.tree_attention, the GPU kernel). There is no CUDA C++ kernel: on CUDA
+tensors ``backend="auto"`` runs the Triton kernel (the reference where Triton is absent), and ``backend="cuda"``
+raises as for any op without a CUDA kernel.
 
 Masked attention (``masked_attention``): scaled_dot_product_attention with an additive mask and grouped-query
 heads for the few query rows of a verify forward, on the CPU (csrc/attention.h): what the patched loop's
@@ -20,7 +22,6 @@ from fastverify.ops.checks import index_tensor
 __all__ = ["tree_attention", "masked_attention"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_CUDA_MAX_HEAD_DIM = 128  # csrc/cuda/attention.cu rejects larger head dims
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mask: torch.Tensor, prefix_len,
@@ -72,9 +73,6 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mas
     scale = float(scale)
     # The kernels need only a unit stride in the head dimension; other strides are read as given.
     q, k, v = (t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous() for t in (q, k, v))
-    if backend == "auto" and q.device.type == "cuda" and D > _CUDA_MAX_HEAD_DIM:
-        # The CUDA kernel keeps a query's accumulator in registers for head dims up to 128.
-        backend = "triton" if _ext.backends(q.device)["triton"] else "torch"
     return dispatch.call("tree_attention", backend, q.device, q, k, v, packed_mask.contiguous(), plen, scale)
 
 

@@ -9,10 +9,10 @@ Every op has up to four implementations with one normalised signature (DESIGN.md
 
 An op implements a backend when that code exists here: a kernel registered for the dispatch key, a Triton module
 that imports and defines the op (``implemented_backends``). ``backend="auto"`` picks cuda > triton on a CUDA
-tensor (except where CUDA_ORDER says otherwise, with the measurement behind it) and cpp > torch on a CPU tensor;
-an explicit backend that is missing or unusable on the device raises. What is built and importable does not
-change while the process runs, so the choice is made once per (op, backend, device type; and TRITON_INTERPRET
-for Triton on CPU tensors) and the resolved function is kept: a small op call pays one dictionary look-up for it.
+tensor and cpp > torch on a CPU tensor, among the backends the op implements; an explicit backend that is missing
+or unusable on the device raises. What is built and importable does not change while the process runs, so the
+choice is made once per (op, backend, device type; and TRITON_INTERPRET for Triton on CPU tensors) and the resolved
+function is kept: a small op call pays one dictionary look-up for it.
 """
 
 import functools
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from fastverify import _ext
 
-__all__ = ["BACKENDS", "CUDA_ORDER", "implemented_backends", "resolve", "call", "resolve_backend"]
+__all__ = ["BACKENDS", "implemented_backends", "resolve", "call", "resolve_backend"]
 
 BACKENDS = _ext.BACKENDS
 
@@ -34,17 +34,11 @@ _MODULE = {
     "uniform": "sampling", "verify_uniforms": "sampling", "cdf_sample": "sampling", "cdf_invert": "sampling", "aux_bits": "sampling",
     "tree_mask_bool": "tree", "tree_mask_additive": "tree", "tree_mask_packed": "tree", "tree_positions": "tree",
     "compact_cache": "tree",
-    "tree_attention": "attention",
+    "tree_attention": "attention",  # no CUDA kernel: CUDA tensors run on Triton
     "masked_attention": "attention",  # CPU only (the loop's few-row attention); no Triton / CUDA kernel
     "skinny_linear": None,  # reference: F.linear; no Triton kernel (cuBLAS keeps small-M GEMMs bandwidth-bound)
     "skinny_linear_packed": "linear",  # no Triton kernel (CPU only, as skinny_linear)
 }
-
-# Per-op preference on CUDA tensors where it departs from DESIGN.md's cuda > triton, with the measurement behind
-# it (H100 SXM 80GB, benchmarks/bench_gpu.py): tree_attention B8 Hq32 Hkv8 n16 P4096 D128 bf16 took 2.9 ms in the
-# CUDA kernel (a CTA per query head re-reads its group's K / V; float32 dot products on CUDA cores) and 0.095 ms
-# in the Triton one (tl.dot tiles on the tensor cores).
-CUDA_ORDER = {"tree_attention": ("triton", "cuda")}
 
 
 def _kernel_module(module):
@@ -88,10 +82,10 @@ def implemented_backends(op):
 
 
 def resolve_backend(backend, device, *, has=BACKENDS, op=None):
-    """The backend a call runs on, by the rule above; ``has`` lists the backends the op implements. Not memoised:
-    ``resolve`` is the memoised form."""
+    """The backend a call runs on, by the rule above; ``has`` lists the backends the op implements, ``op`` names it
+    in errors. Not memoised: ``resolve`` is the memoised form."""
     if backend == "auto":
-        order = CUDA_ORDER.get(op, ("cuda", "triton")) if device.type == "cuda" else ("cpp", "torch")
+        order = ("cuda", "triton") if device.type == "cuda" else ("cpp", "torch")
         usable = _ext.backends(device)
         for name in order:
             if name in has and usable[name]:
@@ -100,7 +94,7 @@ def resolve_backend(backend, device, *, has=BACKENDS, op=None):
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
     if backend not in has:
-        raise ValueError(f"backend: {backend!r} does not implement this op (implemented: {has})")
+        raise ValueError(f"backend: {backend!r} does not implement {op or 'this op'} (implemented: {has})")
     if not _ext.backends(device)[backend]:
         why = {
             "cpp": f"the C++ kernels run on CPU tensors and need fastverify._C ({_ext._EXT_ERROR or 'loaded'})",
