@@ -31,7 +31,8 @@ CARRY=${CARRY:-gpu_carry}
 [ -f "$QUESTIONS" ] || { echo "gpu_model_pack.sh: no question file at $QUESTIONS (set QUESTIONS)" >&2; exit 1; }
 
 # What travels with every call besides the carried folder: tracked files and untracked files git does not ignore.
-tree_bytes=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null |
+# (a tracked file deleted in the working tree does not travel: stat skips it)
+tree_bytes=$({ git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null || true; } |
              awk '{s += $1} END {print s + 0}')
 tree_mib=$(( (tree_bytes + 1048575) / 1048576 ))
 if [ -z "${PART_MIB:-}" ]; then
