@@ -53,25 +53,105 @@ __global__ void _aux_bits_kernel(const float* __restrict__ u, int64_t R, float* 
 }
 
 
-constexpr int kRowBlock = 512;
+constexpr int kRowBlock = 512;    // every CDF walk of a row (C depends on the block size: csrc/cuda/sampling.cuh)
+constexpr int kStatsBlock = 256;  // the segments' raw statistics
 
-// One CTA per logits row (grid-stride over rows, so any R launches): resolve the row's warp, then draw by the
-// inverse CDF. out[r] = -1 for rows without a distribution.
+// cdf_sample / cdf_invert in three launches, so that a few rows still spread over the GPU: (1) one CTA per (row,
+// segment of kSegment tokens) finds the segment's max, argmax and NaN / +inf flag; (2) one CTA per (row, segment)
+// combines the row's partials into its warp and, for rows whose warp needs no top-k / top-p threshold, walks its
+// segment's CDF (total, maximum, last token with w > 0); (3) one CTA per row combines the segments' totals, finds
+// the segment holding the draw (or t's bin) and walks only that segment. Rows with a top-k or top-p threshold, which
+// needs a search over the whole row, take the one-CTA path in (3) (resolve_warp, then inverse_cdf_sample /
+// inverse_cdf_invert), which evaluates the same C. Workspace: 8-byte slots, entry r * S + s.
+struct SegmentScratch {
+  double* max;       // the segment's max logit (widened from float)
+  long long* arg;    // its lowest argmax, kNoToken if none
+  long long* bad;    // 1 if the segment holds NaN or +inf
+  double* total;     // plain rows: the segment's CDF total
+  double* cmax;      // plain rows: the maximum of its c
+  long long* last;   // plain rows: its last token with w > 0, -1 if none
+};
+
+// The raw statistics of row r from its S segments' partials, combined in order (every thread the same).
+__device__ __forceinline__ RawRowStats combine_partials(const SegmentScratch& sc, int64_t r, int64_t S) {
+  ArgMax best{-INFINITY, kNoToken};
+  bool bad = false;
+  for (int64_t i = r * S; i < (r + 1) * S; ++i) {
+    best = ArgMaxOp()(best, ArgMax{static_cast<float>(sc.max[i]), sc.arg[i]});
+    bad |= sc.bad[i] != 0;
+  }
+  return stats_from_partial(best, bad);
+}
+
+__device__ __forceinline__ int64_t segment_end(int64_t s, int64_t V) { return min(V, (s + 1) * kSegment); }
+
+// (1) grid (S, rows): segment blockIdx.x of rows blockIdx.y, blockIdx.y + gridDim.y, ...
+template <typename T, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    _segment_raw_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t R, int64_t V, SegmentScratch sc) {
+  const int64_t S = gridDim.x, s = blockIdx.x, begin = s * kSegment;
+  for (int64_t r = blockIdx.y; r < R; r += gridDim.y) {
+    bool bad;
+    const ArgMax best = raw_partial<BLOCK>(logits + r * row_stride + begin, segment_end(s, V) - begin, begin, &bad);
+    if (threadIdx.x == 0) {
+      sc.max[r * S + s] = best.v;
+      sc.arg[r * S + s] = best.i;
+      sc.bad[r * S + s] = bad ? 1 : 0;
+    }
+  }
+}
+
+// (2) grid (S, rows): the CDF of segment blockIdx.x of each plain row (valid, not greedy, no top-k / top-p).
+template <typename T, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    _segment_cdf_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t R, int64_t V,
+                        const float* __restrict__ warp, SegmentScratch sc) {
+  const int64_t S = gridDim.x, s = blockIdx.x;
+  for (int64_t r = blockIdx.y; r < R; r += gridDim.y) {
+    const float* wp = warp + r * 4;
+    const RowWarp w = warp_from_stats(combine_partials(sc, r, S), wp[0], wp[3]);
+    if (!w.valid || w.greedy || warp_needs_thresholds(V, wp[1], wp[2])) continue;  // the same for every thread
+    const T* row = logits + r * row_stride;
+    const SegmentStats st = segment_stats<BLOCK>(
+        s * kSegment, segment_end(s, V), [&](int64_t v) { return static_cast<double>(row_weight(row, v, w)); });
+    if (threadIdx.x == 0) {
+      sc.total[r * S + s] = st.total;
+      sc.cmax[r * S + s] = st.cmax;
+      sc.last[r * S + s] = st.last;
+    }
+  }
+}
+
+// (3) one CTA per row: the draw. out[r] = -1 for rows without a distribution.
 template <typename T, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
     _cdf_sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t R, int64_t V,
-                       const double* __restrict__ u, const float* __restrict__ warp, int64_t* __restrict__ out) {
+                       const double* __restrict__ u, const float* __restrict__ warp, SegmentScratch sc,
+                       int64_t* __restrict__ out) {
+  const int64_t S = num_segments(V);
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
     const T* row = logits + r * row_stride;
     const float* wp = warp + r * 4;
-    const RowWarp w = resolve_warp<BLOCK>(row, V, wp[0], wp[1], wp[2], wp[3]);
+    RowWarp w = warp_from_stats(combine_partials(sc, r, S), wp[0], wp[3]);
+    auto weight = [&](int64_t v) { return static_cast<double>(row_weight(row, v, w)); };
     long long t = -1;
-    if (w.valid) {
-      if (w.greedy) {
-        t = w.argmax;  // the one-hot row: C(t) > u * 1 first at the argmax for every u in [0, 1)
-      } else {
-        t = inverse_cdf_sample<BLOCK>(V, [&](int64_t v) { return static_cast<double>(row_weight(row, v, w)); },
-                                      u[r]);
+    if (w.valid && w.greedy) {
+      t = w.argmax;  // the one-hot row: C(t) > u * 1 first at the argmax for every u in [0, 1)
+    } else if (w.valid && warp_needs_thresholds(V, wp[1], wp[2])) {
+      w = resolve_warp<BLOCK>(row, V, wp[0], wp[1], wp[2], wp[3]);
+      t = inverse_cdf_sample<BLOCK>(V, weight, u[r]);
+    } else if (w.valid) {
+      const double* total = sc.total + r * S;
+      const double z = sum_in_order(total, 1, S);
+      if (z > 0.0) {
+        const double target = u[r] * z;
+        for (int64_t s = 0; s < S; ++s) t = max(t, sc.last[r * S + s]);  // if rounding leaves no C(t) > target
+        double P;
+        const int64_t hit = find_segment(total, sc.cmax + r * S, 1, S, target, &P);
+        if (hit >= 0) {
+          const long long f = segment_search<BLOCK>(hit * kSegment, segment_end(hit, V), weight, P, target);
+          if (f != kNoToken) t = f;
+        }
       }
     }
     if (threadIdx.x == 0) out[r] = t;
@@ -79,26 +159,38 @@ __global__ void __launch_bounds__(BLOCK)
   }
 }
 
-// One CTA per row: out[r] = the auxiliary variable u with cdf_sample(u) == token[r] (NaN where none exists).
+// (3) one CTA per row: out[r] = the auxiliary variable u with cdf_sample(u) == token[r] (NaN where none exists).
 template <typename T, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
     _cdf_invert_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t R, int64_t V,
                        const int64_t* __restrict__ token, const double* __restrict__ v_aux,
-                       const float* __restrict__ warp, double* __restrict__ out) {
+                       const float* __restrict__ warp, SegmentScratch sc, double* __restrict__ out) {
   const double nan = __longlong_as_double(0x7ff8000000000000LL);
+  const int64_t S = num_segments(V);
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
     const T* row = logits + r * row_stride;
     const float* wp = warp + r * 4;
     const long long t = token[r];
-    const RowWarp w = resolve_warp<BLOCK>(row, V, wp[0], wp[1], wp[2], wp[3]);
+    RowWarp w = warp_from_stats(combine_partials(sc, r, S), wp[0], wp[3]);
+    auto weight = [&](int64_t v) { return static_cast<double>(row_weight(row, v, w)); };
     double res = nan;
     if (w.valid && t >= 0 && t < V) {
       if (w.greedy) {
         // one-hot at the argmax: C(t - 1) = 0, C(t) = w(t) = Z = 1 for t == argmax, w(t) = 0 otherwise
         res = t == w.argmax ? invert_from_bin(0.0, 1.0, 1.0, 1.0, v_aux[r]) : nan;
+      } else if (warp_needs_thresholds(V, wp[1], wp[2])) {
+        w = resolve_warp<BLOCK>(row, V, wp[0], wp[1], wp[2], wp[3]);
+        res = inverse_cdf_invert<BLOCK>(V, weight, t, v_aux[r]);
       } else {
-        res = inverse_cdf_invert<BLOCK>(
-            V, [&](int64_t v) { return static_cast<double>(row_weight(row, v, w)); }, t, v_aux[r]);
+        const double* total = sc.total + r * S;
+        const int64_t st = t / kSegment;
+        double P = 0.0, c_lo = 0.0, c_hi, w_t;  // c_lo: max of C over the tokens before t (and 0)
+        for (int64_t s = 0; s < st; ++s) {
+          c_lo = fmax(c_lo, P + sc.cmax[r * S + s]);
+          P += total[s];
+        }
+        segment_bin<BLOCK>(st * kSegment, segment_end(st, V), weight, P, t, c_lo, &c_lo, &c_hi, &w_t);
+        res = invert_from_bin(c_lo, c_hi, w_t, sum_in_order(total, 1, S), v_aux[r]);
       }
     }
     if (threadIdx.x == 0) out[r] = res;
@@ -185,6 +277,30 @@ at::Tensor aux_bits_cuda(const at::Tensor& u) {
 
 unsigned row_grid(int64_t R) { return static_cast<unsigned>(R < 65535 ? R : 65535); }
 
+// Launches (1) and (2) of the segmented kernels over x [R, V] (R > 0); the workspace lives in `buf`.
+template <typename T>
+SegmentScratch launch_segments(const at::Tensor& x, const at::Tensor& warp, at::Tensor& buf, cudaStream_t stream) {
+  const int64_t R = x.size(0), V = x.size(1), S = num_segments(V), n = R * S;
+  TORCH_CHECK(S <= INT32_MAX, "logits: too many columns, got shape ", x.sizes());
+  buf = at::empty({6 * n}, x.options().dtype(at::kLong));
+  auto* base = buf.data_ptr<int64_t>();
+  SegmentScratch sc;
+  sc.max = reinterpret_cast<double*>(base);
+  sc.arg = reinterpret_cast<long long*>(base + n);
+  sc.bad = reinterpret_cast<long long*>(base + 2 * n);
+  sc.total = reinterpret_cast<double*>(base + 3 * n);
+  sc.cmax = reinterpret_cast<double*>(base + 4 * n);
+  sc.last = reinterpret_cast<long long*>(base + 5 * n);
+  const dim3 grid(static_cast<unsigned>(S), row_grid(R));
+  const T* logits = reinterpret_cast<const T*>(x.data_ptr());
+  _segment_raw_kernel<T, kStatsBlock><<<grid, kStatsBlock, 0, stream>>>(logits, x.stride(0), R, V, sc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  _segment_cdf_kernel<T, kRowBlock><<<grid, kRowBlock, 0, stream>>>(logits, x.stride(0), R, V,
+                                                                     warp.data_ptr<float>(), sc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return sc;
+}
+
 void check_rows(const at::Tensor& logits, const at::Tensor& warp) {
   check_cuda(logits, "logits");
   check_logits_dtype(logits, "logits");
@@ -212,10 +328,12 @@ at::Tensor cdf_sample_cuda(const at::Tensor& logits, const at::Tensor& u, const 
   auto out = at::empty({R}, logits.options().dtype(at::kLong));
   if (R == 0) return out;
   auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor buf;
   FASTVERIFY_DISPATCH_FLOATING(x.scalar_type(), "logits", [&] {
+    const SegmentScratch sc = launch_segments<scalar_t>(x, wp, buf, stream);
     _cdf_sample_kernel<scalar_t, kRowBlock><<<row_grid(R), kRowBlock, 0, stream>>>(
         reinterpret_cast<const scalar_t*>(x.data_ptr()), x.stride(0), R, V, ud.data_ptr<double>(),
-        wp.data_ptr<float>(), out.data_ptr<int64_t>());
+        wp.data_ptr<float>(), sc, out.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
@@ -243,10 +361,12 @@ at::Tensor cdf_invert_cuda(const at::Tensor& logits, const at::Tensor& token, co
   auto out = at::empty({R}, logits.options().dtype(at::kDouble));
   if (R == 0) return out;
   auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor buf;
   FASTVERIFY_DISPATCH_FLOATING(x.scalar_type(), "logits", [&] {
+    const SegmentScratch sc = launch_segments<scalar_t>(x, wp, buf, stream);
     _cdf_invert_kernel<scalar_t, kRowBlock><<<row_grid(R), kRowBlock, 0, stream>>>(
         reinterpret_cast<const scalar_t*>(x.data_ptr()), x.stride(0), R, V, tok.data_ptr<int64_t>(),
-        vd.data_ptr<double>(), wp.data_ptr<float>(), out.data_ptr<double>());
+        vd.data_ptr<double>(), wp.data_ptr<float>(), sc, out.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;

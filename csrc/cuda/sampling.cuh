@@ -1,19 +1,21 @@
 // Row-level sampling machinery for the CUDA kernels: one CTA of BLOCK threads works on one logits row of V
-// entries. Used by cdf_sample / cdf_invert (csrc/cuda/sampling.cu) and by verify's sampling rules
+// entries, or on one segment of kSegment tokens of it. Used by cdf_sample / cdf_invert (csrc/cuda/sampling.cu) and by verify's sampling rules
 // (csrc/cuda/verify.cu). Semantics: fastverify/reference/sampling.py (module docstring, steps 1-5).
 //
-// No sort: the top-k threshold (the k-th largest l / T) is found by a binary search over the 32-bit ordered
-// keys of the scaled logits (count of l' >= key, 32 block reductions), the top-p threshold by a binary search
-// over the float bits of w in [0, 1] (float64 mass strictly above the candidate, ~30 block reductions): pivot
-// searches in the spirit of FlashInfer's sorting-free samplers, exact rather than fast; the passes read the row
-// 16 bytes per load (for_each_owned, common.cuh). The inverse CDF uses float64 prefix sums in token-id order
-// (prefix_walk below defines C exactly); cdf_sample and cdf_invert evaluate C with the same function, so
-// cdf_sample(cdf_invert(t)) == t.
+// No sort: the top-k threshold (the k-th largest l / T) is found by a radix select over the 32-bit ordered keys of
+// the scaled logits (four histogram passes); the top-p threshold, when top-k keeps few tokens, from their weights
+// gathered into shared memory, else by a binary search over the float bits of w in [0, 1] (float64 mass strictly
+// above the candidate, ~30 block reductions): pivot searches in the spirit of FlashInfer's sorting-free samplers,
+// exact rather than approximate; the passes read the row
+// 16 bytes per load (for_each_owned, common.cuh). The inverse CDF uses float64 prefix sums in token-id order,
+// segment by segment (segment_walk below defines C exactly); cdf_sample, cdf_invert and verify evaluate C with the
+// same functions, so cdf_sample(cdf_invert(t)) == t and verify's draws are cdf_sample's.
 //
 // Every helper must be called by all threads of the CTA (they synchronise).
 #pragma once
 
 #include <cub/block/block_reduce.cuh>
+#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 
 #include <cmath>
@@ -89,24 +91,38 @@ struct RawRowStats {
   long long argmax;    // lowest id holding max
 };
 
+// Max (lowest id among equal maxima; {-inf, lowest id} when every entry is -inf; id kNoToken when n == 0 or every
+// entry is NaN / +inf) and NaN / +inf flag of the n entries at p, ids offset by `first`.
+constexpr long long kNoToken = 0x7fffffffffffffffLL;
+
 template <int BLOCK, typename T>
-__device__ RawRowStats raw_row_stats(const T* row, int64_t V) {
-  ArgMax best{-INFINITY, 0x7fffffffffffffffLL};
+__device__ ArgMax raw_partial(const T* p, int64_t n, int64_t first, bool* bad_out) {
+  ArgMax best{-INFINITY, kNoToken};
   long long bad = 0;
-  for_each_owned<BLOCK>(row, V, [&](int64_t v, float x) {
+  for_each_owned<BLOCK>(p, n, [&](int64_t v, float x) {
     if (isnan(x) || x == INFINITY) {
       bad = 1;
-    } else if (x > best.v || (x == best.v && v < best.i)) {
-      best = ArgMax{x, v};
+    } else if (x > best.v || (x == best.v && first + v < best.i)) {
+      best = ArgMax{x, first + v};
     }
   });
-  const ArgMax r = block_argmax<BLOCK>(best);
-  const long long nbad = block_sum_ll<BLOCK>(bad);
+  *bad_out = block_sum_ll<BLOCK>(bad) > 0;
+  return block_argmax<BLOCK>(best);
+}
+
+__device__ __forceinline__ RawRowStats stats_from_partial(ArgMax best, bool bad) {
   RawRowStats s;
-  s.bad = nbad > 0;
-  s.max = r.v;
-  s.argmax = r.i == 0x7fffffffffffffffLL ? 0 : r.i;
+  s.bad = bad;
+  s.max = best.v;
+  s.argmax = best.i == kNoToken ? 0 : best.i;
   return s;
+}
+
+template <int BLOCK, typename T>
+__device__ RawRowStats raw_row_stats(const T* row, int64_t V) {
+  bool bad;
+  const ArgMax best = raw_partial<BLOCK>(row, V, 0, &bad);
+  return stats_from_partial(best, bad);
 }
 
 // ---- warping (reference steps 1-5) -------------------------------------------------------------------------------
@@ -146,12 +162,10 @@ __device__ __forceinline__ float row_weight(const T* row, int64_t v, const RowWa
   return x;
 }
 
-// Resolve the warp of one row: temperature, top_k (as float, truncated like the reference's .to(int64)),
-// top_p, min_p. All threads must call it; all get the same result.
-template <int BLOCK, typename T>
-__device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, float top_k, float top_p, float min_p) {
+// The warp of a row from its raw statistics, before the top-k / top-p thresholds (use_k = use_p = false): every
+// thread computes the same from the same values, without synchronising.
+__device__ __forceinline__ RowWarp warp_from_stats(const RawRowStats& s, float temperature, float min_p) {
   RowWarp w;
-  const RawRowStats s = raw_row_stats<BLOCK>(row, V);
   w.argmax = s.argmax;
   w.greedy = temperature == 0.0f;
   w.T = w.greedy ? 1.0f : temperature;
@@ -163,32 +177,120 @@ __device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, floa
   w.use_p = false;
   w.p_min_w = 0.0f;
   w.min_p = w.greedy ? 0.0f : min_p;
+  return w;
+}
+
+// Whether a row's warp needs the top-k or top-p threshold (a search over the whole row).
+__device__ __forceinline__ bool warp_needs_thresholds(int64_t V, float top_k, float top_p) {
+  const long long k = isnan(top_k) ? 0 : static_cast<long long>(top_k);
+  return (k > 0 && k < V) || top_p < 1.0f;
+}
+
+// The key of the k-th largest l' = l / T (0 < k < V): a radix select, 8 bits a pass from the top. Each pass counts
+// the next digit of the keys that match the digits chosen so far (a shared histogram; lanes of a warp that hit the
+// same bin add once) and takes the largest digit j with #{keys above the prefix} + #{digit >= j} >= k. Four passes
+// over the row; the result is the largest K with #{key(l') >= K} >= k, i.e. exactly the k-th largest key.
+template <int BLOCK, typename T>
+__device__ uint32_t kth_largest_key(const T* row, int64_t V, float temp, long long k) {
+  __shared__ unsigned int hist[256];
+  __shared__ uint32_t s_digit;
+  __shared__ long long s_above;
+  uint32_t prefix = 0, mask = 0;
+  long long kk = k;  // rank still to find among the keys that match the prefix (their count is >= kk)
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += BLOCK) hist[i] = 0;
+    __syncthreads();
+    for_each_owned<BLOCK>(row, V, [&](int64_t, float x) {
+      const uint32_t key = ordered_key(__fdiv_rn(x, temp));
+      if ((key & mask) == prefix) {
+        const unsigned bin = (key >> shift) & 255u;
+        const auto peers = cooperative_groups::labeled_partition(cooperative_groups::coalesced_threads(), bin);
+        if (peers.thread_rank() == 0) atomicAdd(&hist[bin], peers.size());
+      }
+    });
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      long long above = 0;
+      int j = 255;
+      for (; j > 0 && above + hist[j] < kk; --j) above += hist[j];
+      s_digit = static_cast<uint32_t>(j);
+      s_above = above;
+    }
+    __syncthreads();
+    prefix |= s_digit << shift;
+    mask |= 255u << shift;
+    kk -= s_above;
+    __syncthreads();  // hist, s_digit and s_above are rewritten by the next pass
+  }
+  return prefix;
+}
+
+// top-p's threshold X when top-k keeps few tokens (<= kKeptCap): their weights are gathered into shared memory in
+// for_each_owned order (a block scan of per-thread counts, so the same order every call), Z_k = their float64 sum in
+// that order, and X = the smallest kept weight w_i with G(w_i) < p * Z_k (G is constant between kept weights, so
+// the smallest float with G(X) < p * Z_k is one of them). Sets w->p_min_w and returns true; returns false (nothing
+// set) when more than kKeptCap tokens tie into the top-k set.
+constexpr int kKeptCap = 2048;
+
+template <int BLOCK, typename T>
+__device__ bool top_p_from_kept(const T* row, int64_t V, float top_p, RowWarp* wp) {
+  using Scan = cub::BlockScan<int, BLOCK>;
+  __shared__ typename Scan::TempStorage ts;
+  __shared__ float kept[kKeptCap];
+  __shared__ double s_zk;
+  const RowWarp w = *wp;
+  auto is_kept = [&](float x) { return ordered_key(__fdiv_rn(x, w.T)) >= w.k_key; };
+  int mine = 0, off = 0, n = 0;
+  for_each_owned<BLOCK>(row, V, [&](int64_t, float x) { mine += is_kept(x); });
+  Scan(ts).ExclusiveSum(mine, off, n);
+  __syncthreads();
+  if (n > kKeptCap) return false;  // n is the same for every thread
+  for_each_owned<BLOCK>(row, V, [&](int64_t, float x) {
+    if (is_kept(x)) kept[off++] = weight_topk_of(x, w);
+  });
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double zk = 0.0;
+    for (int i = 0; i < n; ++i) zk += kept[i];
+    s_zk = zk;
+  }
+  __syncthreads();
+  const double target = static_cast<double>(top_p) * s_zk;
+  float x_min = INFINITY;  // nothing is kept when p * Z_k <= 0 (as the reference)
+  if (target > 0.0) {
+    for (int i = threadIdx.x; i < n; i += BLOCK) {
+      double g = 0.0;
+      for (int j = 0; j < n; ++j) g += kept[j] > kept[i] ? static_cast<double>(kept[j]) : 0.0;
+      if (g < target) x_min = fminf(x_min, kept[i]);
+    }
+  }
+  wp->p_min_w = block_reduce<BLOCK>(x_min, MinOp());  // its trailing barrier also ends the reads of kept / s_zk
+  return true;
+}
+
+// Resolve the warp of one row: temperature, top_k (as float, truncated like the reference's .to(int64)),
+// top_p, min_p. All threads must call it; all get the same result.
+template <int BLOCK, typename T>
+__device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, float top_k, float top_p, float min_p) {
+  RowWarp w = warp_from_stats(raw_row_stats<BLOCK>(row, V), temperature, min_p);
   if (!w.valid || w.greedy) return w;
 
-  // top-k: the largest key K with #{v : key(l'_v) >= K} >= k is the key of the k-th largest l'.
+  // top-k: the key of the k-th largest l' (kth_largest_key).
   const long long k = isnan(top_k) ? 0 : static_cast<long long>(top_k);
   if (k > 0 && k < V) {
-    unsigned long long lo = 0, hi = 0x100000000ull;  // count(lo) = V >= k; count(hi) = 0 < k
-    while (hi - lo > 1) {
-      const unsigned long long mid = lo + (hi - lo) / 2;
-      long long c = 0;
-      for_each_owned<BLOCK>(row, V, [&](int64_t, float x) {
-        c += ordered_key(__fdiv_rn(x, w.T)) >= static_cast<uint32_t>(mid);
-      });
-      if (block_sum_ll<BLOCK>(c) >= k) lo = mid; else hi = mid;
-    }
     w.use_k = true;
-    w.k_key = static_cast<uint32_t>(lo);
+    w.k_key = kth_largest_key<BLOCK>(row, V, w.T, k);
   }
 
   // top-p: keep i iff G(w_i) < p * Z_k with G(x) = sum_{w_j > x} w_j over the top-k-kept set. G is
   // non-increasing, so the kept set is {w_i >= X} for the smallest float X in [0, 1] with G(X) < p * Z_k.
   if (top_p < 1.0f) {
+    w.use_p = true;
+    if (w.use_k && top_p_from_kept<BLOCK>(row, V, top_p, &w)) return w;
     double zk = 0.0;
     for_each_owned<BLOCK>(row, V, [&](int64_t, float x) { zk += weight_topk_of(x, w); });
     zk = block_sum<BLOCK>(zk);
     const double target = static_cast<double>(top_p) * zk;
-    w.use_p = true;
     if (!(target > 0.0)) {
       w.p_min_w = INFINITY;  // nothing is kept (the reference drops every token when p * Z_k <= 0)
     } else {
@@ -212,33 +314,43 @@ __device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, floa
 
 // ---- float64 prefix sums in token-id order ----------------------------------------------------------------------
 
-// The walk over a row in chunks of BLOCK * kScanItems tokens: thread i owns the kScanItems consecutive tokens
-// base + i * kScanItems + k. Per chunk: the weights w (float64, 0 past V), each thread's sequential sum, one
-// cub::BlockScan of those sums (excl), then, per thread, r = carry + excl and C(v) = (r += w(v)) token by token;
-// carry becomes C of the chunk's last token. That expression *is* C (cdf_sample and cdf_invert both evaluate it
-// through this function, with the same BLOCK), Z = C(V - 1). It is non-decreasing within a thread but need not be
-// across threads to the last ulp, so cdf_invert bounds u * Z below by the maximum of C over all earlier tokens.
+// C is defined segment by segment. A row splits into segments of kSegment tokens; within segment s the walk below
+// gives c_s(v), the float64 sum of the weights from the segment's first token to v; the segment totals are added in
+// order, P_s = total_0 + ... + total_{s-1}; then C(v) = P_s + c_s(v) and Z = P_S (= C(V - 1)). One CTA may walk a
+// whole row, or one CTA per segment may walk the segments in parallel (cdf_sample / cdf_invert) and a last CTA
+// combine their totals: both evaluate the same expression, so cdf_sample, cdf_invert and verify's sampling rules
+// draw from the same C, and cdf_sample(cdf_invert(t)) == t.
 //
-// visit(v, c_incl, w_v) is called for each owned token v < V (no synchronisation allowed); chunk_done() is called
-// by every thread after each chunk (it may synchronise) and returns true, block-uniformly, to stop the walk.
-// Returns the carry after the last chunk walked (Z when the walk ran to the end).
+// The walk of a segment goes in chunks of BLOCK * kScanItems tokens: thread i owns the kScanItems consecutive tokens
+// base + i * kScanItems + k. Per chunk: the weights w (float64, 0 past the segment), each thread's sequential sum,
+// one cub::BlockScan of those sums (excl), then, per thread, r = carry + excl and c(v) = (r += w(v)) token by token;
+// carry becomes c of the chunk's last token. c is non-decreasing within a thread but need not be across threads to
+// the last ulp; the searches below therefore use the maximum of C over a range (rounding of P_s + c is monotone in
+// c, so that maximum is P_s + the maximum of c_s), and cdf_invert bounds u * Z below by the maximum of C over all
+// earlier tokens.
 constexpr int kScanItems = 8;
+constexpr int64_t kSegment = 8192;
 
+// Walk of the tokens [begin, end) of one segment, carry from 0. visit(v, c, w_v) is called for each owned token (no
+// synchronisation allowed); chunk_done() is called by every thread after each chunk (it may synchronise) and
+// returns true, block-uniformly, to stop the walk. Returns the carry after the last chunk walked (the segment's
+// total when the walk ran to its end).
 template <int BLOCK, typename WeightFn, typename VisitFn, typename DoneFn>
-__device__ double prefix_walk(int64_t V, WeightFn weight, VisitFn visit, DoneFn chunk_done) {
+__device__ double segment_walk(int64_t begin, int64_t end, WeightFn weight, VisitFn visit, DoneFn chunk_done) {
   using Scan = cub::BlockScan<double, BLOCK>;
   __shared__ typename Scan::TempStorage ts;
   __shared__ double last_c;
   constexpr int64_t kChunk = static_cast<int64_t>(BLOCK) * kScanItems;
+  static_assert(kSegment % kChunk == 0, "a segment holds whole chunks");
   double carry = 0.0;
-  for (int64_t base = 0; base < V; base += kChunk) {
+  for (int64_t base = begin; base < end; base += kChunk) {
     const int64_t v0 = base + static_cast<int64_t>(threadIdx.x) * kScanItems;
-    const int64_t last = (V - base < kChunk ? V : base + kChunk) - 1;  // the chunk's last real token
+    const int64_t last = (end - base < kChunk ? end : base + kChunk) - 1;  // the chunk's last real token
     double w[kScanItems];
     double local = 0.0;
 #pragma unroll
     for (int k = 0; k < kScanItems; ++k) {
-      w[k] = v0 + k < V ? weight(v0 + k) : 0.0;
+      w[k] = v0 + k < end ? weight(v0 + k) : 0.0;
       local += w[k];
     }
     double excl;
@@ -247,7 +359,7 @@ __device__ double prefix_walk(int64_t V, WeightFn weight, VisitFn visit, DoneFn 
 #pragma unroll
     for (int k = 0; k < kScanItems; ++k) {
       r += w[k];
-      if (v0 + k < V) visit(v0 + k, r, w[k]);
+      if (v0 + k < end) visit(v0 + k, r, w[k]);
       if (v0 + k == last) last_c = r;
     }
     __syncthreads();
@@ -259,33 +371,126 @@ __device__ double prefix_walk(int64_t V, WeightFn weight, VisitFn visit, DoneFn 
   return carry;
 }
 
-// Sum of a row's weights in the walk's order: Z = C(V - 1); also the last token with w > 0 (-1 if none).
+// One segment's total, the maximum of its c (0 for an empty or all-zero segment) and its last token with w > 0
+// (-1 if none).
+struct SegmentStats {
+  double total, cmax;
+  long long last;
+};
+
 template <int BLOCK, typename WeightFn>
-__device__ double prefix_total(int64_t V, WeightFn weight, long long* last_pos) {
-  long long lp = -1;
-  const double z = prefix_walk<BLOCK>(
-      V, weight, [&](int64_t v, double, double wv) { if (wv > 0.0) lp = v; }, [] { return false; });
-  *last_pos = block_reduce<BLOCK>(lp, MaxOp());
+__device__ SegmentStats segment_stats(int64_t begin, int64_t end, WeightFn weight) {
+  double cmax = 0.0;
+  long long last = -1;
+  SegmentStats st;
+  st.total = segment_walk<BLOCK>(
+      begin, end, weight,
+      [&](int64_t v, double c, double wv) {
+        cmax = fmax(cmax, c);
+        if (wv > 0.0) last = v;
+      },
+      [] { return false; });
+  st.cmax = block_reduce<BLOCK>(cmax, MaxOp());
+  st.last = block_reduce<BLOCK>(last, MaxOp());
+  return st;
+}
+
+// The smallest v in [begin, end) with P + c(v) > target, kNoToken if none; the walk stops after the chunk holding it.
+template <int BLOCK, typename WeightFn>
+__device__ long long segment_search(int64_t begin, int64_t end, WeightFn weight, double P, double target) {
+  long long cand = kNoToken, found = kNoToken;
+  segment_walk<BLOCK>(
+      begin, end, weight, [&](int64_t v, double c, double) { if (cand == kNoToken && P + c > target) cand = v; },
+      [&] {
+        found = block_reduce<BLOCK>(cand, MinOp());
+        return found != kNoToken;
+      });
+  return found;
+}
+
+// C(t - 1)'s bound, C(t) and w(t) of token t in [begin, end), from a walk of t's segment: c_lo = the maximum of
+// P + c over the segment's tokens before t (and of c_lo_in), c_hi = P + c(t). All threads get the results; returns
+// the segment's total.
+template <int BLOCK, typename WeightFn>
+__device__ double segment_bin(int64_t begin, int64_t end, WeightFn weight, double P, long long t, double c_lo_in,
+                            double* c_lo, double* c_hi, double* w_t) {
+  double lo = c_lo_in, hi = -1.0, wt = -1.0;
+  const double total = segment_walk<BLOCK>(
+      begin, end, weight,
+      [&](int64_t v, double c, double wv) {
+        if (v < t) lo = fmax(lo, P + c);
+        if (v == t) {
+          hi = P + c;
+          wt = wv;
+        }
+      },
+      [] { return false; });
+  *c_lo = block_reduce<BLOCK>(lo, MaxOp());
+  *c_hi = block_reduce<BLOCK>(hi, MaxOp());  // only t's owner holds a value >= 0
+  *w_t = block_reduce<BLOCK>(wt, MaxOp());
+  return total;
+}
+
+__host__ __device__ __forceinline__ int64_t num_segments(int64_t V) { return (V + kSegment - 1) / kSegment; }
+
+// The segment holding a draw: the first s with P_s + cmax_s > target (every C before it is <= target), with its
+// P_s; -1 if none. total / cmax: the S segments' values, read with stride `step` (every thread reads the same).
+__device__ __forceinline__ int find_segment(const double* total, const double* cmax, int64_t step, int64_t S,
+                                            double target, double* P_out) {
+  double P = 0.0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (P + cmax[s * step] > target) {
+      *P_out = P;
+      return static_cast<int>(s);
+    }
+    P += total[s * step];
+  }
+  *P_out = P;
+  return -1;
+}
+
+__device__ __forceinline__ double sum_in_order(const double* total, int64_t step, int64_t S) {
+  double z = 0.0;
+  for (int64_t s = 0; s < S; ++s) z += total[s * step];
   return z;
 }
 
-// Inverse-CDF draw: the smallest t with C(t) > u * Z; the last token with w > 0 if rounding leaves none; -1 if
-// Z == 0. Two walks (Z first, then the search, which stops after the chunk holding t).
+// Inverse-CDF draw by one CTA: the smallest t with C(t) > u * Z; the last token with w > 0 if rounding leaves none;
+// -1 if Z == 0. One walk over the row gives each segment's total and maximum (kept in shared memory for the first
+// kMaxSegments segments, walked again for later ones), then only the segment holding t is walked again.
+constexpr int kMaxSegments = 64;
+
 template <int BLOCK, typename WeightFn>
 __device__ long long inverse_cdf_sample(int64_t V, WeightFn weight, double u) {
-  constexpr long long kNone = 0x7fffffffffffffffLL;
-  long long last_pos;
-  const double z = prefix_total<BLOCK>(V, weight, &last_pos);
+  __shared__ double seg_total[kMaxSegments], seg_cmax[kMaxSegments];
+  const int64_t S = num_segments(V);
+  auto stats_of = [&](int64_t s) {
+    return segment_stats<BLOCK>(s * kSegment, min(V, (s + 1) * kSegment), weight);
+  };
+  double z = 0.0;
+  long long last = -1;
+  for (int64_t s = 0; s < S; ++s) {
+    const SegmentStats st = stats_of(s);
+    if (s < kMaxSegments && threadIdx.x == 0) {
+      seg_total[s] = st.total;
+      seg_cmax[s] = st.cmax;
+    }
+    z += st.total;
+    last = max(last, st.last);
+  }
+  __syncthreads();
   if (!(z > 0.0)) return -1;
   const double target = u * z;
-  long long cand = kNone, found = kNone;
-  prefix_walk<BLOCK>(
-      V, weight, [&](int64_t v, double c_incl, double) { if (cand == kNone && c_incl > target) cand = v; },
-      [&] {
-        found = block_reduce<BLOCK>(cand, MinOp());
-        return found != kNone;
-      });
-  return found != kNone ? found : last_pos;
+  double P = 0.0;
+  int64_t hit = find_segment(seg_total, seg_cmax, 1, S < kMaxSegments ? S : kMaxSegments, target, &P);
+  for (int64_t s = kMaxSegments; hit < 0 && s < S; ++s) {  // rows of more than kMaxSegments segments only
+    const SegmentStats st = stats_of(s);
+    if (P + st.cmax > target) hit = s; else P += st.total;
+  }
+  __syncthreads();  // seg_total / seg_cmax are rewritten by the next call
+  if (hit < 0) return last;
+  const long long t = segment_search<BLOCK>(hit * kSegment, min(V, (hit + 1) * kSegment), weight, P, target);
+  return t != kNoToken ? t : last;
 }
 
 // cdf_invert of token t with v_aux in (0, 1): u = (C(t - 1) + v * w(t)) / Z, nudged by float64 ulps until
@@ -309,23 +514,23 @@ __device__ __forceinline__ double invert_from_bin(double c_lo, double c_hi, doub
   return ok ? u : nan;
 }
 
+// cdf_invert by one CTA: a walk of every segment (t's own for C(t - 1)'s bound, C(t) and w(t), the others for their
+// totals and, before t's, their maxima).
 template <int BLOCK, typename WeightFn>
 __device__ double inverse_cdf_invert(int64_t V, WeightFn weight, long long t, double v_aux) {
-  double c_lo = 0.0, c_hi = -1.0, w_t = -1.0;  // c_lo: max of C over the tokens before t (and 0)
-  const double z = prefix_walk<BLOCK>(
-      V, weight,
-      [&](int64_t v, double c_incl, double wv) {
-        if (v < t) c_lo = fmax(c_lo, c_incl);
-        if (v == t) {
-          c_hi = c_incl;
-          w_t = wv;
-        }
-      },
-      [] { return false; });
-  c_lo = block_reduce<BLOCK>(c_lo, MaxOp());
-  c_hi = block_reduce<BLOCK>(c_hi, MaxOp());  // only t's owner holds a value >= 0
-  w_t = block_reduce<BLOCK>(w_t, MaxOp());
-  return invert_from_bin(c_lo, c_hi, w_t, z, v_aux);
+  double P = 0.0, c_lo = 0.0, c_hi = -1.0, w_t = -1.0;  // c_lo: max of C over the tokens before t (and 0)
+  const int64_t S = num_segments(V), st = t / kSegment;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t begin = s * kSegment, end = min(V, begin + kSegment);
+    if (s == st) {
+      P += segment_bin<BLOCK>(begin, end, weight, P, t, c_lo, &c_lo, &c_hi, &w_t);
+    } else {
+      const SegmentStats seg = segment_stats<BLOCK>(begin, end, weight);
+      if (s < st) c_lo = fmax(c_lo, P + seg.cmax);
+      P += seg.total;
+    }
+  }
+  return invert_from_bin(c_lo, c_hi, w_t, P, v_aux);
 }
 
 }  // namespace cuda
