@@ -114,6 +114,28 @@ def test_non_contiguous_cache(backend):
     assert torch.equal(kd.cpu(), ek) and torch.equal(vd.cpu(), ev)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_paths_and_unaligned_rows(backend, dtype):
+    """Paths longer than the CUDA kernel stages in registers (16: the rest go through its scratch), and rows whose
+    bytes are not a multiple of 16 (moved element by element) beside rows that are (moved 16 bytes at a time)."""
+    dev = device_of(backend)
+    rng = random.Random(7)
+    B, H, P, n = 3, 2, 9, 40
+    S = P + n
+    prefix_len = torch.tensor([9, 0, 4], dtype=torch.int32)
+    accepted, accept_len = random_accepts(B, n, 24, rng)
+    accept_len[0] = 24
+    accepted[0] = torch.tensor(sorted(rng.sample(range(n), 24)), dtype=torch.int32)  # the longest path
+    k = torch.randn(B, H, S, 64).to(dtype)
+    v = torch.randn(B, H, S, 3).to(dtype)  # 6 or 12 bytes a row
+    ek = python_compact(k, prefix_len, P, accepted, accept_len)
+    ev = python_compact(v, prefix_len, P, accepted, accept_len)
+    kd, vd = k.to(dev), v.to(dev)
+    compact_cache((kd, vd), prefix_len.to(dev), P, accepted.to(dev), accept_len.to(dev), backend=backend)
+    assert torch.equal(kd.cpu(), ek) and torch.equal(vd.cpu(), ev)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nothing_accepted_is_a_no_op(backend):
     dev = device_of(backend)

@@ -99,12 +99,46 @@ __global__ void _tree_positions_kernel(const int32_t* __restrict__ parents, cons
   }
 }
 
-// compact_cache on one tensor [B, H, S, D] with arbitrary strides, elements moved as raw bits (Word has the
-// element's size). One thread per (b, h, d) first gathers the sources of all of request b's moves into its own
-// column of `scratch` [max_depth, B * H * D], then writes them to their destinations: the reference's
-// gather-then-write semantics, so overlapping source and destination slots are handled, without any
-// synchronisation between threads (each thread touches only its own element of every slot). Moves whose slots
-// fall outside [0, S) are skipped (the Python layer rejects them before launching).
+// compact_cache on one tensor [B, H, S, D] with arbitrary strides, elements moved as raw bits in words (Word has
+// the element's size, or 16 bytes where the rows and strides allow: compact_one), D words per row. One thread per
+// (b, h, word d) first gathers the sources of all of request b's moves, then writes them to their destinations: the
+// reference's gather-then-write semantics, so overlapping source and destination slots are handled, without any
+// synchronisation between threads (each thread touches only its own word of every slot). Up to kStagedRows moves are
+// staged in registers (_compact_cache_staged_kernel); more go through the thread's own column of `scratch`
+// [max_depth, B * H * D]. Moves whose slots fall outside [0, S) are skipped (the Python layer rejects them before
+// launching).
+constexpr int kStagedRows = 16;
+
+template <typename Word>
+__global__ void __launch_bounds__(256)
+    _compact_cache_staged_kernel(Word* __restrict__ cache, int B, int H, int64_t S, int D, int64_t sB, int64_t sH,
+                                 int64_t sS, int64_t sD, const int32_t* __restrict__ prefix_len, int64_t draft_start,
+                                 const int32_t* __restrict__ accepted, int max_depth,
+                                 const int32_t* __restrict__ accept_len) {
+  const int64_t total = static_cast<int64_t>(B) * H * D;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(idx % D);
+    const int h = static_cast<int>((idx / D) % H);
+    const int b = static_cast<int>(idx / (static_cast<int64_t>(D) * H));
+    Word* base = cache + b * sB + h * sH + d * sD;
+    const int len = min(accept_len[b], min(max_depth, kStagedRows));
+    const int32_t* acc = accepted + static_cast<int64_t>(b) * max_depth;
+    const int64_t dst0 = prefix_len[b];
+    Word staged[kStagedRows];
+#pragma unroll
+    for (int i = 0; i < kStagedRows; ++i) {
+      const int64_t src = draft_start + acc[i < len ? i : 0];
+      if (i < len && acc[i] >= 0 && src < S) staged[i] = base[src * sS];
+    }
+#pragma unroll
+    for (int i = 0; i < kStagedRows; ++i) {
+      const int64_t src = draft_start + acc[i < len ? i : 0], dst = dst0 + i;
+      if (i < len && acc[i] >= 0 && src < S && dst >= 0 && dst < S) base[dst * sS] = staged[i];
+    }
+  }
+}
+
 template <typename Word>
 __global__ void _compact_cache_kernel(Word* __restrict__ cache, int B, int H, int64_t S, int D, int64_t sB,
                                       int64_t sH, int64_t sS, int64_t sD, const int32_t* __restrict__ prefix_len,
@@ -252,26 +286,45 @@ at::Tensor tree_positions_cuda(const at::Tensor& parents, const at::Tensor& cu_n
 
 void compact_one(const at::Tensor& cache, const at::Tensor& prefix_len, int64_t draft_start, const at::Tensor& accepted,
                  const at::Tensor& accept_len) {
-  const int B = static_cast<int>(cache.size(0)), H = static_cast<int>(cache.size(1)), D = static_cast<int>(cache.size(3));
-  const int64_t S = cache.size(2);
+  const int B = static_cast<int>(cache.size(0)), H = static_cast<int>(cache.size(1));
+  const int64_t S = cache.size(2), es = cache.element_size();
+  // Words of 16 bytes where a row is contiguous and every row starts 16-byte aligned; else one element per word.
+  int64_t D = cache.size(3), st[4] = {cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3)}, ws = es;
+  const bool vec = D > 0 && st[3] == 1 && (D * es) % 16 == 0 && (st[0] * es) % 16 == 0 && (st[1] * es) % 16 == 0 &&
+                   (st[2] * es) % 16 == 0 && reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0;
+  if (vec) {
+    ws = 16;
+    D = D * es / 16;
+    for (int i = 0; i < 3; ++i) st[i] = st[i] * es / 16;
+  }
   const int64_t total = static_cast<int64_t>(B) * H * D;
   if (total == 0 || accepted.size(1) == 0) return;
   const unsigned grid = grid_for(total, kThreads);
   auto stream = at::cuda::getCurrentCUDAStream();
   const int max_depth = static_cast<int>(accepted.size(1));
-  // Per-thread gather space, in the cache's dtype (moved as raw bits).
-  auto scratch = at::empty({max_depth, total}, cache.options());
+  const bool staged = max_depth <= kStagedRows;
+  // Per-thread gather space for more moves than the registers stage (moved as raw bits).
+  at::Tensor scratch;
+  if (!staged) scratch = at::empty({max_depth, total * ws}, cache.options().dtype(at::kByte));
 #define FV_LAUNCH_COMPACT(WORD)                                                                                     \
-  _compact_cache_kernel<WORD><<<grid, kThreads, 0, stream>>>(                                                       \
-      reinterpret_cast<WORD*>(cache.data_ptr()), B, H, S, D, cache.stride(0), cache.stride(1), cache.stride(2),     \
-      cache.stride(3), prefix_len.data_ptr<int32_t>(), draft_start, accepted.data_ptr<int32_t>(), max_depth,        \
-      accept_len.data_ptr<int32_t>(), reinterpret_cast<WORD*>(scratch.data_ptr()))
-  switch (cache.element_size()) {
+  if (staged) {                                                                                                     \
+    _compact_cache_staged_kernel<WORD><<<grid, kThreads, 0, stream>>>(                                              \
+        reinterpret_cast<WORD*>(cache.data_ptr()), B, H, S, static_cast<int>(D), st[0], st[1], st[2], st[3],        \
+        prefix_len.data_ptr<int32_t>(), draft_start, accepted.data_ptr<int32_t>(), max_depth,                       \
+        accept_len.data_ptr<int32_t>());                                                                            \
+  } else {                                                                                                          \
+    _compact_cache_kernel<WORD><<<grid, kThreads, 0, stream>>>(                                                     \
+        reinterpret_cast<WORD*>(cache.data_ptr()), B, H, S, static_cast<int>(D), st[0], st[1], st[2], st[3],        \
+        prefix_len.data_ptr<int32_t>(), draft_start, accepted.data_ptr<int32_t>(), max_depth,                       \
+        accept_len.data_ptr<int32_t>(), reinterpret_cast<WORD*>(scratch.data_ptr()));                               \
+  }
+  switch (ws) {
     case 1: FV_LAUNCH_COMPACT(uint8_t); break;
     case 2: FV_LAUNCH_COMPACT(uint16_t); break;
     case 4: FV_LAUNCH_COMPACT(uint32_t); break;
     case 8: FV_LAUNCH_COMPACT(uint64_t); break;
-    default: TORCH_CHECK(false, "compact_cache: unsupported element size ", cache.element_size());
+    case 16: FV_LAUNCH_COMPACT(uint4); break;
+    default: TORCH_CHECK(false, "compact_cache: unsupported element size ", es);
   }
 #undef FV_LAUNCH_COMPACT
   C10_CUDA_KERNEL_LAUNCH_CHECK();
