@@ -235,7 +235,7 @@ def _verify_grid(run, quick):
     if run.dry:
         return [(2, 4, 1000)], (torch.float32, torch.bfloat16), ("chain", "tree"), tuple(PARAMS) + ("speculative+q",)
     if quick:
-        return [(8, 16, 128256)], (torch.float32, torch.bfloat16), ("chain",), \
+        return [(32, 16, 151936), (8, 16, 128256)], (torch.float32, torch.bfloat16), ("chain",), \
             ("greedy", "gad", "typical", "speculative", "coupled")
     return [(32, 16, 151936), (8, 16, 128256), (1, 8, 49152)], (torch.float32, torch.bfloat16), ("chain", "tree"), \
         tuple(PARAMS) + ("speculative+q",)

@@ -142,7 +142,7 @@ if has test; then
     $PY -m pytest -q -p no:cacheprovider --collect-only -k "cuda or triton" "${files[@]}" >"$OUT/test.log" 2>&1
     echo "tests (dry, collected only): rc=$?"; tail -1 "$OUT/test.log"
   else
-    par=""; $PY -c "import xdist" 2>/dev/null && par="-n 8"      # pytest-xdist where the image has it
+    par=""; $PY -c "import xdist" 2>/dev/null && par="-n ${TEST_WORKERS:-12}"  # pytest-xdist where the image has it
     tmo=""; $PY -c "import pytest_timeout" 2>/dev/null && tmo="--timeout 300"
     $PY -m pytest -q -rs -p no:cacheprovider $par $tmo -k "cuda or triton" "${files[@]}" >"$OUT/test.log" 2>&1
     echo "tests: rc=$? in $(( $(date +%s) - start )) s"

@@ -1,6 +1,6 @@
 // CUDA kernels of fastverify::verify (schema: csrc/verify.cpp; reference: fastverify/reference/verify.py).
 //
-// Two kernels:
+// Kernels:
 //   _verify_rows_kernel  one CTA per logits row (grid-stride over the N + B rows). Deterministic rules: one pass
 //                        over V gives the row's max, argmax (lowest id), NaN / +inf flag, online log-sum-exp and
 //                        entropy (typical, confidence) and the ranks of up to kGroup children's tokens at once
@@ -11,12 +11,26 @@
 //                        children in node order against the (residual) distribution, and samples the residual with
 //                        u_sample[row] when every child is rejected. A row's step depends only on that row, so all
 //                        rows run in parallel.
+//   _verify_argmax_segments_kernel, _verify_argmax_combine_kernel
+//                        the argmax-only rules (greedy, distance) when there are too few rows to fill the GPU with
+//                        one CTA per row: each row is cut into S segments of seg_len tokens (a multiple of 8, so a
+//                        segment starts 16-byte aligned whenever its row does; S from NR, V and the number of SMs,
+//                        argmax_split below), one CTA per (row, segment) writes the segment's (max, lowest argmax,
+//                        NaN / +inf flag) to a scratch array; then one thread per row and one per node fold the
+//                        row's S partials in segment order with the block reduction's operator (ArgMaxOp: larger
+//                        value, then lower id) and write what the one-CTA row pass writes (row_bad, row_next,
+//                        row_child = -1; node_cond, node_logit of each node at its parent's row). The fold selects
+//                        the same element as the block reduction (the lowest id among the maxima), so the result
+//                        does not depend on S. S = 1 runs _verify_rows_kernel.
 //   _verify_walk_kernel  one thread per request: min_accept's forced path, accept(j) = accept(parent) and
 //                        (cond or forced), the deepest accepted node (first in node order), or, for the sampling
 //                        rules, the chain of per-row accepted children from the root; then accepted / accept_len /
 //                        next_token.
-// Speculative residuals max(p - q, 0) / mass are materialised in a float64 scratch row per CTA of the rows kernel
-// (the grid is capped so that this scratch stays bounded).
+// Speculative: draft_probs is read in its own dtype (float64, float32, bfloat16, float16; other floating dtypes are
+// converted to float64 on the host) and widened to float64, which is exact, as the reference's .double(). After a
+// row's first rejection the residual p1 = max(p - q_1, 0) / mass_1 is evaluated on the fly from the row and q_1, with
+// the same roundings; from the second rejection on (several children of one row) the residual is materialised in a
+// float64 scratch row per CTA of the rows kernel (the grid is capped so that this scratch stays bounded).
 #include <torch/library.h>
 
 #include "common.cuh"
@@ -51,7 +65,9 @@ struct VerifyArgs {
   const int32_t* parents;       // [N]
   const float* rule_params;     // [B, 2]
   const float* warp;            // [B, 4]
-  const double* draft_probs;    // [N, V] or null (speculative)
+  const void* draft_probs;      // [N, V] in dtype draft_probs_type, row stride draft_probs_stride; or null
+  int64_t draft_probs_stride;
+  int draft_probs_type;         // ProbType
   const float* u_sample;        // [NR] or null
   const float* u_accept;        // [N] or null
   const int64_t* root_tokens;   // [B] or null
@@ -65,6 +81,19 @@ struct VerifyArgs {
   float* node_logit;    // [N] logit of the node's token at its parent's row (min_accept's most likely path)
   double* scratch;      // [gridDim.x, V] speculative residuals, or null
 };
+
+// Storage dtypes of draft_probs read by the kernel.
+enum ProbType : int { kProbDouble = 0, kProbFloat = 1, kProbHalf = 2, kProbBFloat16 = 3 };
+
+// q[i] of a draft_probs row in dtype `type`, widened to float64 (exact for each of these dtypes).
+__device__ __forceinline__ double load_prob(const void* q, int type, int64_t i) {
+  switch (type) {
+    case kProbFloat: return static_cast<double>(static_cast<const float*>(q)[i]);
+    case kProbHalf: return static_cast<double>(__half2float(static_cast<const __half*>(q)[i]));
+    case kProbBFloat16: return static_cast<double>(__bfloat162float(static_cast<const __nv_bfloat16*>(q)[i]));
+    default: return static_cast<const double*>(q)[i];
+  }
+}
 
 // Request owning logits row g: the largest b with cu_nodes[b] + b <= g.
 __device__ __forceinline__ int request_of_row(const int32_t* cu_nodes, int B, int64_t g) {
@@ -139,6 +168,29 @@ __device__ bool deterministic_cond(int rule, long long x, float lx, long long ra
     }
     default: return false;
   }
+}
+
+// Writes node_cond and node_logit of local node j (token x, logit lx at its parent's row; rank: its rank there,
+// for topk and gad) from the statistics of the parent's row. One thread.
+__device__ __forceinline__ void score_child(const VerifyArgs& a, int b, int32_t start, int j, long long x, float lx,
+                                            long long rank, const RawRowStats& stats, double lse, double entropy,
+                                            double p0, double p1) {
+  const int par = a.parents[start + j];
+  bool has_pt = false;
+  long long pt = 0;
+  if (par >= 0) {
+    has_pt = true;
+    pt = a.draft_tokens[start + par];
+  } else if (a.root_tokens != nullptr) {
+    has_pt = true;
+    pt = a.root_tokens[b];
+  }
+  bool ok = false;
+  if (x >= 0 && x < a.V && !isnan(lx)) {
+    ok = deterministic_cond(a.rule, x, lx, rank, stats.argmax, stats.max, lse, entropy, p0, p1, has_pt, pt);
+  }
+  a.node_cond[start + j] = ok ? 1 : 0;
+  a.node_logit[start + j] = lx;
 }
 
 // RANK: the rule needs the children's ranks (topk, gad); SOFT: the row's log-sum-exp and entropy (typical,
@@ -234,25 +286,7 @@ __device__ void verify_row_deterministic(const VerifyArgs& a, const T* row, int6
     }
     if (threadIdx.x == 0) {
       for (int c = 0; c < m; ++c) {
-        const int j = kid_id[c];
-        const long long x = kid_tok[c];
-        const float lx = kid_logit[c];
-        const int par = a.parents[start + j];
-        bool has_pt = false;
-        long long pt = 0;
-        if (par >= 0) {
-          has_pt = true;
-          pt = a.draft_tokens[start + par];
-        } else if (a.root_tokens != nullptr) {
-          has_pt = true;
-          pt = a.root_tokens[b];
-        }
-        bool ok = false;
-        if (x >= 0 && x < V && !isnan(lx)) {
-          ok = deterministic_cond(a.rule, x, lx, cnt[c], stats.argmax, stats.max, lse, entropy, p0, p1, has_pt, pt);
-        }
-        a.node_cond[start + j] = ok ? 1 : 0;
-        a.node_logit[start + j] = lx;
+        score_child(a, b, start, kid_id[c], kid_tok[c], kid_logit[c], cnt[c], stats, lse, entropy, p0, p1);
       }
     }
     first = false;
@@ -265,6 +299,103 @@ __device__ __forceinline__ int next_child(const int32_t* parents_b, int n_b, int
   for (int j = from; j < n_b; ++j)
     if (parents_b[j] == r - 1) return j;
   return -1;
+}
+
+// Speculative step of one row (Leviathan et al. Alg. 1; SpecInfer Alg. 2): p = w / sum(w); children in node order.
+template <typename T, int BLOCK>
+__device__ void verify_row_speculative(const VerifyArgs& a, const T* row, int64_t g, int b, int r, const RowWarp& w,
+                                       double u_row) {
+  const int64_t V = a.V;
+  const int32_t start = a.cu_nodes[b];
+  const int n_b = a.cu_nodes[b + 1] - start;
+  const int32_t* par_b = a.parents + start;
+  const int64_t* tok_b = a.draft_tokens + start;
+  const char* dp = static_cast<const char*>(a.draft_probs);
+  const int dp_type = a.draft_probs_type;
+  const int64_t dp_row_bytes = a.draft_probs_stride * (dp_type == kProbDouble ? 8 : dp_type == kProbFloat ? 4 : 2);
+  auto warped = [&](int64_t v) { return static_cast<double>(row_weight(row, v, w)); };
+  // q_c(v) of child c with token x, c's draft_probs row q (null: one-hot at x)
+  auto q_at = [&](const char* q, long long x, int64_t v) {
+    return q != nullptr ? load_prob(q, dp_type, v) : (v == x ? 1.0 : 0.0);
+  };
+  auto q_row = [&](int c) { return dp != nullptr ? dp + static_cast<int64_t>(start + c) * dp_row_bytes : dp; };
+
+  double zw = 0.0;
+  for (int64_t v = threadIdx.x; v < V; v += BLOCK) zw += warped(v);
+  zw = block_sum<BLOCK>(zw);
+  // p after `level` modifications: 0: w / zw; 1: max(p_0 - q_1, 0) / mass_1, evaluated on the fly (the first
+  // rejected child's q_1); 2: two or more, materialised in S (the expression of each level is the one the next
+  // level's residual is formed from, so every entry has the roundings of a step-by-step materialisation).
+  double* S = a.scratch + static_cast<int64_t>(blockIdx.x) * V;
+  int level = 0;
+  const char* q1 = nullptr;
+  long long x1 = -1;
+  double mass1 = 1.0;
+  auto p_first = [&](int64_t v) { return __ddiv_rn(warped(v), zw); };
+  auto cur = [&](int64_t v) {
+    if (level == 0) return p_first(v);
+    if (level == 1) return __ddiv_rn(fmax(__dsub_rn(p_first(v), q_at(q1, x1, v)), 0.0), mass1);
+    return S[v];
+  };
+  __shared__ int s_kid;
+  __shared__ int s_ok;
+  int from = 0, hit = -1;
+  while (true) {
+    if (threadIdx.x == 0) {
+      const int c = next_child(par_b, n_b, r, from);
+      int ok = 0;
+      if (c >= 0) {
+        const long long x = tok_b[c];
+        if (x >= 0 && x < V) {
+          const double px = cur(x);
+          const double qx = dp != nullptr ? load_prob(q_row(c), dp_type, x) : 1.0;
+          const double ua = a.u_accept != nullptr ? static_cast<double>(a.u_accept[start + c]) : 1.0;
+          ok = qx > 0.0 ? (ua <= __ddiv_rn(px, qx)) : (px > 0.0);
+        }
+      }
+      s_kid = c;
+      s_ok = ok;
+    }
+    __syncthreads();
+    const int c = s_kid, ok = s_ok;
+    __syncthreads();
+    if (c < 0) break;
+    if (ok) {
+      hit = c;
+      break;
+    }
+    // rejected: p <- normalise(max(p - q, 0)), kept unchanged when that has zero mass
+    const long long x = tok_b[c];
+    const char* q = q_row(c);
+    auto residual = [&](int64_t v) { return fmax(__dsub_rn(cur(v), q_at(q, x, v)), 0.0); };
+    double mass = 0.0;
+    for (int64_t v = threadIdx.x; v < V; v += BLOCK) mass += residual(v);
+    mass = block_sum<BLOCK>(mass);  // block-uniform, so is `level`
+    if (mass > 0.0) {
+      if (level == 0) {
+        q1 = q;
+        x1 = x;
+        mass1 = mass;
+        level = 1;
+      } else {
+        // each thread rewrites only the entries it reads, so the update is in place without a race
+        for (int64_t v = threadIdx.x; v < V; v += BLOCK) S[v] = __ddiv_rn(residual(v), mass);
+        level = 2;
+        __syncthreads();  // S visible to thread 0's next p(x) and to the final draw's walk
+      }
+    }
+    from = c + 1;
+  }
+  long long t = -2;  // not used when a child is accepted: the walk descends into it
+  if (hit < 0) {
+    // unmodified: the row's own weights, exactly cdf_sample(row, u_sample[row]); else the current residual
+    t = inverse_cdf_sample<BLOCK>(V, [&](int64_t v) { return level == 0 ? warped(v) : cur(v); }, u_row);
+  }
+  if (threadIdx.x == 0) {
+    a.row_bad[g] = 0;
+    a.row_next[g] = t;
+    a.row_child[g] = hit;
+  }
 }
 
 template <typename T, int BLOCK>
@@ -301,72 +432,7 @@ __device__ void verify_row_sampling(const VerifyArgs& a, const T* row, int64_t g
     return;
   }
 
-  // speculative (Leviathan et al. Alg. 1; SpecInfer Alg. 2): p = w / sum(w); children in node order.
-  double* S = a.scratch + static_cast<int64_t>(blockIdx.x) * V;  // the residual, once modified
-  double zw = 0.0;
-  for (int64_t v = threadIdx.x; v < V; v += BLOCK) zw += warped(v);
-  zw = block_sum<BLOCK>(zw);
-  bool modified = false;
-  auto cur = [&](int64_t v) { return modified ? S[v] : __ddiv_rn(warped(v), zw); };
-  __shared__ int s_kid;
-  __shared__ int s_ok;
-  int from = 0, hit = -1;
-  while (true) {
-    if (threadIdx.x == 0) {
-      const int c = next_child(par_b, n_b, r, from);
-      int ok = 0;
-      if (c >= 0) {
-        const long long x = tok_b[c];
-        if (x >= 0 && x < V) {
-          const double px = cur(x);
-          const double qx =
-              a.draft_probs != nullptr ? a.draft_probs[static_cast<int64_t>(start + c) * V + x] : 1.0;
-          const double ua = a.u_accept != nullptr ? static_cast<double>(a.u_accept[start + c]) : 1.0;
-          ok = qx > 0.0 ? (ua <= __ddiv_rn(px, qx)) : (px > 0.0);
-        }
-      }
-      s_kid = c;
-      s_ok = ok;
-    }
-    __syncthreads();
-    const int c = s_kid, ok = s_ok;
-    __syncthreads();
-    if (c < 0) break;
-    if (ok) {
-      hit = c;
-      break;
-    }
-    // rejected: p <- normalise(max(p - q, 0)), kept unchanged when that has zero mass
-    const long long x = tok_b[c];
-    const double* q = a.draft_probs != nullptr ? a.draft_probs + static_cast<int64_t>(start + c) * V : nullptr;
-    auto residual = [&](int64_t v) {
-      const double qv = q != nullptr ? q[v] : (v == x ? 1.0 : 0.0);
-      return fmax(__dsub_rn(cur(v), qv), 0.0);
-    };
-    double mass = 0.0;
-    for (int64_t v = threadIdx.x; v < V; v += BLOCK) mass += residual(v);
-    mass = block_sum<BLOCK>(mass);
-    if (mass > 0.0) {
-      // each thread rewrites only the entries it reads, so the update is in place without a race
-      for (int64_t v = threadIdx.x; v < V; v += BLOCK) S[v] = __ddiv_rn(residual(v), mass);
-      modified = true;
-      __syncthreads();  // S visible to thread 0's next p(x)
-    }
-    from = c + 1;
-  }
-  long long t;
-  if (hit >= 0) {
-    t = -2;  // not used: the walk descends into the accepted child
-  } else if (modified) {
-    t = inverse_cdf_sample<BLOCK>(V, [&](int64_t v) { return S[v]; }, u_row);
-  } else {
-    t = inverse_cdf_sample<BLOCK>(V, warped, u_row);  // exactly cdf_sample(row, u_sample[row])
-  }
-  if (threadIdx.x == 0) {
-    a.row_bad[g] = 0;
-    a.row_next[g] = t;
-    a.row_child[g] = hit;
-  }
+  verify_row_speculative<T, BLOCK>(a, row, g, b, r, w, u_row);
 }
 
 // Row passes by what the rule needs of a row (RowKind), one kernel instance each, so that no rule pays for the
@@ -405,6 +471,106 @@ void launch_verify_rows(const VerifyArgs& a, RowKind kind, int64_t grid, cudaStr
     case kRowSoft: _verify_rows_kernel<T, kVerifyBlock, kRowSoft><<<blocks, kVerifyBlock, 0, stream>>>(a); break;
     default: _verify_rows_kernel<T, kVerifyBlock, kRowSampling><<<blocks, kVerifyBlock, 0, stream>>>(a); break;
   }
+}
+
+// ---- argmax-only rows split over several CTAs ----------------------------------------------------------------
+
+// One segment's share of a row's argmax pass. argmax: lowest id holding max, kNoArgmax when no entry of the segment
+// is free of NaN / +inf (max is -inf then).
+struct ArgmaxPartial {
+  float max;
+  int32_t bad;  // NaN or +inf in the segment
+  long long argmax;
+};
+static_assert(sizeof(ArgmaxPartial) == 16, "ArgmaxPartial: two int64 per partial in the host's scratch");
+constexpr long long kNoArgmax = 0x7fffffffffffffffLL;
+
+// One CTA per (row g, segment s) item = g * nseg + s: tokens [s * seg_len, min((s + 1) * seg_len, V)).
+template <typename T, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    _verify_argmax_segments_kernel(VerifyArgs a, int nseg, int64_t seg_len, ArgmaxPartial* __restrict__ part) {
+  const int64_t items = a.NR * nseg;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t g = item / nseg;
+    const int64_t lo = (item - g * nseg) * seg_len;
+    const int64_t n = a.V - lo < seg_len ? a.V - lo : seg_len;
+    const T* seg = static_cast<const T*>(a.logits) + g * a.row_stride + lo;
+    ArgMax best{-INFINITY, kNoArgmax};
+    long long bad = 0;
+    for_each_owned<BLOCK>(seg, n, [&](int64_t v, float x) {  // v: id within the segment
+      if (isnan(x) || x == INFINITY) {
+        bad = 1;
+      } else if (x > best.v || (x == best.v && v < best.i)) {
+        best = ArgMax{x, v};
+      }
+    });
+    const ArgMax r = block_argmax<BLOCK>(best);
+    const long long nbad = block_sum_ll<BLOCK>(bad);
+    if (threadIdx.x == 0) part[item] = ArgmaxPartial{r.v, nbad > 0 ? 1 : 0, r.i == kNoArgmax ? kNoArgmax : lo + r.i};
+  }
+}
+
+// The statistics of row g from its partials, folded in segment order.
+__device__ __forceinline__ RawRowStats fold_partials(const ArgmaxPartial* part, int nseg, int64_t g) {
+  ArgMax best{-INFINITY, kNoArgmax};
+  bool bad = false;
+  for (int s = 0; s < nseg; ++s) {
+    const ArgmaxPartial p = part[g * nseg + s];
+    best = ArgMaxOp()(best, ArgMax{p.max, p.argmax});
+    bad |= p.bad != 0;
+  }
+  RawRowStats stats;
+  stats.bad = bad;
+  stats.max = best.v;
+  stats.argmax = best.i == kNoArgmax ? 0 : best.i;
+  return stats;
+}
+
+// Items i < NR: row i's outputs; items NR + n: node n's cond and logit at its parent's row, i.e. at the row r of its
+// request with parents[n] == r - 1 (r in 0 .. n_b), which is where verify_row_deterministic's thread 0 scores it.
+// One thread per item, so no thread walks a row's children one after the other.
+template <typename T>
+__global__ void _verify_argmax_combine_kernel(VerifyArgs a, int64_t N, int nseg,
+                                              const ArgmaxPartial* __restrict__ part) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < a.NR + N;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i < a.NR) {
+      const RawRowStats stats = fold_partials(part, nseg, i);
+      a.row_bad[i] = (stats.bad || stats.max == -INFINITY) ? 1 : 0;
+      a.row_next[i] = stats.argmax;
+      a.row_child[i] = -1;
+      continue;
+    }
+    const int64_t n = i - a.NR;
+    const int b = request_of_node(a.cu_nodes, a.B, n);
+    if (b < 0) continue;
+    const int32_t start = a.cu_nodes[b];
+    const int n_b = a.cu_nodes[b + 1] - start;
+    const int par = a.parents[n];
+    if (par < -1 || par >= n_b) continue;  // no row of the request scores it
+    const int64_t g = static_cast<int64_t>(start) + b + par + 1;
+    const RawRowStats stats = fold_partials(part, nseg, g);
+    const T* row = static_cast<const T*>(a.logits) + g * a.row_stride;
+    const long long x = a.draft_tokens[n];
+    const float lx = (x >= 0 && x < a.V) ? load_as_float(row + x) : __int_as_float(0x7fc00000);
+    const double p0 = a.rule_params[2 * b], p1 = a.rule_params[2 * b + 1];
+    score_child(a, b, start, static_cast<int>(n - start), x, lx, 0, stats, 0.0, 0.0, p0, p1);
+  }
+}
+
+// Segments per row for the argmax-only rules: about kCtasPerSm CTAs per SM in all (512 threads and 32 registers
+// each, four fit an SM), segments of at least kMinSegment tokens; seg_len a multiple of 8 (16 bytes of bf16 / fp16,
+// 32 of fp32). nseg = 1: one CTA per row (_verify_rows_kernel).
+struct ArgmaxSplit {
+  int nseg;
+  int64_t seg_len;
+};
+inline ArgmaxSplit argmax_split(int64_t NR, int64_t V, int sms) {
+  constexpr int64_t kCtasPerSm = 4, kMinSegment = 4096;
+  const int64_t s = std::min(kCtasPerSm * sms / std::max<int64_t>(NR, 1), V / kMinSegment);
+  if (s <= 1) return {1, V};
+  const int64_t seg_len = ((V + s - 1) / s + 7) / 8 * 8;
+  return {static_cast<int>((V + seg_len - 1) / seg_len), seg_len};
 }
 
 // One thread per request: the acceptance walk. node_ok / node_forced / node_depth: scratch [N].
@@ -527,7 +693,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cuda(
                 draft_probs->scalar_type());
     TORCH_CHECK(draft_probs->dim() == 2 && draft_probs->size(0) == N && draft_probs->size(1) == V,
                 "draft_probs: expected shape [", N, ", ", V, "], got ", draft_probs->sizes());
-    dp = draft_probs->to(at::kDouble).contiguous();  // the reference reads q in float64
+    // Read in its own dtype and widened in the kernel (exact, as the reference's float64 reading); dtypes without a
+    // loader are converted to float64 here.
+    dp = *draft_probs;
+    const auto dt = dp.scalar_type();
+    if (dt != at::kDouble && dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16) dp = dp.to(at::kDouble);
+    if (dp.stride(1) != 1) dp = dp.contiguous();
   }
   if (u_sample.has_value() && u_sample->defined()) {
     check_cuda(*u_sample, "u_sample");
@@ -583,6 +754,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cuda(
   const int64_t grid = std::min<int64_t>(NR, rule == kSpeculative ? 128 : 65535);
   at::Tensor scratch;
   if (rule == kSpeculative) scratch = at::empty({grid, V}, opts_i.dtype(at::kDouble));
+  const RowKind kind = row_kind(rule);
+  const ArgmaxSplit split = kind == kRowArgmax
+                                ? argmax_split(NR, V, at::cuda::getCurrentDeviceProperties()->multiProcessorCount)
+                                : ArgmaxSplit{1, V};
+  at::Tensor partials;  // ArgmaxPartial [NR * nseg]
+  if (split.nseg > 1) partials = at::empty({NR * split.nseg, 2}, opts_i.dtype(at::kLong));
 
   VerifyArgs a;
   a.logits = x.data_ptr();
@@ -595,7 +772,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cuda(
   a.parents = par.data_ptr<int32_t>();
   a.rule_params = rp.data_ptr<float>();
   a.warp = wp.data_ptr<float>();
-  a.draft_probs = dp.defined() ? dp.data_ptr<double>() : nullptr;
+  a.draft_probs = dp.defined() ? dp.data_ptr() : nullptr;
+  a.draft_probs_stride = dp.defined() ? dp.stride(0) : 0;
+  a.draft_probs_type = !dp.defined()                         ? kProbDouble
+                       : dp.scalar_type() == at::kFloat    ? kProbFloat
+                       : dp.scalar_type() == at::kHalf     ? kProbHalf
+                       : dp.scalar_type() == at::kBFloat16 ? kProbBFloat16
+                                                           : kProbDouble;
   a.u_sample = us.defined() ? us.data_ptr<float>() : nullptr;
   a.u_accept = ua.defined() ? ua.data_ptr<float>() : nullptr;
   a.root_tokens = rt.defined() ? rt.data_ptr<int64_t>() : nullptr;
@@ -609,7 +792,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cuda(
 
   auto stream = at::cuda::getCurrentCUDAStream();
   FASTVERIFY_DISPATCH_FLOATING(x.scalar_type(), "logits", [&] {
-    launch_verify_rows<scalar_t>(a, row_kind(rule), grid, stream);
+    if (split.nseg > 1) {
+      auto* part = reinterpret_cast<ArgmaxPartial*>(partials.data_ptr<int64_t>());
+      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(NR * split.nseg, 65535));
+      _verify_argmax_segments_kernel<scalar_t, kVerifyBlock>
+          <<<blocks, kVerifyBlock, 0, stream>>>(a, split.nseg, split.seg_len, part);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      constexpr int kCombineThreads = 128;
+      _verify_argmax_combine_kernel<scalar_t>
+          <<<grid_for(NR + N, kCombineThreads), kCombineThreads, 0, stream>>>(a, N, split.nseg, part);
+    } else {
+      launch_verify_rows<scalar_t>(a, kind, grid, stream);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 
