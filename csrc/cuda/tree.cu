@@ -104,17 +104,17 @@ __global__ void _tree_positions_kernel(const int32_t* __restrict__ parents, cons
 // (b, h, word d) first gathers the sources of all of request b's moves, then writes them to their destinations: the
 // reference's gather-then-write semantics, so overlapping source and destination slots are handled, without any
 // synchronisation between threads (each thread touches only its own word of every slot). Up to kStagedRows moves are
-// staged in registers (_compact_cache_staged_kernel); more go through the thread's own column of `scratch`
+// staged in registers (STAGED); more go through the thread's own column of `scratch`
 // [max_depth, B * H * D]. Moves whose slots fall outside [0, S) are skipped (the Python layer rejects them before
 // launching).
 constexpr int kStagedRows = 16;
 
-template <typename Word>
+template <typename Word, bool STAGED>
 __global__ void __launch_bounds__(256)
-    _compact_cache_staged_kernel(Word* __restrict__ cache, int B, int H, int64_t S, int D, int64_t sB, int64_t sH,
-                                 int64_t sS, int64_t sD, const int32_t* __restrict__ prefix_len, int64_t draft_start,
-                                 const int32_t* __restrict__ accepted, int max_depth,
-                                 const int32_t* __restrict__ accept_len) {
+    _compact_cache_kernel(Word* __restrict__ cache, int B, int H, int64_t S, int D, int64_t sB, int64_t sH,
+                          int64_t sS, int64_t sD, const int32_t* __restrict__ prefix_len, int64_t draft_start,
+                          const int32_t* __restrict__ accepted, int max_depth, const int32_t* __restrict__ accept_len,
+                          Word* __restrict__ scratch) {
   const int64_t total = static_cast<int64_t>(B) * H * D;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -122,47 +122,31 @@ __global__ void __launch_bounds__(256)
     const int h = static_cast<int>((idx / D) % H);
     const int b = static_cast<int>(idx / (static_cast<int64_t>(D) * H));
     Word* base = cache + b * sB + h * sH + d * sD;
-    const int len = min(accept_len[b], min(max_depth, kStagedRows));
+    const int len = min(accept_len[b], max_depth);
     const int32_t* acc = accepted + static_cast<int64_t>(b) * max_depth;
     const int64_t dst0 = prefix_len[b];
-    Word staged[kStagedRows];
+    if constexpr (STAGED) {  // max_depth <= kStagedRows
+      Word staged[kStagedRows];
 #pragma unroll
-    for (int i = 0; i < kStagedRows; ++i) {
-      const int64_t src = draft_start + acc[i < len ? i : 0];
-      if (i < len && acc[i] >= 0 && src < S) staged[i] = base[src * sS];
-    }
+      for (int i = 0; i < kStagedRows; ++i) {
+        const int64_t src = draft_start + acc[i < len ? i : 0];
+        if (i < len && acc[i] >= 0 && src < S) staged[i] = base[src * sS];
+      }
 #pragma unroll
-    for (int i = 0; i < kStagedRows; ++i) {
-      const int64_t src = draft_start + acc[i < len ? i : 0], dst = dst0 + i;
-      if (i < len && acc[i] >= 0 && src < S && dst >= 0 && dst < S) base[dst * sS] = staged[i];
-    }
-  }
-}
-
-template <typename Word>
-__global__ void _compact_cache_kernel(Word* __restrict__ cache, int B, int H, int64_t S, int D, int64_t sB,
-                                      int64_t sH, int64_t sS, int64_t sD, const int32_t* __restrict__ prefix_len,
-                                      int64_t draft_start, const int32_t* __restrict__ accepted, int max_depth,
-                                      const int32_t* __restrict__ accept_len, Word* __restrict__ scratch) {
-  const int64_t total = static_cast<int64_t>(B) * H * D;
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int d = static_cast<int>(idx % D);
-    const int h = static_cast<int>((idx / D) % H);
-    const int b = static_cast<int>(idx / (static_cast<int64_t>(D) * H));
-    Word* base = cache + b * sB + h * sH + d * sD;
-    int len = accept_len[b];
-    if (len > max_depth) len = max_depth;
-    const int32_t* acc = accepted + static_cast<int64_t>(b) * max_depth;
-    const int64_t dst0 = prefix_len[b];
-    for (int i = 0; i < len; ++i) {
-      const int64_t src = draft_start + acc[i];
-      if (acc[i] >= 0 && src < S) scratch[i * total + idx] = base[src * sS];
-    }
-    for (int i = 0; i < len; ++i) {
-      const int64_t src = draft_start + acc[i];
-      const int64_t dst = dst0 + i;
-      if (acc[i] >= 0 && src < S && dst >= 0 && dst < S) base[dst * sS] = scratch[i * total + idx];
+      for (int i = 0; i < kStagedRows; ++i) {
+        const int64_t src = draft_start + acc[i < len ? i : 0], dst = dst0 + i;
+        if (i < len && acc[i] >= 0 && src < S && dst >= 0 && dst < S) base[dst * sS] = staged[i];
+      }
+    } else {
+      for (int i = 0; i < len; ++i) {
+        const int64_t src = draft_start + acc[i];
+        if (acc[i] >= 0 && src < S) scratch[i * total + idx] = base[src * sS];
+      }
+      for (int i = 0; i < len; ++i) {
+        const int64_t src = draft_start + acc[i];
+        const int64_t dst = dst0 + i;
+        if (acc[i] >= 0 && src < S && dst >= 0 && dst < S) base[dst * sS] = scratch[i * total + idx];
+      }
     }
   }
 }
@@ -307,17 +291,10 @@ void compact_one(const at::Tensor& cache, const at::Tensor& prefix_len, int64_t 
   at::Tensor scratch;
   if (!staged) scratch = at::empty({max_depth, total * ws}, cache.options().dtype(at::kByte));
 #define FV_LAUNCH_COMPACT(WORD)                                                                                     \
-  if (staged) {                                                                                                     \
-    _compact_cache_staged_kernel<WORD><<<grid, kThreads, 0, stream>>>(                                              \
-        reinterpret_cast<WORD*>(cache.data_ptr()), B, H, S, static_cast<int>(D), st[0], st[1], st[2], st[3],        \
-        prefix_len.data_ptr<int32_t>(), draft_start, accepted.data_ptr<int32_t>(), max_depth,                       \
-        accept_len.data_ptr<int32_t>());                                                                            \
-  } else {                                                                                                          \
-    _compact_cache_kernel<WORD><<<grid, kThreads, 0, stream>>>(                                                     \
-        reinterpret_cast<WORD*>(cache.data_ptr()), B, H, S, static_cast<int>(D), st[0], st[1], st[2], st[3],        \
-        prefix_len.data_ptr<int32_t>(), draft_start, accepted.data_ptr<int32_t>(), max_depth,                       \
-        accept_len.data_ptr<int32_t>(), reinterpret_cast<WORD*>(scratch.data_ptr()));                               \
-  }
+  (staged ? _compact_cache_kernel<WORD, true> : _compact_cache_kernel<WORD, false>)<<<grid, kThreads, 0, stream>>>(  \
+      reinterpret_cast<WORD*>(cache.data_ptr()), B, H, S, static_cast<int>(D), st[0], st[1], st[2], st[3],          \
+      prefix_len.data_ptr<int32_t>(), draft_start, accepted.data_ptr<int32_t>(), max_depth,                         \
+      accept_len.data_ptr<int32_t>(), staged ? nullptr : reinterpret_cast<WORD*>(scratch.data_ptr()))
   switch (ws) {
     case 1: FV_LAUNCH_COMPACT(uint8_t); break;
     case 2: FV_LAUNCH_COMPACT(uint16_t); break;
