@@ -6,7 +6,8 @@
                    pointer jumping over all nodes at once, then cat / where), (c) by the C++ kernels.
   packed vs bool   bytes of the draft part of a 256-node tree's mask (extra_info; expected ratio 1/8), and the time
                    to build each.
-  tree attention   fastverify.tree_attention (cpp: online softmax reading the packed bits) against
+  tree attention   fastverify.tree_attention (cpp: float32 through the masked-attention kernel in blocks of 16 query
+                   rows, bf16 an online softmax reading the packed bits) against
                    torch.nn.functional.scaled_dot_product_attention with the dense bool mask (enable_gqa), and the
                    reference. Memory: torch has no CPU allocator statistics, so the bytes of the masks each path
                    needs are computed analytically (bool mask B * n * (P + n) bytes vs packed B * n * ceil(n / 32) * 4)

@@ -8,6 +8,7 @@
 
 #include <vector>
 
+#include "attention.h"
 #include "tree.h"
 
 namespace {
@@ -128,6 +129,63 @@ at::Tensor tree_positions_cpu(const at::Tensor& parents, const at::Tensor& cu_no
   return out;
 }
 
+// float32 tree attention through the masked-attention kernel (csrc/attention.h), one task per (request, kv head,
+// block of up to kBlockRows query rows of its group): the block's additive mask rows are made from the packed bits,
+// 0 for the request's prefix keys [0, prefix_len) and for the draft keys its bits set, -inf for the rest (the
+// unused prefix slots [prefix_len, P) included); a row that sees no key gives zeros, as the reference. Scratch per
+// thread: kBlockRows rows of S scores and of S mask values, never an [n, P + n] mask.
+void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* bits,
+                        const int32_t* pl, int64_t W, float scale, at::Tensor& out) {
+  constexpr int64_t kBlockRows = 16;
+  const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  const int64_t P = S - n, G = Hq / Hkv, rows = G * n, blocks = (rows + kBlockRows - 1) / kBlockRows;
+  at::Tensor kc = k, vc = v;  // each key's D values contiguous, as the kernel reads them
+  if (k.stride(2) != D) kc = k.contiguous();
+  if (v.stride(2) != D) vc = v.contiguous();
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t tasks = B * Hkv * blocks;
+  const int64_t grain = kBlockRows * S * D * 2 * tasks >= (int64_t(1) << 18) ? 1 : tasks;  // small calls: one thread
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qrows(kBlockRows * D), scores(kBlockRows * S), masks(kBlockRows * S), orows(kBlockRows * D);
+    const float* mrows[kBlockRows];
+    bool sees[kBlockRows];
+    const float neg = -std::numeric_limits<float>::infinity();
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (Hkv * blocks), h = (t / blocks) % Hkv, r0 = (t % blocks) * kBlockRows;
+      const int64_t R = std::min(kBlockRows, rows - r0), plen = pl[b];
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t hq = h * G + (r0 + r) / n, i = (r0 + r) % n;
+        const float* src = qp + b * q.stride(0) + hq * q.stride(1) + i * q.stride(2);
+        std::copy(src, src + D, qrows.data() + r * D);
+        float* m = masks.data() + r * S;
+        std::fill(m, m + plen, 0.f);
+        std::fill(m + plen, m + P, neg);
+        const int32_t* word = bits + (b * n + i) * W;
+        bool any = plen > 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const bool on = (uint32_t(word[j >> 5]) >> (j & 31)) & 1u;
+          m[P + j] = on ? 0.f : neg;
+          any |= on;
+        }
+        mrows[r] = m;
+        sees[r] = any;
+      }
+      fastverify::attention::group(qrows.data(), R, D, kp + b * kc.stride(0) + h * kc.stride(1),
+                                   vp + b * vc.stride(0) + h * vc.stride(1), S, mrows, scale, scores.data(),
+                                   orows.data());
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t hq = h * G + (r0 + r) / n, i = (r0 + r) % n;
+        float* dst = op + ((b * Hq + hq) * n + i) * D;  // out is contiguous [B, Hq, n, D]
+        if (sees[r]) std::copy(orows.data() + r * D, orows.data() + (r + 1) * D, dst);
+        else std::fill(dst, dst + D, 0.f);
+      }
+    }
+  });
+}
+
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& packed_mask, const at::Tensor& prefix_len, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k, v: expected CPU tensors");
@@ -152,6 +210,10 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "q, k, v: expected a unit stride in the head dimension");
   const auto mask = packed_mask.contiguous();
+  if (st == at::kFloat) {
+    tree_attention_f32(q, k, v, mask.data_ptr<int32_t>(), prefix_len.data_ptr<int32_t>(), W, float(scale), out);
+    return out;
+  }
   AttnShape s{Hq, Hkv, n, S, P, D, W,
               q.stride(0), q.stride(1), q.stride(2),
               k.stride(0), k.stride(1), k.stride(2),

@@ -1,7 +1,8 @@
 """Tree attention: the draft queries attend over their prefix and their ancestors, mask applied in-kernel.
 
 Backends: torch (fastverify/reference/attention.py: builds the dense mask, the spec), cpp (csrc/cpu/tree.cpp:
-per query block an online softmax over key tiles, reading the packed bits; never an [n, P + n] float mask),
+float32 through the masked-attention kernel, blocks of 16 query rows with their mask rows made from the packed bits;
+bfloat16 / float16 an online softmax over key tiles reading the bits; never an [n, P + n] mask),
 triton (fastverify.kernels.attention.tree_attention, the GPU kernel). There is no CUDA C++ kernel: on CUDA
 tensors ``backend="auto"`` runs the Triton kernel (the reference where Triton is absent), and ``backend="cuda"``
 raises as for any op without a CUDA kernel.
