@@ -54,7 +54,7 @@
 #   4. device run, no carry, timeout_s 600:               bash scripts/gpu_check.sh e2e8
 #
 # Measured on an H100 machine (2026-11-25): a start 1-2 min, build 109 s, test 191 s, bench 166 s, the model's
-# checkpoint 40 s (2026-11-26: build 84 s; test with TEST_WORKERS=14 ran 720 of ~775 cases in 180 s, no faster than
+# checkpoint 40 s (2026-11-26: build 84 s; test with TEST_WORKERS=14 ran 720 of 787 cases in 180 s, no faster than
 # 8 workers; `bench_gpu.py --quick --only ceilings,verify,sampling,compact` ~100 s), `heads` (3.5 data minutes) ~6 min, e2e with four methods ~7.5 min for 39 questions. 30 device
 # minutes therefore hold, back to back: `build test bench` carrying p0 (~8 min), `parts` carrying p1 (seconds), one
 # training step carrying ["gpu_carry/p2", "gpu_carry/prompts"] (PROMPTS=N packed; ~8 min), then `e2e` (~8 min, with
