@@ -129,7 +129,8 @@ at::Tensor tree_positions_cpu(const at::Tensor& parents, const at::Tensor& cu_no
   return out;
 }
 
-// float32 tree attention through the masked-attention kernel (csrc/attention.h), one task per (request, kv head,
+// float32 tree attention through the masked-attention kernel (csrc/attention.h) when no request's unused prefix
+// slots outnumber its visible keys (tree_attention_cpu), one task per (request, kv head,
 // block of up to kBlockRows query rows of its group): the block's additive mask rows are made from the packed bits,
 // 0 for the request's prefix keys [0, prefix_len) and for the draft keys its bits set, -inf for the rest (the
 // unused prefix slots [prefix_len, P) included); a row that sees no key gives zeros, as the reference. Scratch per
@@ -210,7 +211,11 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "q, k, v: expected a unit stride in the head dimension");
   const auto mask = packed_mask.contiguous();
-  if (st == at::kFloat) {
+  // float32 through the masked-attention kernel, which scores every slot of the cache: unless a request's unused
+  // prefix slots [prefix_len, P) outnumber its visible keys (a ragged batch), where the tiled kernel skips them.
+  const int32_t* plp = prefix_len.data_ptr<int32_t>();
+  const bool compact_prefixes = std::all_of(plp, plp + B, [&](int32_t p) { return P - p <= p + n; });
+  if (st == at::kFloat && compact_prefixes) {
     tree_attention_f32(q, k, v, mask.data_ptr<int32_t>(), prefix_len.data_ptr<int32_t>(), W, float(scale), out);
     return out;
   }
