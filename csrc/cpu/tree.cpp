@@ -129,12 +129,12 @@ at::Tensor tree_positions_cpu(const at::Tensor& parents, const at::Tensor& cu_no
   return out;
 }
 
-// float32 tree attention through the masked-attention kernel (csrc/attention.h) when no request's unused prefix
-// slots outnumber its visible keys (tree_attention_cpu), one task per (request, kv head,
-// block of up to kBlockRows query rows of its group): the block's additive mask rows are made from the packed bits,
-// 0 for the request's prefix keys [0, prefix_len) and for the draft keys its bits set, -inf for the rest (the
-// unused prefix slots [prefix_len, P) included); a row that sees no key gives zeros, as the reference. Scratch per
-// thread: kBlockRows rows of S scores and of S mask values, never an [n, P + n] mask.
+// float32 tree attention through the masked-attention kernel (csrc/attention.h), used when no request's unused
+// prefix slots outnumber its visible keys (tree_attention_cpu). One task per (request, kv head, block of up to
+// kBlockRows query rows of its group): the block's additive mask rows are made from the packed bits, 0 for the
+// request's prefix keys [0, prefix_len) and for the draft keys its bits set, -inf for the rest (the unused prefix
+// slots [prefix_len, P) included); a row that sees no key gives zeros, as the reference. Scratch per thread:
+// kBlockRows rows of S scores and of S mask values, never an [n, P + n] mask.
 void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* bits,
                         const int32_t* pl, int64_t W, float scale, at::Tensor& out) {
   constexpr int64_t kBlockRows = 16;
