@@ -129,16 +129,16 @@ at::Tensor tree_positions_cpu(const at::Tensor& parents, const at::Tensor& cu_no
   return out;
 }
 
-// float32 tree attention through the masked-attention kernel (csrc/attention.h), used when no request's unused
-// prefix slots outnumber its visible keys (tree_attention_cpu). One task per (request, kv head, block of up to
-// kBlockRows query rows of its group): the block's additive mask rows are made from the packed bits, 0 for the
+// float32 tree attention of the requests `reqs` through the masked-attention kernel (csrc/attention.h): those whose
+// unused prefix slots do not outnumber their visible keys (tree_attention_cpu). One task per (request, kv head, block
+// of up to kBlockRows query rows of its group): the block's additive mask rows are made from the packed bits, 0 for the
 // request's prefix keys [0, prefix_len) and for the draft keys its bits set, -inf for the rest (the unused prefix
 // slots [prefix_len, P) included); a row that sees no key gives zeros, as the reference. Scratch per thread:
 // kBlockRows rows of S scores and of S mask values, never an [n, P + n] mask.
 void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* bits,
-                        const int32_t* pl, int64_t W, float scale, at::Tensor& out) {
+                        const int32_t* pl, int64_t W, float scale, const std::vector<int64_t>& reqs, at::Tensor& out) {
   constexpr int64_t kBlockRows = 16;
-  const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  const int64_t Hq = q.size(1), n = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   const int64_t P = S - n, G = Hq / Hkv, rows = G * n, blocks = (rows + kBlockRows - 1) / kBlockRows;
   at::Tensor kc = k, vc = v;  // each key's D values contiguous, as the kernel reads them
   if (k.stride(2) != D) kc = k.contiguous();
@@ -147,7 +147,7 @@ void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t tasks = B * Hkv * blocks;
+  const int64_t tasks = static_cast<int64_t>(reqs.size()) * Hkv * blocks;
   const int64_t grain = kBlockRows * S * D * 2 * tasks >= (int64_t(1) << 18) ? 1 : tasks;  // small calls: one thread
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> qrows(kBlockRows * D), scores(kBlockRows * S), masks(kBlockRows * S), orows(kBlockRows * D);
@@ -155,7 +155,7 @@ void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tens
     bool sees[kBlockRows];
     const float neg = -std::numeric_limits<float>::infinity();
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (Hkv * blocks), h = (t / blocks) % Hkv, r0 = (t % blocks) * kBlockRows;
+      const int64_t b = reqs[t / (Hkv * blocks)], h = (t / blocks) % Hkv, r0 = (t % blocks) * kBlockRows;
       const int64_t R = std::min(kBlockRows, rows - r0), plen = pl[b];
       for (int64_t r = 0; r < R; ++r) {
         const int64_t hq = h * G + (r0 + r) / n, i = (r0 + r) % n;
@@ -211,33 +211,33 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "q, k, v: expected a unit stride in the head dimension");
   const auto mask = packed_mask.contiguous();
-  // float32 through the masked-attention kernel, which scores every slot of the cache: unless a request's unused
-  // prefix slots [prefix_len, P) outnumber its visible keys (a ragged batch), where the tiled kernel skips them.
+  // float32 requests through the masked-attention kernel, which scores every slot of the cache, unless their unused
+  // prefix slots [prefix_len, P) outnumber their visible keys (a short prefix in a ragged batch): those, and every
+  // bfloat16 / float16 request, go through the tiled kernel, which skips them.
   const int32_t* plp = prefix_len.data_ptr<int32_t>();
-  const bool compact_prefixes = std::all_of(plp, plp + B, [&](int32_t p) { return P - p <= p + n; });
-  if (st == at::kFloat && compact_prefixes) {
-    tree_attention_f32(q, k, v, mask.data_ptr<int32_t>(), prefix_len.data_ptr<int32_t>(), W, float(scale), out);
-    return out;
-  }
+  std::vector<int64_t> masked, tiled;
+  for (int64_t b = 0; b < B; ++b) (st == at::kFloat && P - plp[b] <= plp[b] + n ? masked : tiled).push_back(b);
+  if (!masked.empty())
+    tree_attention_f32(q, k, v, mask.data_ptr<int32_t>(), plp, W, float(scale), masked, out);
+  if (tiled.empty()) return out;
   AttnShape s{Hq, Hkv, n, S, P, D, W,
               q.stride(0), q.stride(1), q.stride(2),
               k.stride(0), k.stride(1), k.stride(2),
               v.stride(0), v.stride(1), v.stride(2), float(scale)};
   const int64_t group = Hq / Hkv, rows = group * n;
   const int64_t chunks = (rows + kAttnRows - 1) / kAttnRows;
-  const int32_t* pl = prefix_len.data_ptr<int32_t>();
   const int32_t* bits = mask.data_ptr<int32_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "tree_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, static_cast<int64_t>(tiled.size()) * Hkv * chunks, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> scratch(attn_scratch_floats(D));
       for (int64_t t = lo; t < hi; ++t) {
-        const int64_t b = t / (Hkv * chunks), hkv = (t / chunks) % Hkv, c = t % chunks;
+        const int64_t b = tiled[t / (Hkv * chunks)], hkv = (t / chunks) % Hkv, c = t % chunks;
         const int64_t r0 = c * kAttnRows, r1 = std::min(rows, r0 + kAttnRows);
-        tree_attention_task<scalar_t>(s, qp, kp, vp, bits, pl[b], op, b, hkv, r0, r1, scratch.data());
+        tree_attention_task<scalar_t>(s, qp, kp, vp, bits, plp[b], op, b, hkv, r0, r1, scratch.data());
       }
     });
   });
