@@ -83,8 +83,6 @@ __device__ __forceinline__ RawRowStats combine_partials(const SegmentScratch& sc
   return stats_from_partial(best, bad);
 }
 
-__device__ __forceinline__ int64_t segment_end(int64_t s, int64_t V) { return min(V, (s + 1) * kSegment); }
-
 // (1) grid (S, rows): segment blockIdx.x of rows blockIdx.y, blockIdx.y + gridDim.y, ...
 template <typename T, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
@@ -142,12 +140,12 @@ __global__ void __launch_bounds__(BLOCK)
       t = inverse_cdf_sample<BLOCK>(V, weight, u[r]);
     } else if (w.valid) {
       const double* total = sc.total + r * S;
-      const double z = sum_in_order(total, 1, S);
+      const double z = sum_in_order(total, S);
       if (z > 0.0) {
         const double target = u[r] * z;
         for (int64_t s = 0; s < S; ++s) t = max(t, sc.last[r * S + s]);  // if rounding leaves no C(t) > target
         double P;
-        const int64_t hit = find_segment(total, sc.cmax + r * S, 1, S, target, &P);
+        const int64_t hit = find_segment(total, sc.cmax + r * S, S, target, &P);
         if (hit >= 0) {
           const long long f = segment_search<BLOCK>(hit * kSegment, segment_end(hit, V), weight, P, target);
           if (f != kNoToken) t = f;
@@ -190,7 +188,7 @@ __global__ void __launch_bounds__(BLOCK)
           P += total[s];
         }
         segment_bin<BLOCK>(st * kSegment, segment_end(st, V), weight, P, t, c_lo, &c_lo, &c_hi, &w_t);
-        res = invert_from_bin(c_lo, c_hi, w_t, sum_in_order(total, 1, S), v_aux[r]);
+        res = invert_from_bin(c_lo, c_hi, w_t, sum_in_order(total, S), v_aux[r]);
       }
     }
     if (threadIdx.x == 0) out[r] = res;

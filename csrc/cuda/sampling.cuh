@@ -1,21 +1,22 @@
 // Row-level sampling machinery for the CUDA kernels: one CTA of BLOCK threads works on one logits row of V
-// entries, or on one segment of kSegment tokens of it. Used by cdf_sample / cdf_invert (csrc/cuda/sampling.cu) and by verify's sampling rules
-// (csrc/cuda/verify.cu). Semantics: fastverify/reference/sampling.py (module docstring, steps 1-5).
+// entries, or on one segment of kSegment tokens of it. Used by cdf_sample / cdf_invert (csrc/cuda/sampling.cu) and
+// by verify's sampling rules (csrc/cuda/verify.cu). Semantics: fastverify/reference/sampling.py (module docstring,
+// steps 1-5).
 //
 // No sort: the top-k threshold (the k-th largest l / T) is found by a radix select over the 32-bit ordered keys of
 // the scaled logits (four histogram passes); the top-p threshold, when top-k keeps few tokens, from their weights
 // gathered into shared memory, else by a binary search over the float bits of w in [0, 1] (float64 mass strictly
 // above the candidate, ~30 block reductions): pivot searches in the spirit of FlashInfer's sorting-free samplers,
-// exact rather than approximate; the passes read the row
-// 16 bytes per load (for_each_owned, common.cuh). The inverse CDF uses float64 prefix sums in token-id order,
-// segment by segment (segment_walk below defines C exactly); cdf_sample, cdf_invert and verify evaluate C with the
-// same functions, so cdf_sample(cdf_invert(t)) == t and verify's draws are cdf_sample's.
+// exact rather than approximate; the passes read the row 16 bytes per load (for_each_owned, common.cuh). The inverse
+// CDF uses float64 prefix sums in token-id order, segment by segment (segment_walk below defines C exactly);
+// cdf_sample, cdf_invert and verify evaluate C with the same functions, so cdf_sample(cdf_invert(t)) == t and
+// verify's draws are cdf_sample's.
 //
 // Every helper must be called by all threads of the CTA (they synchronise).
 #pragma once
 
-#include <cub/block/block_reduce.cuh>
 #include <cooperative_groups.h>
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include <cmath>
@@ -180,9 +181,14 @@ __device__ __forceinline__ RowWarp warp_from_stats(const RawRowStats& s, float t
   return w;
 }
 
+// top_k as a count, truncated like the reference's .to(int64) (NaN: 0, off).
+__device__ __forceinline__ long long topk_count(float top_k) {
+  return isnan(top_k) ? 0 : static_cast<long long>(top_k);
+}
+
 // Whether a row's warp needs the top-k or top-p threshold (a search over the whole row).
 __device__ __forceinline__ bool warp_needs_thresholds(int64_t V, float top_k, float top_p) {
-  const long long k = isnan(top_k) ? 0 : static_cast<long long>(top_k);
+  const long long k = topk_count(top_k);
   return (k > 0 && k < V) || top_p < 1.0f;
 }
 
@@ -276,7 +282,7 @@ __device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, floa
   if (!w.valid || w.greedy) return w;
 
   // top-k: the key of the k-th largest l' (kth_largest_key).
-  const long long k = isnan(top_k) ? 0 : static_cast<long long>(top_k);
+  const long long k = topk_count(top_k);
   if (k > 0 && k < V) {
     w.use_k = true;
     w.k_key = kth_largest_key<BLOCK>(row, V, w.T, k);
@@ -432,26 +438,28 @@ __device__ double segment_bin(int64_t begin, int64_t end, WeightFn weight, doubl
 }
 
 __host__ __device__ __forceinline__ int64_t num_segments(int64_t V) { return (V + kSegment - 1) / kSegment; }
+// One past segment s's last token.
+__device__ __forceinline__ int64_t segment_end(int64_t s, int64_t V) { return min(V, (s + 1) * kSegment); }
 
 // The segment holding a draw: the first s with P_s + cmax_s > target (every C before it is <= target), with its
-// P_s; -1 if none. total / cmax: the S segments' values, read with stride `step` (every thread reads the same).
-__device__ __forceinline__ int find_segment(const double* total, const double* cmax, int64_t step, int64_t S,
-                                            double target, double* P_out) {
+// P_s; -1 if none. total / cmax: the S segments' values (every thread reads the same).
+__device__ __forceinline__ int find_segment(const double* total, const double* cmax, int64_t S, double target,
+                                            double* P_out) {
   double P = 0.0;
   for (int64_t s = 0; s < S; ++s) {
-    if (P + cmax[s * step] > target) {
+    if (P + cmax[s] > target) {
       *P_out = P;
       return static_cast<int>(s);
     }
-    P += total[s * step];
+    P += total[s];
   }
   *P_out = P;
   return -1;
 }
 
-__device__ __forceinline__ double sum_in_order(const double* total, int64_t step, int64_t S) {
+__device__ __forceinline__ double sum_in_order(const double* total, int64_t S) {
   double z = 0.0;
-  for (int64_t s = 0; s < S; ++s) z += total[s * step];
+  for (int64_t s = 0; s < S; ++s) z += total[s];
   return z;
 }
 
@@ -465,7 +473,7 @@ __device__ long long inverse_cdf_sample(int64_t V, WeightFn weight, double u) {
   __shared__ double seg_total[kMaxSegments], seg_cmax[kMaxSegments];
   const int64_t S = num_segments(V);
   auto stats_of = [&](int64_t s) {
-    return segment_stats<BLOCK>(s * kSegment, min(V, (s + 1) * kSegment), weight);
+    return segment_stats<BLOCK>(s * kSegment, segment_end(s, V), weight);
   };
   double z = 0.0;
   long long last = -1;
@@ -482,14 +490,14 @@ __device__ long long inverse_cdf_sample(int64_t V, WeightFn weight, double u) {
   if (!(z > 0.0)) return -1;
   const double target = u * z;
   double P = 0.0;
-  int64_t hit = find_segment(seg_total, seg_cmax, 1, S < kMaxSegments ? S : kMaxSegments, target, &P);
+  int64_t hit = find_segment(seg_total, seg_cmax, S < kMaxSegments ? S : kMaxSegments, target, &P);
   for (int64_t s = kMaxSegments; hit < 0 && s < S; ++s) {  // rows of more than kMaxSegments segments only
     const SegmentStats st = stats_of(s);
     if (P + st.cmax > target) hit = s; else P += st.total;
   }
   __syncthreads();  // seg_total / seg_cmax are rewritten by the next call
   if (hit < 0) return last;
-  const long long t = segment_search<BLOCK>(hit * kSegment, min(V, (hit + 1) * kSegment), weight, P, target);
+  const long long t = segment_search<BLOCK>(hit * kSegment, segment_end(hit, V), weight, P, target);
   return t != kNoToken ? t : last;
 }
 
@@ -521,7 +529,7 @@ __device__ double inverse_cdf_invert(int64_t V, WeightFn weight, long long t, do
   double P = 0.0, c_lo = 0.0, c_hi = -1.0, w_t = -1.0;  // c_lo: max of C over the tokens before t (and 0)
   const int64_t S = num_segments(V), st = t / kSegment;
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t begin = s * kSegment, end = min(V, begin + kSegment);
+    const int64_t begin = s * kSegment, end = segment_end(s, V);
     if (s == st) {
       P += segment_bin<BLOCK>(begin, end, weight, P, t, c_lo, &c_lo, &c_hi, &w_t);
     } else {
