@@ -504,6 +504,33 @@ def test_sequential_tree_scores_each_path_by_the_heads_run_along_it(model, ffn_s
     assert all(p > 0.05 for _, p in d2._sequential_nodes(contexts[:1], [64], drafting=1)[0])
 
 
+def test_a_level_runs_only_where_its_best_child_can_join_the_cut(model):
+    """A node is expanded only when its estimate times the next head's measured top-candidate acceptance
+    (head_acceptance[d][0]) beats the least estimate that still joins the request's cut: with that acceptance near 0
+    no second level runs; near 1 the tree grows to the heads' depth; without a table a child is expanded when it
+    could join the cut itself."""
+    heads = _random_heads(num_heads=3, subset=torch.arange(3, V), sequential=True).requires_grad_(False)
+    hidden, contexts = torch.randn(1, D, generator=torch.Generator().manual_seed(3)), [[4, 5, 17]]
+
+    def grow(acceptance):
+        table = None if acceptance is None else [[acceptance, 0.1, 0.05]] * 3
+        d = HeadsDrafter(model, heads, score="prob", width=3, frontier=2, node_cost=1e-3, fixed_cost=0.0,
+                         max_nodes=64, head_acceptance=table)
+        levels = []
+        level = d._grow_level
+        d._grow_level = lambda depth, *a: levels.append(depth) or level(depth, *a)
+        d.reset(1)
+        d.observe_hidden(hidden, [True])
+        return d._sequential_nodes(contexts, [64], drafting=1)[0], levels
+
+    nodes, levels = grow(1e-6)
+    assert levels == [0] and nodes and all(len(path) == 1 for path, _ in nodes)
+    nodes, levels = grow(1.0)
+    assert levels == [0, 1, 2] and max(len(path) for path, _ in nodes) == 3
+    nodes, levels = grow(None)
+    assert levels == [0, 1, 2] and max(len(path) for path, _ in nodes) == 3
+
+
 @pytest.mark.parametrize("sequential,ffn_size", [(False, 0), (True, 0), (False, 2 * D), (True, 2 * D)],
                          ids=["parallel", "sequential", "parallel-ffn", "sequential-ffn"])
 @pytest.mark.parametrize("with_ngram", [False, True], ids=["bpd", "bpd+ngram"])

@@ -367,7 +367,7 @@ class HeadsDrafter(Drafter):
 
     def _ahead_logp(self):
         """Per depth, the log of the expected acceptance of a head's top candidate given its path (the checkpoint's
-        measured rank-0 acceptance; 0 without it: every child above the floor is expanded)."""
+        measured rank-0 acceptance; 0 without it: a child is expanded when it could join the cut itself)."""
         if self.rank_logp is None:
             return [0.0] * self.depth
         return [float(self.rank_logp[d, 0]) for d in range(self.depth)]
