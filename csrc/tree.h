@@ -57,8 +57,9 @@ inline void positions(const int32_t* parents, int64_t nb, int64_t plen, int64_t*
 // ------------------------------------------------------------------------------------------------------------
 // Tree attention of bfloat16 / float16 inputs (float32 goes through the masked-attention kernel,
 // tree_attention_f32 in csrc/cpu/tree.cpp): flash-attention style online softmax on the CPU, for one task =
-// (request b, kv head, a chunk of query rows of its GQA group). The rows of a task share their keys, so each key tile is converted to
-// float (and K transposed) once and used by every row (query head h = hkv * group + r / n, node i = r % n).
+// (request b, kv head, a chunk of query rows of its GQA group). The rows of a task share their keys, so each key tile
+// is converted to float (and K transposed) once and used by every row (query head h = hkv * group + r / n, node
+// i = r % n).
 // Draft tiles start at multiples of 32 keys, so one 32-bit word of the packed mask is a row's visibility of a
 // whole tile. The tile arithmetic is written as plain loops over a compile-time tile width; it is compiled twice,
 // for the baseline ISA and for AVX2 + FMA (chosen at run time), and the compiler vectorises both.

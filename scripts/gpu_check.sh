@@ -55,7 +55,8 @@
 #
 # Measured on an H100 machine (2026-11-25): a start 1-2 min, build 109 s, test 191 s, bench 166 s, the model's
 # checkpoint 40 s (2026-11-26: build 84 s; test with TEST_WORKERS=14 ran 720 of 787 cases in 180 s, no faster than
-# 8 workers; `bench_gpu.py --quick --only ceilings,verify,sampling,compact` ~100 s), `heads` (3.5 data minutes) ~6 min, e2e with four methods ~7.5 min for 39 questions. 30 device
+# 8 workers; `bench_gpu.py --quick --only ceilings,verify,sampling,compact` ~100 s), `heads` (3.5 data minutes)
+# ~6 min, e2e with four methods ~7.5 min for 39 questions. 30 device
 # minutes therefore hold, back to back: `build test bench` carrying p0 (~8 min), `parts` carrying p1 (seconds), one
 # training step carrying ["gpu_carry/p2", "gpu_carry/prompts"] (PROMPTS=N packed; ~8 min), then `e2e` (~8 min, with
 # the heads just trained if the step was heads); e2e8 only in place of one of them. 15 device minutes (starts and

@@ -153,6 +153,7 @@ void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tens
     std::vector<float> qrows(kBlockRows * D), scores(kBlockRows * S), masks(kBlockRows * S), orows(kBlockRows * D);
     const float* mrows[kBlockRows];
     bool sees[kBlockRows];
+    int64_t dst[kBlockRows];  // each row's offset in out (contiguous [B, Hq, n, D])
     const float neg = -std::numeric_limits<float>::infinity();
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = reqs[t / (Hkv * blocks)], h = (t / blocks) % Hkv, r0 = (t % blocks) * kBlockRows;
@@ -161,6 +162,7 @@ void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tens
         const int64_t hq = h * G + (r0 + r) / n, i = (r0 + r) % n;
         const float* src = qp + b * q.stride(0) + hq * q.stride(1) + i * q.stride(2);
         std::copy(src, src + D, qrows.data() + r * D);
+        dst[r] = ((b * Hq + hq) * n + i) * D;
         float* m = masks.data() + r * S;
         std::fill(m, m + plen, 0.f);
         std::fill(m + plen, m + P, neg);
@@ -178,10 +180,8 @@ void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tens
                                    vp + b * vc.stride(0) + h * vc.stride(1), S, mrows, scale, scores.data(),
                                    orows.data());
       for (int64_t r = 0; r < R; ++r) {
-        const int64_t hq = h * G + (r0 + r) / n, i = (r0 + r) % n;
-        float* dst = op + ((b * Hq + hq) * n + i) * D;  // out is contiguous [B, Hq, n, D]
-        if (sees[r]) std::copy(orows.data() + r * D, orows.data() + (r + 1) * D, dst);
-        else std::fill(dst, dst + D, 0.f);
+        if (sees[r]) std::copy(orows.data() + r * D, orows.data() + (r + 1) * D, op + dst[r]);
+        else std::fill(op + dst[r], op + dst[r] + D, 0.f);
       }
     }
   });

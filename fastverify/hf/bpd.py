@@ -173,6 +173,9 @@ class HeadsDrafter(Drafter):
             self.rank_logp = torch.log(acc.clamp(min=1e-6))
         else:
             self.rank_logp = None
+        # per depth, the log of the expected acceptance of a head's top candidate given its path (the measured rank-0
+        # acceptance; 0 without a table: a child is expanded when it could join the cut itself; _sequential_nodes)
+        self.ahead_logp = [0.0 if self.rank_logp is None else float(self.rank_logp[d, 0]) for d in range(self.depth)]
         if calibration is not None:
             edges = torch.as_tensor(calibration["bins"], dtype=torch.float32)
             acc = torch.as_tensor(calibration["acceptance"], dtype=torch.float64)
@@ -324,7 +327,6 @@ class HeadsDrafter(Drafter):
         if not reqs:
             return out
         floor = math.log(self.node_cost * drafting) if self.node_cost > 0 else -math.inf
-        ahead = self._ahead_logp()
         state = self._grow_start(reqs)
         owner, paths, logp = reqs, [()] * len(reqs), [0.0] * len(reqs)
         tokens = [contexts[b][-1] for b in reqs]
@@ -349,7 +351,7 @@ class HeadsDrafter(Drafter):
                     continue
                 # a child is expanded when its best child is expected to join the cut: its estimate times the mean
                 # acceptance of the next head's top candidate above what a node must bring (``_join_logp``)
-                bar = self._join_logp(out[b], drafting) - ahead[d + 1]
+                bar = self._join_logp(out[b], drafting) - self.ahead_logp[d + 1]
                 for lp, path, j in ch[:self.frontier]:
                     if lp <= bar:
                         break
@@ -364,13 +366,6 @@ class HeadsDrafter(Drafter):
         for b in reqs:
             out[b] = sorted(out[b], key=lambda item: (-item[1], len(item[0])))[:min(buds[b], self.max_nodes)]
         return out
-
-    def _ahead_logp(self):
-        """Per depth, the log of the expected acceptance of a head's top candidate given its path (the checkpoint's
-        measured rank-0 acceptance; 0 without it: a child is expanded when it could join the cut itself)."""
-        if self.rank_logp is None:
-            return [0.0] * self.depth
-        return [float(self.rank_logp[d, 0]) for d in range(self.depth)]
 
     def _join_logp(self, nodes, drafting: int) -> float:
         """The log of the least estimate with which a node joins the cut of ``nodes`` [(path, estimate)]: ``cut_scored``
