@@ -1,24 +1,65 @@
-"""Command-line flags from a recipe's config dataclass: one ``--flag`` per field, ``--x / --no-x`` for booleans."""
+"""Command-line flags from a recipe's config dataclass: one ``--flag`` per field, ``--x / --no-x`` for booleans;
+each flag's help is the comment beside its field in the dataclass's source (and the lines that continue it)."""
 
 import argparse
 import dataclasses
+import inspect
+import io
+import re
+import tokenize
 
 __all__ = ["parse_config", "run_recipe"]
+
+_FIELD = re.compile(r"    (\w+)\s*:")  # a field's line in a class body
+
+
+def field_comments(cls) -> dict:
+    """{field name: the comment written beside it} over the dataclass ``cls`` and its bases; a comment that
+    continues on the lines below (a comment-only line indented past the class body) is joined to it. A subclass
+    that declares a field again with a comment of its own replaces the base's. Nothing where the source is not
+    available."""
+    out = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            lines, _ = inspect.getsourcelines(klass)
+        except (OSError, TypeError):
+            continue
+        tokens = tokenize.generate_tokens(io.StringIO("".join(lines)).readline)
+        comments = {t.start[0] - 1: t for t in tokens if t.type == tokenize.COMMENT}
+        name = None
+        for i, line in enumerate(lines):
+            m = _FIELD.match(line)
+            if m:
+                name = m.group(1)
+                if i in comments:
+                    out[name] = comments[i].string.lstrip("#").strip()
+            elif name in out and i in comments and line[:comments[i].start[1]].strip() == "" \
+                    and comments[i].start[1] > 4:
+                out[name] += " " + comments[i].string.lstrip("#").strip()
+            else:
+                name = None
+    return out
 
 
 def parse_config(cls, argv, prog: str, description: str):
     """An instance of the dataclass ``cls`` from command-line arguments ``argv`` (fields without a default are
     required flags)."""
     p = argparse.ArgumentParser(prog=prog, description=description)
+    helps = field_comments(cls)
     for f in dataclasses.fields(cls):
         name = "--" + f.name.replace("_", "-")
+        text = helps.get(f.name, "").replace("%", "%%")
+        if f.default is not dataclasses.MISSING:
+            text = (text + " " if text else "") + "(default: %(default)s)"
         if f.type is bool or isinstance(f.default, bool):
-            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default)
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         elif f.default is dataclasses.MISSING:
-            p.add_argument(name, required=True)
+            p.add_argument(name, required=True, help=text or None)
         else:
             typ = {"int": int, "float": float}.get(getattr(f.type, "__name__", str(f.type)), str)
-            p.add_argument(name, type=typ, default=f.default)
+            p.add_argument(name, type=typ, default=f.default, help=text)
     return cls(**vars(p.parse_args(argv)))
 
 

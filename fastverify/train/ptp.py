@@ -50,14 +50,14 @@ __all__ = ["PTPConfig", "train_ptp", "ptp_targets", "main"]
 
 @dataclass(kw_only=True)
 class PTPConfig(SlotsConfig):
-    method: str = "ptp"
+    method: str = "ptp"                        # Parallel Token Prediction (the only method of this recipe)
     variant: str = "o"                         # "o" (O-PTP: one-hot targets) or "c" (C-PTP: the distribution)
     aux_mode: str = "interp"                   # "interp", "bits", or "none" (the independent baseline)
     temperature: float = 0.7                   # the teacher's sampling settings (data and u)
-    top_k: int = 50
-    top_p: float = 0.95
+    top_k: int = 50                            # the teacher's top-k
+    top_p: float = 0.95                        # the teacher's top-p
     beta_a: float = 2.0                        # v ~ Beta(a, a) inside a token's bin; 0: uniform
-    lr: float = 2e-3
+    lr: float = 2e-3                           # AdamW's peak learning rate (warmup, then cosine to 0)
 
     @property
     def warp(self) -> dict:

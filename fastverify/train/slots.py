@@ -62,23 +62,23 @@ class SlotsConfig(RecipeOptions):
     method: str = "gad"                        # "gad" (bidirectional blocks) or "lud" (causal, unit-masked loss)
     num_slots: int = 4                         # m: slots per block
     rank: int = 8                              # LoRA rank on every projection of every decoder layer
-    alpha: float = 16.0
+    alpha: float = 16.0                        # LoRA scale: the update is alpha / rank x B A
     unit_alpha: float = 0.6                    # LUD: confidence threshold of a lexical unit
     attach_every: int = 3                      # a block every this many continuation positions
     # training
     minutes: float = 60.0                      # time budget of the training stage (0: one epoch)
     steps: int = 0                             # > 0: exactly this many sequences instead (minutes ignored)
-    lr: float = 1e-3
-    warmup: int = 20
-    save_every: int = 50
-    resume: bool = True
-    seed: int = 0
-    threads: int = None
+    lr: float = 1e-3                           # AdamW's peak learning rate (warmup, then cosine to 0)
+    warmup: int = 20                           # steps of linear warmup
+    save_every: int = 50                       # steps between saves of the training state
+    resume: bool = True                        # continue from the training state in --out, if there is one
+    seed: int = 0                              # of the prompt selection, the sequence order and the attach offsets
+    threads: int = None                        # torch threads (None: torch's default)
     device: str = "cpu"                        # where the target runs ("cuda" on a GPU machine)
-    eval_sequences: int = 48
+    eval_sequences: int = 48                   # held-out sequences of the final evaluation
     curve_every: int = 0                       # > 0: held-out mean accepted every this many steps (a curve)
     curve_sequences: int = 12                  # held-out sequences per curve point
-    progress: bool = True
+    progress: bool = True                      # tqdm progress bars
     calibrate: bool = False                    # only fit the slot temperatures of the checkpoint in --out
 
 
