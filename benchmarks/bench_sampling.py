@@ -85,4 +85,5 @@ def test_cdf_sample(benchmark, case, B, V):
     cpu, wall = (time.process_time() - c0) / n, (time.perf_counter() - w0) / n
     benchmark.extra_info["cpu_s_per_call"] = round(cpu, 6)
     benchmark.extra_info["cpu/wall"] = round(cpu / wall, 2)
-    benchmark.extra_info["machine"] = f"{platform.machine()} {os.cpu_count()} cores, torch threads={torch.get_num_threads()}"
+    benchmark.extra_info["machine"] = (f"{platform.machine()} {os.cpu_count()} cores, "
+                                       f"torch threads={torch.get_num_threads()}")

@@ -590,7 +590,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="our 12 prompts (benchmarks/quick_prompts.jsonl), 64 new tokens unless given: ~2 minutes")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (64 with --quick)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the model's dtype")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
                    help="subset of methods (generate is always run: it is the reference)")
@@ -607,7 +607,7 @@ def parse_args(argv=None):
     p.add_argument("--lud", default="smollm2-lud", help="slot checkpoint for lud: shipped name or folder")
     p.add_argument("--rule", default=None, help="verify rule of the slot drafters (default greedy: exact); e.g. "
                    "--rule gad --rule-params beta=3 tau=1.0, or --rule confidence --rule-params beta=0.9")
-    p.add_argument("--rule-params", nargs="+", default=[], metavar="KEY=NUMBER")
+    p.add_argument("--rule-params", nargs="+", default=[], metavar="KEY=NUMBER", help="parameters of --rule")
     p.add_argument("--slot-attach", default="path", choices=["path", "last"],
                    help="where the slot drafters attach their blocks (fastverify.hf.slots)")
     p.add_argument("--bpd", nargs="+", default=[], metavar="KEY=VALUE",
@@ -617,14 +617,14 @@ def parse_args(argv=None):
                    help="folder of the run's outputs: the results section (e2e.md / e2e_quick.md) and the plot "
                         "(default benchmarks/out, ignored by git)")
     p.add_argument("--plot", default=None, help="PNG path (default OUT_DIR/e2e.png, or OUT_DIR/e2e_quick.png)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="do not draw the plot")
     p.add_argument("--no-results", action="store_true", help="do not write the results section")
     p.add_argument("--update-results", action="store_true",
                    help="also put the results section into --results in place of the benchmark's previous figures, "
                         "and copy the plot to benchmarks/ (changes tracked files)")
     p.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"),
                    help="the markdown file --update-results writes (default benchmarks/RESULTS.md)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--cache-dir", default=None, help="load_smollm2's cache folder")
     p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     args = p.parse_args(argv)

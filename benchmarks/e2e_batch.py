@@ -21,21 +21,31 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import DEFAULT_QUESTIONS, ROOT, _sync, load_questions, machine_info  # noqa: E402
 
+METHODS = ["generate", "fastverify", "bpd", "bpd+ngram", "eagle", "eagle+ngram"]
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--batches", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="requests per generate call (mixed categories)")
+    p.add_argument("--batches", type=int, default=4, help="generate calls per method")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--offset", type=int, default=0, help="skip the first OFFSET questions of each category")
-    p.add_argument("--heads", default="smollm2-bpd")
+    p.add_argument("--heads", default="smollm2-bpd", help="heads checkpoint of bpd / bpd+ngram: shipped name or folder")
     p.add_argument("--eagle", default=None, help="EAGLE checkpoint folder, for the methods eagle / eagle+ngram")
-    p.add_argument("--methods", nargs="+", default=["generate", "fastverify", "bpd", "bpd+ngram"])
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--methods", nargs="+", default=["generate", "fastverify", "bpd", "bpd+ngram"], choices=METHODS,
+                   help="fastverify: the n-gram drafter; generate always runs (the reference)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the model's dtype")
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     args = p.parse_args(argv)
+    for name in ("batch", "batches", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+    if args.offset < 0:
+        p.error(f"--offset: expected >= 0, got {args.offset}")
+    if "generate" not in args.methods:
+        args.methods = ["generate"] + args.methods  # the reference every row is compared with
     if any(m.startswith("eagle") for m in args.methods) and not args.eagle:
         p.error("--eagle: the eagle methods need an EAGLE checkpoint folder (python -m fastverify.train eagle)")
     if args.threads:
@@ -54,11 +64,12 @@ def main(argv=None):
     for q in qs:
         by_cat.setdefault(q["category"], []).append(q)
     cats = list(by_cat)
-    batches = []
-    for i in range(args.batches):
-        picked = [by_cat[cats[(i * args.batch + j) % len(cats)]][(i * args.batch + j) // len(cats)]
-                  for j in range(args.batch)]
-        batches.append(picked)
+    # request k of the run: category k mod C, its question k div C (mixed categories in every batch)
+    picks = [(cats[k % len(cats)], k // len(cats)) for k in range(args.batches * args.batch)]
+    if not cats or any(i >= len(by_cat[c]) for c, i in picks):
+        p.error(f"--batches x --batch: {args.batches} x {args.batch} requests, more than the question set has "
+                f"after --offset {args.offset}")
+    batches = [[by_cat[c][i] for c, i in picks[b * args.batch:(b + 1) * args.batch]] for b in range(args.batches)]
 
     def drafter(m):
         if m == "fastverify":

@@ -45,22 +45,29 @@ def geomean(xs):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--questions", default=os.path.join(ROOT, DEFAULT_QUESTIONS))
-    p.add_argument("--per-category", type=int, default=1)
-    p.add_argument("--offset", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", nargs="+", default=["generate", "ar", "ngram", "bpd", "ptp"], choices=METHODS)
+    p.add_argument("--questions", default=os.path.join(ROOT, DEFAULT_QUESTIONS), help="Spec-Bench question.jsonl")
+    p.add_argument("--per-category", type=int, default=1, help="questions per category (0: all)")
+    p.add_argument("--offset", type=int, default=0, help="skip the first OFFSET questions of each category")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per question")
+    p.add_argument("--methods", nargs="+", default=["generate", "ar", "ngram", "bpd", "ptp"], choices=METHODS,
+                   help="the methods above")
     p.add_argument("--ptp", default="smollm2-ptp", help="PTP checkpoint: shipped name or folder")
     p.add_argument("--ptp-option", nargs="*", default=[], metavar="KEY=V",
                    help="PTPSlotDrafter options for ptp and ptp+ngram (tree_topk=2, attach=last, first_gate=1)")
     p.add_argument("--ptp-none", default=None, help="checkpoint of the baseline slots without auxiliary input")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (> 0)")
+    p.add_argument("--top-k", type=int, default=50, help="sampling top-k (0: off)")
+    p.add_argument("--top-p", type=float, default=0.95, help="sampling top-p (1: off)")
     p.add_argument("--seed", type=int, default=0, help="question i samples with seed SEED + i")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=os.path.join(OUT_DIR, "e2e_sampling.json"))
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--out", default=os.path.join(OUT_DIR, "e2e_sampling.json"), help="JSON of every record")
     args = p.parse_args(argv)
+    if args.max_new_tokens < 1 or args.per_category < 0 or args.offset < 0:
+        p.error(f"--max-new-tokens, --per-category, --offset: expected >= 1, >= 0, >= 0, got {args.max_new_tokens}, "
+                f"{args.per_category}, {args.offset}")
+    if not args.temperature > 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        p.error(f"--temperature, --top-k, --top-p: expected > 0, >= 0, in (0, 1], got {args.temperature}, "
+                f"{args.top_k}, {args.top_p}")
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
