@@ -53,7 +53,14 @@ Checkpoint (a directory):
                          "training": {...}, "eval": {...}}
     heads.safetensors   "weight" fp32 [H, F, D], "bias" fp32 [H, F], "vocab_subset" int64 [V'] (when used),
                         "token_weight" fp32 [H, F, D] (sequential heads: config "arch": "sequential"),
-                        "out_weight" fp32 [H, D, F] (config "ffn_size" F > 0; F = D without it)
+                        "out_weight" fp32 [H, D, F] (config "ffn_size" F > 0; F = D without it);
+                        stored float32, float16 or bfloat16 (config "weights_dtype"), or for "q8_0" the three
+                        weights as GGUF Q8_0 blocks: int8 q [..., K] and "<name>_scale" float16 d [..., K / 32],
+                        w = d * q per block of 32 along the input dimension K (the bias in float32)
+
+Q8_0 weights (``save_heads(..., dtype="q8_0")``, ``python -m fastverify.train heads --save-dtype q8_0``): 1.06
+bytes per weight against float16's 2, and on the CPU the drafter streams them packed (``skinny_linear_packed``: the
+same exact float32 values, fewer bytes per tree level); the rounding moves the drafts, never the verified output.
 
 ``base_fingerprint`` identifies the output projection the heads were trained against: its shape, the sha256
 of its fp32 bytes, and ``probe``: the sums of 16 fixed rows in float64. Loading compares shape (a vocabulary
@@ -70,7 +77,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["ProposalHeads", "fingerprint", "check_fingerprint", "save_heads", "load_heads", "output_projection",
-           "CheckpointError", "BaseModelMismatch", "SHIPPED", "resolve_checkpoint", "read_checkpoint"]
+           "CheckpointError", "BaseModelMismatch", "SHIPPED", "resolve_checkpoint", "read_checkpoint",
+           "quantize_q8_0", "dequantize_q8_0", "round_heads", "HEADS_DTYPES"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "heads.safetensors"
@@ -202,25 +210,69 @@ def check_fingerprint(expected: dict, model, where: str = "checkpoint") -> None:
 
 
 WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+HEADS_DTYPES = (*WEIGHT_DTYPES, "q8_0")  # what a heads checkpoint stores its weights in
+_MATRICES = ("weight", "token_weight", "out_weight")  # the heads' weights (q8_0: block-quantised along the last dim)
+
+
+def quantize_q8_0(w: torch.Tensor):
+    """GGUF's Q8_0 of ``w`` [..., K] (K a multiple of 32): (q int8 [..., K], d float16 [..., K / 32]), per block of
+    32 along K d = the block's largest magnitude / 127 rounded to float16 and q = round(w / d) in [-127, 127], so
+    that ``dequantize_q8_0(q, d)`` (exact float32 products) is what fastverify.ops.linear.pack_blocks packs."""
+    if w.shape[-1] % 32 or not w.is_floating_point():
+        raise ValueError(f"w: expected a floating tensor [..., K] with K a multiple of 32, got {w.dtype} "
+                         f"{tuple(w.shape)}")
+    b = w.detach().float().reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    d = (b.abs().amax(-1) / 127).half()
+    if not bool(torch.isfinite(d).all()):
+        raise ValueError("w: non-finite values or magnitudes beyond float16's range have no Q8_0 form")
+    df = d.float()[..., None]
+    q = torch.where(df > 0, torch.round(b / torch.where(df > 0, df, 1.0)), 0.0).clamp(-127, 127)
+    return q.to(torch.int8).reshape(w.shape), d
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """float32 w [..., K] = d * q per block of 32 along K (``quantize_q8_0``'s inverse on its image)."""
+    b = q.float().reshape(*q.shape[:-1], q.shape[-1] // 32, 32)
+    return (b * d.float()[..., None]).reshape(q.shape)
+
+
+def round_heads(heads: "ProposalHeads", dtype: str) -> None:
+    """Round the heads' parameters in place to what ``save_heads(..., dtype)`` stores (they stay float32), so that
+    an evaluation before saving describes the file."""
+    if dtype not in HEADS_DTYPES:
+        raise ValueError(f"dtype: expected one of {list(HEADS_DTYPES)}, got {dtype!r}")
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            if dtype != "q8_0":
+                p.copy_(p.to(WEIGHT_DTYPES[dtype]).float())
+            elif name in _MATRICES:  # the bias stays float32
+                p.copy_(dequantize_q8_0(*quantize_q8_0(p)))
 
 
 def save_heads(heads: ProposalHeads, path: str, config: dict, dtype: str = "float32") -> None:
     """Write ``path``/heads.safetensors and ``path``/config.json (config: base_model, base_fingerprint, ... ;
-    method / format / sizes are filled in here). dtype: of the stored weights ("float32", "float16" halves the
-    file; loading makes them fp32 again, so fp16 is exact for heads whose weights were rounded to fp16)."""
+    method / format / sizes are filled in here). dtype: of the stored weights ("float32"; "float16" halves the
+    file; "q8_0" (Q8_0 blocks, the bias in float32) nearly halves it again; loading makes them fp32 again, so the
+    file is exact for heads whose weights were rounded to its dtype: ``round_heads``)."""
     from safetensors.torch import save_file
-    if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"dtype: expected one of {list(WEIGHT_DTYPES)}, got {dtype!r}")
-    dt = WEIGHT_DTYPES[dtype]
+    if dtype not in HEADS_DTYPES:
+        raise ValueError(f"dtype: expected one of {list(HEADS_DTYPES)}, got {dtype!r}")
+    dt = WEIGHT_DTYPES.get(dtype, torch.float32)
     os.makedirs(path, exist_ok=True)
-    tensors = {"weight": heads.weight.detach().to(dt).cpu().contiguous(),
-               "bias": heads.bias.detach().to(dt).cpu().contiguous()}
+    tensors = {"bias": heads.bias.detach().to(dt).cpu().contiguous()}
     if heads.vocab_subset is not None:
         tensors["vocab_subset"] = heads.vocab_subset.cpu().contiguous()
-    if heads.sequential:
-        tensors["token_weight"] = heads.token_weight.detach().to(dt).cpu().contiguous()
-    if heads.out_weight is not None:
-        tensors["out_weight"] = heads.out_weight.detach().to(dt).cpu().contiguous()
+    for name in _MATRICES:
+        w = getattr(heads, name, None)
+        if w is None:
+            continue
+        if dtype == "q8_0":
+            if w.shape[-1] % 32:
+                raise ValueError(f"dtype 'q8_0': {name} has input size {w.shape[-1]}, not a multiple of 32 (Q8_0 "
+                                 f"blocks); save it in float16")
+            tensors[name], tensors[name + "_scale"] = (t.cpu().contiguous() for t in quantize_q8_0(w))
+        else:
+            tensors[name] = w.detach().to(dt).cpu().contiguous()
     cfg = dict(config)
     cfg.update({"method": "bpd", "format": FORMAT, "num_heads": heads.num_heads, "hidden_size": heads.hidden_size,
                 "arch": "sequential" if heads.sequential else "parallel", "ffn_size": heads.ffn_size,
@@ -285,6 +337,16 @@ def load_heads(name_or_path: str, model=None):
     (unreadable or inconsistent)."""
     path = resolve_checkpoint(name_or_path)
     cfg, tensors = read_checkpoint(path, WEIGHTS_NAME, "heads", ("bpd",), FORMAT, "proposal heads")
+    for name in _MATRICES:  # Q8_0 blocks back to their float32 values
+        q, d = tensors.get(name), tensors.pop(name + "_scale", None)
+        if q is None or (q.dtype != torch.int8 and d is None):
+            continue
+        if q.dtype != torch.int8 or d is None or q.dim() < 1 or q.shape[-1] % 32 \
+                or tuple(d.shape) != (*q.shape[:-1], q.shape[-1] // 32) or not d.is_floating_point():
+            raise CheckpointError(f"heads checkpoint {path!r}: {name} in Q8_0 needs int8 q [..., K] (K a multiple "
+                                  f"of 32) and {name}_scale [..., K / 32], got {q.dtype} {tuple(q.shape)} and "
+                                  f"{None if d is None else (d.dtype, tuple(d.shape))}")
+        tensors[name] = dequantize_q8_0(q, d)
     H, D, ffn = cfg.get("num_heads"), cfg.get("hidden_size"), cfg.get("ffn_size", 0)
     if not isinstance(ffn, int) or ffn < 0:
         raise CheckpointError(f"heads checkpoint {path!r}: ffn_size {ffn!r}, expected an int >= 0")

@@ -134,14 +134,16 @@ def test_build_examples_inputs_are_the_tokens_before_each_target(tmp_path):
     assert inputs.tolist() == [[10, 11, 12], [11, 12, 13], [12, 13, 0], [13, 0, 0]]
 
 
-@pytest.mark.parametrize("arch,ffn", [("parallel", 2.0), ("sequential", 2.0), ("sequential", 0.0)])
-def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch, ffn):
+@pytest.mark.parametrize("arch,ffn,dtype", [("parallel", 2.0, "float16"), ("sequential", 2.0, "float16"),
+                                            ("sequential", 0.0, "float16"), ("sequential", 2.0, "q8_0")])
+def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch, ffn, dtype):
     """train_heads on token-id prompts: data shards, a trained checkpoint that loads onto the model, and a
     second call that resumes (no new shards, the training state's last step) instead of starting over."""
     prompts = [_repetitive(12 + i % 5, i) for i in range(20)]
     cfg = recipe.HeadsConfig(out=str(tmp_path / "ckpt"), data_dir=str(tmp_path / "data"), num_heads=2,
                              vocab_subset=64, exclude="", num_prompts=16, eval_prompts=4, max_new_tokens=12,
-                             gen_batch=4, epochs=2, batch_size=32, save_every=3, progress=False, arch=arch, ffn=ffn)
+                             gen_batch=4, epochs=2, batch_size=32, save_every=3, progress=False, arch=arch, ffn=ffn,
+                             save_dtype=dtype)
     logs = []
     heads, config = recipe.train_heads(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "heads.safetensors", "train_state.pt"]
@@ -150,7 +152,7 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch, ffn):
     loaded, cfg2 = load_heads(str(tmp_path / "ckpt"), model)
     assert torch.equal(loaded.weight, heads.weight.detach()) and loaded.vocab_subset.numel() == 64
     assert loaded.sequential == (arch == "sequential") and cfg2["arch"] == arch
-    assert loaded.ffn_size == cfg2["ffn_size"] == round(ffn * D)
+    assert loaded.ffn_size == cfg2["ffn_size"] == round(ffn * D) and cfg2["weights_dtype"] == dtype
     assert len(cfg2["head_acceptance"]) == 2
     assert len(cfg2["calibration"]["acceptance"]) == 2
     # the trained checkpoint drafts (calibrated scores) and greedy output stays the model's own
@@ -676,3 +678,77 @@ def test_merged_cut_tells_the_ngram_drafter_what_it_kept(model):
     st = ngram.states[0]
     offered = max(len(p) for _, p in st.pending[2])
     assert len(tree) > 0 and st.last_depth == tree.max_depth < offered, (len(tree), st.last_depth, offered)
+
+
+def test_q8_0_blocks_pack_exactly():
+    """quantize_q8_0's blocks are what pack_blocks packs (zero blocks and tiny magnitudes included), each weight
+    within half a step of its float32 value."""
+    from fastverify.heads import dequantize_q8_0, quantize_q8_0
+    from fastverify.ops.linear import pack_blocks, unpack_blocks
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 96, generator=g) * torch.logspace(-1.5, 1, 37)[:, None]
+    w[3, 32:64] = 0.0
+    w[4] *= 1e-6  # d underflows float16: the block rounds to zeros, as in GGUF
+    q, d = quantize_q8_0(w)
+    assert q.dtype == torch.int8 and d.dtype == torch.float16 and tuple(d.shape) == (37, 3)
+    back = dequantize_q8_0(q, d)
+    step = d.float().repeat_interleave(32, dim=1)
+    normal = torch.ones(37, dtype=torch.bool)
+    normal[4] = False
+    assert bool(((back - w).abs()[normal] <= 0.5 * step[normal] * (1 + 1e-3)).all())
+    assert not back[3, 32:64].any() and bool(((back[4] - w[4]).abs() <= w[4].abs().max()).all())
+    packed = pack_blocks(back)
+    assert packed is not None and torch.equal(unpack_blocks(*packed), back)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(torch.randn(4, 40))
+
+
+@pytest.mark.parametrize("ffn_size", [0, 2 * D], ids=["one-layer", "ffn"])
+def test_q8_0_checkpoint_round_trip_streams_packed(model, tmp_path, ffn_size):
+    """A checkpoint saved in q8_0 loads as the heads rounded by round_heads (the bias exact), in about a quarter of
+    the float32 file; on the CPU the drafter streams its weights packed, and greedy output stays exact."""
+    import copy
+    from fastverify.heads import round_heads
+    from fastverify.hf.linear import skinny_available
+    from fastverify.ops.linear import PackedWeight
+    heads = _random_heads(subset=torch.arange(0, V, 2), sequential=True, ffn_size=ffn_size)
+    meta = {"base_model": "tiny", "base_fingerprint": fingerprint(model)}
+    save_heads(heads, str(tmp_path / "f32"), meta)
+    save_heads(heads, str(tmp_path / "q8"), meta, dtype="q8_0")
+    loaded, cfg = load_heads(str(tmp_path / "q8"), model)
+    assert cfg["weights_dtype"] == "q8_0"
+    rounded = copy.deepcopy(heads)
+    round_heads(rounded, "q8_0")
+    for name in ("weight", "bias", "token_weight", "out_weight"):
+        a, b = getattr(loaded, name), getattr(rounded, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert torch.equal(loaded.bias, heads.bias) and not torch.equal(loaded.weight, heads.weight)
+    size = os.path.getsize
+    assert size(tmp_path / "q8" / "heads.safetensors") < 0.3 * size(tmp_path / "f32" / "heads.safetensors")
+    drafter = load_drafter(str(tmp_path / "q8"), model, min_gain=0.5, node_cost=0.0)
+    if skinny_available():
+        assert all(isinstance(w, PackedWeight) for w in drafter.step_weight + (drafter.out_weight or []))
+    x = torch.randn(3, 2 * D)
+    ref = torch.nn.functional.linear(x.double(), torch.cat([loaded.weight[1], loaded.token_weight[1]], 1).double(),
+                                     loaded.bias[1].double()).float()
+    torch.testing.assert_close(drafter._linear(x, drafter.step_weight[1], drafter.heads.bias[1]), ref,
+                               rtol=1e-5, atol=1e-5)
+    ids, mask = _batch([26, 19], seed=7)
+    st = assert_greedy_exact(model, drafter, ids, attention_mask=mask, max_new_tokens=24, pad_token_id=PAD)
+    assert st.drafted_tokens > 0
+
+
+def test_q8_0_checkpoint_refusals(model, tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "q8"
+    meta = {"base_model": "tiny", "base_fingerprint": fingerprint(model)}
+    with pytest.raises(ValueError, match="out_weight has input size 131"):
+        save_heads(_random_heads(sequential=True, ffn_size=131), str(path), meta, dtype="q8_0")
+    save_heads(_random_heads(sequential=True), str(path), meta, dtype="q8_0")
+    good = load_file(str(path / "heads.safetensors"))
+    for bad in ({"weight_scale": None}, {"token_weight_scale": good["token_weight_scale"][..., :1].contiguous()},
+                {"weight": good["weight"].float()}):
+        tensors = {k: v for k, v in {**good, **bad}.items() if v is not None}
+        save_file(tensors, str(path / "heads.safetensors"))
+        with pytest.raises(CheckpointError, match="Q8_0"):
+            load_heads(str(path), model)

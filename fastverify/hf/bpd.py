@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from fastverify.heads import ProposalHeads, load_heads, output_projection, unit_rms
 from fastverify.hf.drafters import Drafter, batch_drafting, cut_scored, empty_tree, merge_scored
 from fastverify.hf.linear import skinny_available
-from fastverify.ops.linear import pack_blocks, skinny_linear, skinny_linear_packed
+from fastverify.ops.linear import PackedWeight, pack_blocks, skinny_linear, skinny_linear_packed
 from fastverify.tree import Tree
 
 __all__ = ["HeadsDrafter", "load_drafter"]
@@ -82,9 +82,14 @@ def _stream_dtype(w: torch.Tensor) -> torch.dtype:
     return torch.float16 if w.device.type == "cpu" and skinny_available() else torch.float32
 
 
-def _lossless(w: torch.Tensor) -> torch.Tensor:
-    """w (float32) in its streaming dtype where that holds its values exactly (checkpoints saved in float16), else
-    float32; contiguous."""
+def _lossless(w: torch.Tensor):
+    """w (float32) in the fewest bytes that stream its exact values: packed blocks where they hold it on the CPU
+    (checkpoints saved in q8_0; ``_linear`` streams them with skinny_linear_packed), else its streaming dtype where
+    that holds it (checkpoints saved in float16), else float32; contiguous."""
+    if _stream_dtype(w) == torch.float16:
+        packed = pack_blocks(w.contiguous())
+        if packed is not None:
+            return packed
     h = w.to(_stream_dtype(w))
     return (h if torch.equal(h.float(), w) else w).contiguous()
 
@@ -305,9 +310,11 @@ class HeadsDrafter(Drafter):
         return state, self._project(state)
 
     @staticmethod
-    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = None) -> torch.Tensor:
-        """x @ weight.T + bias for the drafter's own weights: skinny_linear on the CPU (a float16 weight streamed as
-        its values), F.linear in x's dtype elsewhere."""
+    def _linear(x: torch.Tensor, weight, bias: torch.Tensor = None) -> torch.Tensor:
+        """x @ weight.T + bias for the drafter's own weights (``_lossless``): skinny_linear on the CPU (a float16
+        weight streamed as its values; packed blocks by skinny_linear_packed), F.linear in x's dtype elsewhere."""
+        if isinstance(weight, PackedWeight):
+            return skinny_linear_packed(x.contiguous(), weight, bias)
         if x.device.type == "cpu":
             return skinny_linear(x.contiguous(), weight, bias)
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastverify.heads import ProposalHeads, fingerprint, output_projection, save_heads
+from fastverify.heads import ProposalHeads, fingerprint, output_projection, round_heads, save_heads
 from fastverify.train.cli import parse_config, run_recipe
 
 __all__ = ["RecipeOptions", "HeadsConfig", "train_heads", "load_prompts", "ngram_filter", "generate_data",
@@ -113,9 +113,10 @@ class HeadsConfig(RecipeOptions):
     weight_decay: float = 0.0                  # AdamW's weight decay
     warmup: int = 30                           # steps of linear warmup
     decay: float = 0.8                         # lambda: head p_i weighs lambda^(i-2)
-    save_dtype: str = "float16"                # of the checkpoint's weights (float16: half the file of float32;
-                                               #   the heads are rounded to it before the evaluation, which so
-                                               #   describes the heads as saved)
+    save_dtype: str = "float16"                # of the checkpoint's weights: float32, float16 (half the file),
+                                               #   bfloat16 or q8_0 (Q8_0 blocks, 1.06 bytes per weight); the heads
+                                               #   are rounded to it before the evaluation, which so describes the
+                                               #   heads as saved
     save_every: int = 100                      # steps between saves of the training state
     resume: bool = True                        # continue from the training state in --out, if there is one
     seed: int = 0                              # of the prompt selection, the example order and the initial weights
@@ -662,9 +663,9 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
         raise ValueError(f"arch: expected 'parallel' or 'sequential', got {cfg.arch!r}")
     if not cfg.ffn >= 0:
         raise ValueError(f"ffn: expected >= 0 (a multiple of the hidden size; 0 = one residual layer), got {cfg.ffn}")
-    from fastverify.heads import WEIGHT_DTYPES
-    if cfg.save_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"save_dtype: expected one of {list(WEIGHT_DTYPES)}, got {cfg.save_dtype!r}")
+    from fastverify.heads import HEADS_DTYPES
+    if cfg.save_dtype not in HEADS_DTYPES:
+        raise ValueError(f"save_dtype: expected one of {list(HEADS_DTYPES)}, got {cfg.save_dtype!r}")
     model.requires_grad_(False).eval()
     base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
     os.makedirs(cfg.out, exist_ok=True)
@@ -719,7 +720,7 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
     t_train = history[-1].get("seconds", time.perf_counter() - t1) if history else 0.0
 
     # 4. eval (of the weights as stored)
-    _round_to(heads, cfg.save_dtype)
+    round_heads(heads, cfg.save_dtype)
     ev = evaluate(heads, ev_hidden.to(w.device), ev_t.to(w.device), w, b, inputs=ev_inputs.to(w.device),
                   embed=embed)
     log("held-out evaluation (agreement with the target's greedy tokens):\n" + format_eval(ev))
@@ -748,13 +749,14 @@ def _projection(model, subset):
     return w, b
 
 
-def _round_to(heads, dtype: str):
-    """Round the heads' parameters to the checkpoint dtype (in place; they stay fp32)."""
+def _round_to(module, dtype: str):
+    """Round a module's parameters to a checkpoint dtype of WEIGHT_DTYPES (in place; they stay fp32): the EAGLE
+    layer's (fastverify.train.eagle; heads: fastverify.heads.round_heads)."""
     from fastverify.heads import WEIGHT_DTYPES
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"save_dtype: expected one of {list(WEIGHT_DTYPES)}, got {dtype!r}")
     with torch.no_grad():
-        for p in heads.parameters():
+        for p in module.parameters():
             p.copy_(p.to(WEIGHT_DTYPES[dtype]).float())
 
 
