@@ -8,10 +8,11 @@
 //
 //   skinny_linear_packed(x float32 [..., K], q uint8 [N, K * bits / 8], d float32 [N, K / 32], m float32 [N, K / 32],
 //                        bits, bias float32 [N] or None) -> float32 [..., N]
-//       skinny_linear with the weight w[n, k] = d[n, k / 32] * q[n, k] + m[n, k / 32] in its packed form (csrc/linear.h,
-//       "Block-packed weights"; bits 4 or 8, K a multiple of 32; fastverify.ops.linear.pack_blocks makes the
-//       tensors from a float32 weight of that form, and keeps none of another): the result of skinny_linear on
-//       the float32 weight, bit for bit, streaming 0.75 (4 bits) or 1.25 (8 bits) bytes per weight instead of 4.
+//       skinny_linear with the weight w[n, k] = d[n, k / 32] * q[n, k] + m[n, k / 32] in its packed form
+//       (csrc/linear.h, "Block-packed weights"; bits 4 or 8, K a multiple of 32; fastverify.ops.linear.pack_blocks
+//       makes the tensors from a float32 weight of that form, and keeps none of another): the result of
+//       skinny_linear on the float32 weight, bit for bit, streaming 0.75 (4 bits) or 1.25 (8 bits) bytes per weight
+//       instead of 4.
 //
 //   gated_lora_add_(y float32 [R, N] (mutated), x float32 [R, K], index int64 [n], A float32 [r, K],
 //                   B float32 [N, r], scale) -> ()

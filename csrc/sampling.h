@@ -442,7 +442,9 @@ template <typename T>
 inline void block_weights(const T* logits, int64_t begin, int64_t end, const RowDist& d, float* out) {
 #if defined(FV_SAMPLING_AVX2)
   if (cpu_has_avx2())
-    return dispatch_flags(d, [&]<bool A, bool B, bool C>() { block_weights_avx2<T, A, B, C>(logits, begin, end, d, out); });
+    return dispatch_flags(d, [&]<bool A, bool B, bool C>() {
+      block_weights_avx2<T, A, B, C>(logits, begin, end, d, out);
+    });
 #endif
   for (int64_t i = begin; i < end; ++i) out[i - begin] = weight_of(to_float(logits[i]) / d.temperature, d);
 }
@@ -464,7 +466,9 @@ inline bool dense_sums(const T* logits, int64_t V, const RowDist& d, double* P, 
                        const T* nx = nullptr, RowScan* nx_scan = nullptr) {
 #if defined(FV_SAMPLING_AVX2)
   if (cpu_has_avx2()) {
-    dispatch_flags(d, [&]<bool A, bool B, bool C>() { dense_sums_avx2<T, A, B, C>(logits, V, d, P, w_out, nx, nx_scan); });
+    dispatch_flags(d, [&]<bool A, bool B, bool C>() {
+      dense_sums_avx2<T, A, B, C>(logits, V, d, P, w_out, nx, nx_scan);
+    });
     return nx != nullptr;
   }
 #endif

@@ -22,7 +22,8 @@
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("tree_mask_bool(Tensor parents, Tensor cu_nodes, Tensor prefix_len, int n, int P) -> Tensor");
-  m.def("tree_mask_additive(Tensor parents, Tensor cu_nodes, Tensor prefix_len, int n, int P, ScalarType dtype) -> Tensor");
+  m.def("tree_mask_additive(Tensor parents, Tensor cu_nodes, Tensor prefix_len, int n, int P, ScalarType dtype) "
+        "-> Tensor");
   m.def("tree_mask_packed(Tensor parents, Tensor cu_nodes, int n) -> Tensor");
   m.def("tree_positions(Tensor parents, Tensor cu_nodes, Tensor prefix_len) -> Tensor");
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor packed_mask, Tensor prefix_len, float scale) -> Tensor");

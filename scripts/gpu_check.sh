@@ -129,7 +129,8 @@ has_cuda_kernels() {
 
 if has build; then
   build
-elif [ -z "$DRY" ] && { has test || has bench || has heads || has gad || has lud || has ptp || has e2e || has e2e8; } && ! has_cuda_kernels; then
+elif [ -z "$DRY" ] && { has test || has bench || has heads || has gad || has lud || has ptp || has e2e || has e2e8; } \
+    && ! has_cuda_kernels; then
   echo "fastverify._C has no CUDA kernels here (a fresh machine?): building first"
   build
 fi

@@ -76,7 +76,8 @@ def test_training_learns_a_synthetic_pattern(tmp_path):
     cfg = recipe.HeadsConfig(out="unused", epochs=12, batch_size=256, lr=3e-3, warmup=10, save_every=10 ** 9,
                              resume=False, progress=False)
     before = recipe.evaluate(heads, hidden, targets, E, None)
-    hist = recipe.train_loop(heads, hidden, targets, E, None, cfg, state_path=str(tmp_path / "state.pt"), log=lambda *a: 0)
+    hist = recipe.train_loop(heads, hidden, targets, E, None, cfg, state_path=str(tmp_path / "state.pt"),
+                             log=lambda *a: 0)
     after = recipe.evaluate(heads, hidden, targets, E, None)
     assert hist[-1]["loss"] < 0.3 * hist[0]["loss"]
     assert max(before["top1"]) < 0.2
@@ -88,7 +89,8 @@ def test_sequential_heads_learn_what_parallel_heads_cannot(tmp_path):
     tell: parallel heads stay near chance, sequential heads (which read the draft's previous token) learn it."""
     torch.manual_seed(0)
     Vs, Dm, N, H = 32, 48, 4096, 3
-    E, E_in, perm = torch.nn.functional.normalize(torch.randn(Vs, Dm), dim=-1) * 4, torch.randn(Vs, Dm), torch.randperm(Vs)
+    E, E_in = torch.nn.functional.normalize(torch.randn(Vs, Dm), dim=-1) * 4, torch.randn(Vs, Dm)
+    perm = torch.randperm(Vs)
     hidden = (torch.randn(N, Dm)).half()
     toks = [torch.randint(0, Vs, (N,))]  # x_{r+1}: the root, known to the drafter, not to parallel heads
     for _ in range(H):
@@ -295,7 +297,8 @@ def test_sequential_checkpoint_round_trip(model, tmp_path):
     half, cfg16 = load_heads(str(tmp_path / "h16"), model)
     assert cfg16["weights_dtype"] == "float16" and half.token_weight.dtype == torch.float32
     assert torch.equal(half.token_weight, heads.token_weight.detach().half().float())
-    assert os.path.getsize(tmp_path / "h16" / "heads.safetensors") < 0.6 * os.path.getsize(tmp_path / "h" / "heads.safetensors")
+    size = os.path.getsize
+    assert size(tmp_path / "h16" / "heads.safetensors") < 0.6 * size(tmp_path / "h" / "heads.safetensors")
     with pytest.raises(ValueError, match="dtype"):
         save_heads(heads, str(tmp_path / "h8"), {}, dtype="int8")
     # a config that says parallel over weights that hold a token_weight (or the reverse) is refused
@@ -599,9 +602,10 @@ def test_heads_that_copy_the_target_are_accepted(model):
                                          ("greedy", {"min_accept": 1})])
 def test_lossy_rules_run_with_heads(model, rule, params):
     """BPD's approximate rules (Stern §5) with heads' drafts: every emitted token satisfies the rule against the
-    target's own scores given the emitted prefix (top-k, k = V / 8 so that random heads' drafts qualify: rank < k; distance: |x - argmax| <= eps; the correction
-    token is the argmax), min_accept forces a drafted node into every step that has a draft, and the lossy rules
-    do accept tokens the target would not have chosen (the output is not greedy's)."""
+    target's own scores given the emitted prefix (top-k, k = V / 8 so that random heads' drafts qualify: rank < k;
+    distance: |x - argmax| <= eps; the correction token is the argmax), min_accept forces a drafted node into every
+    step that has a draft, and the lossy rules do accept tokens the target would not have chosen (the output is not
+    greedy's)."""
     ids, mask = _batch([20, 16])
     drafter = HeadsDrafter(model, _random_heads(), min_gain=0.5)
     got, st = patched_generate(model, drafter, ids, attention_mask=mask,

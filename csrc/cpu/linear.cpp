@@ -121,7 +121,8 @@ void gated_lora_add_cpu(at::Tensor& y, const at::Tensor& x, const at::Tensor& in
   std::vector<float> rows(n * K), t(n * r), d(n * N);
   const float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) std::copy(xp + idx[i] * K, xp + (idx[i] + 1) * K, rows.data() + i * K);
-  if (r > 0 && K > 0) fastverify::linear::skinny_rows(rows.data(), A.data_ptr<float>(), nullptr, t.data(), n, K, r, 0, r);
+  if (r > 0 && K > 0)
+    fastverify::linear::skinny_rows(rows.data(), A.data_ptr<float>(), nullptr, t.data(), n, K, r, 0, r);
   const float s = static_cast<float>(scale);
   for (float& v : t) v *= s;
   if (r > 0) fastverify::linear::skinny_rows(t.data(), B.data_ptr<float>(), nullptr, d.data(), n, r, N, 0, N);

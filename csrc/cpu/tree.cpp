@@ -122,7 +122,8 @@ at::Tensor tree_positions_cpu(const at::Tensor& parents, const at::Tensor& cu_no
   const int32_t* par = parents.data_ptr<int32_t>();
   const int32_t* pl = prefix_len.data_ptr<int32_t>();
   int64_t* o = out.data_ptr<int64_t>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, parents.numel() / std::max<int64_t>(1, B)));
+  const int64_t per_request = std::max<int64_t>(1, parents.numel() / std::max<int64_t>(1, B));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / per_request);
   at::parallel_for(0, B, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) positions(par + cu[b], int64_t(cu[b + 1]) - cu[b], pl[b], o + cu[b]);
   });

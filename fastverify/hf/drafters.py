@@ -167,20 +167,20 @@ class NGramDrafter(Drafter):
     defaults fixed_cost=0.05, node_cost=0.025 (the same fit with skinny_linear's AVX2 tiles only, on an earlier
     host: 0.12 / 0.04; without the skinny linears torch's small-M GEMM makes a 2-token forward ~1.6x a 1-token
     step: fixed_cost=0.55, node_cost=0.065 fit that; on a GPU both are smaller still).
-    Each node's acceptance probability (given its parent was accepted) is a running Beta estimate keyed by (match length, depth bucket, support
-    bucket: sole continuation seen once / seen >= 2 times uncontradicted / majority / minority), with priors
-    measured offline (``_PRIORS``) and updated from the outcome of every proposed node (scored against the
-    committed tokens at the next call). A node's path probability is the product along its path; nodes are
-    taken in decreasing path probability (a child never precedes its parent) and the prefix that maximises
-    the expected tokens per unit of cost ``(1 + sum P) / cost(k)`` is kept (in a batch where R requests draft,
-    each request owns 1 / R of the shared step, so its cut uses ``node_cost * R``: a node costs the whole batch's
-    step what it costs one request's, ``batch_drafting``); if that ratio does not beat plain
-    decoding by ``min_gain`` (default 1.0 = break even), nothing is proposed and the step costs a plain step.
-    ``fixed_cost=0, node_cost=0`` turns the selection off (every candidate node is proposed). Replaying the
-    greedy outputs of 39 Spec-Bench questions (3 per category, 96 new tokens) under the 0.55 / 0.065 model: selection
-    off 1.43 tokens per forward, 1.02x plain decoding (writing 0.84x); on 1.29 tokens per forward, 1.15x
-    (every category >= 1.00x). Weak matches (a 1-gram seen once: ~21% accepted) are no longer drafted;
-    repeated 3-gram continuations (70-90% per node) are drafted deep.
+    Each node's acceptance probability (given its parent was accepted) is a running Beta estimate keyed by (match
+    length, depth bucket, support bucket: sole continuation seen once / seen >= 2 times uncontradicted / majority /
+    minority), with priors measured offline (``_PRIORS``) and updated from the outcome of every proposed node
+    (scored against the committed tokens at the next call). A node's path probability is the product along its path;
+    nodes are taken in decreasing path probability (a child never precedes its parent) and the prefix that maximises
+    the expected tokens per unit of cost ``(1 + sum P) / cost(k)`` is kept (in a batch where R requests draft, each
+    request owns 1 / R of the shared step, so its cut uses ``node_cost * R``: a node costs the whole batch's step
+    what it costs one request's, ``batch_drafting``); if that ratio does not beat plain decoding by ``min_gain``
+    (default 1.0 = break even), nothing is proposed and the step costs a plain step. ``fixed_cost=0, node_cost=0``
+    turns the selection off (every candidate node is proposed). Replaying the greedy outputs of 39 Spec-Bench
+    questions (3 per category, 96 new tokens) under the 0.55 / 0.065 model: selection off 1.43 tokens per forward,
+    1.02x plain decoding (writing 0.84x); on 1.29 tokens per forward, 1.15x (every category >= 1.00x). Weak matches
+    (a 1-gram seen once: ~21% accepted) are no longer drafted; repeated 3-gram continuations (70-90% per node) are
+    drafted deep.
 
     Calibration (opt-in, ``calibrate=True``, batch of one): the wall time between consecutive ``propose`` calls is one
     whole step of the loop; steps without draft give a running plain-step time, drafted steps of k nodes an

@@ -3,9 +3,9 @@
 Within ``skinny_linears(model)``, every ``torch.nn.Linear`` of the model (the exact class, so quantised or
 otherwise specialised subclasses are left alone) whose weight is a contiguous float32 CPU tensor (streamed in
 place by the kernel) computes inputs of at most ``max_rows`` rows with the skinny kernel; larger inputs (the
-prefill), other dtypes, devices and anything that needs gradients go to ``F.linear`` as before. The forward is rebound on the instance and the instance attribute
-removed on exit, so the model is left exactly as it was. Modules whose forward is already rebound on the
-instance (accelerate hooks) are skipped.
+prefill), other dtypes, devices and anything that needs gradients go to ``F.linear`` as before. The forward is
+rebound on the instance and the instance attribute removed on exit, so the model is left exactly as it was. Modules
+whose forward is already rebound on the instance (accelerate hooks) are skipped.
 
 With ``pack`` (the default), a layer whose float32 weight is exactly 4- or 8-bit block-quantised values (a model
 dequantised from a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors, as fastverify.models.load_smollm2 loads SmolLM2) runs

@@ -26,7 +26,8 @@ def check_tensor(name, t, device=None, dtypes=None, dim=None):
 
 
 def range_error(name, got, lo=None, hi=None, lo_open=False, hi_open=False):
-    """ValueError "<name>: expected values in [lo, hi), got <got>" (brackets by openness; None bounds are -inf / inf)."""
+    """ValueError "<name>: expected values in [lo, hi), got <got>" (brackets by openness; None bounds are -inf /
+    inf)."""
     lb = "(" if lo_open else "["
     rb = ")" if hi_open else "]"
     return ValueError(f"{name}: expected values in {lb}{'-inf' if lo is None else lo}, "

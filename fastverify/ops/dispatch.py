@@ -31,7 +31,8 @@ BACKENDS = _ext.BACKENDS
 # op -> the module of fastverify.reference and fastverify.kernels that holds it (None: no such module).
 _MODULE = {
     "verify": "verify",
-    "uniform": "sampling", "verify_uniforms": "sampling", "cdf_sample": "sampling", "cdf_invert": "sampling", "aux_bits": "sampling",
+    "uniform": "sampling", "verify_uniforms": "sampling", "cdf_sample": "sampling", "cdf_invert": "sampling",
+    "aux_bits": "sampling",
     "tree_mask_bool": "tree", "tree_mask_additive": "tree", "tree_mask_packed": "tree", "tree_positions": "tree",
     "compact_cache": "tree",
     "tree_attention": "attention",  # no CUDA kernel: CUDA tensors run on Triton

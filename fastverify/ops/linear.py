@@ -2,8 +2,8 @@
 
 A verify forward scores 1 + k tokens; on the CPU torch's fp32 GEMM costs 2-3x a one-token matrix-vector product
 at 2 <= M <= 16, which is what makes drafting expensive there. ``skinny_linear`` keeps the cost of M rows close to
-that of one while the weight dominates the traffic (M up to ~8 with AVX-512, ~4 with AVX2 + FMA), and its result for a row does
-not depend on the other rows (fixed summation order, see csrc/linear.h).
+that of one while the weight dominates the traffic (M up to ~8 with AVX-512, ~4 with AVX2 + FMA), and its result
+for a row does not depend on the other rows (fixed summation order, see csrc/linear.h).
 
 Backends: torch (``torch.nn.functional.linear``, the reference) and cpp (csrc/cpu/linear.cpp, float32 CPU
 tensors; the weight may be float16, read as its exact float32 values: half the bytes to stream, the result of its
@@ -15,7 +15,8 @@ block format (a GGUF file's Q4_0 / Q4_1 / Q8_0: w = d * q + m per block of 32 we
 holds only 16 or 256 values per block, so it is stored exactly in 0.75 or 1.25 bytes per weight instead of 4; the
 kernel dequantises in registers (up to 18 rows; beyond, four weight rows at a time into the thread's cache) and runs
 skinny_linear's own arithmetic on them, so the result is skinny_linear's on the float32 weight, bit for bit, for a
-fifth (4 bits) of the memory traffic. ``pack_blocks`` returns None for a weight of any other form: nothing is ever approximated.
+fifth (4 bits) of the memory traffic. ``pack_blocks`` returns None for a weight of any other form: nothing is ever
+approximated.
 """
 
 from typing import NamedTuple, Optional

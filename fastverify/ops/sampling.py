@@ -155,8 +155,9 @@ def uniform(seed, position, stream=0, backend="auto", validate=True):
         stream: int, or int64 tensor broadcastable to position, in [0, 2^32): independent streams at one position
             (verify uses 0 for sampling, 1 + j for the acceptance test of node j).
     Returns:
-        float32, shape of position: ((x >> 9) + 0.5) * 2^-23 (exact, in [2^-24, 1 - 2^-24]) with x the first word of Philox 4x32-10 under
-        key (seed lo, seed hi) and counter (position lo, position hi, stream, 0). Bit-identical on every backend.
+        float32, shape of position: ((x >> 9) + 0.5) * 2^-23 (exact, in [2^-24, 1 - 2^-24]) with x the first word of
+        Philox 4x32-10 under key (seed lo, seed hi) and counter (position lo, position hi, stream, 0). Bit-identical
+        on every backend.
     """
     if isinstance(position, int) and not isinstance(position, bool):
         position = torch.tensor(position, dtype=torch.int64)
@@ -171,7 +172,8 @@ def uniform(seed, position, stream=0, backend="auto", validate=True):
     if isinstance(stream, torch.Tensor):
         check_tensor("stream", stream, device=position.device, dtypes=INT_DTYPES)
         if validate and stream.numel() and bool(((stream < 0) | (stream >= 2**32)).any()):
-            raise ValueError(f"stream: expected values in [0, 2^32), got {stream[(stream < 0) | (stream >= 2**32)][:4]}")
+            bad = stream[(stream < 0) | (stream >= 2**32)][:4]
+            raise ValueError(f"stream: expected values in [0, 2^32), got {bad}")
     elif isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < 2**32:
         raise ValueError(f"stream: expected an int in [0, 2^32) or an integer tensor, got {stream!r}")
     else:
