@@ -368,8 +368,8 @@ if __name__ == "__main__":
     import time
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", type=int, default=600)
-    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--cases", type=int, default=600, help="how many cases to run")
+    ap.add_argument("--start", type=int, default=0, help="the first case's seed (case i runs seed start + i)")
     ap.add_argument("--drafters", nargs="+", choices=sorted(set(DRAFTERS)), default=DRAFTERS,
                     help="the drafter kinds to draw from (default: all)")
     args = ap.parse_args()
