@@ -33,10 +33,11 @@ feed-forward block with an F-wide hidden layer and an output projection O_i [D, 
 
 (parallel heads: h_i = h + O_i SiLU(W_i h + b_i)). O_i starts at zero, so an untrained head is again the identity;
 W_i and U_i start random (a zero hidden layer would get no gradient). F = 0 is the block above (O_i the identity,
-F = D). On SmolLM2-135M, F = 2D raised the held-out top-1 of p_2..p_4 by 3-4 points at the same training steps
-and the tokens per target forward on Spec-Bench by 3-6%, at 2.0M weights per head against 0.66M; on the 2-core CPU
-the drafter's level then costs ~35% more (the block's weights are read at every level, beside the 4.7M of the
-output projection at V' = 8192), which ate the gain there (benchmarks/RESULTS.md), so the shipped heads keep F = 0.
+F = D). On SmolLM2-135M, F = 2D raised the held-out top-1 of p_2..p_6 by 3-4 points at the same training steps
+and the tokens per target forward on Spec-Bench by ~4%, at 2.0M weights per head against 0.66M; on the 2-core CPU
+a drafter's level costs more (the block's weights are read at every level, beside the 4.7M of the output
+projection at V' = 8192), which there leaves the time even (benchmarks/RESULTS.md, "Feed-forward heads in Q8_0").
+The shipped heads (``smollm2-bpd``) are sequential with F = 2D, stored in Q8_0 (below).
 
 Vocabulary subset. A head may propose from a subset of the vocabulary (``vocab_subset`` int64 [V']: the
 V' most frequent tokens of the training continuations): its logits are ``h_i @ E[vocab_subset]^T``. The

@@ -6,8 +6,9 @@ path ends, the row whose logits gave ``next_token``; the heads p_2..p_k (fastver
 candidates for the k - 1 positions after ``next_token``, which is the root of the next draft. No extra forward
 of the target; what it costs is one pass of the heads (H residual blocks and the output projection over the
 heads' vocabulary subset, all heads in one ``skinny_linear`` call on the CPU; there the heads' weights and the
-projection are streamed in float16: half the bytes, drafting 2.96 -> 2.22 ms per step on SmolLM2 with as many
-steps).
+projection are streamed in their fewest exact bytes: packed blocks for a Q8_0 checkpoint and SmolLM2's Q8_0
+output head, else float16, half the bytes of float32, which took drafting from 2.96 to 2.22 ms per step on
+SmolLM2 with as many steps).
 
 Tree. Head p_{d+1}'s top ``width`` candidates are the options at depth d. A node's estimated probability of
 being accepted is the product, along its path, of a per-depth acceptance estimate (Medusa's independence
