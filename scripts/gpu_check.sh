@@ -24,8 +24,8 @@
 #          `scripts/gpu_model_pack.sh prompts`; Spec-Bench-overlapping prompts dropped against the carried
 #          question.jsonl), then the heads; the checkpoint goes to $STASH/heads (kept for a later e2e on this
 #          machine) and its heads.safetensors / config.json to $OUT/heads/ (-> heads.log). HEADS_ARGS replaces the
-#          recipe flags (default: --num-prompts 20000 --gen-batch 192 --data-minutes 3.5 --epochs 2). Needs the
-#          carried model.
+#          recipe flags (default: --num-prompts 20000 --gen-batch 192 --data-minutes 3.5 --epochs 2 --ffn 2
+#          --save-dtype q8_0, the shipped heads' architecture and storage). Needs the carried model.
 #   gad, lud, ptp  the same for the slot drafters (python -m fastverify.train slots --method gad|lud, python -m
 #          fastverify.train ptp) -> $OUT/<step>/{slots.safetensors, config.json}, <step>.log; GAD_ARGS / LUD_ARGS /
 #          PTP_ARGS replace the default flags (a 3-minute data and 4-minute training budget). The greedy data of
@@ -256,7 +256,8 @@ train_recipe() {
 }
 
 has heads && train_recipe heads heads heads.safetensors \
-  "--num-prompts 20000 --gen-batch 192 --data-minutes 3.5 --epochs 2" HEADS_ARGS "--epochs 1"
+  "--num-prompts 20000 --gen-batch 192 --data-minutes 3.5 --epochs 2 --ffn 2 --save-dtype q8_0" HEADS_ARGS \
+  "--epochs 1 --ffn 2 --save-dtype q8_0"
 has gad && train_recipe gad slots slots.safetensors \
   "--method gad --num-prompts 20000 --gen-batch 192 --data-minutes 3 --minutes 4" GAD_ARGS "--method gad --steps 4"
 has lud && train_recipe lud slots slots.safetensors \
