@@ -47,12 +47,6 @@ class EagleConfig(RecipeOptions):
     decay: float = 0.8                         # pass d weighs decay^(d-1)
     reg: float = 0.1                           # weight of the feature regression (smooth L1)
     save_dtype: str = "float16"                # of the checkpoint's weights
-    save_every: int = 100                      # steps between saves of the training state
-    resume: bool = True                        # continue from the training state in --out, if there is one
-    seed: int = 0                              # of the prompt selection, the example order and the initial weights
-    threads: int = None                        # torch threads (None: torch's default)
-    device: str = "cpu"                        # where the target and the layer run ("cuda" on a GPU machine)
-    progress: bool = True                      # tqdm progress bars
 
 
 def build_sequences(paths, T: int = None):

