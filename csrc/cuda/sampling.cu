@@ -56,20 +56,21 @@ __global__ void _aux_bits_kernel(const float* __restrict__ u, int64_t R, float* 
 constexpr int kRowBlock = 512;    // every CDF walk of a row (C depends on the block size: csrc/cuda/sampling.cuh)
 constexpr int kStatsBlock = 256;  // the segments' raw statistics
 
-// cdf_sample / cdf_invert in three launches, so that a few rows still spread over the GPU: (1) one CTA per (row,
-// segment of kSegment tokens) finds the segment's max, argmax and NaN / +inf flag; (2) one CTA per (row, segment)
-// combines the row's partials into its warp and, for rows whose warp needs no top-k / top-p threshold, walks its
-// segment's CDF (total, maximum, last token with w > 0); (3) one CTA per row combines the segments' totals, finds
-// the segment holding the draw (or t's bin) and walks only that segment. Rows with a top-k or top-p threshold, which
-// needs a search over the whole row, take the one-CTA path in (3) (resolve_warp, then inverse_cdf_sample /
-// inverse_cdf_invert), which evaluates the same C. Workspace: 8-byte slots, entry r * S + s.
+// cdf_sample / cdf_invert in four launches, so that a few rows still spread over the GPU: (1) one CTA per (row,
+// segment of kSegment tokens) finds the segment's max, argmax and NaN / +inf flag; (2) one CTA per row combines its
+// partials into its warp and, for a row with a top-k or top-p threshold, resolves them (resolve_thresholds; the other
+// rows' CTAs return at once); (3) one CTA per (row, segment) walks its segment's CDF (total, maximum, last token with
+// w > 0); (4) one CTA per row combines the segments' totals, finds the segment holding the draw (or t's bin) and walks
+// only that segment. Workspace: 8-byte slots, entry r * S + s, and two per row for the thresholds.
 struct SegmentScratch {
   double* max;       // the segment's max logit (widened from float)
   long long* arg;    // its lowest argmax, kNoToken if none
   long long* bad;    // 1 if the segment holds NaN or +inf
-  double* total;     // plain rows: the segment's CDF total
-  double* cmax;      // plain rows: the maximum of its c
-  long long* last;   // plain rows: its last token with w > 0, -1 if none
+  double* total;     // valid, non-greedy rows: the segment's CDF total
+  double* cmax;      // the maximum of its c
+  long long* last;   // its last token with w > 0, -1 if none
+  long long* thr;    // [R] rows with thresholds: k_key | use_k << 32 | use_p << 33
+  double* p_min_w;   // [R] rows with thresholds: top-p's threshold
 };
 
 // The raw statistics of row r from its S segments' partials, combined in order (every thread the same).
@@ -81,6 +82,20 @@ __device__ __forceinline__ RawRowStats combine_partials(const SegmentScratch& sc
     bad |= sc.bad[i] != 0;
   }
   return stats_from_partial(best, bad);
+}
+
+// Row r's warp: its statistics from the partials, its thresholds from (2) (every thread the same).
+__device__ __forceinline__ RowWarp row_warp(const SegmentScratch& sc, int64_t r, int64_t S, int64_t V,
+                                            const float* wp) {
+  RowWarp w = warp_from_stats(combine_partials(sc, r, S), wp[0], wp[3]);
+  if (w.valid && !w.greedy && warp_needs_thresholds(V, wp[1], wp[2])) {
+    const long long thr = sc.thr[r];
+    w.k_key = static_cast<uint32_t>(thr & 0xffffffffLL);
+    w.use_k = (thr >> 32) & 1;
+    w.use_p = (thr >> 33) & 1;
+    w.p_min_w = static_cast<float>(sc.p_min_w[r]);
+  }
+  return w;
 }
 
 // (1) grid (S, rows): segment blockIdx.x of rows blockIdx.y, blockIdx.y + gridDim.y, ...
@@ -99,16 +114,35 @@ __global__ void __launch_bounds__(BLOCK)
   }
 }
 
-// (2) grid (S, rows): the CDF of segment blockIdx.x of each plain row (valid, not greedy, no top-k / top-p).
+// (2) one CTA per row: the thresholds of the rows that have them.
+template <typename T, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    _row_thresholds_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t R, int64_t V,
+                           const float* __restrict__ warp, SegmentScratch sc) {
+  const int64_t S = num_segments(V);
+  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+    const float* wp = warp + r * 4;
+    RowWarp w = warp_from_stats(combine_partials(sc, r, S), wp[0], wp[3]);
+    if (!w.valid || w.greedy || !warp_needs_thresholds(V, wp[1], wp[2])) continue;  // the same for every thread
+    resolve_thresholds<BLOCK>(logits + r * row_stride, V, wp[1], wp[2], w);
+    if (threadIdx.x == 0) {
+      sc.thr[r] = static_cast<long long>(w.k_key) | (static_cast<long long>(w.use_k) << 32) |
+                  (static_cast<long long>(w.use_p) << 33);
+      sc.p_min_w[r] = w.p_min_w;
+    }
+    __syncthreads();  // the helpers' shared memory is rewritten for the next row
+  }
+}
+
+// (3) grid (S, rows): the CDF of segment blockIdx.x of each valid, non-greedy row.
 template <typename T, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
     _segment_cdf_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t R, int64_t V,
                         const float* __restrict__ warp, SegmentScratch sc) {
   const int64_t S = gridDim.x, s = blockIdx.x;
   for (int64_t r = blockIdx.y; r < R; r += gridDim.y) {
-    const float* wp = warp + r * 4;
-    const RowWarp w = warp_from_stats(combine_partials(sc, r, S), wp[0], wp[3]);
-    if (!w.valid || w.greedy || warp_needs_thresholds(V, wp[1], wp[2])) continue;  // the same for every thread
+    const RowWarp w = row_warp(sc, r, S, V, warp + r * 4);
+    if (!w.valid || w.greedy) continue;  // the same for every thread
     const T* row = logits + r * row_stride;
     const SegmentStats st = segment_stats<BLOCK>(
         s * kSegment, segment_end(s, V), [&](int64_t v) { return static_cast<double>(row_weight(row, v, w)); });
@@ -120,7 +154,7 @@ __global__ void __launch_bounds__(BLOCK)
   }
 }
 
-// (3) one CTA per row: the draw. out[r] = -1 for rows without a distribution.
+// (4) one CTA per row: the draw. out[r] = -1 for rows without a distribution.
 template <typename T, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
     _cdf_sample_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t R, int64_t V,
@@ -129,15 +163,11 @@ __global__ void __launch_bounds__(BLOCK)
   const int64_t S = num_segments(V);
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
     const T* row = logits + r * row_stride;
-    const float* wp = warp + r * 4;
-    RowWarp w = warp_from_stats(combine_partials(sc, r, S), wp[0], wp[3]);
+    const RowWarp w = row_warp(sc, r, S, V, warp + r * 4);
     auto weight = [&](int64_t v) { return static_cast<double>(row_weight(row, v, w)); };
     long long t = -1;
     if (w.valid && w.greedy) {
       t = w.argmax;  // the one-hot row: C(t) > u * 1 first at the argmax for every u in [0, 1)
-    } else if (w.valid && warp_needs_thresholds(V, wp[1], wp[2])) {
-      w = resolve_warp<BLOCK>(row, V, wp[0], wp[1], wp[2], wp[3]);
-      t = inverse_cdf_sample<BLOCK>(V, weight, u[r]);
     } else if (w.valid) {
       const double* total = sc.total + r * S;
       const double z = sum_in_order(total, S);
@@ -157,7 +187,7 @@ __global__ void __launch_bounds__(BLOCK)
   }
 }
 
-// (3) one CTA per row: out[r] = the auxiliary variable u with cdf_sample(u) == token[r] (NaN where none exists).
+// (4) one CTA per row: out[r] = the auxiliary variable u with cdf_sample(u) == token[r] (NaN where none exists).
 template <typename T, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
     _cdf_invert_kernel(const T* __restrict__ logits, int64_t row_stride, int64_t R, int64_t V,
@@ -167,18 +197,14 @@ __global__ void __launch_bounds__(BLOCK)
   const int64_t S = num_segments(V);
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
     const T* row = logits + r * row_stride;
-    const float* wp = warp + r * 4;
     const long long t = token[r];
-    RowWarp w = warp_from_stats(combine_partials(sc, r, S), wp[0], wp[3]);
+    const RowWarp w = row_warp(sc, r, S, V, warp + r * 4);
     auto weight = [&](int64_t v) { return static_cast<double>(row_weight(row, v, w)); };
     double res = nan;
     if (w.valid && t >= 0 && t < V) {
       if (w.greedy) {
         // one-hot at the argmax: C(t - 1) = 0, C(t) = w(t) = Z = 1 for t == argmax, w(t) = 0 otherwise
         res = t == w.argmax ? invert_from_bin(0.0, 1.0, 1.0, 1.0, v_aux[r]) : nan;
-      } else if (warp_needs_thresholds(V, wp[1], wp[2])) {
-        w = resolve_warp<BLOCK>(row, V, wp[0], wp[1], wp[2], wp[3]);
-        res = inverse_cdf_invert<BLOCK>(V, weight, t, v_aux[r]);
       } else {
         const double* total = sc.total + r * S;
         const int64_t st = t / kSegment;
@@ -275,12 +301,12 @@ at::Tensor aux_bits_cuda(const at::Tensor& u) {
 
 unsigned row_grid(int64_t R) { return static_cast<unsigned>(R < 65535 ? R : 65535); }
 
-// Launches (1) and (2) of the segmented kernels over x [R, V] (R > 0); the workspace lives in `buf`.
+// Launches (1), (2) and (3) of the segmented kernels over x [R, V] (R > 0); the workspace lives in `buf`.
 template <typename T>
 SegmentScratch launch_segments(const at::Tensor& x, const at::Tensor& warp, at::Tensor& buf, cudaStream_t stream) {
   const int64_t R = x.size(0), V = x.size(1), S = num_segments(V), n = R * S;
   TORCH_CHECK(S <= INT32_MAX, "logits: too many columns, got shape ", x.sizes());
-  buf = at::empty({6 * n}, x.options().dtype(at::kLong));
+  buf = at::empty({6 * n + 2 * R}, x.options().dtype(at::kLong));
   auto* base = buf.data_ptr<int64_t>();
   SegmentScratch sc;
   sc.max = reinterpret_cast<double*>(base);
@@ -289,9 +315,14 @@ SegmentScratch launch_segments(const at::Tensor& x, const at::Tensor& warp, at::
   sc.total = reinterpret_cast<double*>(base + 3 * n);
   sc.cmax = reinterpret_cast<double*>(base + 4 * n);
   sc.last = reinterpret_cast<long long*>(base + 5 * n);
+  sc.thr = reinterpret_cast<long long*>(base + 6 * n);
+  sc.p_min_w = reinterpret_cast<double*>(base + 6 * n + R);
   const dim3 grid(static_cast<unsigned>(S), row_grid(R));
   const T* logits = reinterpret_cast<const T*>(x.data_ptr());
   _segment_raw_kernel<T, kStatsBlock><<<grid, kStatsBlock, 0, stream>>>(logits, x.stride(0), R, V, sc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  _row_thresholds_kernel<T, kRowBlock><<<row_grid(R), kRowBlock, 0, stream>>>(logits, x.stride(0), R, V,
+                                                                               warp.data_ptr<float>(), sc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   _segment_cdf_kernel<T, kRowBlock><<<grid, kRowBlock, 0, stream>>>(logits, x.stride(0), R, V,
                                                                      warp.data_ptr<float>(), sc);

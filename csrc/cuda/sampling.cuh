@@ -274,13 +274,10 @@ __device__ bool top_p_from_kept(const T* row, int64_t V, float top_p, RowWarp* w
   return true;
 }
 
-// Resolve the warp of one row: temperature, top_k (as float, truncated like the reference's .to(int64)),
-// top_p, min_p. All threads must call it; all get the same result.
+// The top-k and top-p thresholds of a row (top_k as float, truncated like the reference's .to(int64)) into the
+// warp w that warp_from_stats gave it (valid, not greedy). All threads must call it; all get the same result.
 template <int BLOCK, typename T>
-__device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, float top_k, float top_p, float min_p) {
-  RowWarp w = warp_from_stats(raw_row_stats<BLOCK>(row, V), temperature, min_p);
-  if (!w.valid || w.greedy) return w;
-
+__device__ void resolve_thresholds(const T* row, int64_t V, float top_k, float top_p, RowWarp& w) {
   // top-k: the key of the k-th largest l' (kth_largest_key).
   const long long k = topk_count(top_k);
   if (k > 0 && k < V) {
@@ -292,7 +289,7 @@ __device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, floa
   // non-increasing, so the kept set is {w_i >= X} for the smallest float X in [0, 1] with G(X) < p * Z_k.
   if (top_p < 1.0f) {
     w.use_p = true;
-    if (w.use_k && top_p_from_kept<BLOCK>(row, V, top_p, &w)) return w;
+    if (w.use_k && top_p_from_kept<BLOCK>(row, V, top_p, &w)) return;
     double zk = 0.0;
     for_each_owned<BLOCK>(row, V, [&](int64_t, float x) { zk += weight_topk_of(x, w); });
     zk = block_sum<BLOCK>(zk);
@@ -315,6 +312,13 @@ __device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, floa
       w.p_min_w = __uint_as_float(static_cast<uint32_t>(hi));
     }
   }
+}
+
+// Resolve the warp of one row: temperature, top_k, top_p, min_p. All threads must call it; all get the same result.
+template <int BLOCK, typename T>
+__device__ RowWarp resolve_warp(const T* row, int64_t V, float temperature, float top_k, float top_p, float min_p) {
+  RowWarp w = warp_from_stats(raw_row_stats<BLOCK>(row, V), temperature, min_p);
+  if (w.valid && !w.greedy) resolve_thresholds<BLOCK>(row, V, top_k, top_p, w);
   return w;
 }
 
@@ -520,25 +524,6 @@ __device__ __forceinline__ double invert_from_bin(double c_lo, double c_hi, doub
   const double prod = __dmul_rn(u, z);
   const bool ok = (c_hi > c_lo) && (prod >= c_lo) && (prod < c_hi) && (u > 0.0) && (u < 1.0);
   return ok ? u : nan;
-}
-
-// cdf_invert by one CTA: a walk of every segment (t's own for C(t - 1)'s bound, C(t) and w(t), the others for their
-// totals and, before t's, their maxima).
-template <int BLOCK, typename WeightFn>
-__device__ double inverse_cdf_invert(int64_t V, WeightFn weight, long long t, double v_aux) {
-  double P = 0.0, c_lo = 0.0, c_hi = -1.0, w_t = -1.0;  // c_lo: max of C over the tokens before t (and 0)
-  const int64_t S = num_segments(V), st = t / kSegment;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t begin = s * kSegment, end = segment_end(s, V);
-    if (s == st) {
-      P += segment_bin<BLOCK>(begin, end, weight, P, t, c_lo, &c_lo, &c_hi, &w_t);
-    } else {
-      const SegmentStats seg = segment_stats<BLOCK>(begin, end, weight);
-      if (s < st) c_lo = fmax(c_lo, P + seg.cmax);
-      P += seg.total;
-    }
-  }
-  return invert_from_bin(c_lo, c_hi, w_t, P, v_aux);
 }
 
 }  // namespace cuda
