@@ -7,9 +7,10 @@
 #
 #   build  pip install -e . with the CUDA kernels (16 jobs; 46-80 s on the H100 machine). A later step that finds
 #          no CUDA kernels (a fresh machine) builds first.
-#   test   every cuda / triton case of the op tests, FASTVERIFY_SLOW_TESTS=1 -> test.log
-#   bench  benchmarks/bench_gpu.py (with quick: --quick) -> bench.log, bench.json, bench.md (a RESULTS.md section
-#          with the GPU's name and the date)
+#   test   every cuda / triton case of the op tests, FASTVERIFY_SLOW_TESTS=1 -> test.log (TEST_WORKERS xdist
+#          workers, default 8; TEST_SECONDS=N stops the run after N s and still reports what ran, per file)
+#   bench  benchmarks/bench_gpu.py (with quick: --quick; BENCH_ONLY=verify,sampling,.. for --only) -> bench.log,
+#          bench.json, bench.md (a RESULTS.md section with the GPU's name and the date)
 #   e2e    SmolLM2-135M-Instruct on the GPU, greedy, batch 1: fastverify.patch(model) against plain generate and
 #          prompt lookup on Spec-Bench's 39 questions (E2E_PER_CATEGORY per category, default 3; benchmarks/e2e.py
 #          -> e2e.md, e2e.json, e2e.log). E2E_DRAFTERS names e2e.py --drafter choices, default "ngram bpd+ngram",
@@ -17,8 +18,9 @@
 #          overrides that). float32 by default (E2E_DTYPE=bfloat16 for bf16). Needs the carried model (below).
 #          On an H100 (2026-11-25) 13 questions took 2.4 min with these four methods, so the 39 take ~7.5: run it
 #          in a call of its own.
-#   e2e8   patched (n-gram) against plain generate at batch 8 (benchmarks/e2e_batch.py, 5 batches of 8 mixed
-#          questions: the 39 and the writing category's 4th -> e2e_batch.log). Needs the carried model.
+#   e2e8   patched against plain generate at batch 8 (benchmarks/e2e_batch.py, 5 batches of 8 mixed questions: the
+#          39 and the writing category's 4th -> e2e_batch.log; E2E8_METHODS, default "generate fastverify
+#          bpd+ngram", the n-gram drafter and the shipped heads). Needs the carried model.
 #   heads  train proposal heads for SmolLM2 on the GPU (python -m fastverify.train heads --device cuda): greedy
 #          self-distillation data from the carried prompts ($CARRY/prompts/prompts.jsonl.gz, written here by
 #          `scripts/gpu_model_pack.sh prompts`; Spec-Bench-overlapping prompts dropped against the carried
@@ -138,17 +140,26 @@ $PY -c "import fastverify; print('backends(cuda):', fastverify.backends('cuda'))
 
 if has test; then
   start=$(date +%s)
-  files=(tests/test_cuda_build.py tests/test_verify.py tests/test_sampling.py tests/test_masks.py
-         tests/test_tree_attention.py tests/test_triton_smoke.py tests/test_tree.py tests/test_cache.py
-         tests/test_verify_speculative_stats.py tests/test_sync_free.py tests/test_hf_layers.py)
+  # xdist hands cases out roughly in this order, so under TEST_SECONDS the files last in it are the ones cut
+  files=(tests/test_sync_free.py tests/test_hf_layers.py tests/test_sampling.py tests/test_verify.py tests/test_cache.py
+         tests/test_verify_speculative_stats.py tests/test_cuda_build.py tests/test_masks.py tests/test_tree.py
+         tests/test_tree_attention.py tests/test_triton_smoke.py)
   if [ -n "$DRY" ]; then  # collect only: the file list and the imports, no test runs on this machine
     $PY -m pytest -q -p no:cacheprovider --collect-only -k "cuda or triton" "${files[@]}" >"$OUT/test.log" 2>&1
     echo "tests (dry, collected only): rc=$?"; tail -1 "$OUT/test.log"
   else
     par=""; $PY -c "import xdist" 2>/dev/null && par="-n ${TEST_WORKERS:-8}"  # pytest-xdist where the image has it
     tmo=""; $PY -c "import pytest_timeout" 2>/dev/null && tmo="--timeout 300"
-    $PY -m pytest -q -rs -p no:cacheprovider $par $tmo -k "cuda or triton" "${files[@]}" >"$OUT/test.log" 2>&1
+    # TEST_SECONDS caps the run: pytest gets SIGINT then, stops and still prints its summary; -v names every case
+    # that ran in test.log
+    cap=(); [ -n "${TEST_SECONDS:-}" ] && cap=(timeout -s INT -k 20 "$TEST_SECONDS")
+    "${cap[@]}" $PY -m pytest -v -rs -p no:cacheprovider $par $tmo -k "cuda or triton" "${files[@]}" \
+      >"$OUT/test.log" 2>&1
     echo "tests: rc=$? in $(( $(date +%s) - start )) s"
+    # cases per file and outcome (xdist's "[gw0] [ 1%] PASSED tests/f.py::case" or plain "tests/f.py::case PASSED")
+    grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/[a-z_]+\.py|tests/[a-z_]+\.py::[^ ]+ (PASSED|FAILED|ERROR|SKIPPED)" \
+      "$OUT/test.log" | sed -E 's/^(tests\/[a-z_]+\.py)::[^ ]+ ([A-Z]+)$/\2 \1/' | sort | uniq -c |
+      awk '{printf "  %s %s %s\n", $3, $2, $1}' | sort
     grep -E "^(FAILED|ERROR)" "$OUT/test.log" | cut -c1-230 | head -60
     tail -3 "$OUT/test.log"
   fi
@@ -158,6 +169,7 @@ if has bench; then
   start=$(date +%s)
   args=(--json "$OUT/bench.json" --markdown "$OUT/bench.md")
   has quick && args+=(--quick)
+  [ -n "${BENCH_ONLY:-}" ] && args+=(--only "$BENCH_ONLY")
   [ -n "$DRY" ] && args+=(--dry-run)
   $PY benchmarks/bench_gpu.py "${args[@]}" >"$OUT/bench.log" 2>&1
   echo "bench: rc=$? in $(( $(date +%s) - start )) s"
@@ -296,7 +308,7 @@ if has e2e8; then
     [ -n "$DRY" ] && dev=cpu && batch=(--batch 2 --batches 1 --max-new-tokens 8 --threads 1)
     start=$(date +%s)
     $PY benchmarks/e2e_batch.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" \
-      --methods generate fastverify "${batch[@]}" >"$OUT/e2e_batch.log" 2>&1
+      --methods ${E2E8_METHODS:-generate fastverify bpd+ngram} "${batch[@]}" >"$OUT/e2e_batch.log" 2>&1
     echo "e2e batch ${batch[1]}: rc=$? in $(( $(date +%s) - start )) s"
     tail -6 "$OUT/e2e_batch.log" | cut -c1-400
   else
