@@ -138,7 +138,8 @@ def load_smollm2(dtype=torch.float32, cache_dir=None, *, device="cpu", gguf_path
     Returns:
         (model, tokenizer): a ``LlamaForCausalLM`` in eval mode and its tokenizer, whose ``chat_template``
         is the instruct model's ChatML template; ``eos_token`` is ``<|im_end|>`` (id 2), which also ends
-        generation (``model.generation_config.eos_token_id == 2``).
+        generation (``model.generation_config.eos_token_id == 2``). Its ``pad_token`` is ``<|im_end|>`` too:
+        some transformers versions (5.17) convert the GGUF without one, which batched (padded) calls need.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -152,4 +153,6 @@ def load_smollm2(dtype=torch.float32, cache_dir=None, *, device="cpu", gguf_path
     if not tokenizer.chat_template:
         raise RuntimeError(f"load_smollm2: the cached tokenizer in {cache_dir} lost its chat template; "
                            "delete that folder to rebuild it")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

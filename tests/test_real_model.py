@@ -46,11 +46,27 @@ def test_loader_architecture_and_chat_template(smollm2):
     assert 134e6 < sum(p.numel() for p in model.parameters()) < 136e6  # tied embeddings: counted once
     assert tok.eos_token == "<|im_end|>" and tok.convert_tokens_to_ids("<|im_end|>") == 2
     assert model.generation_config.eos_token_id == 2
+    assert tok.pad_token == "<|im_end|>"  # batched calls pad
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
                     "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     ids = _chat_ids(tok, "Hi")[0].tolist()
     assert ids[0] == 1 and tok.decode(ids) == text  # <|im_start|> is a single special token (id 1)
+
+
+def test_tokenizer_without_pad_token_gets_eos(monkeypatch):
+    # transformers 5.17 converts the GGUF's tokenizer without a pad token (5.24 keeps one): the loader fills it in
+    import transformers
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def without_pad(*a, **k):
+        tok = real(*a, **k)
+        tok.pad_token = None
+        return tok
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", without_pad)
+    _, tok = models.load_smollm2()
+    assert tok.pad_token == tok.eos_token == "<|im_end|>" and tok.pad_token_id == 2
 
 
 def test_model_answers_sensibly(smollm2):
