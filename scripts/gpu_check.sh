@@ -62,8 +62,11 @@
 # minutes therefore hold, back to back: `build test bench` carrying p0 (~8 min), `parts` carrying p1 (seconds), one
 # training step carrying ["gpu_carry/p2", "gpu_carry/prompts"] (PROMPTS=N packed; ~8 min), then `e2e` (~8 min, with
 # the heads just trained if the step was heads); e2e8 only in place of one of them. 15 device minutes (starts and
-# idle waits count) hold: `build test bench` carrying p0 (~8 min after a 1-2 min start), `parts` carrying p1, then
-# `E2E_PER_CATEGORY=1 bash scripts/gpu_check.sh e2e` carrying p2 (13 questions, ~3 min).
+# idle waits count) held, on 2026-11-26 (786 s in all, 114 s left): `TEST_WORKERS=14 TEST_SECONDS=150 ... build test`
+# carrying p0 (a fresh machine: 309 s of command, build 124 s; 344 s held), `BENCH_ONLY=ceilings,verify,sampling,compact
+# ... parts bench quick` carrying p1 (141 s), then `E2E_PER_CATEGORY=1 ... e2e e2e8` carrying p2 (282 s: checkpoint
+# 39 s, e2e with four methods on 13 questions 179 s; e2e8 stopped at once on a missing pad token, since fixed, so
+# its time on a GPU is unmeasured).
 #
 # e2e joins the parts, checks the archive's sha256 against the MANIFEST, installs the gguf wheel into $STASH/site and
 # builds the float32 checkpoint in $STASH/cache as fastverify.models.load_smollm2 does on a CPU (~15-30 s; the same
