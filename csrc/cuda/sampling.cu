@@ -84,11 +84,21 @@ __device__ __forceinline__ RawRowStats combine_partials(const SegmentScratch& sc
   return stats_from_partial(best, bad);
 }
 
+// Row r's warp before its thresholds: temperature and min_p over its statistics from the partials.
+__device__ __forceinline__ RowWarp stats_warp(const SegmentScratch& sc, int64_t r, int64_t S, const float* wp) {
+  return warp_from_stats(combine_partials(sc, r, S), wp[0], wp[3]);
+}
+
+// Whether row r (warp w from stats_warp, parameters wp) has top-k / top-p thresholds, which (2) resolves.
+__device__ __forceinline__ bool has_thresholds(const RowWarp& w, int64_t V, const float* wp) {
+  return w.valid && !w.greedy && warp_needs_thresholds(V, wp[1], wp[2]);
+}
+
 // Row r's warp: its statistics from the partials, its thresholds from (2) (every thread the same).
 __device__ __forceinline__ RowWarp row_warp(const SegmentScratch& sc, int64_t r, int64_t S, int64_t V,
                                             const float* wp) {
-  RowWarp w = warp_from_stats(combine_partials(sc, r, S), wp[0], wp[3]);
-  if (w.valid && !w.greedy && warp_needs_thresholds(V, wp[1], wp[2])) {
+  RowWarp w = stats_warp(sc, r, S, wp);
+  if (has_thresholds(w, V, wp)) {
     const long long thr = sc.thr[r];
     w.k_key = static_cast<uint32_t>(thr & 0xffffffffLL);
     w.use_k = (thr >> 32) & 1;
@@ -122,8 +132,8 @@ __global__ void __launch_bounds__(BLOCK)
   const int64_t S = num_segments(V);
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
     const float* wp = warp + r * 4;
-    RowWarp w = warp_from_stats(combine_partials(sc, r, S), wp[0], wp[3]);
-    if (!w.valid || w.greedy || !warp_needs_thresholds(V, wp[1], wp[2])) continue;  // the same for every thread
+    RowWarp w = stats_warp(sc, r, S, wp);
+    if (!has_thresholds(w, V, wp)) continue;  // the same for every thread
     resolve_thresholds<BLOCK>(logits + r * row_stride, V, wp[1], wp[2], w);
     if (threadIdx.x == 0) {
       sc.thr[r] = static_cast<long long>(w.k_key) | (static_cast<long long>(w.use_k) << 32) |
