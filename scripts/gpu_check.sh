@@ -156,7 +156,7 @@ if has test; then
     # TEST_SECONDS caps the run: pytest gets SIGINT then, stops and still prints its summary; -v names every case
     # that ran in test.log
     cap=(); [ -n "${TEST_SECONDS:-}" ] && cap=(timeout -s INT -k 20 "$TEST_SECONDS")
-    "${cap[@]}" $PY -m pytest -v -rs -p no:cacheprovider $par $tmo -k "cuda or triton" "${files[@]}" \
+    "${cap[@]}" $PY -m pytest -v -rfEs -p no:cacheprovider $par $tmo -k "cuda or triton" "${files[@]}" \
       >"$OUT/test.log" 2>&1
     echo "tests: rc=$? in $(( $(date +%s) - start )) s"
     # cases per file and outcome (xdist's "[gw0] [ 1%] PASSED tests/f.py::case" or plain "tests/f.py::case PASSED")
@@ -270,9 +270,10 @@ train_recipe() {
   mkdir -p "$OUT/$name" && cp "$STASH/$name/$file" "$STASH/$name/config.json" "$OUT/$name"/ 2>/dev/null
 }
 
+shipped_heads="--ffn 2 --save-dtype q8_0"  # the shipped heads' architecture and storage
 has heads && train_recipe heads heads heads.safetensors \
-  "--num-prompts 20000 --gen-batch 192 --data-minutes 3.5 --epochs 2 --ffn 2 --save-dtype q8_0" HEADS_ARGS \
-  "--epochs 1 --ffn 2 --save-dtype q8_0"
+  "--num-prompts 20000 --gen-batch 192 --data-minutes 3.5 --epochs 2 $shipped_heads" HEADS_ARGS \
+  "--epochs 1 $shipped_heads"
 has gad && train_recipe gad slots slots.safetensors \
   "--method gad --num-prompts 20000 --gen-batch 192 --data-minutes 3 --minutes 4" GAD_ARGS "--method gad --steps 4"
 has lud && train_recipe lud slots slots.safetensors \
