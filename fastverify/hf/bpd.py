@@ -189,6 +189,7 @@ class HeadsDrafter(Drafter):
                 raise ValueError(f"calibration: expected acceptance [{levels}, {edges.numel() - 1}], got "
                                  f"{tuple(acc.shape)}")
             self.calib_edges, self.calib_logp = edges[1:-1], torch.log(acc.clamp(min=1e-6))
+        self._calib_device = None
         self.fixed_cost, self.node_cost, self.min_gain = float(fixed_cost), float(node_cost), float(min_gain)
         if ngram is not None and not callable(getattr(ngram, "scored_nodes", None)):
             raise TypeError(f"ngram: expected an NGramDrafter (a drafter with scored_nodes), got "
@@ -228,17 +229,24 @@ class HeadsDrafter(Drafter):
 
     def _log_accept(self, d: int, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Estimated log-probability of acceptance of head p_{d+2}'s top candidates: values [..., width] (their
-        logits), logits [..., V'] (the head's row)."""
+        logits), logits [..., V'] (the head's row); float64, on the logits' device (no copy to the host)."""
         if self.score == "prob":
             t = self.temperature
-            return values / t - torch.logsumexp(logits / t, dim=-1, keepdim=True)
+            return (values / t - torch.logsumexp(logits / t, dim=-1, keepdim=True)).double()
         if self.score == "calibrated":
             prob = (values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
-            return self.calib_logp[d][torch.bucketize(prob.cpu(), self.calib_edges, right=True)]
+            edges, logp = self._calibration_on(values.device)
+            return logp[d][torch.bucketize(prob, edges, right=True)]
         ranks = min(values.shape[-1], self.rank_logp.shape[1])
         out = torch.full(values.shape, -math.inf, dtype=torch.float64)
         out[..., :ranks] = self.rank_logp[d, :ranks]
-        return out
+        return out.to(values.device)
+
+    def _calibration_on(self, device):
+        """The calibration table (bin edges, log acceptance) on ``device``, copied there once."""
+        if self._calib_device is None or self._calib_device[0].device != device:
+            self._calib_device = (self.calib_edges.to(device), self.calib_logp.to(device))
+        return self._calib_device
 
     @torch.no_grad()
     def observe_hidden(self, hidden: torch.Tensor, active=None) -> None:
@@ -300,10 +308,10 @@ class HeadsDrafter(Drafter):
         return torch.stack([self.candidates[b] for b in reqs])
 
     def _grow_level(self, d: int, state, tokens, owner):
-        """Sequential head p_{d+2} on the frontier: state [m, D], tokens (the frontier nodes' tokens) -> (the
-        heads' states [m, D], logits [m, V'])."""
+        """Sequential head p_{d+2} on the frontier: state [m, D], tokens (the frontier nodes' tokens: a list, or a
+        tensor on the drafter's device) -> (the heads' states [m, D], logits [m, V'])."""
         dev = state.device
-        e = self.embed[torch.tensor(tokens, dtype=torch.int64, device=self.embed.device)].to(dev).float()
+        e = self.embed[torch.as_tensor(tokens, dtype=torch.int64, device=self.embed.device)].to(dev).float()
         e = unit_rms(e)  # as ProposalHeads.step
         x = torch.cat([state, e], 1)
         a = F.silu(self._linear(x, self.step_weight[d], self.heads.bias[d]))
@@ -321,8 +329,9 @@ class HeadsDrafter(Drafter):
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def _grow_select(self, state, rows):
-        """The state of the frontier's nodes ``rows`` (indices into the last level's rows), which expand next."""
-        return state[torch.tensor(rows, dtype=torch.int64, device=state.device)]
+        """The state of the frontier's nodes ``rows`` (indices into the last level's rows: a list, or an int64 tensor
+        on the drafter's device), which expand next."""
+        return state[torch.as_tensor(rows, dtype=torch.int64, device=state.device)]
 
     @torch.no_grad()
     def _sequential_nodes(self, contexts, buds, drafting: int):
@@ -341,36 +350,41 @@ class HeadsDrafter(Drafter):
         for d in range(self.depth):
             state, logits = self._grow_level(d, state, tokens, owner)
             top = logits.topk(self.width, dim=-1)
-            cand = top.indices if self.subset is None else self.subset[top.indices]
-            score = self._log_accept(d, top.values, logits).double().cpu().tolist()
-            cand = cand.cpu().tolist()
-            children = {}  # request -> [(log-estimate, path, row)]
+            cands = top.indices if self.subset is None else self.subset[top.indices]
+            # the candidates and their log-estimates reach the host in one copy (float64 holds every token id)
+            both = torch.cat([self._log_accept(d, top.values, logits), cands.double()], 1).cpu()
+            score, cand = both[:, :self.width].tolist(), both[:, self.width:].long().tolist()
+            children = {}  # request -> [(log-estimate, path, row, column)]
             for j, b in enumerate(owner):
-                for c, s in zip(cand[j], score[j]):
+                for i, (c, s) in enumerate(zip(cand[j], score[j])):
                     lp = logp[j] + s
                     if lp > floor:
-                        children.setdefault(b, []).append((lp, paths[j] + (c,), j))
-            rows, owner, paths, logp, tokens = [], [], [], [], []
+                        children.setdefault(b, []).append((lp, paths[j] + (c,), j, i))
+            rows, cols, owner, paths, logp = [], [], [], [], []
             last = d + 1 >= self.depth
             for b, ch in children.items():
                 ch.sort(key=lambda x: -x[0])
-                out[b].extend((path, math.exp(lp)) for lp, path, _ in ch)
+                out[b].extend((path, math.exp(lp)) for lp, path, _, _ in ch)
                 if last:
                     continue
                 # a child is expanded when its best child is expected to join the cut: its estimate times the mean
                 # acceptance of the next head's top candidate above what a node must bring (``_join_logp``)
                 bar = self._join_logp(out[b], drafting) - self.ahead_logp[d + 1]
-                for lp, path, j in ch[:self.frontier]:
+                for lp, path, j, i in ch[:self.frontier]:
                     if lp <= bar:
                         break
                     rows.append(j)
+                    cols.append(i)
                     owner.append(b)
                     paths.append(path)
                     logp.append(lp)
-                    tokens.append(path[-1])
             if not rows:
                 break
-            state = self._grow_select(state, rows)
+            # the expanded nodes' rows and their tokens (picked from the candidates still on the device) from one
+            # copy to the device
+            sel = torch.tensor([rows, cols], dtype=torch.int64).to(cands.device)
+            tokens = cands[sel[0], sel[1]]
+            state = self._grow_select(state, sel[0])
         for b in reqs:
             out[b] = sorted(out[b], key=lambda item: (-item[1], len(item[0])))[:min(buds[b], self.max_nodes)]
         return out

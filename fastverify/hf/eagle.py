@@ -175,7 +175,7 @@ class EagleDrafter(HeadsDrafter):
         u, ak, av, pos = state
         if d == 0:  # the root row (the last committed token) already ran at ingest
             return state, self._project(u)
-        z, q, k, v = self._rows_in(u, torch.tensor(tokens, dtype=torch.int64), pos)
+        z, q, k, v = self._rows_in(u, torch.as_tensor(tokens, dtype=torch.int64), pos)
         ak, av = torch.cat([ak, k[:, None]], 1), torch.cat([av, v[:, None]], 1)  # ancestors, then the row itself
         scale = 1.0 / math.sqrt(self.layer.head_dim)
         s_anc = torch.einsum("rhd,rmhd->rhm", q, ak) * scale
@@ -192,7 +192,7 @@ class EagleDrafter(HeadsDrafter):
 
     def _grow_select(self, state, rows):
         u, ak, av, pos = state
-        idx = torch.tensor(rows, dtype=torch.int64, device=u.device)
+        idx = torch.as_tensor(rows, dtype=torch.int64, device=u.device)
         return u[idx], ak[idx], av[idx], pos[idx]
 
     def scored_nodes(self, contexts, budget):
