@@ -2,7 +2,8 @@
 # On a machine with one NVIDIA GPU (run so far on an H100 SXM 80GB): build fastverify._C with its CUDA kernels in
 # place, run every CUDA and Triton test on the GPU, time the GPU backends and run the end-to-end benchmark there.
 #
-#   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [heads] [gad] [lud] [ptp] [e2e] [e2e8] [parts] [dry]
+#   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [heads] [gad] [lud] [ptp] [e2e] [e2e8] [tune] [parts]
+#                             [dry]
 #                                                                            (default: build test bench)
 #
 #   build  pip install -e . with the CUDA kernels (16 jobs; 46-80 s on the H100 machine). A later step that finds
@@ -21,6 +22,10 @@
 #   e2e8   patched against plain generate at batch 8 (benchmarks/e2e_batch.py, 5 batches of 8 mixed questions: the
 #          39 and the writing category's 4th -> e2e_batch.log; E2E8_METHODS, default "generate fastverify
 #          bpd+ngram", the n-gram drafter and the shipped heads). Needs the carried model.
+#   tune   drafter variants side by side on the tuning questions (question 1 of each category; benchmarks/drafters.py
+#          -> drafters.log, drafters.json): TUNE_VARIANTS, default "ngram bpd+ngram bpd+ngram:node_cost=0.05
+#          bpd+ngram:node_cost=0.02" (the heads' cost model is the CPU's fit; a GPU's drafted rows cost less),
+#          TUNE_PASSES passes (default 1). Needs the carried model.
 #   heads  train proposal heads for SmolLM2 on the GPU (python -m fastverify.train heads --device cuda): greedy
 #          self-distillation data from the carried prompts ($CARRY/prompts/prompts.jsonl.gz, written here by
 #          `scripts/gpu_model_pack.sh prompts`; Spec-Bench-overlapping prompts dropped against the carried
@@ -66,7 +71,8 @@
 # carrying p0 (a fresh machine: 309 s of command, build 124 s; 344 s held), `BENCH_ONLY=ceilings,verify,sampling,compact
 # ... parts bench quick` carrying p1 (141 s), then `E2E_PER_CATEGORY=1 ... e2e e2e8` carrying p2 (282 s: checkpoint
 # 39 s, e2e with four methods on 13 questions 179 s; e2e8 stopped at once on a missing pad token, since fixed, so
-# its time on a GPU is unmeasured).
+# its time on a GPU is unmeasured). `tune` has not run on a GPU yet; its four variants on 13 questions should take
+# about what e2e's four methods took there (~3 min), so it can follow `e2e` in the third call with E2E_PER_CATEGORY=1.
 #
 # e2e joins the parts, checks the archive's sha256 against the MANIFEST, installs the gguf wheel into $STASH/site and
 # builds the float32 checkpoint in $STASH/cache as fastverify.models.load_smollm2 does on a CPU (~15-30 s; the same
@@ -134,8 +140,8 @@ has_cuda_kernels() {
 
 if has build; then
   build
-elif [ -z "$DRY" ] && { has test || has bench || has heads || has gad || has lud || has ptp || has e2e || has e2e8; } \
-    && ! has_cuda_kernels; then
+elif [ -z "$DRY" ] && { has test || has bench || has heads || has gad || has lud || has ptp || has e2e || has e2e8 \
+    || has tune; } && ! has_cuda_kernels; then
   echo "fastverify._C has no CUDA kernels here (a fresh machine?): building first"
   build
 fi
@@ -317,6 +323,22 @@ if has e2e8; then
     tail -6 "$OUT/e2e_batch.log" | cut -c1-400
   else
     echo "e2e8: skipped"
+  fi
+fi
+
+if has tune; then
+  if e2e_prepare; then
+    dev=cuda; one=(--per-category 1 --passes "${TUNE_PASSES:-1}")
+    [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --threads 1)
+    start=$(date +%s)
+    # shellcheck disable=SC2206  # TUNE_VARIANTS is a word list
+    variants=(${TUNE_VARIANTS:-ngram bpd+ngram bpd+ngram:node_cost=0.05 bpd+ngram:node_cost=0.02})
+    $PY benchmarks/drafters.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
+      --out "$OUT/drafters.json" "${variants[@]}" >"$OUT/drafters.log" 2>&1
+    echo "tune (drafters side by side): rc=$? in $(( $(date +%s) - start )) s"
+    grep -E "^\||per category|identical|Error" "$OUT/drafters.log" | cut -c1-400
+  else
+    echo "tune: skipped"
   fi
 fi
 

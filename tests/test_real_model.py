@@ -140,13 +140,18 @@ def test_patched_greedy_equals_generate(smollm2, prompt):
 
 # ------------------------------------------------------------------------------- the end-to-end benchmark
 
-def _e2e():
+def _bench(name):
+    """A script of benchmarks/ as a module."""
     import importlib.util
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "e2e.py")
-    spec = importlib.util.spec_from_file_location("fastverify_bench_e2e", path)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"fastverify_bench_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _e2e():
+    return _bench("e2e")
 
 
 def test_e2e_summary_arithmetic():
@@ -215,6 +220,41 @@ def test_e2e_runs_end_to_end(smollm2, tmp_path):
     import json
     dump = json.loads(out.read_text())
     assert dump["records"][0]["methods"]["fastverify"]["loop"]["steps"] >= 1
+
+
+def test_drafters_side_by_side(smollm2):
+    # benchmarks/drafters.py: variants parsed, run on our prompts, every output checked against the first variant's
+    # (and here against plain greedy too), the steps and the table consistent.
+    drafters = _bench("drafters")
+    assert drafters.parse_variant("bpd+ngram:node_cost=0.05,width=3,heads=DIR") == (
+        "bpd+ngram", {"node_cost": 0.05, "width": 3, "heads": "DIR"})
+    for bad in ("medusa", "bpd:node_cost", "ngram:heads=DIR"):
+        with pytest.raises(ValueError):
+            drafters.parse_variant(bad)
+    with pytest.raises(SystemExit):
+        drafters.parse_args(["ngram", "ngram"])
+    model, tok = smollm2
+    questions = [{"question_id": i, "category": c, "prompt": p} for i, (c, p) in enumerate(zip("ab", PROMPTS[:2]))]
+    variants = ["ngram", "bpd+ngram", "bpd+ngram:node_cost=0.05,width=2"]
+    lines = []
+    totals = drafters.run(model, tok, questions, variants, max_new_tokens=16, passes=1, log=lines.append)
+    assert lines == ["pass 1 of 1 done"]
+    for v in variants:
+        t = totals[v]
+        assert t["new_tokens"] == 32 and 2 <= t["steps"] <= 32 and set(t["by_category"]) == {"a", "b"}
+    table = drafters.report(totals, variants)
+    assert len(table) == 2 + len(variants) + len(variants) - 1 and table[2].startswith("| ngram | ")
+    # the reference: the model's own greedy output
+    ids = _chat_ids(tok, PROMPTS[0])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    fastverify.patch(model, drafter=drafters.make_drafter(model, "bpd+ngram", {"width": 2}))
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    finally:
+        fastverify.unpatch(model)
+    assert torch.equal(out, ref)
 
 
 def test_e2e_eagle_methods_need_a_checkpoint(capsys):
