@@ -684,6 +684,33 @@ def test_merged_cut_tells_the_ngram_drafter_what_it_kept(model):
     assert len(tree) > 0 and st.last_depth == tree.max_depth < offered, (len(tree), st.last_depth, offered)
 
 
+def test_merge_scored_agreement(model):
+    """merge_scored: "max" keeps the larger estimate of a shared path; "noisy_or" combines the two conditionals of a
+    shared node, 1 - (1 - a)(1 - b), and carries the rise to its subtree; parents before children either way."""
+    from fastverify.hf.drafters import merge_scored
+    own = [((1,), 0.5), ((1, 2), 0.25), ((3,), 0.2)]
+    other = [((1,), 0.4), ((1, 2), 0.2), ((1, 2, 7), 0.1), ((4,), 0.3)]
+    got = dict(merge_scored(own, other, 10))
+    assert got == {(1,): 0.5, (1, 2): 0.25, (1, 2, 7): 0.1, (3,): 0.2, (4,): 0.3}
+    nodes = merge_scored(own, other, 10, agree="noisy_or")
+    got = dict(nodes)
+    c1 = 1 - 0.5 * 0.6  # (1,): 0.5 and 0.4
+    c2 = 1 - 0.5 * 0.5  # (1, 2) given (1,): 0.5 and 0.5
+    assert got[(1,)] == pytest.approx(c1) and got[(1, 2)] == pytest.approx(c1 * c2)
+    assert got[(1, 2, 7)] == pytest.approx(c1 * c2 * 0.5)  # one source's conditional below the agreed nodes
+    assert got[(3,)] == pytest.approx(0.2) and got[(4,)] == pytest.approx(0.3)
+    seen = set()
+    for path, _ in nodes:
+        assert len(path) == 1 or path[:-1] in seen
+        seen.add(path)
+    assert [p for p, _ in merge_scored(own, other, 2, agree="noisy_or")] == [(1,), (1, 2)]
+    assert merge_scored([], other, 10, agree="noisy_or") == sorted(other, key=lambda x: (-x[1], len(x[0])))
+    with pytest.raises(ValueError, match="agree"):
+        merge_scored(own, other, 10, agree="mean")
+    with pytest.raises(ValueError, match="agree"):
+        HeadsDrafter(model, _random_heads(), agree="min")
+
+
 def test_q8_0_blocks_pack_exactly():
     """quantize_q8_0's blocks are what pack_blocks packs (zero blocks and tiny magnitudes included), each weight
     within half a step of its float32 value."""

@@ -49,8 +49,11 @@ yet: it drafts nothing (or the n-gram drafter's tree, when combined).
 
 Combined with an n-gram drafter (``ngram=NGramDrafter()``, "bpd+ngram"): both propose scored candidate nodes
 (the n-gram drafter's ``scored_nodes``: its candidates with their estimated path probabilities, before its own cost
-cut), the two sets become one trie (a path proposed by both once, with the larger estimate), and one cost-aware
-cut, the one above, keeps the best prefix of the union, at most ``max_nodes``. In a batch of R drafting requests
+cut), the two sets become one trie, and one cost-aware cut, the one above, keeps the best prefix of the union, at most
+``max_nodes``. A node both propose is scored as two independent pieces of evidence (``agree="noisy_or"``): its
+estimate given its parent is 1 - (1 - c_heads)(1 - c_ngram), and the nodes below it rise with it. On the tuning
+questions such nodes were accepted at 0.595 at depth 1 where the larger of the two estimates said 0.505 and the
+noisy-or 0.603 (``agree="max"`` keeps the larger one; benchmarks/RESULTS.md). In a batch of R drafting requests
 the cut uses ``node_cost * R`` (they share one forward: fastverify.hf.drafters.batch_drafting). So a strong
 n-gram match (a copy) is not crowded out by weak head candidates, and neither source's nodes are paid for twice.
 
@@ -105,10 +108,12 @@ class HeadsDrafter(Drafter):
     applied to the heads' logits before the softmax (score="prob"); fixed_cost, node_cost, min_gain: the cost
     model; ngram: an NGramDrafter to merge with (anything with its ``scored_nodes``), or None; ngram_confident:
     with ngram, a request whose n-gram candidates already expect at least this many accepted tokens (the sum of
-    their estimates) skips the heads' pass for the step (None: never).
+    their estimates) skips the heads' pass for the step (None: never); agree: with ngram, the estimate of a node
+    both propose (``merge_scored``: "noisy_or", the default, or "max").
     """
 
     wants_hidden = True
+    agree = "noisy_or"  # how a node both the heads and the n-gram drafter propose is scored (merge_scored)
 
     @property
     def _grows(self) -> bool:
@@ -118,12 +123,15 @@ class HeadsDrafter(Drafter):
     def __init__(self, model, heads: ProposalHeads, *, width: int = 4, max_nodes: int = 16, score: str = "auto",
                  head_acceptance=None, calibration=None, temperature: float = 1.0, fixed_cost: float = 0.1,
                  node_cost: float = 0.11, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None,
-                 frontier: int = 4, ngram_confident: float = 1.5):
+                 frontier: int = 4, ngram_confident: float = 1.5, agree: str = "noisy_or"):
         weight = output_projection(model)[0]
         if heads.hidden_size != weight.shape[1]:
             raise ValueError(f"heads: hidden size {heads.hidden_size}, the model's output projection takes "
                              f"{weight.shape[1]}")
         self.heads = heads.to(weight.device)
+        if agree not in ("max", "noisy_or"):
+            raise ValueError(f"agree: expected 'max' or 'noisy_or', got {agree!r}")
+        self.agree = agree
         self._setup(model, heads.vocab_subset, heads.num_heads, width=width, max_nodes=max_nodes, score=score,
                     head_acceptance=head_acceptance, calibration=calibration, temperature=temperature,
                     fixed_cost=fixed_cost, node_cost=node_cost, min_gain=min_gain, max_depth=max_depth, ngram=ngram,
@@ -431,7 +439,7 @@ class HeadsDrafter(Drafter):
         for b in range(B):
             nodes = heads[b]
             if ngram[b]:  # one trie of both proposals, cut by one cost model
-                nodes = merge_scored(nodes, ngram[b], buds[b])
+                nodes = merge_scored(nodes, ngram[b], buds[b], self.agree)
             tree, paths = (cut_scored(nodes, self.fixed_cost, self.node_cost, self.min_gain, drafting) if buds[b] > 0
                            else (empty_tree(), []))
             trees.append(tree)

@@ -56,14 +56,38 @@ def empty_tree() -> Tree:
     return Tree(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32), validate=False)
 
 
-def merge_scored(own, other, limit: int):
+def _conditionals(nodes):
+    """{path: estimate that the path's last token is accepted given its parent is} of scored nodes (each path's
+    prefixes among them)."""
+    est = dict(nodes)
+    out = {}
+    for path, prob in nodes:
+        above = est[path[:-1]] if len(path) > 1 else 1.0
+        out[path] = min(prob / above, 1.0) if above > 0 else 0.0
+    return out
+
+
+def merge_scored(own, other, limit: int, agree: str = "max"):
     """One trie of two drafters' scored nodes (lists of (path tuple, estimated probability that the whole path is
-    accepted), each holding every prefix of its paths): a path proposed by both keeps the larger estimate; best
-    first, at most ``limit``. A parent's estimate is >= its children's in either source, so a parent still comes
-    before its children (ties: the shorter path first)."""
-    merged = dict(own)
-    for path, prob in other:
-        merged[path] = max(prob, merged.get(path, 0.0))
+    accepted), each holding every prefix of its paths); best first, at most ``limit``. A path proposed by both:
+    ``agree="max"`` keeps the larger estimate; ``agree="noisy_or"`` treats the two as independent evidence for the
+    node: its conditional estimate (given its parent) is 1 - (1 - c_own)(1 - c_other), a node of one source keeps
+    its own conditional, and a path's estimate is the product along it, so the subtree below an agreed node rises
+    with it. Either way a parent's estimate is >= its children's, so a parent still comes before its children
+    (ties: the shorter path first)."""
+    if agree == "max":
+        merged = dict(own)
+        for path, prob in other:
+            merged[path] = max(prob, merged.get(path, 0.0))
+    elif agree == "noisy_or":
+        cond = _conditionals(own)
+        for path, c in _conditionals(other).items():
+            cond[path] = 1.0 - (1.0 - cond[path]) * (1.0 - c) if path in cond else c
+        merged = {}
+        for path in sorted(cond, key=len):  # parents first
+            merged[path] = cond[path] * (merged[path[:-1]] if len(path) > 1 else 1.0)
+    else:
+        raise ValueError(f"agree: expected 'max' or 'noisy_or', got {agree!r}")
     return sorted(merged.items(), key=lambda item: (-item[1], len(item[0])))[:limit]
 
 
