@@ -164,14 +164,21 @@ def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device, blocks=No
         parents_aug += aug
         cu_aug.append(cu_aug[-1] + len(aug))
 
+    # every list reaches the device in one copy per dtype (each torch.tensor(list, device=cuda) would be a copy of
+    # its own, and the host waits for each)
+    long = _upload([ids, pos, flat_tokens, row_batch, row_local, pad_len], torch.int64, device)
+    ids_t, pos_t = long[0].view(B, q), long[1].view(B, q)
+    parents_t, cu_aug_t, cache_t, cu_t, flat_parents_t = _upload(
+        [parents_aug, cu_aug, cache_len, cu, flat_parents], torch.int32, device)
+
     def t(x, dt=torch.int64):
         return torch.tensor(x, dtype=dt, device=device)
 
-    visible = tree_mask(t(parents_aug, torch.int32), t(cu_aug, torch.int32), t(cache_len, torch.int32),
-                        format="bool", validate=False, max_nodes=q, max_prefix=S)  # [B, q, S + q], no read-back
+    visible = tree_mask(parents_t, cu_aug_t, cache_t, format="bool", validate=False, max_nodes=q,
+                        max_prefix=S)  # [B, q, S + q], no read-back
     if S and any(pad_len):
         slot = torch.arange(S, device=device)
-        visible[:, :, :S] &= (slot[None, :] >= t(pad_len)[:, None])[:, None, :]
+        visible[:, :, :S] &= (slot[None, :] >= long[5][:, None])[:, None, :]
     if q > 1:
         diag = torch.arange(q, device=device)
         visible[:, diag, S + diag] = True  # padding rows see themselves: never an empty row
@@ -184,9 +191,17 @@ def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device, blocks=No
                 slot_rows[b, r] = True
                 if bidirectional:  # every slot of the block sees every other (GAD's non-autoregressive block)
                     visible[b, r[:, None], S + r[None, :]] = True
-    return StepInputs(t(ids), t(pos), _additive(visible, dtype), t(flat_tokens), t(cu, torch.int32),
-                      t(flat_parents, torch.int32), t(row_batch), t(row_local), slot_rows, slot_local, cu,
-                      flat_tokens)
+    return StepInputs(ids_t, pos_t, _additive(visible, dtype), long[2], cu_t, flat_parents_t, long[3], long[4],
+                      slot_rows, slot_local, cu, flat_tokens)
+
+
+def _upload(parts, dtype, device):
+    """Lists of ints (a list of rows for a 2-D part) -> one tensor each on ``device``, from one host tensor and one
+    copy; each part a contiguous slice of it."""
+    flat = [[v for row in x for v in row] if x and isinstance(x[0], list) else x for x in parts]
+    sizes = [len(x) for x in flat]
+    whole = torch.tensor([v for x in flat for v in x], dtype=dtype).to(device)
+    return list(whole.split(sizes))
 
 
 def _layers(cache):
