@@ -62,7 +62,7 @@ def _conditionals(nodes):
     est = dict(nodes)
     out = {}
     for path, prob in nodes:
-        above = est[path[:-1]] if len(path) > 1 else 1.0
+        above = est.get(path[:-1], 1.0)  # the root's (), or a prefix the list lacks: the path's own estimate
         out[path] = min(prob / above, 1.0) if above > 0 else 0.0
     return out
 
@@ -85,7 +85,7 @@ def merge_scored(own, other, limit: int, agree: str = "max"):
             cond[path] = 1.0 - (1.0 - cond[path]) * (1.0 - c) if path in cond else c
         merged = {}
         for path in sorted(cond, key=len):  # parents first
-            merged[path] = cond[path] * (merged[path[:-1]] if len(path) > 1 else 1.0)
+            merged[path] = cond[path] * merged.get(path[:-1], 1.0)
     else:
         raise ValueError(f"agree: expected 'max' or 'noisy_or', got {agree!r}")
     return sorted(merged.items(), key=lambda item: (-item[1], len(item[0])))[:limit]
