@@ -166,9 +166,9 @@ def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device, blocks=No
 
     # every list reaches the device in one copy per dtype (each torch.tensor(list, device=cuda) would be a copy of
     # its own, and the host waits for each)
-    long = _upload([ids, pos, flat_tokens, row_batch, row_local, pad_len], torch.int64, device)
+    long = upload_lists([ids, pos, flat_tokens, row_batch, row_local, pad_len], torch.int64, device)
     ids_t, pos_t = long[0].view(B, q), long[1].view(B, q)
-    parents_t, cu_aug_t, cache_t, cu_t, flat_parents_t = _upload(
+    parents_t, cu_aug_t, cache_t, cu_t, flat_parents_t = upload_lists(
         [parents_aug, cu_aug, cache_len, cu, flat_parents], torch.int32, device)
 
     def t(x, dt=torch.int64):
@@ -195,7 +195,7 @@ def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device, blocks=No
                       slot_rows, slot_local, cu, flat_tokens)
 
 
-def _upload(parts, dtype, device):
+def upload_lists(parts, dtype, device):
     """Lists of ints (a list of rows for a 2-D part) -> one tensor each on ``device``, from one host tensor and one
     copy; each part a contiguous slice of it."""
     flat = [[v for row in x for v in row] if x and isinstance(x[0], list) else x for x in parts]

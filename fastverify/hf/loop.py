@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastverify.hf.attention import (cache_kwargs, crop_cache, forward_takes, gqa_attention, new_cache, prefill_inputs,
-                                     step_inputs)
+                                     step_inputs, upload_lists)
 from fastverify.hf.drafters import empty_tree
 from fastverify.hf.layers import lean_layers
 from fastverify.hf.linear import skinny_linears
@@ -319,11 +319,11 @@ class Decoder:
         if in_place:  # every kept slot already sits where it belongs (B = 1 chains, the common case)
             crop_cache(self.cache, S + max(keep))
         else:
-            keep_t = torch.tensor(keep, dtype=torch.int32, device=self.device)
-            acc = torch.cat([torch.zeros(B, 1, dtype=torch.int32, device=self.device),
-                             res.accepted.to(torch.int32).clamp(min=-1) + 1], dim=1)
-            compact_cache(self.cache, torch.tensor(cache_len, dtype=torch.int32, device=self.device), S, acc, keep_t,
-                          backend=s.backend)
+            # per request the step's slots to keep: 0 (the root), then 1 + each accepted node (0 past the path),
+            # with the kept counts and the cache lengths, in one copy to the device
+            acc = [[0] + [max(a, -1) + 1 for a in accepted[b]] for b in range(B)]
+            lens_t, acc_t, keep_t = upload_lists([cache_len, acc, keep], torch.int32, self.device)
+            compact_cache(self.cache, lens_t, S, acc_t.view(B, -1), keep_t, backend=s.backend)
         self.cache_len = [c + k for c, k in zip(cache_len, keep)]
         crop_cache(self.cache, max(self.cache_len))
         self._sync()
@@ -460,9 +460,9 @@ class Decoder:
             self.hidden.value = None
             self.drafter.observe_path(list(hidden.split([len(rs) for rs in rows])), active)
             return
-        rows = [cu[b] + b + (accepted[b][accept_len[b] - 1] + 1 if accept_len[b] > 0 else 0) for b in range(self.B)]
-        rows = torch.tensor(rows, dtype=torch.int64, device=inp.row_batch.device)
-        hidden = self.hidden.value[inp.row_batch[rows], inp.row_local[rows]]
+        local = [accepted[b][accept_len[b] - 1] + 1 if accept_len[b] > 0 else 0 for b in range(self.B)]
+        where = torch.tensor([list(range(self.B)), local], dtype=torch.int64).to(inp.row_batch.device)
+        hidden = self.hidden.value[where[0], where[1]]  # request b's output row of that node (0: the root)
         self.hidden.value = None
         self.drafter.observe_hidden(hidden, active)
 
