@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.heads import ProposalHeads, load_heads, output_projection, unit_rms
-from fastverify.hf.drafters import Drafter, batch_drafting, cut_scored, empty_tree, merge_scored
+from fastverify.hf.drafters import MERGE_RULES, Drafter, batch_drafting, cut_scored, empty_tree, merge_scored
 from fastverify.hf.linear import skinny_available
 from fastverify.ops.linear import PackedWeight, pack_blocks, skinny_linear, skinny_linear_packed
 from fastverify.tree import Tree
@@ -129,8 +129,8 @@ class HeadsDrafter(Drafter):
             raise ValueError(f"heads: hidden size {heads.hidden_size}, the model's output projection takes "
                              f"{weight.shape[1]}")
         self.heads = heads.to(weight.device)
-        if agree not in ("max", "noisy_or"):
-            raise ValueError(f"agree: expected 'max' or 'noisy_or', got {agree!r}")
+        if agree not in MERGE_RULES:
+            raise ValueError(f"agree: expected one of {MERGE_RULES}, got {agree!r}")
         self.agree = agree
         self._setup(model, heads.vocab_subset, heads.num_heads, width=width, max_nodes=max_nodes, score=score,
                     head_acceptance=head_acceptance, calibration=calibration, temperature=temperature,

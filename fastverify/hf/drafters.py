@@ -67,6 +67,9 @@ def _conditionals(nodes):
     return out
 
 
+MERGE_RULES = ("max", "noisy_or")  # merge_scored's ways to score a path both sources propose
+
+
 def merge_scored(own, other, limit: int, agree: str = "max"):
     """One trie of two drafters' scored nodes (lists of (path tuple, estimated probability that the whole path is
     accepted), each holding every prefix of its paths); best first, at most ``limit``. A path proposed by both:
@@ -87,7 +90,7 @@ def merge_scored(own, other, limit: int, agree: str = "max"):
         for path in sorted(cond, key=len):  # parents first
             merged[path] = cond[path] * merged.get(path[:-1], 1.0)
     else:
-        raise ValueError(f"agree: expected 'max' or 'noisy_or', got {agree!r}")
+        raise ValueError(f"agree: expected one of {MERGE_RULES}, got {agree!r}")
     return sorted(merged.items(), key=lambda item: (-item[1], len(item[0])))[:limit]
 
 

@@ -309,7 +309,7 @@ class Decoder:
             slots.observe_slots([step_logits[b, inp.slot_local[b][blocks[b].index(ends[b])]]
                                  if self.remaining(b) > 0 and ends[b] in blocks[b] else None for b in range(B)])
         if self.hidden is not None:  # drafters that read the target: the row that gave each next token
-            self._hand_hidden(inp, cu, accepted, accept_len)
+            self._hand_hidden(inp, accepted, accept_len)
         self.root = [self.contexts[b][-1] if self.remaining(b) > 0 else s.pad_token_id for b in range(B)]
         t5 = time.perf_counter()
 
@@ -446,25 +446,25 @@ class Decoder:
             f"the next token depends on. Plain greedy generate would emit an arbitrary token there (argmax of a "
             f"NaN row). Check the model's weights and dtype (float16 overflow is the usual cause).")
 
-    def _hand_hidden(self, inp, cu, accepted, accept_len):
+    def _hand_hidden(self, inp, accepted, accept_len):
         """drafter.observe_hidden(hidden [B, D], active): the output projection's input at the row where each
         request's accepted path ends (its root row when nothing was accepted), from this step's forward. A drafter
         with ``wants_path_hidden`` gets observe_path(rows, active) instead: per request the rows of the whole
         accepted path [accept_len + 1, D] (root, then each accepted node), which produced the committed tokens."""
         active = [self.remaining(b) > 0 for b in range(self.B)]
-        if getattr(self.drafter, "wants_path_hidden", False):
-            rows = [[cu[b] + b] + [cu[b] + b + 1 + j for j in accepted[b][:max(accept_len[b], 0)]]
-                    for b in range(self.B)]
-            flat = torch.tensor([r for rs in rows for r in rs], dtype=torch.int64, device=inp.row_batch.device)
-            hidden = self.hidden.value[inp.row_batch[flat], inp.row_local[flat]]
-            self.hidden.value = None
-            self.drafter.observe_path(list(hidden.split([len(rs) for rs in rows])), active)
-            return
-        local = [accepted[b][accept_len[b] - 1] + 1 if accept_len[b] > 0 else 0 for b in range(self.B)]
-        where = torch.tensor([list(range(self.B)), local], dtype=torch.int64).to(inp.row_batch.device)
-        hidden = self.hidden.value[where[0], where[1]]  # request b's output row of that node (0: the root)
+        path = getattr(self.drafter, "wants_path_hidden", False)
+        # per request its output rows (0: the root, 1 + j: draft node j): the whole accepted path, or its end
+        local = [[0] + [1 + j for j in accepted[b][:max(accept_len[b], 0)]] for b in range(self.B)]
+        if not path:
+            local = [rows[-1:] for rows in local]
+        where = torch.tensor([[b for b, rows in enumerate(local) for _ in rows], [r for rows in local for r in rows]],
+                             dtype=torch.int64).to(inp.row_batch.device)
+        hidden = self.hidden.value[where[0], where[1]]  # one copy of the (request, row) pairs to the device
         self.hidden.value = None
-        self.drafter.observe_hidden(hidden, active)
+        if path:
+            self.drafter.observe_path(list(hidden.split([len(rows) for rows in local])), active)
+        else:
+            self.drafter.observe_hidden(hidden, active)
 
     def close(self):
         if self.hidden is not None:
