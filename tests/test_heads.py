@@ -401,13 +401,16 @@ def test_hidden_state_handed_to_drafter_equals_plain_forward(model):
 
 
 class _ScoredNodes(Drafter):
-    """A stand-in n-gram drafter: the same scored candidate nodes for every request."""
+    """A stand-in n-gram drafter: the same scored candidate nodes for every request, and its own cost model."""
 
-    def __init__(self, nodes):
-        self.nodes = nodes
+    def __init__(self, nodes, fixed_cost=0.05, node_cost=0.01, min_gain=1.0):
+        self.nodes, self.fixed_cost, self.node_cost, self.min_gain = nodes, fixed_cost, node_cost, min_gain
 
     def scored_nodes(self, contexts, budget):
         return [list(self.nodes) for _ in contexts]
+
+    def step_fixed_cost(self):
+        return self.fixed_cost
 
 
 def test_bpd_ngram_is_one_trie_cut_by_one_cost_model(model):
@@ -421,9 +424,9 @@ def test_bpd_ngram_is_one_trie_cut_by_one_cost_model(model):
     # merged, best first: 5 (0.9), 5-6 (0.8), 8 (0.3), 8-6 (0.12), ...; expected tokens per cost peaks at three
     # nodes (3.0 / 1.28), and the path both proposed appears once
     assert tree.tokens.tolist() == [5, 6, 8] and tree.parents.tolist() == [-1, 0, -1]
-    d.candidates[0] = None  # no heads' candidates (the first step): the n-gram nodes alone, same cost model
-    tree = d.propose([[1, 2, 3]], [16])[0]
-    assert tree.tokens.tolist() == [5, 6] and tree.parents.tolist() == [-1, 0]
+    d.candidates[0] = None  # no heads' candidates (the first step): the n-gram drafter's own step, its own cost
+    tree = d.propose([[1, 2, 3]], [16])[0]  # model (node_cost 0.01: 2.75 / 1.08 beats 2.7 / 1.07; the heads': 2.7 / 1.22)
+    assert tree.tokens.tolist() == [5, 6, 7] and tree.parents.tolist() == [-1, 0, -1]
     assert len(d.propose([[1, 2, 3]], [0])[0]) == 0  # no budget: no draft
 
 
@@ -443,9 +446,10 @@ def test_heads_skipped_where_the_ngram_candidates_are_confident(model):
     assert trees(None, [[1, 2, 3]]) == [[5, 6, 8, 9]]
     assert trees(2.0, [[1, 2, 3]]) == [[5, 6, 8, 9]]  # 1.7 < 2.0: the heads run
     assert trees(1.5, [[1, 2, 3]]) == [[5, 6]]
+    per_request = _ScoredNodes(None)
+    per_request.scored_nodes = lambda c, b: [[((5,), 0.9), ((5, 6), 0.8)], [((5,), 0.5)]]
     mixed = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V)), fixed_cost=0.1, node_cost=0.02,
-                         min_gain=1.0, ngram=type("PerRequest", (Drafter,), {"scored_nodes": lambda self, c, b: [
-                             [((5,), 0.9), ((5, 6), 0.8)], [((5,), 0.5)]]})())
+                         min_gain=1.0, ngram=per_request)
     mixed.reset(2)
     mixed.candidates = [cand, cand]
     got = [t.tokens.tolist() for t in mixed.propose([[1, 2, 3], [1, 2, 4]], [16, 16])]
@@ -675,13 +679,44 @@ def test_merged_cut_tells_the_ngram_drafter_what_it_kept(model):
     """bpd+ngram: after the one cut of the merged trie, the n-gram drafter's depth adaptation reads the depth of its
     own kept candidates (what its own cut would have kept), not of every candidate it offered."""
     ngram = NGramDrafter()
-    drafter = HeadsDrafter(model, _random_heads(), ngram=ngram, node_cost=1.0, fixed_cost=0.0, min_gain=0.0)
+    drafter = HeadsDrafter(model, _random_heads(), ngram=ngram, node_cost=1.0, fixed_cost=0.0, min_gain=0.0,
+                           ngram_confident=None)
     ctx = [_repetitive(40, 3)]
     drafter.reset(1)
+    # a heads' candidate (one unlikely node per depth, a token absent from the context), so that the merged trie is
+    # cut by the heads' cost model (without one the request takes the n-gram drafter's own step)
+    absent = next(t for t in range(V) if t not in ctx[0])
+    drafter.candidates[0] = ([[absent]] * 3, torch.full((3, 1), 1e-3, dtype=torch.float64).log())
     tree = drafter.propose(ctx, [16])[0]
     st = ngram.states[0]
     offered = max(len(p) for _, p in st.pending[2])
     assert len(tree) > 0 and st.last_depth == tree.max_depth < offered, (len(tree), st.last_depth, offered)
+
+
+def test_step_without_heads_candidates_is_the_ngram_drafters_own(model):
+    """bpd+ngram: a request the heads propose nothing for (the first step; a confident copy) gets the tree the
+    n-gram drafter alone proposes (its own cost model), step after step; one with heads' candidates gets the merged
+    cut. An ngram without a cost model is refused."""
+    ctx = _repetitive(40, 3)
+    for confident in (None, 1.5):
+        alone, inner = NGramDrafter(), NGramDrafter()
+        drafter = HeadsDrafter(model, _random_heads(), ngram=inner, node_cost=1.0, fixed_cost=0.0, min_gain=0.0,
+                               ngram_confident=confident)
+        alone.reset(1)
+        drafter.reset(1)
+        for L in (20, 24, 31, 40):  # candidates None at every step: no hidden state was handed
+            want = alone.propose([ctx[:L]], [16])[0]
+            got = drafter.propose([ctx[:L]], [16])[0]
+            assert len(want) > 0 and got.tokens.tolist() == want.tokens.tolist(), (L, confident)
+            assert got.parents.tolist() == want.parents.tolist()
+            acc = min(2, len(want))
+            alone.update([acc])
+            drafter.update([acc])
+    drafter.candidates[0] = ([[ctx[0]]] * 3, torch.full((3, 1), 1e-3, dtype=torch.float64).log())
+    drafter.ngram_confident = None
+    assert len(drafter.propose([ctx], [16])[0]) == 1  # merged and cut at node_cost 1.0: one node
+    with pytest.raises(TypeError, match="ngram"):
+        HeadsDrafter(model, _random_heads(), ngram=type("NoCost", (Drafter,), {"scored_nodes": lambda s, c, b: []})())
 
 
 def test_merge_scored_agreement(model):
