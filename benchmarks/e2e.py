@@ -576,6 +576,17 @@ def _is_float(v):
         return False
 
 
+def parse_options(p, flag, items, strings=False):
+    """KEY=VALUE items of ``flag`` -> {key: int or float (or, with strings, the text itself)}; a parser error
+    naming the flag otherwise."""
+    try:
+        pairs = [a.split("=", 1) for a in items]
+        return {k: (int(v) if v.lstrip("-").isdigit() else float(v) if not strings or _is_float(v) else v)
+                for k, v in pairs}
+    except ValueError:
+        p.error(f"{flag}: expected KEY={'VALUE' if strings else 'NUMBER'} pairs, got {items}")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -645,16 +656,8 @@ def parse_args(argv=None):
     if "generate" not in args.methods:
         args.methods = ["generate"] + args.methods
     args.methods = [m for m in METHODS if m in args.methods]
-    try:
-        pairs = (a.split("=", 1) for a in args.ngram)
-        args.ngram = {k: (int(v) if v.lstrip("-").isdigit() else float(v)) for k, v in pairs}
-    except ValueError:
-        p.error(f"--ngram: expected KEY=NUMBER pairs, got {args.ngram}")
-    try:
-        pairs = [a.split("=", 1) for a in args.bpd]
-        args.bpd = {k: (int(v) if v.lstrip("-").isdigit() else float(v) if _is_float(v) else v) for k, v in pairs}
-    except ValueError:
-        p.error(f"--bpd: expected KEY=VALUE pairs, got {args.bpd}")
+    args.ngram = parse_options(p, "--ngram", args.ngram)
+    args.bpd = parse_options(p, "--bpd", args.bpd, strings=True)
     if any(m.startswith("eagle") for m in args.methods) and not args.eagle:
         p.error("--eagle: the eagle methods need an EAGLE checkpoint folder (python -m fastverify.train eagle)")
     args.name = "e2e_quick" if args.quick else "e2e"

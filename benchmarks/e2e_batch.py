@@ -6,6 +6,7 @@ eagle+ngram; checkpoint folder ``--eagle``). Batches take one question
 from each of B different categories in turn (mixed prompts), so requests finish and accept at different rates.
 Reports per method: identical rows, tokens per request-step of the loop, tok/s (all requests' new tokens / wall
 time), speedup over generate and over n-gram fastverify (geometric mean over batches). Methods rotate per batch.
+``--ngram`` / ``--bpd`` pass drafter options as in e2e.py (fresh drafters per generate call, as there).
 
   python benchmarks/e2e_batch.py --batch 4 --batches 4 --max-new-tokens 128
 """
@@ -19,7 +20,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import DEFAULT_QUESTIONS, ROOT, _sync, load_questions, machine_info  # noqa: E402
+from e2e import (DEFAULT_QUESTIONS, ROOT, _sync, heads_drafter, load_questions, machine_info,  # noqa: E402
+                 parse_options)
 
 METHODS = ["generate", "fastverify", "bpd", "bpd+ngram", "eagle", "eagle+ngram"]
 
@@ -38,7 +40,13 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the model's dtype")
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
+    p.add_argument("--ngram", nargs="+", default=[], metavar="KEY=NUMBER",
+                   help="NGramDrafter arguments (fastverify and the n-gram drafter of the +ngram methods)")
+    p.add_argument("--bpd", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="HeadsDrafter arguments of bpd / bpd+ngram, e.g. --bpd node_cost=0.08 agree=max")
     args = p.parse_args(argv)
+    args.ngram = parse_options(p, "--ngram", args.ngram)
+    args.bpd = parse_options(p, "--bpd", args.bpd, strings=True)
     for name in ("batch", "batches", "max_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
@@ -53,12 +61,10 @@ def main(argv=None):
     import transformers
     transformers.logging.set_verbosity_error()
     import fastverify
-    from fastverify.heads import load_heads
     from fastverify.models import load_smollm2
 
     info = machine_info()
     model, tok = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)
-    heads, cfg = load_heads(args.heads, model)
     qs = load_questions(os.path.normpath(os.path.join(ROOT, args.questions)), None, None, args.offset)
     by_cat = {}
     for q in qs:
@@ -71,16 +77,10 @@ def main(argv=None):
                 f"after --offset {args.offset}")
     batches = [[by_cat[c][i] for c, i in picks[b * args.batch:(b + 1) * args.batch]] for b in range(args.batches)]
 
-    def drafter(m):
+    def drafter(m):  # fresh per generate call, as e2e.py makes them
         if m == "fastverify":
-            return fastverify.NGramDrafter()
-        if m.startswith("eagle"):
-            from fastverify.hf.eagle import load_eagle_drafter
-            return load_eagle_drafter(args.eagle, model,
-                                      ngram=fastverify.NGramDrafter() if m == "eagle+ngram" else None)
-        return fastverify.HeadsDrafter(model, heads, head_acceptance=cfg.get("head_acceptance"),
-                                       calibration=cfg.get("calibration"),
-                                       ngram=fastverify.NGramDrafter() if m == "bpd+ngram" else None)
+            return fastverify.NGramDrafter(**args.ngram)
+        return heads_drafter(model, m, args.ngram, {"heads": args.heads, "options": args.bpd, "eagle": args.eagle})
 
     tok.padding_side = "left"
     res = {m: {"seconds": [], "tokens": [], "identical": 0, "rows": 0, "tps": []} for m in args.methods}
