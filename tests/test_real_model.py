@@ -212,7 +212,7 @@ def test_e2e_runs_end_to_end(smollm2, tmp_path):
     e2e = _e2e()
     out = tmp_path / "e2e.json"
     summary = e2e.main(["--quick", "--categories", "rewrite", "--max-new-tokens", "24", "--no-results", "--no-plot",
-                        "--no-progress", "--out", str(out)])
+                        "--no-progress", "--repeats", "2", "--out", str(out)])
     overall = summary["overall"]
     assert overall["questions"] == 1
     assert overall["fastverify"]["identical"] == 1 and overall["prompt_lookup"]["identical"] == 1
@@ -220,6 +220,10 @@ def test_e2e_runs_end_to_end(smollm2, tmp_path):
     import json
     dump = json.loads(out.read_text())
     assert dump["records"][0]["methods"]["fastverify"]["loop"]["steps"] >= 1
+    for r in dump["records"][0]["methods"].values():  # two rounds each, the time the fastest
+        assert len(r["rounds"]) == 2 and r["seconds"] == min(r["rounds"])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--repeats", "0"])
 
 
 def test_drafters_side_by_side(smollm2):
