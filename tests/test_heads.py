@@ -424,8 +424,10 @@ def test_bpd_ngram_is_one_trie_cut_by_one_cost_model(model):
     # merged, best first: 5 (0.9), 5-6 (0.8), 8 (0.3), 8-6 (0.12), ...; expected tokens per cost peaks at three
     # nodes (3.0 / 1.28), and the path both proposed appears once
     assert tree.tokens.tolist() == [5, 6, 8] and tree.parents.tolist() == [-1, 0, -1]
-    d.candidates[0] = None  # no heads' candidates (the first step): the n-gram drafter's own step, its own cost
-    tree = d.propose([[1, 2, 3]], [16])[0]  # model (node_cost 0.01: 2.75 / 1.08 beats 2.7 / 1.07; the heads': 2.7 / 1.22)
+    # no heads' candidates (the first step): the n-gram drafter's own step, its own cost model (node_cost 0.01:
+    # 2.75 / 1.08 beats 2.7 / 1.07; under the heads' it would not: 2.7 / 1.22 beats 2.75 / 1.28)
+    d.candidates[0] = None
+    tree = d.propose([[1, 2, 3]], [16])[0]
     assert tree.tokens.tolist() == [5, 6, 7] and tree.parents.tolist() == [-1, 0, -1]
     assert len(d.propose([[1, 2, 3]], [0])[0]) == 0  # no budget: no draft
 

@@ -205,7 +205,8 @@ class HeadsDrafter(Drafter):
             self.calib_edges, self.calib_logp = edges[1:-1], torch.log(acc.clamp(min=1e-6))
         self._calib_device = None
         self.fixed_cost, self.node_cost, self.min_gain = float(fixed_cost), float(node_cost), float(min_gain)
-        if ngram is not None and not all(callable(getattr(ngram, f, None)) for f in ("scored_nodes", "step_fixed_cost")):
+        if ngram is not None and not all(callable(getattr(ngram, f, None))
+                                         for f in ("scored_nodes", "step_fixed_cost")):
             raise TypeError(f"ngram: expected an NGramDrafter (a drafter with scored_nodes and its cost model), got "
                             f"{type(ngram).__name__}")
         self.ngram = ngram
