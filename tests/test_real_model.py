@@ -226,6 +226,21 @@ def test_e2e_runs_end_to_end(smollm2, tmp_path):
         e2e.parse_args(["--repeats", "0"])
 
 
+def test_e2e_batch_runs_with_drafter_options(smollm2, capsys):
+    # benchmarks/e2e_batch.py on our quick prompts: a batch of two mixed prompts, drafter options passed through,
+    # every row identical to batched greedy generate; a malformed option is refused naming its flag.
+    batch = _bench("e2e_batch")
+    batch.main(["--questions", "benchmarks/quick_prompts.jsonl", "--batch", "2", "--batches", "1",
+                "--max-new-tokens", "12", "--methods", "fastverify", "bpd+ngram", "--bpd", "agree=max",
+                "node_cost=0.08", "--ngram", "max_depth=8"])
+    out = capsys.readouterr().out
+    for m in ("generate", "fastverify", "bpd+ngram"):
+        assert f"| {m} | 2/2 |" in out, out
+    with pytest.raises(SystemExit):
+        batch.main(["--bpd", "agree"])
+    assert "--bpd: expected KEY=VALUE pairs" in capsys.readouterr().err
+
+
 def test_drafters_side_by_side(smollm2):
     # benchmarks/drafters.py: variants parsed, run on our prompts, every output checked against the first variant's
     # (and here against plain greedy too), the steps and the table consistent.
