@@ -400,17 +400,15 @@ def test_hidden_state_handed_to_drafter_equals_plain_forward(model):
         h.remove()
 
 
-class _ScoredNodes(Drafter):
-    """A stand-in n-gram drafter: the same scored candidate nodes for every request, and its own cost model."""
+class _ScoredNodes(NGramDrafter):
+    """An n-gram drafter with the same scored candidate nodes for every request (its own cost cut)."""
 
     def __init__(self, nodes, fixed_cost=0.05, node_cost=0.01, min_gain=1.0):
-        self.nodes, self.fixed_cost, self.node_cost, self.min_gain = nodes, fixed_cost, node_cost, min_gain
+        super().__init__(fixed_cost=fixed_cost, node_cost=node_cost, min_gain=min_gain)
+        self.nodes = nodes
 
     def scored_nodes(self, contexts, budget):
         return [list(self.nodes) for _ in contexts]
-
-    def step_fixed_cost(self):
-        return self.fixed_cost
 
 
 def test_bpd_ngram_is_one_trie_cut_by_one_cost_model(model):

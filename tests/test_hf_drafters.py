@@ -42,17 +42,36 @@ def test_ngram_chain_from_prompt_lookup():
     assert _paths(tree) == [[10, 11, 12, 50]]
 
 
-def test_ngram_tree_of_continuations_most_recent_first():
+def test_ngram_tree_of_continuations_best_first():
     d = NGramDrafter(max_n=2, depth=3, width=3, **OFF)
     d.reset(1)
     # "5 6" was followed by 1 2 3, then 1 2 4, then 9 9 9: a trie with the shared prefix 1 2 merged
     ctx = [5, 6, 1, 2, 3, 0, 5, 6, 1, 2, 4, 0, 5, 6, 9, 9, 9, 0, 5, 6]
     (tree,) = d.propose([ctx], [16])
     paths = _paths(tree)
-    assert paths[0] == [9, 9, 9]  # most recent match first
+    assert paths[0][:2] == [1, 2]  # nodes best first: 1 2 continues two of the three matches, 9 one
     assert sorted(paths) == sorted([[9, 9, 9], [1, 2, 4], [1, 2, 3]])
     assert len(tree) == 3 + 3 + 1  # 9 9 9 | 1 2 4 | 3 (prefix 1 2 shared)
     assert tree.max_depth == 3
+
+
+@pytest.mark.parametrize("costs", [dict(node_cost=0.1), dict(fixed_cost=0.3, node_cost=0.05), OFF],
+                         ids=["node", "fixed+node", "off"])
+def test_ngram_propose_is_its_cut_of_its_scored_nodes(costs):
+    """propose = cut(scored_nodes): one cost cut, the one a drafter merging the n-gram nodes with its own calls
+    (fastverify.hf.bpd, fastverify.hf.slots); with fixed_cost = node_cost = 0 it keeps every scored node."""
+    ctx = [1, 2, 3, 4, 5, 6, 7, 0] * 3 + [1, 2, 3, 9, 8, 0, 1, 2, 3]  # 1 2 3 -> 4 5 6 7 0 1 (x3), 9 8 0 (x1)
+    a, b = NGramDrafter(depth=6, width=4, **costs), NGramDrafter(depth=6, width=4, **costs)
+    a.reset(2)
+    b.reset(2)
+    ctxs = [ctx, ctx + [4, 5, 6, 7, 0, 11, 12, 1, 2, 3]]
+    got = a.propose(ctxs, [16, 16])
+    nodes = b.scored_nodes(ctxs, [16, 16])
+    for tree, own in zip(got, nodes):
+        want, kept = b.cut(own, 2)
+        assert tree.tokens.tolist() == want.tokens.tolist() and tree.parents.tolist() == want.parents.tolist()
+        assert len(kept) == len(want) and (len(kept) == len(own) or costs != OFF)
+    assert any(len(t) > 1 for t in got) and (costs == OFF or any(len(t) < len(o) for t, o in zip(got, nodes)))
 
 
 def test_ngram_batched_cut_charges_each_node_to_the_shared_step():

@@ -9,7 +9,7 @@ import torch
 from fastverify.hf import patch, stats, unpatch
 from fastverify.hf.attention import cache_kwargs, prefill_inputs, step_inputs
 from fastverify.hf.linear import skinny_linears
-from fastverify.hf.drafters import empty_tree
+from fastverify.hf.drafters import NGramDrafter, empty_tree
 from fastverify.hf.slots import BlockSlotDrafter, first_path
 from fastverify.lora import GatedLoRALinear, add_gated_lora, gated_lora_layers, remove_gated_lora, slot_gate
 from fastverify.tree import Tree
@@ -200,18 +200,14 @@ def test_slot_drafter_drafts_what_its_block_predicts():
     assert len(d.propose([[1], [1]], [6, 6])[0]) == 0  # a block drafts once
 
 
-class _Nodes:
-    """An n-gram stand-in with fixed scored nodes that records what the merged cut kept and what was accepted."""
+class _Nodes(NGramDrafter):
+    """An n-gram drafter with fixed scored nodes (its own cost cut) that records what the merged cut kept and what
+    was accepted."""
 
-    def __init__(self, nodes, fixed_cost=0.0, node_cost=0.0, min_gain=0.0):
-        self.nodes, self.fixed_cost, self.node_cost, self.min_gain = nodes, fixed_cost, node_cost, min_gain
+    def __init__(self, nodes, fixed_cost=0.0, node_cost=0.0, min_gain=1.0):
+        super().__init__(fixed_cost=fixed_cost, node_cost=node_cost, min_gain=min_gain)
+        self.nodes = nodes
         self.kept = self.accepted = None
-
-    def reset(self, batch_size):
-        pass
-
-    def step_fixed_cost(self):
-        return self.fixed_cost
 
     def scored_nodes(self, contexts, budget):
         return [list(self.nodes) if int(bud) > 0 else [] for bud in budget]

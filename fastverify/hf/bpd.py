@@ -106,8 +106,8 @@ class HeadsDrafter(Drafter):
     frontier: sequential heads: nodes expanded per depth and request; max_nodes: cap on the tree size; score: "prob"
     or "rank" (above); head_acceptance: [H][ranks] measured acceptance by rank (for score="rank"); temperature:
     applied to the heads' logits before the softmax (score="prob"); fixed_cost, node_cost, min_gain: the cost
-    model; ngram: an NGramDrafter to merge with (anything with its ``scored_nodes`` and cost model: ``node_cost``,
-    ``min_gain``, ``step_fixed_cost()``), or None; ngram_confident: with ngram, a request whose n-gram candidates
+    model; ngram: an NGramDrafter to merge with (anything with its ``scored_nodes`` and its cost cut, ``cut``), or
+    None; ngram_confident: with ngram, a request whose n-gram candidates
     already expect at least this many accepted tokens (the sum of their estimates) skips the heads' pass for the
     step (None: never); agree: with ngram, the estimate of a node both propose (``merge_scored``: "noisy_or", the
     default, or "max").
@@ -206,8 +206,8 @@ class HeadsDrafter(Drafter):
         self._calib_device = None
         self.fixed_cost, self.node_cost, self.min_gain = float(fixed_cost), float(node_cost), float(min_gain)
         if ngram is not None and not all(callable(getattr(ngram, f, None))
-                                         for f in ("scored_nodes", "step_fixed_cost")):
-            raise TypeError(f"ngram: expected an NGramDrafter (a drafter with scored_nodes and its cost model), got "
+                                         for f in ("scored_nodes", "cut")):
+            raise TypeError(f"ngram: expected an NGramDrafter (a drafter with scored_nodes and its cost cut), got "
                             f"{type(ngram).__name__}")
         self.ngram = ngram
         if ngram_confident is not None and not ngram_confident > 0:
@@ -450,9 +450,7 @@ class HeadsDrafter(Drafter):
                 nodes = merge_scored(heads[b], ngram[b], buds[b], self.agree) if ngram[b] else heads[b]
                 tree, paths = cut_scored(nodes, self.fixed_cost, self.node_cost, self.min_gain, drafting)
             else:  # the heads propose nothing (the first step, a confident copy): the n-gram drafter's own step
-                g = self.ngram
-                tree, paths = (cut_scored(ngram[b], g.step_fixed_cost(), g.node_cost, g.min_gain, drafting)
-                               if ngram[b] else (empty_tree(), []))
+                tree, paths = self.ngram.cut(ngram[b], drafting) if ngram[b] else (empty_tree(), [])
             trees.append(tree)
             kept.append(paths)
         if callable(getattr(self.ngram, "kept_nodes", None)):  # its lookahead adapts to what the cut kept of it

@@ -180,7 +180,7 @@ class NGramDrafter(Drafter):
     Candidates. The suffix n-gram of the context (longest n in [min_n, max_n] that occurred before; longer
     matches are preferred because their continuations are accepted more often) is looked up in an index of
     earlier occurrences; the continuations that followed the most recent ``width`` distinct matches (each
-    ``depth`` tokens long, most recent first) become a trie (``Tree.from_sequences``; shared prefixes merged).
+    ``depth`` tokens long, most recent first) become a trie (shared prefixes merged).
     Every trie node also gets its support: how many of the (up to ``scan``) most recent matches continue
     through it. The index is incremental: each step indexes only the newly committed tokens. Depth and width
     adapt per request as before (all rejected: half the depth, narrower; whole path accepted: double the
@@ -198,7 +198,8 @@ class NGramDrafter(Drafter):
     length, depth bucket, support bucket: sole continuation seen once / seen >= 2 times uncontradicted / majority /
     minority), with priors measured offline (``_PRIORS``) and updated from the outcome of every proposed node
     (scored against the committed tokens at the next call). A node's path probability is the product along its path;
-    nodes are taken in decreasing path probability (a child never precedes its parent) and the prefix that maximises
+    nodes are taken in decreasing path probability (a child never precedes its parent; the tree lists the kept
+    nodes in that order, ``cut``) and the prefix that maximises
     the expected tokens per unit of cost ``(1 + sum P) / cost(k)`` is kept (in a batch where R requests draft, each
     request owns 1 / R of the shared step, so its cut uses ``node_cost * R``: a node costs the whole batch's step
     what it costs one request's, ``batch_drafting``); if that ratio does not beat plain decoding by ``min_gain``
@@ -360,22 +361,15 @@ class NGramDrafter(Drafter):
         # decreasing probability; ties by depth so that a parent always precedes its child
         return nodes, sorted(nodes, key=lambda p: (-nodes[p][0], len(p)))[:bud]
 
-    def _select(self, n: int, seqs: list, support: dict, bud: int, drafting: int = 1):
-        """Candidate trie -> the kept sequences (cost-aware), and the (key, path) of every kept node. drafting: the
-        number of requests of the batch that draft (the node cost scales with it, below)."""
-        nodes, order = self._scored(n, seqs, support, bud)
+    def cut(self, nodes, drafting: int = 1):
+        """Its cost cut of scored ``nodes`` [(path, estimate)], best first, a parent before its children (its own,
+        or a trie merged with another drafter's): ``cut_scored`` under its cost model (the fixed cost calibrated,
+        ``step_fixed_cost``); every node where ``fixed_cost`` and ``node_cost`` are both 0. (Tree, kept paths).
+        drafting: ``batch_drafting`` of the step's budgets."""
         if self.fixed_cost == 0 and self.node_cost == 0:
-            keep = len(order)
-        else:
-            best, keep, gain, fixed = self.min_gain, 0, 1.0, self.step_fixed_cost()
-            for k, p in enumerate(order, 1):
-                gain += nodes[p][0]
-                ratio = gain / (1.0 + fixed + self.node_cost * drafting * k)
-                if ratio > best:
-                    best, keep = ratio, k
-        kept = set(order[:keep])
-        out = [s[:max((d for d in range(1, len(s) + 1) if s[:d] in kept), default=0)] for s in seqs]
-        return [s for s in out if s], [(nodes[p][1], p) for p in order[:keep]]
+            kept = [path for path, _ in nodes]
+            return tree_of_paths(kept), kept
+        return cut_scored(nodes, self.step_fixed_cost(), self.node_cost, self.min_gain, drafting)
 
     def _lookups(self, contexts, budget):
         """Per request, what ``propose`` and ``scored_nodes`` share: score the last proposal, index the newly
@@ -395,13 +389,13 @@ class NGramDrafter(Drafter):
     def propose(self, contexts, budget):
         trees, drafting = [], batch_drafting(budget)
         for st, ctx, bud, n, seqs, support in self._lookups(contexts, budget):
-            seqs, kept = self._select(n, seqs, support, bud, drafting) if seqs else ([], [])
-            if not seqs:
-                trees.append(empty_tree())
-                continue
-            tree = Tree.from_sequences(seqs, max_nodes=bud)
-            st.last_depth = tree.max_depth
-            st.pending = (len(ctx), None, kept)
+            tree, kept = empty_tree(), []
+            if seqs:
+                nodes, order = self._scored(n, seqs, support, bud)
+                tree, kept = self.cut([(p, nodes[p][0]) for p in order], drafting)
+            if kept:
+                st.last_depth = tree.max_depth
+                st.pending = (len(ctx), None, [(nodes[p][1], p) for p in kept])
             trees.append(tree)
         self._time_step(sum(len(t) for t in trees))
         return trees

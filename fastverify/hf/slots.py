@@ -124,7 +124,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         if not (isinstance(tree_topk, int) and tree_topk >= 1):
             raise ValueError(f"tree_topk: expected an int >= 1, got {tree_topk!r}")
         if ngram is not None and not all(callable(getattr(ngram, f, None))
-                                         for f in ("scored_nodes", "step_fixed_cost")):
+                                         for f in ("scored_nodes", "cut")):
             raise TypeError(f"ngram: expected an NGramDrafter, got {type(ngram).__name__}")
         if heads is not None and not (callable(getattr(heads, "scored_nodes", None))
                                       and getattr(heads, "wants_hidden", False)
@@ -267,8 +267,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
                 if other is not None:
                     nodes = merge_scored(nodes, other[b], bud)
             if ngram is not None:
-                ng = self.ngram
-                tree, paths = cut_scored(nodes, ng.step_fixed_cost(), ng.node_cost, ng.min_gain, drafting)
+                tree, paths = self.ngram.cut(nodes, drafting)
             else:
                 hd = self.heads
                 tree, paths = cut_scored(nodes, hd.fixed_cost, hd.node_cost, hd.min_gain, drafting)
