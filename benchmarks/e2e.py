@@ -265,11 +265,20 @@ def final_number(text):
     return found[-1].replace(",", "") if found else None
 
 
+def _loop(stats):
+    """A record's loop figures (fastverify.hf.stats summary, less new_tokens): {"loop": ...}, or {} for a method
+    without the loop."""
+    if stats is None:
+        return {}
+    return {"loop": {k: v for k, v in stats.summary().items() if k != "new_tokens"}}
+
+
 def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_METHODS, progress=True, log=print,
                   ngram=None, bpd=None, slots=None, repeats=1):
     """Run every method on every question. Returns a list of per-question records. repeats: rounds of every method
     per question (the order rotating each round); a method's time is its fastest round (on a shared machine the
-    noise only ever adds time), every round's output must be the same."""
+    noise only ever adds time), with that round's forwards and loop figures; every round's output must be the
+    same."""
     counter = ForwardCounter(model)
     try:
         # Warm-up (not timed): every method once on the first question, short.
@@ -295,15 +304,13 @@ def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_M
                                                f"{rnd + 1} (first differs at new token "
                                                f"{first_difference(tokens, r['tokens'])})")
                         r["rounds"].append(seconds)
-                        r["seconds"] = min(r["rounds"])
+                        if seconds < r["seconds"]:  # forwards and loop figures: those of the round timed
+                            r.update(seconds=seconds, forwards=forwards, **_loop(stats))
                         continue
                     r = {"tokens": tokens, "new_tokens": len(tokens), "seconds": seconds, "forwards": forwards,
-                         "rounds": [seconds]}
+                         "rounds": [seconds], **_loop(stats)}
                     if q["category"] in ANSWER_CATEGORIES:
                         r["answer"] = final_number(tokenizer.decode(tokens))
-                    if stats is not None:
-                        s = stats.summary()
-                        r["loop"] = {k: v for k, v in s.items() if k != "new_tokens"}
                     rec["methods"][m] = r
             ref = rec["methods"]["generate"]["tokens"] if "generate" in rec["methods"] else None
             for m, r in rec["methods"].items():

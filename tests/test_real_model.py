@@ -207,6 +207,51 @@ def test_e2e_questions(tmp_path):
         e2e.load_questions(str(tmp_path / "missing.jsonl"))
 
 
+def test_e2e_repeats_keep_the_timed_rounds_figures(monkeypatch):
+    """--repeats: a method's time is its fastest round, with that round's forwards and loop figures; an output that
+    differs between rounds is an error naming the method and the round."""
+    e2e = _e2e()
+    times = {"generate": [3.0, 2.0, 2.5], "fastverify": [1.0, 1.5, 0.5]}
+    calls = {m: 0 for m in times}
+    steps = []
+
+    class Stats:
+        def __init__(self, n):
+            self.n = n
+
+        def summary(self):
+            return {"steps": self.n, "new_tokens": 4}
+
+    def run_method(model, method, input_ids, max_new_tokens, counter, *args):
+        if max_new_tokens == 16:  # the warm-up
+            return [1] * 4, 9.0, 9, None if method == "generate" else Stats(99)
+        k = calls[method]
+        calls[method] += 1
+        steps.append((method, k))
+        return [1] * 4, times[method][k], 10 + k, None if method == "generate" else Stats(20 + k)
+
+    monkeypatch.setattr(e2e, "run_method", run_method)
+    monkeypatch.setattr(e2e, "ForwardCounter", lambda model: type("C", (), {"close": lambda self: None})())
+    monkeypatch.setattr(e2e, "encode", lambda tok, prompt: torch.zeros(1, 3, dtype=torch.long))
+    q = [{"question_id": 1, "category": "writing", "prompt": "x"}]
+    rec = e2e.run_benchmark(None, None, q, 32, methods=["generate", "fastverify"], progress=False, repeats=3)[0]
+    g, f = rec["methods"]["generate"], rec["methods"]["fastverify"]
+    assert g["rounds"] == [3.0, 2.0, 2.5] and (g["seconds"], g["forwards"]) == (2.0, 11) and "loop" not in g
+    assert f["rounds"] == [1.0, 1.5, 0.5] and (f["seconds"], f["forwards"]) == (0.5, 12)
+    assert f["loop"] == {"steps": 22} and f["identical"] and g["identical"]
+    assert len(steps) == 6
+    calls.update(generate=0, fastverify=0)
+
+    def drifting(model, method, input_ids, max_new_tokens, *args):  # fastverify's second round differs
+        if max_new_tokens != 16:
+            calls[method] += 1
+        return [2 if (method, calls[method]) == ("fastverify", 2) else 1] * 4, 1.0, 4, None
+
+    monkeypatch.setattr(e2e, "run_method", drifting)
+    with pytest.raises(RuntimeError, match="fastverify: question 1 gave another output in round 2"):
+        e2e.run_benchmark(None, None, q, 32, methods=["generate", "fastverify"], progress=False, repeats=2)
+
+
 def test_e2e_runs_end_to_end(smollm2, tmp_path):
     # The benchmark script itself, on one of our prompts with a short output: every method runs, outputs compared.
     e2e = _e2e()
