@@ -107,10 +107,9 @@ class HeadsDrafter(Drafter):
     or "rank" (above); head_acceptance: [H][ranks] measured acceptance by rank (for score="rank"); temperature:
     applied to the heads' logits before the softmax (score="prob"); fixed_cost, node_cost, min_gain: the cost
     model; ngram: an NGramDrafter to merge with (anything with its ``scored_nodes`` and its cost cut, ``cut``), or
-    None; ngram_confident: with ngram, a request whose n-gram candidates
-    already expect at least this many accepted tokens (the sum of their estimates) skips the heads' pass for the
-    step (None: never); agree: with ngram, the estimate of a node both propose (``merge_scored``: "noisy_or", the
-    default, or "max").
+    None; ngram_confident: with ngram, a request whose n-gram candidates already expect at least this many accepted
+    tokens (the sum of their estimates) skips the heads' pass for the step (None: never); agree: with ngram, the
+    estimate of a node both propose (``merge_scored``: "noisy_or", the default, or "max").
 
     With ngram, a request the heads propose nothing for (the first step, whose hidden state the prompt's forward
     has not handed yet; a confident copy) takes the n-gram drafter's own step: its candidates cut by its own cost
