@@ -14,7 +14,8 @@
 #          bench.json, bench.md (a RESULTS.md section with the GPU's name and the date)
 #   e2e    SmolLM2-135M-Instruct on the GPU, greedy, batch 1: fastverify.patch(model) against plain generate and
 #          prompt lookup on Spec-Bench's 39 questions (E2E_PER_CATEGORY per category, default 3; benchmarks/e2e.py
-#          -> e2e.md, e2e.json, e2e.log). E2E_DRAFTERS names e2e.py --drafter choices, default "ngram bpd+ngram",
+#          -> e2e.md, e2e.json, e2e.log; E2E_OFFSET=3 for questions 4-6, E2E_METHODS for e2e.py --methods, default
+#          generate, prompt lookup, n-gram). E2E_DRAFTERS names e2e.py --drafter choices, default "ngram bpd+ngram",
 #          with the heads of a `heads` step on this machine when there are any, else the shipped ones (E2E_HEADS
 #          overrides that). float32 by default (E2E_DTYPE=bfloat16 for bf16). Needs the carried model (below).
 #          On an H100 (2026-11-25) 13 questions took 2.4 min with these four methods, so the 39 take ~7.5: run it
@@ -295,8 +296,10 @@ if has e2e; then
       one=(--per-category 1 --categories writing --max-new-tokens 8 --threads 1)
     else
       dev=cuda
-      one=(--per-category "${E2E_PER_CATEGORY:-3}")
+      one=(--per-category "${E2E_PER_CATEGORY:-3}" --offset "${E2E_OFFSET:-0}")
     fi
+    # shellcheck disable=SC2206  # E2E_METHODS is a word list
+    [ -n "${E2E_METHODS:-}" ] && one+=(--methods $E2E_METHODS)
     start=$(date +%s)
     heads=${E2E_HEADS:-}
     [ -z "$heads" ] && [ -f "$STASH/heads/heads.safetensors" ] && heads="$STASH/heads"
