@@ -9,7 +9,7 @@ import torch
 from fastverify.hf import patch, stats, unpatch
 from fastverify.hf.attention import cache_kwargs, prefill_inputs, step_inputs
 from fastverify.hf.linear import skinny_linears
-from fastverify.hf.drafters import NGramDrafter, empty_tree
+from fastverify.hf.drafters import Drafter, NGramDrafter, cut_scored, empty_tree
 from fastverify.hf.slots import BlockSlotDrafter, first_path
 from fastverify.lora import GatedLoRALinear, add_gated_lora, gated_lora_layers, remove_gated_lora, slot_gate
 from fastverify.tree import Tree
@@ -248,11 +248,18 @@ def test_slot_drafter_merges_ngram_nodes_into_one_trie():
         BlockSlotDrafter(8, ngram=object())
 
 
-class _HeadsNodes(_Nodes):
-    """A heads stand-in: fixed scored nodes, a cost model, and the hidden states it was handed."""
+class _HeadsNodes(Drafter):
+    """A heads stand-in: fixed scored nodes, a cost cut (free nodes), and the hidden states it was handed."""
     wants_hidden = True
-    fixed_cost = node_cost = 0.0
-    min_gain = 1.0
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def scored_nodes(self, contexts, budget):
+        return [list(self.nodes) if int(bud) > 0 else [] for bud in budget]
+
+    def cut(self, nodes, drafting=1):
+        return cut_scored(nodes, 0.0, 0.0, 1.0, drafting)
 
     def observe_hidden(self, hidden, active=None):
         self.hidden = hidden
@@ -273,6 +280,9 @@ def test_slot_drafter_merges_heads_nodes_and_hands_them_the_hidden_state():
     assert tree.tokens.tolist() == [4, 6, 5, 8] and tree.parents.tolist() == [-1, 0, -1, 2]
     with pytest.raises(TypeError, match="heads"):
         BlockSlotDrafter(8, heads=_Nodes([]))
+    with pytest.raises(TypeError, match="heads"):  # no cost cut of its own
+        BlockSlotDrafter(8, heads=type("NoCut", (Drafter,), {"wants_hidden": True,
+                                                              "scored_nodes": lambda s, c, b: []})())
 
 
 @pytest.mark.parametrize("method", ["gad", "lud"])

@@ -415,6 +415,12 @@ class HeadsDrafter(Drafter):
             best = max(best, gain / (1.0 + self.fixed_cost + self.node_cost * drafting * k))
         return math.log(self.node_cost * drafting * best)
 
+    def cut(self, nodes, drafting: int = 1):
+        """Its cost cut of scored ``nodes`` [(path, estimate)], best first, a parent before its children (its own, or
+        a trie merged with the n-gram drafter's): ``cut_scored`` under fixed_cost, node_cost and min_gain. (Tree, kept
+        paths). drafting: ``batch_drafting`` of the step's budgets."""
+        return cut_scored(nodes, self.fixed_cost, self.node_cost, self.min_gain, drafting)
+
     def scored_nodes(self, contexts, budget):
         """Per request, the heads' candidate nodes [(path tuple, estimated probability that the path is accepted)],
         best first, a parent before its children, at most min(budget, max_nodes); each request's hidden state is
@@ -447,7 +453,7 @@ class HeadsDrafter(Drafter):
                 tree, paths = empty_tree(), []
             elif heads[b]:  # one trie of both proposals, cut by one cost model
                 nodes = merge_scored(heads[b], ngram[b], buds[b], self.agree) if ngram[b] else heads[b]
-                tree, paths = cut_scored(nodes, self.fixed_cost, self.node_cost, self.min_gain, drafting)
+                tree, paths = self.cut(nodes, drafting)
             else:  # the heads propose nothing (the first step, a confident copy): the n-gram drafter's own step
                 tree, paths = self.ngram.cut(ngram[b], drafting) if ngram[b] else (empty_tree(), [])
             trees.append(tree)

@@ -39,7 +39,7 @@ import contextlib
 import torch
 from torch import nn
 
-from fastverify.hf.drafters import Drafter, batch_drafting, cut_scored, merge_scored, tree_of_paths
+from fastverify.hf.drafters import Drafter, batch_drafting, merge_scored, tree_of_paths
 from fastverify.lora import GatedLoRALinear, gated_lora_layers
 from fastverify.tree import Tree
 
@@ -126,7 +126,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         if ngram is not None and not all(callable(getattr(ngram, f, None))
                                          for f in ("scored_nodes", "cut")):
             raise TypeError(f"ngram: expected an NGramDrafter, got {type(ngram).__name__}")
-        if heads is not None and not (callable(getattr(heads, "scored_nodes", None))
+        if heads is not None and not (all(callable(getattr(heads, f, None)) for f in ("scored_nodes", "cut"))
                                       and getattr(heads, "wants_hidden", False)
                                       and not getattr(heads, "wants_path_hidden", False)):
             raise TypeError(f"heads: expected a HeadsDrafter (one that reads the hidden state at one row), got "
@@ -248,8 +248,8 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
     def propose(self, contexts, budget):
         """Per request, the chain its pending block drafts (``_block_nodes``). With an n-gram drafter: one trie of
         both proposals (a path proposed by both with the larger estimate), cut by the n-gram drafter's cost model
-        (fastverify.hf.drafters.cut_scored); its first path, where the blocks of the next verify attach, is then
-        the path of the highest estimates."""
+        (``NGramDrafter.cut``; with the heads alone, by theirs); its first path, where the blocks of the next verify
+        attach, is then the path of the highest estimates."""
         if len(self._pending) != len(contexts):
             self.reset(len(contexts))
         buds = [max(0, int(bud)) for bud in budget]
@@ -266,11 +266,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
             for other in (heads, ngram):
                 if other is not None:
                     nodes = merge_scored(nodes, other[b], bud)
-            if ngram is not None:
-                tree, paths = self.ngram.cut(nodes, drafting)
-            else:
-                hd = self.heads
-                tree, paths = cut_scored(nodes, hd.fixed_cost, hd.node_cost, hd.min_gain, drafting)
+            tree, paths = (self.ngram if ngram is not None else self.heads).cut(nodes, drafting)
             trees.append(tree)
             kept.append(paths)
         if ngram is not None and callable(getattr(self.ngram, "kept_nodes", None)):
