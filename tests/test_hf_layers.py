@@ -9,7 +9,7 @@ import torch
 import fastverify
 from fastverify.hf import layers as hf_layers
 from fastverify.hf.attention import cache_kwargs, gqa_attention, new_cache
-from fastverify.hf.layers import lean_layers, projection_groups
+from fastverify.hf.layers import LiveRows, lean_layers, projection_groups
 from fastverify.hf.linear import packed_group, packed_weight, skinny_available, skinny_linears
 from fastverify.ops.linear import unpack_blocks
 from test_linear import gguf_quantised
@@ -85,6 +85,66 @@ def test_lean_layers_give_the_model_forward_bit_for_bit(family, quantised):
         calls = sum(e.count for e in prof.key_averages() if e.key == "fastverify::skinny_linear_packed")
         assert calls == 3 * (2 * 4 + 1)
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)  # removed on exit
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("quantised", [False, True])
+def test_live_rows_are_the_padded_forward_rows_bit_for_bit(family, quantised):
+    """A step of 4 rows for 3 requests over a cache, of which the loop reads 4 + 1 + 2: with ``LiveRows`` the layers
+    compute those only, and each of them is the padded forward's, bit for bit (the causal mask: no live row sees a
+    later padding row); the padding rows come out as zeros."""
+    model = tiny(family, quantised=quantised, seed=9)
+    ids = torch.randint(0, 96, (3, 10), generator=torch.Generator().manual_seed(10))
+    index = torch.tensor([0, 1, 2, 3, 4, 8, 9])  # request 0: rows 0-3, request 1: row 0, request 2: rows 0-1
+    out = {}
+    for name in ("padded", "live"):
+        live = LiveRows()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(skinny_linears(model))
+            stack.enter_context(gqa_attention(model))
+            assert stack.enter_context(lean_layers(model, live=live)) == 2
+            cache = new_cache()
+            model(ids[:, :6], use_cache=True, **cache_kwargs(model, cache))
+            if name == "live":
+                live.index, live.total = index, 12
+            out[name] = model(ids[:, 6:], use_cache=True, output_hidden_states=True, **cache_kwargs(model, cache))
+    for a, b in zip(out["padded"].hidden_states[1:], out["live"].hidden_states[1:]):
+        assert torch.equal(a.reshape(12, -1)[index], b.reshape(12, -1)[index])
+        rest = torch.ones(12, dtype=torch.bool)
+        rest[index] = False
+        assert not b.reshape(12, -1)[rest].any()
+    assert torch.equal(out["padded"].logits.reshape(12, -1)[index], out["live"].logits.reshape(12, -1)[index])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_patched_batch_computes_the_verify_rows_only_and_is_exact(family):
+    """A batch whose requests draft trees of different sizes: the output projection gets the verify rows only
+    (fewer than B * q), and the output is greedy generate's; seeded sampling with and without live rows is the
+    same."""
+    from conftest import patched_generate, repetitive
+
+    model = tiny(family, quantised=True, seed=11)
+    g = torch.Generator().manual_seed(12)
+    ids = torch.tensor([repetitive(30, 96, seed=13), torch.randint(3, 96, (30,), generator=g).tolist(),
+                        repetitive(30, 96, seed=14)])
+    head_rows, layouts = [], []
+    handles = [model.lm_head.register_forward_hook(lambda m, a, o: head_rows.append(a[0].shape[:-1].numel())),
+               model.register_forward_hook(lambda m, a, kw, o: layouts.append(
+                   (kw["input_ids"].shape, o.logits.shape[:2])), with_kwargs=True)]
+    try:
+        got, st = patched_generate(model, fastverify.NGramDrafter(), ids, do_sample=False, max_new_tokens=20)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(got, model.generate(ids, do_sample=False, max_new_tokens=20))
+    assert st.drafted_tokens > 0 and len(head_rows) == len(layouts) == st.steps
+    assert all(logits == inputs for inputs, logits in layouts[1:])  # the model's logits keep the [B, q] layout
+    assert any(rows < inputs.numel() for rows, (inputs, _) in zip(head_rows[1:], layouts[1:]))
+    a, _ = patched_generate(model, fastverify.NGramDrafter(), ids, do_sample=True, max_new_tokens=20, seed=15)
+    b, _ = patched_generate(model, fastverify.NGramDrafter(), ids, options={"live_rows": False}, do_sample=True,
+                            max_new_tokens=20, seed=15)
+    assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -14,6 +14,14 @@ eligible decoder layer runs ``_forward`` instead of its own forward (rebound on 
 - RMSNorm's ops without the casts that are no-ops on a float32 input; no module calls for the norms, the
   attention and the MLP themselves, no deprecation wrappers.
 
+Live rows (``LiveRows``): a batched verify forward pads every request's rows to the largest tree's, and on the CPU
+a padding row costs the linear layers what a real one does (at 4 requests, trees of 9, 1, 1 and 0 nodes are 40
+rows for 15). While the loop sets ``rows.index`` (the flat indices of the rows it reads), ``_forward`` runs the
+norms, projections and MLP on those rows only and gives the padding rows zeros (their keys and values, never
+attended by a live row, and their outputs, never read); the attention still sees the whole [B, q] layout. Every
+op is row-wise and the skinny kernels' result for a row does not depend on the other rows, so each live row's
+result is the padded forward's, bit for bit.
+
 Each result is the layer's own, bit for bit: the same ops on the same values in the same order. Eligible: the
 exact classes of transformers' Llama, Mistral, Qwen2 and Qwen3 decoder layers (``_LAYERS``) with their own
 attention, MLP and RMSNorm classes, exactly ``nn.Linear`` projections, no hooks on the submodules whose calls it
@@ -35,7 +43,7 @@ import torch
 
 from fastverify.hf.linear import MAX_ROWS, packed_group, skinny_available, takes_skinny
 
-__all__ = ["lean_layers", "projection_groups"]
+__all__ = ["lean_layers", "projection_groups", "LiveRows"]
 
 # decoder layer class -> the attention call's extra keyword arguments (what its attention forward passes beyond
 # Llama's); the layer's attention, MLP and RMSNorm classes share its prefix
@@ -175,18 +183,36 @@ class _Rotary:
         return last[2], last[3]
 
 
+class LiveRows:
+    """The rows of the next forward that matter (module docstring): ``index`` int64 [M] of flat row indices into
+    its [B, q] hidden states, with ``total`` = B * q; None: every row. Set by the caller around a forward."""
+
+    def __init__(self):
+        self.index, self.total = None, 0
+
+
+def _scatter(rows, index, total):
+    """[total, ...] zeros holding ``rows`` at ``index``."""
+    return rows.new_zeros(total, *rows.shape[1:]).index_copy_(0, index, rows)
+
+
 def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
              position_embeddings=None, **kwargs):
     """The decoder layer's forward (transformers' Llama / Mistral / Qwen2 / Qwen3), op for op;
-    ``self._fastverify``: its ``_Plan`` and the shared ``_Rotary``."""
-    plan, rotary = self._fastverify
+    ``self._fastverify``: its ``_Plan``, the shared ``_Rotary`` and the caller's ``LiveRows`` (or None)."""
+    plan, rotary, live = self._fastverify
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)
     (w1, eps1), (w2, eps2) = plan.norms
-    x = _rms(w1, eps1, hidden_states)
-    shape = x.shape[:-1]
-    qkv = plan.project(plan.qkv, plan.qkv_bias, plan.qkv_mods, x).view(*shape, -1, plan.head_dim)
+    shape = hidden_states.shape[:-1]
+    index = live.index if live is not None and shape.numel() == live.total else None
+    h0 = hidden_states if index is None else hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, index)
+    x = _rms(w1, eps1, h0)
+    qkv = plan.project(plan.qkv, plan.qkv_bias, plan.qkv_mods, x)
+    if index is not None:
+        qkv = _scatter(qkv, index, live.total)
+    qkv = qkv.view(*shape, -1, plan.head_dim)
     nq, nqk = plan.nq, plan.nq + plan.nk
     if plan.head_norms is None:
         qk = qkv[..., :nqk, :].transpose(1, 2)
@@ -202,10 +228,12 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     a = plan.attn
     out, _ = plan.attention(a, q, k, v, attention_mask, dropout=0.0 if not a.training else a.attention_dropout,
                             scaling=plan.scaling, **plan.extra, **kwargs)
-    h = hidden_states + plan.o_proj(out.reshape(*shape, -1).contiguous())
+    out = out.reshape(*shape, -1) if index is None else out.reshape(live.total, -1).index_select(0, index)
+    h = h0 + plan.o_proj(out.contiguous())
     x = _rms(w2, eps2, h)
     gu = plan.project(plan.gate_up, plan.gate_up_bias, plan.gate_up_mods, x)
-    return h + plan.down_proj(plan.act(gu[..., :plan.inter]) * gu[..., plan.inter:])
+    h = h + plan.down_proj(plan.act(gu[..., :plan.inter]) * gu[..., plan.inter:])
+    return h if index is None else _scatter(h, index, live.total).view(*shape, -1)
 
 
 @torch.no_grad()
@@ -226,9 +254,10 @@ def _agrees(layer) -> bool:
 
 
 @contextlib.contextmanager
-def lean_layers(model, pack: bool = True, max_rows: int = MAX_ROWS):
+def lean_layers(model, pack: bool = True, max_rows: int = MAX_ROWS, live: LiveRows = None):
     """Context manager: every eligible decoder layer of ``model`` runs ``_forward`` (module docstring); yields
-    how many. pack: use the stacked packed projections (with ``skinny_linears(model, pack=True)``)."""
+    how many. pack: use the stacked packed projections (with ``skinny_linears(model, pack=True)``); live: a
+    ``LiveRows`` whose index, while set, limits the layers' row-wise work to those rows."""
     from torch.nn.modules import module as nn_module
     global_hooks = nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks  # they see every call
     layers = [] if global_hooks else [m for m in model.modules() if _structure(m)]
@@ -239,7 +268,7 @@ def lean_layers(model, pack: bool = True, max_rows: int = MAX_ROWS):
                 plan = _Plan(layer, pack, max_rows)
             except AttributeError:  # a release whose modules lack what the plan reads: the layer's own forward
                 continue
-            layer._fastverify = (plan, rotary)
+            layer._fastverify = (plan, rotary, live)
             layer.forward = types.MethodType(_forward, layer)
             done.append(layer)
             cls = (type(layer), getattr(layer.self_attn.config, "_attn_implementation", None))

@@ -27,7 +27,7 @@ import torch
 from fastverify.hf.attention import (cache_kwargs, crop_cache, forward_takes, gqa_attention, new_cache, prefill_inputs,
                                      step_inputs, upload_lists)
 from fastverify.hf.drafters import empty_tree
-from fastverify.hf.layers import lean_layers
+from fastverify.hf.layers import LiveRows, lean_layers
 from fastverify.hf.linear import skinny_linears
 from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
@@ -109,6 +109,7 @@ class DecodeSettings:
     skinny_linear: bool = True  # few-row float32 CPU nn.Linear layers through fastverify.skinny_linear
     pack_weights: bool = True  # with skinny_linear: weights that are exactly block-quantised values stream packed
     lean_layers: bool = True  # Llama-style decoder layers run fastverify.hf.layers' forward (same ops, fewer calls)
+    live_rows: bool = True  # a batch on the CPU: padding rows skip the output projection and the lean layers' work
     max_positions: int = None  # a position-dependent RoPE's bound: a forward's rows stay below it minus one
 
 
@@ -151,8 +152,9 @@ def _prune(tree: Tree, max_depth: int) -> Tree:
 class Decoder:
     """State of one generate call: the cache, the per-request contexts and what has been emitted."""
 
-    def __init__(self, model, input_ids, attention_mask, drafter, settings: DecodeSettings, streamer=None):
-        self.model, self.drafter, self.s, self.streamer = model, drafter, settings, streamer
+    def __init__(self, model, input_ids, attention_mask, drafter, settings: DecodeSettings, streamer=None,
+                 live: LiveRows = None):
+        self.model, self.drafter, self.s, self.streamer, self.live = model, drafter, settings, streamer, live
         self.device = input_ids.device
         self.dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
         self.input_ids = input_ids
@@ -188,14 +190,16 @@ class Decoder:
     def _step_forward(self, inp):
         """The step's forward over [root, draft nodes, slot rows] per request, preceded in the first step by the
         prompt's prefix (cache slots 0 .. L-2, causal among themselves); logits of the step's q rows only (the
-        output projection's input, read by drafters with wants_hidden, likewise)."""
+        output projection's input, read by drafters with wants_hidden, likewise). In a decoding step whose
+        requests' rows are padded to the largest tree's, ``self.live`` holds the verify rows for the forward
+        (fastverify.hf.layers.LiveRows, ``_LiveHead``): the padding rows' logits are zeros."""
         ids, pos, mask, gate = inp.input_ids, inp.position_ids, inp.mask, inp.slot_rows
-        q = ids.shape[1]
+        B, q = ids.shape
         kw = {}
         if self.prefix is not None:
             p_ids, p_mask, p_pos = self.prefix
             self.prefix = None
-            B, P = p_ids.shape
+            P = p_ids.shape[1]
             unseen = torch.full((B, 1, P, q), torch.finfo(p_mask.dtype).min, dtype=p_mask.dtype, device=self.device)
             ids, pos = torch.cat([p_ids, ids], 1), torch.cat([p_pos, pos], 1)
             mask = torch.cat([torch.cat([p_mask, unseen], 3), mask], 2)  # the prefix rows do not see the step's
@@ -203,13 +207,23 @@ class Decoder:
                 gate = torch.cat([torch.zeros(B, P, dtype=torch.bool, device=self.device), gate], 1)
             if forward_takes(self.model, "logits_to_keep"):
                 kw["logits_to_keep"] = q
-        if self.slots is None:
-            out = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, **kw)
-        else:
-            out = self._forward_with_slots(inp, ids, pos, mask, gate, **kw)
+        elif self.live is not None and self.slots is None and inp.row_batch.shape[0] < B * q:
+            self.live.index, self.live.total = inp.row_batch * q + inp.row_local, B * q
+        try:
+            if self.slots is None:
+                out = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, **kw)
+            else:
+                out = self._forward_with_slots(inp, ids, pos, mask, gate, **kw)
+        finally:
+            index = self.live.index if self.live is not None else None
+            if index is not None:
+                self.live.index = None
         logits = out.logits[:, -q:]
         if self.hidden is not None and self.hidden.value is not None:
-            self.hidden.value = self.hidden.value[:, -q:]
+            value = self.hidden.value
+            if index is not None and value.shape[:2] == (1, index.shape[0]):  # the live rows only
+                value = value[0].new_zeros(B * q, value.shape[-1]).index_copy_(0, index, value[0]).view(B, q, -1)
+            self.hidden.value = value[:, -q:]
         return logits
 
     def remaining(self, b: int) -> int:
@@ -530,6 +544,38 @@ def _request_kwargs(kw, b, batch_size, repeat=1):
     return out
 
 
+class _LiveHead:
+    """Hooks on the model's output projection: while ``live.index`` is set and its input holds ``live.total`` rows,
+    the projection computes those rows only (fastverify.hf.layers.LiveRows), and its output is laid out as the
+    input was, zeros in the other rows: the model's logits keep their [B, q, V] layout."""
+
+    def __init__(self, model, live: LiveRows):
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.live, self.handles = live, []
+        if isinstance(head, torch.nn.Module):
+            self.handles = [head.register_forward_pre_hook(self._gather), head.register_forward_hook(self._scatter)]
+        self.shape = None
+
+    def _gather(self, module, args):
+        index, x = self.live.index, args[0] if args else None
+        self.shape = None
+        if index is None or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[:2].numel() != self.live.total:
+            return None
+        self.shape = x.shape[:2]
+        return (x.reshape(-1, x.shape[-1]).index_select(0, index).unsqueeze(0),) + tuple(args[1:])
+
+    def _scatter(self, module, args, output):
+        if self.shape is None or not isinstance(output, torch.Tensor):
+            return None
+        rows, shape, self.shape = output[0], self.shape, None
+        return rows.new_zeros(shape.numel(), rows.shape[-1]).index_copy_(0, self.live.index, rows).view(
+            *shape, -1)
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
 class _HiddenCapture:
     """Forward hook on the model's output projection keeping a reference to its input (the final hidden states,
     [B, S, D]) of the latest forward: the verify forward's, read by drafters with ``wants_hidden``. No copy and
@@ -596,15 +642,20 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
     installed = drafter.installed(model) if getattr(drafter, "wants_slots", False) else contextlib.nullcontext()
     linears = (skinny_linears(model, pack=settings.pack_weights) if settings.skinny_linear
                else contextlib.nullcontext())
-    layers = (lean_layers(model, pack=settings.skinny_linear and settings.pack_weights) if settings.lean_layers
-              else contextlib.nullcontext())
+    # a batch on the CPU: padding rows skip the row-wise work (on a GPU a few more rows cost next to nothing)
+    live = LiveRows() if settings.live_rows and input_ids.shape[0] > 1 and input_ids.device.type == "cpu" else None
+    layers = (lean_layers(model, pack=settings.skinny_linear and settings.pack_weights, live=live)
+              if settings.lean_layers else contextlib.nullcontext())
     with installed, gqa_attention(model), linears, layers:
-        dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer)
+        head = _LiveHead(model, live) if live is not None else None
+        dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer, live=live)
         try:
             while not dec.done():
                 dec.step()
         finally:
             dec.close()
+            if head is not None:
+                head.close()
     if streamer is not None:
         streamer.end()
     dec.stats.time_total = time.perf_counter() - t0

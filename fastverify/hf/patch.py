@@ -177,7 +177,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         packed copy of it: the same result bit for bit, a fifth of the bytes; packed here, once per weight, and
         kept), ``lean_layers`` (default True: Llama / Mistral / Qwen2 / Qwen3 decoder layers run the loop's forward
         of them, the same ops in fewer calls, their q / k / v and gate / up projections stacked; see
-        fastverify.hf.layers),
+        fastverify.hf.layers), ``live_rows`` (default True: in a batch on the CPU, the rows that only pad a request
+        to the largest tree's skip the output projection and, in those layers, the norms, projections and MLP;
+        the other rows' results unchanged bit for bit),
         ``allow_unknown_model`` (skip the model-type registry check).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
@@ -192,12 +194,13 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     precision model's first greedy / coupled generate warns once.
     """
     _check_transformers_version()
-    extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "allow_unknown_model")
+    extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
+             "allow_unknown_model")
     unknown = set(options) - set(RULE_PARAMS) - set(extra)
     if unknown:
         raise TypeError(f"fastverify.patch: unknown option(s) {sorted(unknown)}; expected rule parameters "
                         f"{RULE_PARAMS} or {', '.join(extra)}")
-    for name in ("skinny_linear", "pack_weights", "lean_layers"):
+    for name in ("skinny_linear", "pack_weights", "lean_layers", "live_rows"):
         if options.get(name, True) not in (True, False):
             raise TypeError(f"{name}: expected a bool, got {options[name]!r}")
     if rule is not None and rule not in RULES:
@@ -396,6 +399,7 @@ def _plan(model, state, args, kwargs):
                               skinny_linear=bool(state.options.get("skinny_linear", True)),
                               pack_weights=bool(state.options.get("pack_weights", True)),
                               lean_layers=bool(state.options.get("lean_layers", True)),
+                              live_rows=bool(state.options.get("live_rows", True)),
                               max_positions=position_limit(model.config))
     settings.rule_params = rule_params
     if rule in SAMPLING_RULES:
