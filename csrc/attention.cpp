@@ -6,9 +6,13 @@
 //       softmax(q k^T * scale + mask) v, query head h reading key / value head h / (Hq / Hkv): torch's
 //       scaled_dot_product_attention with an additive mask and enable_gqa, for a few query rows (a verify
 //       forward's), to float32 rounding. k and v may be views of a longer cache (rows of D contiguous values).
-//       CPU only.
+//       skip_masked_prefix: per batch row, the keys [0, 16 * floor(f / 16)) are not read, f the first key that
+//       any of its query rows sees (mask above -1e30; none skipped if a row sees no key): a left-padded prompt's
+//       padding. Their weight would be 0, so the result is the same bit for bit, unless they hold NaN or inf
+//       (which SDPA's result would show). CPU only.
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
-  m.def("masked_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("masked_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool skip_masked_prefix=False) "
+        "-> Tensor");
 }

@@ -86,6 +86,38 @@ def test_cpp_edge_rows():
     assert empty.shape == (1, 4, 0, 16)
 
 
+@cpp
+@pytest.mark.parametrize("D", [64, 24])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_cpp_skip_masked_prefix_is_bit_for_bit_and_matches_its_reference(D, per_head):
+    """Keys masked in every query row of a batch row (a left-padded prompt's padding, here 0, 37, 90 and all but
+    one row's 140 keys) are not read with skip_masked_prefix: the result is the unskipped one, bit for bit, where
+    they are finite, and the reference's (SDPA over the keys from the 16-aligned start) where they are not."""
+    from fastverify.reference.attention import masked_prefix
+
+    q, k, v, mask = _case(4, 3, 3, 6, 140, D, seed=21, per_head=per_head)
+    for b, pad in enumerate((0, 37, 90, 140)):
+        mask[b, :, :, :pad] = MIN
+    mask[3, :, 2, 120] = 0.0  # batch row 3: one query row sees a key, the others none: nothing skipped
+    assert masked_prefix(mask) == [0, 32, 80, 0]
+    want = masked_attention(q, k, v, mask, backend="cpp")
+    got = masked_attention(q, k, v, mask, backend="cpp", skip_masked_prefix=True)
+    assert torch.equal(got, want)
+    ref = masked_attention(q, k, v, mask, backend="torch", skip_masked_prefix=True)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=3e-6)
+    for t, value in ((v, float("nan")), (k, float("inf"))):
+        for where, read in (((2, 1, 5, 0), False), ((2, 1, 85, 0), True)):  # before / after the aligned start 80
+            bad = t.clone()
+            bad[where] = value
+            args = (q, bad, v) if t is k else (q, k, bad)
+            got = masked_attention(*args, mask, backend="cpp", skip_masked_prefix=True)
+            ref = masked_attention(*args, mask, backend="torch", skip_masked_prefix=True)
+            assert got[2].isnan().any() == read and torch.equal(got.isnan(), ref.isnan())
+            torch.testing.assert_close(got.nan_to_num(), ref.nan_to_num(), rtol=1e-5, atol=3e-6)
+    with pytest.raises(TypeError, match="skip_masked_prefix: expected a bool"):
+        masked_attention(q, k, v, mask, skip_masked_prefix=1)
+
+
 def test_bad_input_is_refused():
     q, k, v, mask = _case(1, 2, 2, 3, 10, 16, seed=1)
     with pytest.raises(ValueError, match="multiple of the key / value heads"):

@@ -4,14 +4,18 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "attention.h"
 
 namespace {
 
+// A mask value at or below this excludes its key outright: with any score below 1e29 the key's weight is 0.
+constexpr float kSkippedMask = -1e30f;
+
 at::Tensor masked_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const std::optional<at::Tensor>& mask, double scale) {
+                                const std::optional<at::Tensor>& mask, double scale, bool skip_masked_prefix) {
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4, name,
                 ": expected a 4-D float32 CPU tensor, got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
@@ -43,6 +47,24 @@ at::Tensor masked_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   if (out.numel() == 0) return out;
   TORCH_CHECK(S > 0, "k, v: expected at least one key");
   const int64_t G = Hq / Hkv, R = G * n;
+  // skip_masked_prefix (csrc/attention.cpp): per batch row, the keys before `start` are not read. Their weight
+  // would be exactly 0 (exp of less than -104 is 0 on every path), and `start` is a multiple of 16, so every other
+  // key keeps its SIMD lane, its tile and its place in every sum: the same result, bit for bit.
+  std::vector<int64_t> start(B, 0);
+  if (mp && skip_masked_prefix) {
+    const int64_t mask_heads = m_h ? Hq : 1;
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t first = S;
+      for (int64_t h = 0; h < mask_heads && first > 0; ++h)
+        for (int64_t i = 0; i < n && first > 0; ++i) {
+          const float* row = mp + b * m_b + h * m_h + i * m_i;
+          int64_t j = 0;
+          while (j < S && row[j] <= kSkippedMask) ++j;
+          first = j == S ? 0 : std::min(first, j);  // a row masked everywhere: no key is skipped
+        }
+      start[b] = first / 16 * 16;
+    }
+  }
   const float* qp = q.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
@@ -66,7 +88,12 @@ at::Tensor masked_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
           else for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d * q_d];
           if (mp) mrows[r] = mp + b * m_b + hq * m_h + i * m_i;
         }
-      fastverify::attention::group(qrows.data(), R, D, kp + b * k_b + h * k_h, vp + b * v_b + h * v_h, S,
+      const float* kh = kp + b * k_b + h * k_h;
+      const float* vh = vp + b * v_b + h * v_h;
+      const int64_t s0 = start[b];
+      if (mp)
+        for (auto& row : mrows) row += s0;
+      fastverify::attention::group(qrows.data(), R, D, kh + s0 * D, vh + s0 * D, S - s0,
                                    mp ? mrows.data() : nullptr, sc, scores.data(), orows.data());
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < n; ++i)

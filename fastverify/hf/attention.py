@@ -295,6 +295,7 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
       rounding, each key / value head read once for all of its grouped query heads; on SmolLM2-135M's shapes (9
       query heads on 3 key / value heads, D = 64, 400 cached tokens, 2-core Intel Xeon) 19 against 38 us per call
       at one query row, 35 against 52 at 4, 64 against 86 at 8; at 1500 cached tokens 74 against 171 at one row;
+      with ``skip_masked_prefix``: a batch's left-padded prompts' padding keys are not read;
     - otherwise, with more than one query row, torch's SDPA with ``enable_gqa`` instead of transformers'
       ``repeat_kv`` (which copies every layer's keys and values at every step): the same result bit for bit
       (tests/test_hf_attention.py).
@@ -310,7 +311,7 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
                 and attention_mask.dim() == 4 and attention_mask.shape[0] == query.shape[0]
                 and attention_mask.shape[1] in (1, query.shape[1])
                 and attention_mask.shape[2:] == (query.shape[2], key.shape[2])):
-            out = op(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
+            out = op(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling, True)
             return out.transpose(1, 2).contiguous(), None
         if query.shape[2] > 1 and key.shape[1] != query.shape[1]:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,

@@ -79,7 +79,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mas
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor = None,
-                     scale: float = None, backend: str = "auto") -> torch.Tensor:
+                     scale: float = None, backend: str = "auto", skip_masked_prefix: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v with grouped-query heads, as ``F.scaled_dot_product_attention(q, k, v,
     attn_mask=mask, scale=scale, enable_gqa=True)`` computes it, to float32 rounding.
 
@@ -88,6 +88,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     such as finfo.min elsewhere), or None. scale defaults to 1 / sqrt(D). Returns [B, Hq, n, D]. The cpp backend
     takes float32 CPU tensors ("auto" uses it for those and the reference elsewhere); it is meant for a few query
     rows per head (a verify forward's), where it streams each key / value head once for all of its query rows.
+    skip_masked_prefix: per batch row, the leading keys that every query row masks (at or below -1e30; a
+    left-padded prompt's padding) are not read, from the last multiple of 16 at or before the first key any row
+    sees (``fastverify.reference.attention.masked_prefix``); their weight would be 0, so the result is the same,
+    unless they hold NaN or inf (which then does not reach it). The patched loop's attention sets it.
     """
     for name, t in (("q", q), ("k", k), ("v", v)) + ((("mask", mask),) if mask is not None else ()):
         if not isinstance(t, torch.Tensor):
@@ -117,7 +121,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         backend = "cpp" if fits_cpp and "cpp" in dispatch.implemented_backends("masked_attention") else "torch"
     if dispatch.resolve("masked_attention", backend, q.device) == "cpp" and not fits_cpp:
         raise TypeError(f"q, k, v, mask: the cpp backend takes float32 CPU tensors, got {q.dtype} on {q.device}")
-    return dispatch.call("masked_attention", backend, q.device, q, k, v, mask, scale)
+    if not isinstance(skip_masked_prefix, bool):
+        raise TypeError(f"skip_masked_prefix: expected a bool, got {skip_masked_prefix!r}")
+    return dispatch.call("masked_attention", backend, q.device, q, k, v, mask, scale, skip_masked_prefix)
 
 
 if _ext.HAS_CPP:
@@ -127,7 +133,7 @@ if _ext.HAS_CPP:
 
     try:
         @torch.library.register_fake("fastverify::masked_attention")
-        def _masked_attention_fake(q, k, v, mask, scale):
+        def _masked_attention_fake(q, k, v, mask, scale, skip_masked_prefix=False):
             return torch.empty_like(q, memory_format=torch.contiguous_format)
     except RuntimeError:  # the schema is missing from an old build of _C
         pass

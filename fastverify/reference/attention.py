@@ -45,8 +45,30 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def masked_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+MASKED = -1e30  # a mask value at or below it excludes its key outright (csrc/cpu/attention.cpp's kSkippedMask)
+
+
+def masked_prefix(mask: torch.Tensor) -> list:
+    """Per batch row of an additive mask [B, 1 or Hq, n, S], the keys that ``skip_masked_prefix`` leaves unread:
+    16 * floor(f / 16), f the first key any of its query rows sees (0 if a row sees no key)."""
+    seen = mask > MASKED
+    out = []
+    for b in range(mask.shape[0]):
+        rows = seen[b].reshape(-1, mask.shape[-1])
+        if rows.shape[0] == 0 or not bool(rows.any(-1).all()):
+            out.append(0)
+            continue
+        first = int(rows.int().argmax(-1).min())
+        out.append(first // 16 * 16)
+    return out
+
+
+def masked_attention(q, k, v, mask, scale: float, skip_masked_prefix: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v: torch's scaled_dot_product_attention with the additive mask (or none) and
-    enable_gqa (query head h reads key / value head h // (Hq // Hkv)). The specification of
-    fastverify::masked_attention."""
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    enable_gqa (query head h reads key / value head h // (Hq // Hkv)); ``skip_masked_prefix``: per batch row over
+    the keys from ``masked_prefix(mask)[b]`` on only. The specification of fastverify::masked_attention."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if mask is None or not skip_masked_prefix or q.shape[2] == 0:
+        return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return torch.cat([sdpa(q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], attn_mask=mask[b:b + 1, ..., s:],
+                           scale=scale, enable_gqa=True) for b, s in enumerate(masked_prefix(mask))])
