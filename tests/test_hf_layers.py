@@ -147,6 +147,33 @@ def test_patched_batch_computes_the_verify_rows_only_and_is_exact(family):
     assert torch.equal(a, b)
 
 
+def test_left_padded_prompts_skip_their_padding_in_the_first_forward():
+    """A batch of prompts of 30, 17 and 24 tokens (left padded): the first forward computes the real tokens only
+    (the final norm's input is zero at the padding), and the output is greedy generate's."""
+    from conftest import patched_generate, repetitive
+
+    model = tiny("qwen2", quantised=True, seed=16)
+    lens = (30, 17, 24)
+    ids = torch.zeros(3, 30, dtype=torch.int64)
+    mask = torch.zeros(3, 30, dtype=torch.int64)
+    for b, n in enumerate(lens):
+        ids[b, 30 - n:] = torch.tensor(repetitive(n, 96, seed=17 + b))
+        mask[b, 30 - n:] = 1
+    seen = []
+    handle = model.model.norm.register_forward_hook(lambda m, a, o: seen.append(a[0].clone()))
+    try:
+        got, _ = patched_generate(model, fastverify.NGramDrafter(), ids, attention_mask=mask, do_sample=False,
+                                  max_new_tokens=16, pad_token_id=0)
+    finally:
+        handle.remove()
+    first = seen[0]
+    assert first.shape[0] == 3 and first.shape[1] >= 30  # the prompts but their last tokens, then the step rows
+    for b, n in enumerate(lens):
+        assert not first[b, :30 - n].any() and first[b, 30 - n:29].abs().sum(-1).gt(0).all()
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
+                                           pad_token_id=0))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_lean_layers_in_half_precision(dtype):
     assert_lean_is_the_model(tiny("qwen2", dtype=dtype), 4)

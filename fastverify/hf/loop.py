@@ -177,7 +177,7 @@ class Decoder:
         self.prefix = None
         if L > 1:
             prefix_mask, prefix_pos = prefill_inputs(attention_mask[:, :-1], self.dtype)
-            self.prefix = (input_ids[:, :-1], prefix_mask, prefix_pos)
+            self.prefix = (input_ids[:, :-1], prefix_mask, prefix_pos, mask[:, :-1])
         drafter.reset(B)
 
     def _sync(self):
@@ -192,14 +192,22 @@ class Decoder:
         prompt's prefix (cache slots 0 .. L-2, causal among themselves); logits of the step's q rows only (the
         output projection's input, read by drafters with wants_hidden, likewise). In a decoding step whose
         requests' rows are padded to the largest tree's, ``self.live`` holds the verify rows for the forward
-        (fastverify.hf.layers.LiveRows, ``_LiveHead``): the padding rows' logits are zeros."""
+        (fastverify.hf.layers.LiveRows, ``_LiveHead``): the padding rows' logits are zeros; in the first step the
+        prompts' real tokens and the verify rows (a batch's shorter prompts are left padded)."""
         ids, pos, mask, gate = inp.input_ids, inp.position_ids, inp.mask, inp.slot_rows
         B, q = ids.shape
         kw = {}
+        live_index = None
         if self.prefix is not None:
-            p_ids, p_mask, p_pos = self.prefix
+            p_ids, p_mask, p_pos, p_real = self.prefix
             self.prefix = None
             P = p_ids.shape[1]
+            if self.live is not None:  # the prompts' real tokens and the step's verify rows of [B, P + q]
+                T = P + q
+                flat = torch.arange(B, device=self.device)[:, None] * T
+                live_index = torch.cat([(flat + torch.arange(P, device=self.device))[p_real],
+                                        inp.row_batch * T + P + inp.row_local])
+                live_index = live_index if live_index.shape[0] < B * T else None
             unseen = torch.full((B, 1, P, q), torch.finfo(p_mask.dtype).min, dtype=p_mask.dtype, device=self.device)
             ids, pos = torch.cat([p_ids, ids], 1), torch.cat([p_pos, pos], 1)
             mask = torch.cat([torch.cat([p_mask, unseen], 3), mask], 2)  # the prefix rows do not see the step's
@@ -207,8 +215,10 @@ class Decoder:
                 gate = torch.cat([torch.zeros(B, P, dtype=torch.bool, device=self.device), gate], 1)
             if forward_takes(self.model, "logits_to_keep"):
                 kw["logits_to_keep"] = q
-        elif self.live is not None and self.slots is None and inp.row_batch.shape[0] < B * q:
-            self.live.index, self.live.total = inp.row_batch * q + inp.row_local, B * q
+        elif self.live is not None and inp.row_batch.shape[0] < B * q:
+            live_index = inp.row_batch * q + inp.row_local
+        if live_index is not None and self.slots is None:
+            self.live.index, self.live.total = live_index, ids.shape[0] * ids.shape[1]
         try:
             if self.slots is None:
                 out = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, **kw)
@@ -222,7 +232,8 @@ class Decoder:
         if self.hidden is not None and self.hidden.value is not None:
             value = self.hidden.value
             if index is not None and value.shape[:2] == (1, index.shape[0]):  # the live rows only
-                value = value[0].new_zeros(B * q, value.shape[-1]).index_copy_(0, index, value[0]).view(B, q, -1)
+                rows = value[0].new_zeros(self.live.total, value.shape[-1])
+                value = rows.index_copy_(0, index, value[0]).view(B, -1, value.shape[-1])
             self.hidden.value = value[:, -q:]
         return logits
 
