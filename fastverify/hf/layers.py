@@ -14,13 +14,13 @@ eligible decoder layer runs ``_forward`` instead of its own forward (rebound on 
 - RMSNorm's ops without the casts that are no-ops on a float32 input; no module calls for the norms, the
   attention and the MLP themselves, no deprecation wrappers.
 
-Live rows (``LiveRows``): a batched verify forward pads every request's rows to the largest tree's, and on the CPU
-a padding row costs the linear layers what a real one does (at 4 requests, trees of 9, 1, 1 and 0 nodes are 40
-rows for 15). While the loop sets ``rows.index`` (the flat indices of the rows it reads), ``_forward`` runs the
-norms, projections and MLP on those rows only and gives the padding rows zeros (their keys and values, never
-attended by a live row, and their outputs, never read); the attention still sees the whole [B, q] layout. Every
-op is row-wise and the skinny kernels' result for a row does not depend on the other rows, so each live row's
-result is the padded forward's, bit for bit.
+Live rows (``LiveRows``): a batched verify forward pads every request's rows to the largest tree's (the first one
+also every prompt to the longest), and on the CPU a padding row costs the linear layers what a real one does (at 4
+requests, trees of 9, 1, 1 and 0 nodes are 40 rows for 15). While the loop sets ``LiveRows.index`` (the flat
+indices of the rows it reads), ``_forward`` runs the norms, projections and MLP on those rows only and gives the
+padding rows zeros (their keys and values, never attended by a live row, and their outputs, never read); the
+attention still sees the whole [B, q] layout. Every op is row-wise and the skinny kernels' result for a row does
+not depend on the other rows, so each live row's result is the padded forward's, bit for bit.
 
 Each result is the layer's own, bit for bit: the same ops on the same values in the same order. Eligible: the
 exact classes of transformers' Llama, Mistral, Qwen2 and Qwen3 decoder layers (``_LAYERS``) with their own
