@@ -114,6 +114,16 @@ def test_cpp_skip_masked_prefix_is_bit_for_bit_and_matches_its_reference(D, per_
             ref = masked_attention(*args, mask, backend="torch", skip_masked_prefix=True)
             assert got[2].isnan().any() == read and torch.equal(got.isnan(), ref.isnan())
             torch.testing.assert_close(got.nan_to_num(), ref.nan_to_num(), rtol=1e-5, atol=3e-6)
+    nan_mask = mask.clone()
+    nan_mask[2, ..., 40] = float("nan")  # a NaN mask entry is not a masked key: nothing from it on is skipped
+    assert masked_prefix(nan_mask)[2] == 32
+    got = masked_attention(q, k, v, nan_mask, backend="cpp", skip_masked_prefix=True)
+    ref = masked_attention(q, k, v, nan_mask, backend="torch", skip_masked_prefix=True)
+    assert torch.equal(got.isnan(), ref.isnan())
+    for backend in ("torch", "cpp"):  # an empty batch, no query rows
+        empty = masked_attention(q[:0], k[:0], v[:0], mask[:0], skip_masked_prefix=True, backend=backend)
+        none = masked_attention(q[:, :, :0], k, v, mask[:, :, :0], skip_masked_prefix=True, backend=backend)
+        assert empty.shape == (0,) + q.shape[1:] and none.shape == q.shape[:2] + (0, D)
     with pytest.raises(TypeError, match="skip_masked_prefix: expected a bool"):
         masked_attention(q, k, v, mask, skip_masked_prefix=1)
 

@@ -51,7 +51,7 @@ MASKED = -1e30  # a mask value at or below it excludes its key outright (csrc/cp
 def masked_prefix(mask: torch.Tensor) -> list:
     """Per batch row of an additive mask [B, 1 or Hq, n, S], the keys that ``skip_masked_prefix`` leaves unread:
     16 * floor(f / 16), f the first key any of its query rows sees (0 if a row sees no key)."""
-    seen = mask > MASKED
+    seen = ~(mask <= MASKED)  # NaN: not excluded
     out = []
     for b in range(mask.shape[0]):
         rows = seen[b].reshape(-1, mask.shape[-1])
@@ -68,7 +68,7 @@ def masked_attention(q, k, v, mask, scale: float, skip_masked_prefix: bool = Fal
     enable_gqa (query head h reads key / value head h // (Hq // Hkv)); ``skip_masked_prefix``: per batch row over
     the keys from ``masked_prefix(mask)[b]`` on only. The specification of fastverify::masked_attention."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if mask is None or not skip_masked_prefix or q.shape[2] == 0:
+    if mask is None or not skip_masked_prefix or q.shape[0] == 0 or q.shape[2] == 0:
         return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return torch.cat([sdpa(q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], attn_mask=mask[b:b + 1, ..., s:],
                            scale=scale, enable_gqa=True) for b, s in enumerate(masked_prefix(mask))])
