@@ -5,7 +5,9 @@ drafters (bpd, bpd+ngram; checkpoint ``--heads``, default the shipped ``smollm2-
 eagle+ngram; checkpoint folder ``--eagle``). Batches take one question
 from each of B different categories in turn (mixed prompts), so requests finish and accept at different rates.
 Reports per method: identical rows, tokens per request-step of the loop, tok/s (all requests' new tokens / wall
-time), speedup over generate and over n-gram fastverify (geometric mean over batches). Methods rotate per batch.
+time), speedup over generate and over n-gram fastverify (geometric mean over batches); then the loop's figures per
+decoding step (fastverify.hf.stats, summed over batches: steps, draft nodes of the whole batch, forward and
+drafting milliseconds; the first step's forward, which runs the prompts, apart). Methods rotate per batch.
 ``--ngram`` / ``--bpd`` pass drafter options as in e2e.py (fresh drafters per generate call, as there).
 
   python benchmarks/e2e_batch.py --batch 4 --batches 4 --max-new-tokens 128
@@ -83,7 +85,7 @@ def main(argv=None):
         return heads_drafter(model, m, args.ngram, {"heads": args.heads, "options": args.bpd, "eagle": args.eagle})
 
     tok.padding_side = "left"
-    res = {m: {"seconds": [], "tokens": [], "identical": 0, "rows": 0, "tps": []} for m in args.methods}
+    res = {m: {"seconds": [], "tokens": [], "identical": 0, "rows": 0, "tps": [], "loop": []} for m in args.methods}
     for i, qb in enumerate(batches):
         texts = [tok.apply_chat_template([{"role": "user", "content": q["prompt"]}], add_generation_prompt=True,
                                          tokenize=False) for q in qb]
@@ -111,6 +113,7 @@ def main(argv=None):
             res[m]["tokens"].append(ntok)
             if st is not None:
                 res[m]["tps"].append(st.tokens_per_step)
+                res[m]["loop"].append((st.steps, st.drafted_tokens, st.time_forward, st.time_draft, st.time_prefill))
         for m in args.methods:
             same = (outs[m] == outs["generate"]).all(dim=1)
             res[m]["identical"] += int(same.sum())
@@ -140,6 +143,15 @@ def main(argv=None):
             vs_f = "-"
         step = f"{sum(r['tps']) / len(r['tps']):.2f}" if r["tps"] else "1.00"
         print(f"| {m} | {r['identical']}/{r['rows']} | {step} | {tps:.1f} | {vs_g:.2f}x | {vs_f} |")
+    loops = [m for m in args.methods if res[m]["loop"]]
+    if loops:
+        print("\n| method | steps | draft nodes per step | forward ms per step | drafting ms per step | first step s |")
+        print("|---|---|---|---|---|---|")
+    for m in loops:
+        steps, nodes, fwd, draft, first = (sum(x) for x in zip(*res[m]["loop"]))
+        later = max(steps - len(res[m]["loop"]), 1)  # the steps after each batch's first
+        print(f"| {m} | {steps} | {nodes / steps:.2f} | {1e3 * fwd / later:.2f} | {1e3 * draft / steps:.2f} | "
+              f"{first:.2f} |")
 
 
 if __name__ == "__main__":
