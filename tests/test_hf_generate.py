@@ -222,6 +222,41 @@ def test_sampling_batch_invariance():
         assert torch.equal(alone[0, n:], both[b, ids.shape[1]:])
 
 
+class _Budgets(NGramDrafter):
+    """An n-gram drafter that records the budget the loop gives each request."""
+
+    def __init__(self):
+        super().__init__()
+        self.budgets = []
+
+    def propose(self, contexts, budget):
+        self.budgets.append([(int(bud), len(ctx)) for bud, ctx in zip(budget, contexts)])
+        return super().propose(contexts, budget)
+
+
+@pytest.mark.parametrize("pace", [True, False])
+def test_a_request_well_ahead_of_the_batch_drafts_nothing(pace):
+    """Request 0 copies its repetitive prompt several tokens a step, request 1 (random tokens) gains nothing from
+    drafts: with ``pace_batch`` request 0 gets no budget once it would end in time at one token a step, while
+    request 1 keeps drafting; the output is generate's either way."""
+    model = _tiny("llama")
+    g = torch.Generator().manual_seed(3)
+    ids, mask = left_padded([_repetitive(30, 1), torch.randint(3, V, (20,), generator=g).tolist()], PAD)
+    want = _reference(model, ids, mask, max_new_tokens=40)
+    drafter = _Budgets()
+    patch(model, drafter=drafter, pace_batch=pace)
+    try:
+        got = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=40)
+        st = stats(model)
+    finally:
+        unpatch(model)
+    assert torch.equal(got, want)
+    # (budget, context length) per request and step; request 0's prompt holds 30 tokens, it may emit 40
+    paused = [step for step in drafter.budgets if step[0][0] == 0 and step[0][1] < 30 + 39 and step[1][0] > 0]
+    assert bool(paused) == pace
+    assert drafter.budgets[0][0][0] > 0 and sum(step[0] or 0 for step in st.accepted) > 0  # request 0 drafted
+
+
 def test_public_names():
     assert fastverify.patch is patch and fastverify.unpatch is unpatch
     assert fastverify.NGramDrafter is NGramDrafter and fastverify.DraftModelDrafter is DraftModelDrafter

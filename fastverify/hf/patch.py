@@ -179,7 +179,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         of them, the same ops in fewer calls, their q / k / v and gate / up projections stacked; see
         fastverify.hf.layers), ``live_rows`` (default True: in a batch on the CPU, the rows that only pad a request
         to the largest tree's skip the output projection and, in those layers, the norms, projections and MLP;
-        the other rows' results unchanged bit for bit),
+        the other rows' results unchanged bit for bit), ``pace_batch`` (default True: in a batch on the CPU, a
+        request that would end, at one token a step, well before the request expected to end last gets no draft
+        that step; the batch runs until its last request ends, so those drafts would cost rows and save no step),
         ``allow_unknown_model`` (skip the model-type registry check).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
@@ -195,12 +197,12 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
-             "allow_unknown_model")
+             "pace_batch", "allow_unknown_model")
     unknown = set(options) - set(RULE_PARAMS) - set(extra)
     if unknown:
         raise TypeError(f"fastverify.patch: unknown option(s) {sorted(unknown)}; expected rule parameters "
                         f"{RULE_PARAMS} or {', '.join(extra)}")
-    for name in ("skinny_linear", "pack_weights", "lean_layers", "live_rows"):
+    for name in ("skinny_linear", "pack_weights", "lean_layers", "live_rows", "pace_batch"):
         if options.get(name, True) not in (True, False):
             raise TypeError(f"{name}: expected a bool, got {options[name]!r}")
     if rule is not None and rule not in RULES:
@@ -400,6 +402,7 @@ def _plan(model, state, args, kwargs):
                               pack_weights=bool(state.options.get("pack_weights", True)),
                               lean_layers=bool(state.options.get("lean_layers", True)),
                               live_rows=bool(state.options.get("live_rows", True)),
+                              pace_batch=bool(state.options.get("pace_batch", True)),
                               max_positions=position_limit(model.config))
     settings.rule_params = rule_params
     if rule in SAMPLING_RULES:
