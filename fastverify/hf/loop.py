@@ -36,6 +36,10 @@ from fastverify.tree import Tree
 __all__ = ["LoopStats", "DecodeSettings", "decode"]
 
 SAMPLING_RULES = ("speculative", "coupled")
+# Rules whose tokens do not depend on the drafts (greedy: the argmax path; coupled: plain sampling's stream), the only
+# ones under which Decoder._paced may withhold drafts: a lossy rule's (or speculative's) output would then depend on
+# the other requests of the batch.
+DRAFT_FREE_RULES = ("greedy", "coupled")
 # Decoder._paced: a request that would end within this share of the steps the slowest request needs gets no draft.
 # At batch 4 on Spec-Bench (three mixed batches, 128 new tokens, 2-core Intel Xeon): n-gram fastverify 9-14% faster.
 PACE_MARGIN = 0.8
@@ -266,7 +270,7 @@ class Decoder:
         # 1. draft: a step commits accept_len + 1 tokens, so drafting deeper than remaining - 1 is wasted.
         remaining = [self.remaining(b) for b in range(B)]
         budget = [min(s.max_draft, max(r - 1, 0)) for r in remaining]
-        if s.pace_batch and B > 1 and self.device.type == "cpu":
+        if s.pace_batch and B > 1 and self.device.type == "cpu" and s.rule in DRAFT_FREE_RULES:
             budget = self._paced(budget, remaining)
         trees = self.drafter.propose(self.contexts, budget)
         check_drafts(self.drafter, trees, B, self.vocab_size)

@@ -179,9 +179,10 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         of them, the same ops in fewer calls, their q / k / v and gate / up projections stacked; see
         fastverify.hf.layers), ``live_rows`` (default True: in a batch on the CPU, the rows that only pad a request
         to the largest tree's skip the output projection and, in those layers, the norms, projections and MLP;
-        the other rows' results unchanged bit for bit), ``pace_batch`` (default True: in a batch on the CPU, a
-        request that would end, at one token a step, well before the request expected to end last gets no draft
-        that step; the batch runs until its last request ends, so those drafts would cost rows and save no step),
+        the other rows' results unchanged bit for bit), ``pace_batch`` (default True: in a batch on the CPU under
+        the greedy or coupled rule, a request that would end, at one token a step, well before the request expected
+        to end last gets no draft that step; the batch runs until its last request ends, so those drafts would cost
+        rows and save no step),
         ``allow_unknown_model`` (skip the model-type registry check).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
