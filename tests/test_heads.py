@@ -19,6 +19,7 @@ from fastverify.heads import (BaseModelMismatch, CheckpointError, ProposalHeads,
                               save_heads)
 from fastverify.hf import Drafter, NGramDrafter, patch, stats, unpatch
 from fastverify.hf.bpd import HeadsDrafter, load_drafter
+from fastverify.hf.drafters import empty_tree
 from fastverify.train import heads as recipe
 
 from conftest import assert_greedy_exact, left_padded, patched_generate, repetitive, tiny_llama
@@ -354,9 +355,10 @@ class _Recorder(Drafter):
 
     wants_hidden = True
 
-    def __init__(self):
+    def __init__(self, silent=()):
         self.ngram = NGramDrafter(fixed_cost=0, node_cost=0)
         self.log = []
+        self.silent = silent  # requests that draft nothing (their rows then pad to the others' trees)
 
     def reset(self, batch_size):
         super().reset(batch_size)
@@ -364,7 +366,8 @@ class _Recorder(Drafter):
 
     def propose(self, contexts, budget):
         self.contexts = [list(c) for c in contexts]
-        return self.ngram.propose(contexts, budget)
+        trees = self.ngram.propose(contexts, budget)
+        return [empty_tree() if b in self.silent else t for b, t in enumerate(trees)]
 
     def update(self, accepted):
         self.ngram.update(accepted)
@@ -373,12 +376,17 @@ class _Recorder(Drafter):
         self.log.append((hidden.clone(), list(active)))
 
 
-def test_hidden_state_handed_to_drafter_equals_plain_forward(model):
+@pytest.mark.parametrize("silent", [(), (1,)], ids=["all-draft", "one-silent"])
+def test_hidden_state_handed_to_drafter_equals_plain_forward(model, silent):
+    """Also where request 1 drafts nothing: its rows pad to the others' trees and the loop computes the verify rows
+    only (fastverify.hf.layers.LiveRows); the hidden states are read in the padded layout all the same."""
     ids, mask = _batch([30, 22, 26])
-    drafter = _Recorder()
+    drafter = _Recorder(silent)
     out, st = patched_generate(model, drafter, ids, attention_mask=mask,
                                max_new_tokens=24, do_sample=False, pad_token_id=PAD)
     assert st.accepted_tokens > 0 and len(drafter.log) == st.steps
+    if silent:
+        assert any(step[1] == 0 and max(step) > 0 for step in st.drafted)  # padded steps
     # after step s, request b's committed sequence is prompt + generated[:n]; the hidden state handed over is
     # the one at the position of its second-to-last token (the row whose logits gave the last token)
     captured = {}

@@ -43,7 +43,7 @@ import torch
 
 from fastverify.hf.linear import MAX_ROWS, packed_group, skinny_available, takes_skinny
 
-__all__ = ["lean_layers", "projection_groups", "LiveRows"]
+__all__ = ["lean_layers", "projection_groups", "LiveRows", "scatter_rows"]
 
 # decoder layer class -> the attention call's extra keyword arguments (what its attention forward passes beyond
 # Llama's); the layer's attention, MLP and RMSNorm classes share its prefix
@@ -191,8 +191,8 @@ class LiveRows:
         self.index, self.total = None, 0
 
 
-def _scatter(rows, index, total):
-    """[total, ...] zeros holding ``rows`` at ``index``."""
+def scatter_rows(rows, index, total):
+    """[total, ...] zeros holding ``rows`` at ``index`` (the live rows back in their padded layout)."""
     return rows.new_zeros(total, *rows.shape[1:]).index_copy_(0, index, rows)
 
 
@@ -211,7 +211,7 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     x = _rms(w1, eps1, h0)
     qkv = plan.project(plan.qkv, plan.qkv_bias, plan.qkv_mods, x)
     if index is not None:
-        qkv = _scatter(qkv, index, live.total)
+        qkv = scatter_rows(qkv, index, live.total)
     qkv = qkv.view(*shape, -1, plan.head_dim)
     nq, nqk = plan.nq, plan.nq + plan.nk
     if plan.head_norms is None:
@@ -233,7 +233,7 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     x = _rms(w2, eps2, h)
     gu = plan.project(plan.gate_up, plan.gate_up_bias, plan.gate_up_mods, x)
     h = h + plan.down_proj(plan.act(gu[..., :plan.inter]) * gu[..., plan.inter:])
-    return h if index is None else _scatter(h, index, live.total).view(*shape, -1)
+    return h if index is None else scatter_rows(h, index, live.total).view(*shape, -1)
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ import torch
 from fastverify.hf.attention import (cache_kwargs, crop_cache, forward_takes, gqa_attention, new_cache, prefill_inputs,
                                      step_inputs, upload_lists)
 from fastverify.hf.drafters import empty_tree
-from fastverify.hf.layers import LiveRows, lean_layers
+from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
 from fastverify.hf.linear import skinny_linears
 from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
@@ -201,16 +201,17 @@ class Decoder:
         output projection's input, read by drafters with wants_hidden, likewise). In a decoding step whose
         requests' rows are padded to the largest tree's, ``self.live`` holds the verify rows for the forward
         (fastverify.hf.layers.LiveRows, ``_LiveHead``): the padding rows' logits are zeros; in the first step the
-        prompts' real tokens and the verify rows (a batch's shorter prompts are left padded)."""
+        prompts' real tokens and the verify rows (a batch's shorter prompts are left padded). Not with slot rows."""
         ids, pos, mask, gate = inp.input_ids, inp.position_ids, inp.mask, inp.slot_rows
         B, q = ids.shape
         kw = {}
+        live = self.live if self.slots is None else None
         live_index = None
         if self.prefix is not None:
             p_ids, p_mask, p_pos, p_real = self.prefix
             self.prefix = None
             P = p_ids.shape[1]
-            if self.live is not None:  # the prompts' real tokens and the step's verify rows of [B, P + q]
+            if live is not None:  # the prompts' real tokens and the step's verify rows of [B, P + q]
                 T = P + q
                 flat = torch.arange(B, device=self.device)[:, None] * T
                 live_index = torch.cat([(flat + torch.arange(P, device=self.device))[p_real],
@@ -223,26 +224,21 @@ class Decoder:
                 gate = torch.cat([torch.zeros(B, P, dtype=torch.bool, device=self.device), gate], 1)
             if forward_takes(self.model, "logits_to_keep"):
                 kw["logits_to_keep"] = q
-        elif self.live is not None and inp.row_batch.shape[0] < B * q:
+        elif live is not None and inp.row_batch.shape[0] < B * q:
             live_index = inp.row_batch * q + inp.row_local
-        if live_index is not None and self.slots is None:
-            self.live.index, self.live.total = live_index, ids.shape[0] * ids.shape[1]
+        if live_index is not None:
+            live.index, live.total = live_index, ids.shape[0] * ids.shape[1]
         try:
             if self.slots is None:
                 out = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, **kw)
             else:
                 out = self._forward_with_slots(inp, ids, pos, mask, gate, **kw)
         finally:
-            index = self.live.index if self.live is not None else None
-            if index is not None:
-                self.live.index = None
+            if live is not None:
+                live.index = None
         logits = out.logits[:, -q:]
         if self.hidden is not None and self.hidden.value is not None:
-            value = self.hidden.value
-            if index is not None and value.shape[:2] == (1, index.shape[0]):  # the live rows only
-                rows = value[0].new_zeros(self.live.total, value.shape[-1])
-                value = rows.index_copy_(0, index, value[0]).view(B, -1, value.shape[-1])
-            self.hidden.value = value[:, -q:]
+            self.hidden.value = self.hidden.value[:, -q:]
         return logits
 
     def _paced(self, budget, remaining):
@@ -601,9 +597,8 @@ class _LiveHead:
     def _scatter(self, module, args, output):
         if self.shape is None or not isinstance(output, torch.Tensor):
             return None
-        rows, shape, self.shape = output[0], self.shape, None
-        return rows.new_zeros(shape.numel(), rows.shape[-1]).index_copy_(0, self.live.index, rows).view(
-            *shape, -1)
+        shape, self.shape = self.shape, None
+        return scatter_rows(output[0], self.live.index, shape.numel()).view(*shape, -1)
 
     def close(self):
         for h in self.handles:
@@ -611,9 +606,10 @@ class _LiveHead:
 
 
 class _HiddenCapture:
-    """Forward hook on the model's output projection keeping a reference to its input (the final hidden states,
+    """Forward pre-hook on the model's output projection keeping a reference to its input (the final hidden states,
     [B, S, D]) of the latest forward: the verify forward's, read by drafters with ``wants_hidden``. No copy and
-    no extra forward; installed only for such drafters and removed when the generate call ends."""
+    no extra forward; installed only for such drafters and removed when the generate call ends. It runs before
+    every other pre-hook, so it sees the input in its [B, S] layout, before ``_LiveHead`` gathers the live rows."""
 
     def __init__(self, model):
         head = model.get_output_embeddings()
@@ -621,9 +617,9 @@ class _HiddenCapture:
             raise ValueError(f"{type(model).__name__} has no output projection (get_output_embeddings() is None); "
                              f"a drafter that reads the target's hidden state needs one")
         self.value = None
-        self.handle = head.register_forward_hook(self._hook)
+        self.handle = head.register_forward_pre_hook(self._hook, prepend=True)
 
-    def _hook(self, module, args, output):
+    def _hook(self, module, args):
         self.value = args[0]
 
     def close(self):
