@@ -396,8 +396,10 @@ FASTVERIFY_AVX2 inline void dequant_avx2(const Packed& p, int64_t n, int rows, f
 
 // The fused AVX-512 path for a few x rows: NR packed weight rows x MR x rows, the weights dequantised in registers
 // (block_weights_avx512) straight into the FMAs, whose order per lane (k = 32b + l, then 32b + 16 + l, block after
-// block) is the float32 tile's; then the same reduction and bias. The tile prefetches the next block of weight rows
-// [next, end) (bytes, scales and minima, one line per k step) as the float32 tiles do.
+// block) is the float32 tile's; then the same reduction and bias. Per block of 32 weights the NR rows are dequantised
+// first and each x row is then loaded once for all of them (2 MR loads a block instead of 2 NR MR): with the x rows
+// reloaded per weight row, the loads bound the tile from 6 rows on. The tile prefetches the next block of weight
+// rows [next, end) (bytes, scales and minima, one line per k step) as the float32 tiles do.
 template <int NR, int MR, int BITS>
 FASTVERIFY_AVX512 inline void tile_packed_avx512(const float* x, const Packed& p, const float* bias, float* y,
                                                  int64_t N, int64_t n, int64_t m, int64_t next, int64_t end) {
@@ -421,13 +423,15 @@ FASTVERIFY_AVX512 inline void tile_packed_avx512(const float* x, const Packed& p
         _mm_prefetch(pm + 16 * b, _MM_HINT_T0);
       }
     }
-    for (int i = 0; i < NR; ++i) {
-      __m512 w0, w1;
-      block_weights_avx512<BITS>(q + i * rb + BITS * 4 * b, d[i * blocks + b], mn[i * blocks + b], w0, w1);
-      for (int j = 0; j < MR; ++j) {
-        const float* xr = x + (m + j) * K + 32 * b;
-        acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[i][j]);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[i][j]);
+    __m512 w[NR][2];
+    for (int i = 0; i < NR; ++i)
+      block_weights_avx512<BITS>(q + i * rb + BITS * 4 * b, d[i * blocks + b], mn[i * blocks + b], w[i][0], w[i][1]);
+    for (int j = 0; j < MR; ++j) {
+      const float* xr = x + (m + j) * K + 32 * b;
+      const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+      for (int i = 0; i < NR; ++i) {
+        acc[i][j] = _mm512_fmadd_ps(x0, w[i][0], acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(x1, w[i][1], acc[i][j]);
       }
     }
   }
@@ -438,10 +442,13 @@ FASTVERIFY_AVX512 inline void tile_packed_avx512(const float* x, const Packed& p
     }
 }
 
-// The x rows in tiles of at most kPackedTileRows, as even as possible (17 rows: 5, 4, 4, 4). A tile of 4 weight rows
-// x 6 x rows leaves too few of the 32 registers for the dequantisation and spills (GCC 12): one 1536 x 576 Q4_1
-// layer, one thread, 12 x rows, ~1.25x faster in tiles of 4 + 4 + 4 than of 6 + 6.
-constexpr int64_t kPackedTileRows = 5;
+// The x rows in tiles of at most kPackedTileRows, as even as possible (17 rows: 6, 6, 5). Each tile dequantises the
+// weights again, so fewer tiles save that work; with each x row loaded once per block, 4 weight rows x 8 x rows
+// still beat two tiles although their 32 accumulators fill the registers. SmolLM2-135M's 120 Q4_1 decoder
+// projections streamed from memory, one thread, Intel Xeon (2026-11-27; tiles of at most 5 with the x rows reloaded
+// per weight row before): 6 / 7 / 8 rows 13.4 / 15.1 / 16.8 ms against 17.0 / 18.3 / 19.5, 1-5 rows and 9-10 the
+// same, 11-16 rows 1.06-1.19x faster; its Q8_0 head alike (benchmarks/RESULTS.md, "Block-packed weights").
+constexpr int64_t kPackedTileRows = 8;
 
 template <int NR, int BITS>
 FASTVERIFY_AVX512 inline void block_packed_avx512(const float* x, const Packed& p, const float* bias, float* y,
@@ -450,6 +457,9 @@ FASTVERIFY_AVX512 inline void block_packed_avx512(const float* x, const Packed& 
   for (int64_t t = 0, m = 0; t < tiles; ++t) {
     const int64_t rows = (M - m + tiles - t - 1) / (tiles - t);  // the rows left over the tiles left, rounded up
     switch (rows) {
+      case 8: tile_packed_avx512<NR, 8, BITS>(x, p, bias, y, N, n, m, next, end); break;
+      case 7: tile_packed_avx512<NR, 7, BITS>(x, p, bias, y, N, n, m, next, end); break;
+      case 6: tile_packed_avx512<NR, 6, BITS>(x, p, bias, y, N, n, m, next, end); break;
       case 5: tile_packed_avx512<NR, 5, BITS>(x, p, bias, y, N, n, m, next, end); break;
       case 4: tile_packed_avx512<NR, 4, BITS>(x, p, bias, y, N, n, m, next, end); break;
       case 3: tile_packed_avx512<NR, 3, BITS>(x, p, bias, y, N, n, m, next, end); break;
