@@ -481,10 +481,13 @@ FASTVERIFY_AVX512 inline void rows_packed_avx512(const float* x, const Packed& p
 #endif
 
 // x rows up to which the AVX-512 path dequantises in registers, once per tile of x rows; beyond, a block of weight
-// rows is dequantised once into the thread's buffer and every x row multiplied with it (below). SmolLM2-135M's 211
-// linear layers (Q4_1 / Q8_0), 2 threads, Intel Xeon: buffered / fused 9.7 / 7.5 ms at 1 row, 13.9 / 9.9 at 5,
-// 16.8 / 14.7 at 7, 22.1 / 20.2 at 12, 28.9 / 28.0 at 17; at 24 rows the buffer wins (37.1 / 39.0).
-constexpr int64_t kPackedFusedRows = 18;
+// rows is dequantised once into the thread's buffer and every x row multiplied with it (below). With the tiles of
+// up to 8 rows the fused path is the faster one up to the loop's 128 rows (fastverify.hf.linear.MAX_ROWS):
+// SmolLM2-135M's 120 Q4_1 decoder projections streamed from memory, 2 threads splitting the columns, the two paths
+// alternating in one process (Intel Xeon, 2026-11-27), fused / buffered 19.3 / 24.5 ms at 17 rows, 28.2 / 37.0 at
+// 24, 40.9 / 46.8 at 32, 75.5 / 89.2 at 64, 160.8 / 177.0 at 128; its Q8_0 head 1.1-1.2x at 17-32 rows, even at
+// 96-128. (With tiles of at most 5 the buffer won from 24 rows.)
+constexpr int64_t kPackedFusedRows = 128;
 
 // y[m * N + n] for m < M and n in [n0, n1) from a packed weight: the fused tiles above, or each block of 4 weight rows
 // dequantised into `buf` (4 * K floats, the thread's own) and multiplied by every x row with skinny_rows. Either way
