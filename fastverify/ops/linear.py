@@ -15,8 +15,8 @@ block format (a GGUF file's Q4_0 / Q4_1 / Q8_0: w = d * q + m per block of 32 we
 holds only 16 or 256 values per block, so it is stored exactly in 0.75 or 1.25 bytes per weight instead of 4; the
 kernel dequantises in registers (up to 128 rows, in tiles of up to 8; beyond, four weight rows at a time into the
 thread's cache) and runs skinny_linear's own arithmetic on them, so the result is skinny_linear's on the float32
-weight, bit for bit, for a fifth (4 bits) of the memory traffic. ``pack_blocks`` returns None for a weight of any other form: nothing is ever
-approximated.
+weight, bit for bit, for a fifth (4 bits) of the memory traffic. ``pack_blocks`` returns None for a weight of any
+other form: nothing is ever approximated.
 """
 
 from typing import NamedTuple, Optional
