@@ -304,7 +304,8 @@ def test_pack_blocks_refuses_what_it_cannot_hold_exactly():
 
 @needs_packed
 @pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17, 18, 19, 24, 40, 128, 130])  # fused to 128
+# fused to 128 rows (tiles of up to 8), then buffered
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17, 18, 19, 24, 40, 128, 130])
 @pytest.mark.parametrize("N, K, bias", [(1, 32, False), (5, 64, True), (49, 576, True), (9, 1536, False)])
 def test_skinny_linear_packed_is_the_float32_kernel_bit_for_bit(kind, M, N, K, bias):
     g = torch.Generator().manual_seed(M * 7 + N + K)
