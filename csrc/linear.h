@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <c10/util/Half.h>
 
@@ -491,15 +492,18 @@ FASTVERIFY_AVX512 inline void rows_packed_avx512(const float* x, const Packed& p
 constexpr int64_t kPackedFusedRows = 128;
 
 // y[m * N + n] for m < M and n in [n0, n1) from a packed weight: the fused tiles above, or each block of 4 weight rows
-// dequantised into `buf` (4 * K floats, the thread's own) and multiplied by every x row with skinny_rows. Either way
-// the result is the one of the float32 weight, bit for bit, and the memory traffic that of the packed bytes.
+// dequantised into a buffer (4 * K floats, the calling thread's own, made only on this path) and multiplied by every
+// x row with skinny_rows. Either way the result is the one of the float32 weight, bit for bit, and the memory traffic
+// that of the packed bytes.
 inline void skinny_rows_packed(const float* x, const Packed& p, const float* bias, float* y, int64_t M, int64_t N,
-                               int64_t n0, int64_t n1, float* buf) {
+                               int64_t n0, int64_t n1) {
 #ifdef FASTVERIFY_X86
   if (cpu_has_avx512() && M <= kPackedFusedRows)
     return p.bits == 4 ? rows_packed_avx512<4>(x, p, bias, y, M, N, n0, n1)
                        : rows_packed_avx512<8>(x, p, bias, y, M, N, n0, n1);
 #endif
+  std::vector<float> block(4 * p.K);
+  float* buf = block.data();
   for (int64_t n = n0; n < n1; n += 4) {
     const int rows = static_cast<int>(std::min<int64_t>(4, n1 - n));
 #ifdef FASTVERIFY_X86

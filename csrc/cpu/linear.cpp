@@ -93,8 +93,7 @@ at::Tensor skinny_linear_packed_cpu(const at::Tensor& x, const at::Tensor& q, co
   const int64_t blocks = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * K));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf(4 * K);  // a block of 4 rows as float32, in this thread's cache
-    fastverify::linear::skinny_rows_packed(xp, p, bias_ptr, yp, M, N, 4 * b0, std::min(N, 4 * b1), buf.data());
+    fastverify::linear::skinny_rows_packed(xp, p, bias_ptr, yp, M, N, 4 * b0, std::min(N, 4 * b1));
   });
   return y;
 }
