@@ -491,17 +491,11 @@ FASTVERIFY_AVX512 inline void rows_packed_avx512(const float* x, const Packed& p
 // 96-128. (With tiles of at most 5 the buffer won from 24 rows.)
 constexpr int64_t kPackedFusedRows = 128;
 
-// y[m * N + n] for m < M and n in [n0, n1) from a packed weight: the fused tiles above, or each block of 4 weight rows
-// dequantised into a buffer (4 * K floats, the calling thread's own, made only on this path) and multiplied by every
-// x row with skinny_rows. Either way the result is the one of the float32 weight, bit for bit, and the memory traffic
-// that of the packed bytes.
-inline void skinny_rows_packed(const float* x, const Packed& p, const float* bias, float* y, int64_t M, int64_t N,
-                               int64_t n0, int64_t n1) {
-#ifdef FASTVERIFY_X86
-  if (cpu_has_avx512() && M <= kPackedFusedRows)
-    return p.bits == 4 ? rows_packed_avx512<4>(x, p, bias, y, M, N, n0, n1)
-                       : rows_packed_avx512<8>(x, p, bias, y, M, N, n0, n1);
-#endif
+// y[m * N + n] for m < M and n in [n0, n1) from a packed weight, each block of 4 weight rows dequantised into a buffer
+// (4 * K floats, the calling thread's own) and multiplied by every x row with skinny_rows: the path for many x rows,
+// and for CPUs without AVX-512.
+inline void rows_packed_buffered(const float* x, const Packed& p, const float* bias, float* y, int64_t M, int64_t N,
+                                 int64_t n0, int64_t n1) {
   std::vector<float> block(4 * p.K);
   float* buf = block.data();
   for (int64_t n = n0; n < n1; n += 4) {
@@ -515,6 +509,19 @@ inline void skinny_rows_packed(const float* x, const Packed& p, const float* bia
 #endif
     skinny_rows(x, buf, bias ? bias + n : nullptr, y + n, M, p.K, N, 0, rows);
   }
+}
+
+// y[m * N + n] for m < M and n in [n0, n1) from a packed weight: the fused tiles above up to kPackedFusedRows x rows
+// on AVX-512, else rows_packed_buffered. Either way the result is the one of the float32 weight, bit for bit, and the
+// memory traffic that of the packed bytes.
+inline void skinny_rows_packed(const float* x, const Packed& p, const float* bias, float* y, int64_t M, int64_t N,
+                               int64_t n0, int64_t n1) {
+#ifdef FASTVERIFY_X86
+  if (cpu_has_avx512() && M <= kPackedFusedRows)
+    return p.bits == 4 ? rows_packed_avx512<4>(x, p, bias, y, M, N, n0, n1)
+                       : rows_packed_avx512<8>(x, p, bias, y, M, N, n0, n1);
+#endif
+  rows_packed_buffered(x, p, bias, y, M, N, n0, n1);
 }
 
 }  // namespace linear
