@@ -283,6 +283,6 @@ def test_rotary_follows_its_inputs():
     rotary = hf_layers._Rotary()
     a, b, c = torch.randn(1, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8)
     for cos, sin in ((c, a), (c, a), (c, b), (a, b), (c, a), (b, b)):
-        got_cos, got_sin = rotary(cos, sin)
-        assert torch.equal(got_cos, cos.unsqueeze(1))
-        assert torch.equal(got_sin, torch.cat((-sin[..., :4], sin[..., 4:]), -1).unsqueeze(1))
+        got_cos, got_sin, got_rolled = rotary(cos, sin)
+        assert torch.equal(got_cos, cos.unsqueeze(1)) and torch.equal(got_sin, sin.unsqueeze(1))
+        assert torch.equal(got_rolled, torch.cat((-sin[..., :4], sin[..., 4:]), -1).unsqueeze(1))

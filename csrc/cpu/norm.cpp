@@ -29,14 +29,12 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   const int64_t rows = xc.numel() / D;
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
-  at::Tensor sq = at::empty_like(xc);
-  float* sp = sq.data_ptr<float>();
+  float* yp = y.data_ptr<float>();  // first the squares, then (row by row, after the sums) the result
   at::parallel_for(0, rows, grain_rows(D), [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0 * D; i < r1 * D; ++i) sp[i] = xp[i] * xp[i];
+    for (int64_t i = r0 * D; i < r1 * D; ++i) yp[i] = xp[i] * xp[i];
   });
-  const at::Tensor ss = at::sum(sq, {-1}, /*keepdim=*/true);  // torch's reduction, torch's order
+  const at::Tensor ss = at::sum(y, {-1}, /*keepdim=*/true);  // torch's reduction, torch's order
   const float* sum = ss.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const float count = static_cast<float>(D), e = static_cast<float>(eps);
   at::parallel_for(0, rows, grain_rows(D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {

@@ -8,9 +8,10 @@ eligible decoder layer runs ``_forward`` instead of its own forward (rebound on 
 - the q / k / v projections, and the gate / up projections, in one ``skinny_linear_packed`` call each on their
   stacked packed weight (``fastverify.hf.linear.packed_group``: every output column computed as it is alone), when
   the layers pack and the rows are few; otherwise each projection's own forward;
-- the rotary embedding of q and k together as ``x * cos + roll(x, D / 2) * sin'`` with ``sin' = [-sin_lo,
-  sin_hi]``: the products and sums of transformers' ``x * cos + rotate_half(x) * sin`` (a negation is exact), in
-  four calls instead of fourteen (``sin'`` made once per forward, every layer shares it);
+- the rotary embedding of q and k together: on float32 CPU tensors one ``fastverify::rotary_embedding`` call
+  (csrc/rotary.cpp), else ``x * cos + roll(x, D / 2) * sin'`` with ``sin' = [-sin_lo, sin_hi]``; either way the
+  products and sums of transformers' ``x * cos + rotate_half(x) * sin`` (a negation is exact), in one or four
+  calls instead of fourteen (``sin'`` made once per forward, every layer shares it);
 - RMSNorm's ops without the casts that are no-ops on a float32 input, and on float32 CPU tensors as one
   ``fastverify::rms_norm`` call (csrc/norm.cpp: the same six steps, torch's own sum of squares, ~3 instead of
   ~15 us a row); no module calls for the norms, the attention and the MLP themselves, no deprecation wrappers.
@@ -121,21 +122,35 @@ def _rms(weight, eps, h):
     float32 CPU tensors outside autograd one ``fastverify::rms_norm`` call (csrc/norm.cpp: the same bits, ~3
     instead of ~15 us a row)."""
     dtype = h.dtype
-    if (_rms_op is not None and dtype == torch.float32 and h.device.type == "cpu" and weight.dtype == torch.float32
-            and h.is_contiguous() and not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad))):
+    if _rms_op is not None and _fused(h, weight) and h.is_contiguous():
         return _rms_op(h, weight, eps)
     x = h if dtype == torch.float32 else h.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
-# fastverify::rms_norm, or None (FASTVERIFY_DISABLE_EXT, a build without it): then torch's ops
-_rms_op = torch.ops.fastverify.rms_norm if _ext.HAS_CPP and hasattr(torch.ops.fastverify, "rms_norm") else None
+def _op(name):
+    """torch.ops.fastverify.<name>, or None (FASTVERIFY_DISABLE_EXT, a build without it): then torch's ops run."""
+    return getattr(torch.ops.fastverify, name) if _ext.HAS_CPP and hasattr(torch.ops.fastverify, name) else None
+
+
+_rms_op, _rotary_op = _op("rms_norm"), _op("rotary_embedding")  # csrc/norm.cpp, csrc/rotary.cpp
 
 if _rms_op is not None:
     @torch.library.register_fake("fastverify::rms_norm")
     def _rms_norm_fake(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+if _rotary_op is not None:
+    @torch.library.register_fake("fastverify::rotary_embedding")
+    def _rotary_embedding_fake(x, cos, sin):
+        return x.new_empty(x.shape)
+
+
+def _fused(x, other) -> bool:
+    """Whether a fused C++ op (no autograd, float32 CPU kernels) may take x and its second operand."""
+    return (x.dtype == other.dtype == torch.float32 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or other.requires_grad)))
 
 
 def _silu(act):
@@ -183,20 +198,22 @@ class _Plan:
 
 
 class _Rotary:
-    """``(cos, sin')`` of the last forward's rotary embedding ``(cos, sin)``, each with a head dimension, where
-    ``sin' = [-sin_lo, sin_hi]``: made once per forward, shared by every layer. One attribute holds the set, so that
-    two threads generating with the model at once never pair one's ``cos`` with the other's ``sin'``."""
+    """``(cos, sin, sin')`` of the last forward's rotary embedding ``(cos, sin)``, each with a head dimension, where
+    ``sin' = [-sin_lo, sin_hi]`` (for torch's ops: ``rotate_half(x) * sin = roll(x, D / 2) * sin'``): made once per
+    forward, shared by every layer. One attribute holds the set, so that two threads generating with the model at
+    once never pair one's ``cos`` with the other's ``sin``."""
 
     def __init__(self):
-        self.last = (None, None, None, None)
+        self.last = (None, None, None, None, None)
 
     def __call__(self, cos, sin):
         last = self.last
         if last[0] is not cos or last[1] is not sin:
             half = sin.shape[-1] // 2
-            last = (cos, sin, cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), -1).unsqueeze(1))
+            sin4 = sin.unsqueeze(1)
+            last = (cos, sin, cos.unsqueeze(1), sin4, torch.cat((-sin4[..., :half], sin4[..., half:]), -1))
             self.last = last
-        return last[2], last[3]
+        return last[2:]
 
 
 class LiveRows:
@@ -236,8 +253,11 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
         (wq, eq), (wk, ek) = plan.head_norms
         qk = torch.cat((_rms(wq, eq, qkv[..., :nq, :]), _rms(wk, ek, qkv[..., nq:nqk, :])), -2).transpose(1, 2)
     qkv = qkv.transpose(1, 2)
-    cos, sin = rotary(*position_embeddings)
-    qk = qk * cos + qk.roll(cos.shape[-1] // 2, -1) * sin
+    cos, sin, sin_rolled = rotary(*position_embeddings)
+    if _rotary_op is not None and _fused(qk, cos) and cos.dim() == 4 and cos.shape[-1] == qk.shape[-1]:
+        qk = _rotary_op(qk, cos, sin)
+    else:
+        qk = qk * cos + qk.roll(cos.shape[-1] // 2, -1) * sin_rolled
     q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nqk:]
     if cache is not None:
         k, v = cache.update(k, v, plan.layer_idx, kwargs=kwargs)
