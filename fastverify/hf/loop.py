@@ -300,7 +300,10 @@ class Decoder:
         # 3. one forward over every request's root and draft nodes (in the first step, after the prompt's prefix).
         first = self.prefix is not None
         step_logits = self._step_forward(inp)  # [B, q, V]
-        logits = step_logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
+        if inp.row_batch.shape[0] == step_logits.shape[0] * step_logits.shape[1]:  # every row a verify row, in order
+            logits = step_logits.reshape(-1, step_logits.shape[-1])  # (batch 1 without slot rows): a view, no copy
+        else:
+            logits = step_logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
         self._sync()
         t3 = time.perf_counter()
 
