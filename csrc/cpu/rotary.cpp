@@ -1,12 +1,17 @@
 // CPU kernel of fastverify::rotary_embedding (schema and semantics: csrc/rotary.cpp). Per row of D values:
 // out[d] = x[d] * cos[d] + (-x[d + D/2]) * sin[d] for d < D/2 and x[d] * cos[d] + x[d - D/2] * sin[d] above, each
-// product rounded to float32 before the sum, as torch's three ops round them. This file is compiled for the
-// baseline x86-64 / AArch64 target without fused multiply-add in its flags (setup.py), and no function here
-// asks for one, so the compiler cannot contract a product and the sum into one rounding (tests/test_rotary.py
-// would see it: it compares with torch bit for bit).
+// product rounded to float32 before the sum, as torch's three ops round them: contraction of a product and the sum
+// into one fused multiply-add (GCC's default where the target has FMA, as AArch64 always does) is switched off
+// for this file's functions (tests/test_rotary.py compares with torch bit for bit).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 
 namespace {
 
