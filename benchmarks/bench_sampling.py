@@ -76,6 +76,8 @@ def test_cdf_sample(benchmark, case, B, V):
     fn(logits, u)  # warm-up
     benchmark.group = f"cdf_sample V={V} B={B}"
     benchmark.pedantic(fn, args=(logits, u), rounds=15 if B * V < 2_000_000 else 7, iterations=1, warmup_rounds=1)
+    if benchmark.stats is None:  # --benchmark-disable: a smoke run, no timings
+        return
     med = benchmark.stats.stats.median
     benchmark.extra_info["GB/s"] = round(logits.numel() * logits.element_size() / med / 1e9, 2)
     n = max(3, int(0.2 / med))  # process_time may tick in 4 ms steps: time >= 0.2 s of calls

@@ -70,7 +70,10 @@ def gpu_read_bandwidth():
 
 
 def report_bytes(benchmark, nbytes, ceiling=None, **info):
-    """Record bytes per call, effective bytes/s (from the median) and the fraction of ``ceiling`` (bytes/s)."""
+    """Record bytes per call, effective bytes/s (from the median) and the fraction of ``ceiling`` (bytes/s).
+    Under ``--benchmark-disable`` (each benchmark run once, as a smoke test) there are no timings to record."""
+    if benchmark.stats is None:
+        return
     stats = benchmark.stats.stats
     median = stats.median
     iqr = stats.iqr
