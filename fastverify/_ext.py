@@ -40,6 +40,13 @@ HAS_CPP = _C is not None
 HAS_CUDA_KERNELS = HAS_CPP and bool(torch.ops.fastverify.has_cuda())
 
 
+def compiled_op(name):
+    """torch.ops.fastverify.<name> where fastverify._C is loaded and registers it, else None (FASTVERIFY_DISABLE_EXT,
+    not built, or a build without that op): for the CPU helper ops outside the dispatch registry, whose callers then
+    run torch's ops."""
+    return getattr(torch.ops.fastverify, name) if HAS_CPP and hasattr(torch.ops.fastverify, name) else None
+
+
 def triton_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1."""
     if importlib.util.find_spec("triton") is None:

@@ -114,7 +114,7 @@ def _fused(x, y, A):
             and y.dtype == torch.float32 and A.dtype == torch.float32 and y.is_contiguous())
 
 
-_HAS_FUSED = _ext.HAS_CPP and hasattr(torch.ops.fastverify, "gated_lora_add_")
+_HAS_FUSED = _ext.compiled_op("gated_lora_add_") is not None
 
 if _HAS_FUSED:
     @torch.library.register_fake("fastverify::gated_lora_add_")

@@ -129,12 +129,8 @@ def _rms(weight, eps, h):
     return weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
-def _op(name):
-    """torch.ops.fastverify.<name>, or None (FASTVERIFY_DISABLE_EXT, a build without it): then torch's ops run."""
-    return getattr(torch.ops.fastverify, name) if _ext.HAS_CPP and hasattr(torch.ops.fastverify, name) else None
-
-
-_rms_op, _rotary_op = _op("rms_norm"), _op("rotary_embedding")  # csrc/norm.cpp, csrc/rotary.cpp
+# csrc/norm.cpp, csrc/rotary.cpp; None where not built: then torch's ops run
+_rms_op, _rotary_op = _ext.compiled_op("rms_norm"), _ext.compiled_op("rotary_embedding")
 
 if _rms_op is not None:
     @torch.library.register_fake("fastverify::rms_norm")
