@@ -323,6 +323,10 @@ def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_M
                     rec.setdefault("reference_text", tokenizer.decode(ref))
                     log(f"\n  MISMATCH q{q['question_id']} ({q['category']}) {m}: first differs at new token {d}")
             records.append(rec)
+            if not progress:  # one line per question, so that a run cut short still shows what it measured
+                log(f"q{q['question_id']} {q['category']}: " + "; ".join(
+                    f"{m} {r['new_tokens']} tok {r['seconds']:.2f} s {r['forwards']} fwd"
+                    + ("" if r["identical"] else " DIFFERS") for m, r in rec["methods"].items()))
         bar.close()
     finally:
         counter.close()
