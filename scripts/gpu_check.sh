@@ -24,9 +24,10 @@
 #          39 and the writing category's 4th -> e2e_batch.log; E2E8_METHODS, default "generate fastverify
 #          bpd+ngram", the n-gram drafter and the shipped heads). Needs the carried model.
 #   tune   drafter variants side by side on the tuning questions (question 1 of each category; benchmarks/drafters.py
-#          -> drafters.log, drafters.json): TUNE_VARIANTS, default "ngram bpd+ngram bpd+ngram:node_cost=0.05
-#          bpd+ngram:node_cost=0.02" (the heads' cost model is the CPU's fit; a GPU's drafted rows cost less),
-#          TUNE_PASSES passes (default 1). Needs the carried model.
+#          -> drafters.log, drafters.json): TUNE_VARIANTS, default "ngram ngram:node_cost=0.025 bpd+ngram
+#          bpd+ngram:node_cost=0.11", the drafters' GPU node cost (fastverify.hf.drafters.GPU_NODE_COST, which a
+#          drafter without an explicit node_cost takes on a GPU) against their CPU fits, TUNE_PASSES passes
+#          (default 1). Needs the carried model.
 #   heads  train proposal heads for SmolLM2 on the GPU (python -m fastverify.train heads --device cuda): greedy
 #          self-distillation data from the carried prompts ($CARRY/prompts/prompts.jsonl.gz, written here by
 #          `scripts/gpu_model_pack.sh prompts`; Spec-Bench-overlapping prompts dropped against the carried
@@ -72,8 +73,12 @@
 # carrying p0 (a fresh machine: 309 s of command, build 124 s; 344 s held), `BENCH_ONLY=ceilings,verify,sampling,compact
 # ... parts bench quick` carrying p1 (141 s), then `E2E_PER_CATEGORY=1 ... e2e e2e8` carrying p2 (282 s: checkpoint
 # 39 s, e2e with four methods on 13 questions 179 s; e2e8 stopped at once on a missing pad token, since fixed, so
-# its time on a GPU is unmeasured). `tune` has not run on a GPU yet; its four variants on 13 questions should take
-# about what e2e's four methods took there (~3 min), so it can follow `e2e` in the third call with E2E_PER_CATEGORY=1.
+# its time on a GPU is unmeasured). On an H200 machine (2026-11-27; 849 s held in all): `TEST_WORKERS=14
+# TEST_SECONDS=100 ... build test` carrying p0 (201 s of command, 236 s held with the start: build 74 s, 735 cases
+# in the 100 s), `parts` carrying p1 (17 s), `E2E_METHODS=generate E2E_DRAFTERS=bpd+ngram ... e2e8 e2e` carrying p2
+# (318 s: checkpoint 26 s, e2e8 63 s, e2e with three methods on the 39 questions 195 s), then `E2E_METHODS="generate
+# prompt_lookup" E2E_DRAFTERS=ngram ... e2e` (241 s). `tune` has not run on a GPU yet; its four variants on 13
+# questions take about what e2e's methods take on 13 (~70-80 s), so it fits the third call beside e2e8 and e2e.
 #
 # e2e joins the parts, checks the archive's sha256 against the MANIFEST, installs the gguf wheel into $STASH/site and
 # builds the float32 checkpoint in $STASH/cache as fastverify.models.load_smollm2 does on a CPU (~15-30 s; the same
@@ -336,7 +341,7 @@ if has tune; then
     [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --threads 1)
     start=$(date +%s)
     # shellcheck disable=SC2206  # TUNE_VARIANTS is a word list
-    variants=(${TUNE_VARIANTS:-ngram bpd+ngram bpd+ngram:node_cost=0.05 bpd+ngram:node_cost=0.02})
+    variants=(${TUNE_VARIANTS:-ngram ngram:node_cost=0.025 bpd+ngram bpd+ngram:node_cost=0.11})
     $PY benchmarks/drafters.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
       --out "$OUT/drafters.json" "${variants[@]}" >"$OUT/drafters.log" 2>&1
     echo "tune (drafters side by side): rc=$? in $(( $(date +%s) - start )) s"

@@ -643,6 +643,21 @@ def test_lossy_rules_run_with_heads(model, rule, params):
         assert off_greedy > 0, "the lossy rule accepted nothing the target would not have chosen"
 
 
+def test_heads_node_cost_follows_the_device_and_tells_the_ngram_drafter(model):
+    from fastverify.hf.drafters import GPU_NODE_COST
+    d = HeadsDrafter(model, _random_heads(), ngram=NGramDrafter())
+    assert (d.node_cost, d.ngram.node_cost) == (HeadsDrafter.CPU_NODE_COST, NGramDrafter.CPU_NODE_COST) == (0.11, 0.025)
+    d.set_device(torch.device("cuda"))  # the loop calls it with the model's device; no GPU needed here
+    assert (d.node_cost, d.ngram.node_cost) == (GPU_NODE_COST, GPU_NODE_COST)
+    d.set_device(torch.device("cpu"))
+    assert (d.node_cost, d.ngram.node_cost) == (0.11, 0.025)
+    fixed = HeadsDrafter(model, _random_heads(), ngram=NGramDrafter(), node_cost=0.05)
+    fixed.set_device(torch.device("cuda"))
+    assert (fixed.node_cost, fixed.ngram.node_cost) == (0.05, GPU_NODE_COST)
+    with pytest.raises(ValueError, match="node_cost"):
+        HeadsDrafter(model, _random_heads(), node_cost=-1.0)
+
+
 def test_hidden_hook_only_for_drafters_that_want_it(model):
     ids = torch.tensor([_repetitive(20, 0)])
     lm_head = model.get_output_embeddings()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastverify.hf.attention import cache_length
-from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter
+from fastverify.hf.drafters import GPU_NODE_COST, DraftModelDrafter, Drafter, NGramDrafter
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,6 +82,48 @@ def test_ngram_batched_cut_charges_each_node_to_the_shared_step():
     assert [len(t) for t in NGramDrafter(node_cost=0.3).propose([ctx], [16])] == [4]
     assert [len(t) for t in NGramDrafter(node_cost=0.3).propose([ctx, ctx], [16, 16])] == [1, 1]
     assert [len(t) for t in NGramDrafter(node_cost=0.3).propose([ctx, ctx], [16, 0])] == [4, 0]
+
+
+def test_ngram_node_cost_follows_the_device():
+    # without an explicit node_cost: the CPU fit on a CPU, GPU_NODE_COST on a GPU (set_device, which the loop calls
+    # with the model's device; a torch.device needs no GPU to exist). 16 drafting requests of the 3-gram above:
+    # node cost 16 x 0.025 on the CPU cuts each to 3 nodes, 16 x 0.01 keeps all four.
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    d = NGramDrafter()
+    assert d.node_cost == NGramDrafter.CPU_NODE_COST == 0.025
+    assert [len(t) for t in d.propose([ctx] * 16, [16] * 16)] == [3] * 16
+    d.set_device(torch.device("cuda"))
+    assert d.node_cost == GPU_NODE_COST
+    assert [len(t) for t in d.propose([ctx] * 16, [16] * 16)] == [4] * 16
+    d.set_device("cpu")
+    assert d.node_cost == 0.025
+    fixed = NGramDrafter(node_cost=0.3)  # an explicit node_cost is kept on every device
+    fixed.set_device(torch.device("cuda"))
+    assert fixed.node_cost == 0.3
+
+
+def test_loop_hands_the_drafter_the_models_device_before_reset(tiny):
+    import fastverify
+
+    class Recording(NGramDrafter):
+        calls = []
+
+        def set_device(self, device):
+            self.calls.append(("set_device", device))
+            super().set_device(device)
+
+        def reset(self, batch_size):
+            self.calls.append(("reset", batch_size))
+            super().reset(batch_size)
+
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    fastverify.patch(tiny, drafter=Recording())
+    try:
+        with torch.no_grad():
+            tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    finally:
+        fastverify.unpatch(tiny)
+    assert Recording.calls[:2] == [("set_device", torch.device("cpu")), ("reset", 1)]
 
 
 def test_ngram_longest_ngram_wins():

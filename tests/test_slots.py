@@ -219,6 +219,20 @@ class _Nodes(NGramDrafter):
         self.accepted = accepted
 
 
+def test_slot_drafter_hands_the_device_to_its_ngram_and_heads_drafters():
+    from fastverify.hf.drafters import GPU_NODE_COST
+    seen = []
+
+    class Heads(Drafter):
+        def set_device(self, device):
+            seen.append(device)
+
+    d = BlockSlotDrafter(8, num_slots=2, method="lud", ngram=NGramDrafter())
+    d.heads = Heads()
+    d.set_device(torch.device("cuda"))
+    assert d.ngram.node_cost == GPU_NODE_COST and seen == [torch.device("cuda")]
+
+
 def test_slot_drafter_merges_ngram_nodes_into_one_trie():
     """lud+ngram: the block's chain (estimates: products of slot probabilities) and the n-gram nodes form one
     trie, a shared path once; siblings in decreasing estimate, so the first path (where the next blocks attach)

@@ -38,7 +38,8 @@ of one; the estimates need no independence assumption.
 
 Nodes are added best first (``Tree.from_topk``), and the tree is cut at the size k that maximises expected
 tokens per cost, (1 + sum of the kept nodes' probabilities) / (1 + fixed_cost + node_cost * k), the cost model
-of NGramDrafter; no draft when no k beats ``min_gain``. Defaults fixed_cost 0.1, node_cost 0.11: the model
+of NGramDrafter; no draft when no k beats ``min_gain``. Defaults fixed_cost 0.1, node_cost 0.11 on a CPU
+(``GPU_NODE_COST`` where the model runs on a GPU, whose verify forward costs the same for a few rows more): the model
 forward of the loop, timed per step on SmolLM2-135M with its packed (GGUF Q4_1 / Q8_0) weights (2-core Intel Xeon,
 AVX-512, benchmarks/step_cost.py), costs 1.01 plain steps at k = 1 node, 1.07-1.19 at 2-4, 1.29-1.46 at 5-6,
 1.53-1.68 at 7-9 and 2.06-2.29 at 12-16, and the heads' own pass ~0.1 of a step; on the tuning questions
@@ -73,7 +74,8 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.heads import ProposalHeads, load_heads, output_projection, unit_rms
-from fastverify.hf.drafters import MERGE_RULES, Drafter, batch_drafting, cut_scored, empty_tree, merge_scored
+from fastverify.hf.drafters import (MERGE_RULES, Drafter, batch_drafting, cut_scored, device_node_cost, empty_tree,
+                                     merge_scored)
 from fastverify.hf.linear import skinny_available
 from fastverify.ops.linear import PackedWeight, pack_blocks, skinny_linear, skinny_linear_packed
 from fastverify.tree import Tree
@@ -119,6 +121,7 @@ class HeadsDrafter(Drafter):
 
     wants_hidden = True
     agree = "noisy_or"  # how a node both the heads and the n-gram drafter propose is scored (merge_scored)
+    CPU_NODE_COST = 0.11  # the default node_cost on a CPU (above); on a GPU, GPU_NODE_COST (set_device)
 
     @property
     def _grows(self) -> bool:
@@ -127,7 +130,7 @@ class HeadsDrafter(Drafter):
 
     def __init__(self, model, heads: ProposalHeads, *, width: int = 4, max_nodes: int = 16, score: str = "auto",
                  head_acceptance=None, calibration=None, temperature: float = 1.0, fixed_cost: float = 0.1,
-                 node_cost: float = 0.11, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None,
+                 node_cost: float = None, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None,
                  frontier: int = 4, ngram_confident: float = 1.5, agree: str = "noisy_or"):
         weight = output_projection(model)[0]
         if heads.hidden_size != weight.shape[1]:
@@ -203,6 +206,10 @@ class HeadsDrafter(Drafter):
                                  f"{tuple(acc.shape)}")
             self.calib_edges, self.calib_logp = edges[1:-1], torch.log(acc.clamp(min=1e-6))
         self._calib_device = None
+        self._node_cost = node_cost  # None: the device's (set_device)
+        node_cost = self.CPU_NODE_COST if node_cost is None else node_cost
+        if not (fixed_cost >= 0 and node_cost >= 0):
+            raise ValueError(f"fixed_cost, node_cost: expected >= 0, got {fixed_cost}, {node_cost}")
         self.fixed_cost, self.node_cost, self.min_gain = float(fixed_cost), float(node_cost), float(min_gain)
         if ngram is not None and not all(callable(getattr(ngram, f, None))
                                          for f in ("scored_nodes", "cut")):
@@ -215,6 +222,12 @@ class HeadsDrafter(Drafter):
         self.candidates = []
 
     # -- Drafter interface ----------------------------------------------------------------------------------
+
+    def set_device(self, device) -> None:
+        if self._node_cost is None:
+            self.node_cost = device_node_cost(device, self.CPU_NODE_COST)
+        if self.ngram is not None and callable(getattr(self.ngram, "set_device", None)):
+            self.ngram.set_device(device)
 
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)

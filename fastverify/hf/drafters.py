@@ -41,7 +41,8 @@ import torch
 from fastverify.hf.attention import cache_kwargs
 from fastverify.tree import Tree
 
-__all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "empty_tree", "merge_scored", "cut_scored"]
+__all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "empty_tree", "merge_scored", "cut_scored",
+           "GPU_NODE_COST", "device_node_cost"]
 
 
 def batch_drafting(budget) -> int:
@@ -50,6 +51,22 @@ def batch_drafting(budget) -> int:
     expected tokens (1 + G_b) over its share of the step, (1 + fixed_cost) / R + node_cost * k_b, is the per-request
     ratio of (1 + G_b) / (1 + fixed_cost + R * node_cost * k_b)."""
     return max(1, sum(1 for bud in budget if int(bud) > 0))
+
+
+# A drafted node's cost in plain steps where the model runs on a GPU and the drafter was given no node_cost. The
+# drafters' defaults are CPU fits, where every verify row costs the linear layers its FMAs; on a GPU the verify
+# step of a few rows is bound by its launches, not its rows. On an H200 with SmolLM2-135M (float32, batch 1, Spec-
+# Bench's 39 questions, 128 new tokens; per question, the loop's time a step against its draft nodes a step): a
+# step took 16.6-18.2 ms, its least-squares slope -0.18 / +0.16 ms per node (n-gram drafter, two runs) and -0.04
+# (heads + n-gram), the host work around the forward (inputs, verify, commit, cache) +0.006-0.024 ms per node. A
+# node costs within 1% of a step, the noise's bound: this value.
+GPU_NODE_COST = 0.01
+
+
+def device_node_cost(device, cpu_cost: float) -> float:
+    """The node cost a drafter without an explicit ``node_cost`` uses on ``device``: its CPU fit on the CPU,
+    ``GPU_NODE_COST`` elsewhere."""
+    return float(cpu_cost) if torch.device(device).type == "cpu" else GPU_NODE_COST
 
 
 def empty_tree() -> Tree:
@@ -124,6 +141,10 @@ class Drafter:
     def reset(self, batch_size: int) -> None:
         self.batch_size = batch_size
 
+    def set_device(self, device) -> None:
+        """Called by the loop before ``reset`` with the device the model runs on: a drafter whose cost model
+        depends on it (``device_node_cost``) picks its costs here."""
+
     def propose(self, contexts, budget):
         return [empty_tree() for _ in contexts]
 
@@ -193,7 +214,9 @@ class NGramDrafter(Drafter):
     the cost model ``cost(k) = 1 + fixed_cost + node_cost * k`` (in 1-token steps) for a draft of k > 0 nodes,
     defaults fixed_cost=0.05, node_cost=0.025 (the same fit with skinny_linear's AVX2 tiles only, on an earlier
     host: 0.12 / 0.04; without the skinny linears torch's small-M GEMM makes a 2-token forward ~1.6x a 1-token
-    step: fixed_cost=0.55, node_cost=0.065 fit that; on a GPU both are smaller still).
+    step: fixed_cost=0.55, node_cost=0.065 fit that). On a GPU a drafted row costs the forward next to nothing:
+    without an explicit ``node_cost`` the drafter takes ``GPU_NODE_COST`` there (``set_device``, which the loop
+    calls with the model's device).
     Each node's acceptance probability (given its parent was accepted) is a running Beta estimate keyed by (match
     length, depth bucket, support bucket: sole continuation seen once / seen >= 2 times uncontradicted / majority /
     minority), with priors measured offline (``_PRIORS``) and updated from the outcome of every proposed node
@@ -224,15 +247,16 @@ class NGramDrafter(Drafter):
     Args: min_n, max_n: n-gram sizes; depth, max_depth, min_depth: initial / largest / smallest continuation
     length; width, max_width: initial / largest number of continuations; max_nodes: cap on the tree size;
     scan: how many most recent matches are examined (distinct continuations and supports); fixed_cost,
-    node_cost: the cost model above (>= 0); min_gain: required ratio of expected tokens per cost (> 0);
+    node_cost: the cost model above (>= 0; node_cost None: 0.025 on a CPU, ``GPU_NODE_COST`` on a GPU); min_gain: required ratio of expected tokens per cost (> 0);
     calibrate: learn the fixed cost from measured step times (above).
     """
 
     _PRIORS = {}  # filled below the class
+    CPU_NODE_COST = 0.025  # the default node_cost on a CPU (above)
 
     def __init__(self, min_n: int = 1, max_n: int = 3, depth: int = 4, max_depth: int = 12, min_depth: int = 1,
                  width: int = 2, max_width: int = 4, max_nodes: int = 16, scan: int = 32,
-                 fixed_cost: float = 0.05, node_cost: float = 0.025, min_gain: float = 1.0,
+                 fixed_cost: float = 0.05, node_cost: float = None, min_gain: float = 1.0,
                  calibrate: bool = False):
         if not (1 <= min_n <= max_n):
             raise ValueError(f"min_n, max_n: expected 1 <= min_n <= max_n, got {min_n}, {max_n}")
@@ -243,6 +267,8 @@ class NGramDrafter(Drafter):
             raise ValueError(f"width: expected 1 <= width <= max_width, got {width}, {max_width}")
         if max_nodes < 1 or scan < 1:
             raise ValueError(f"max_nodes, scan: expected >= 1, got {max_nodes}, {scan}")
+        self._node_cost = node_cost  # None: the device's (set_device)
+        node_cost = self.CPU_NODE_COST if node_cost is None else node_cost
         if not (fixed_cost >= 0 and node_cost >= 0):
             raise ValueError(f"fixed_cost, node_cost: expected >= 0, got {fixed_cost}, {node_cost}")
         if not min_gain > 0:
@@ -261,6 +287,10 @@ class NGramDrafter(Drafter):
         self._last, self._prompt_gap = None, True  # (clock at the last propose, nodes proposed then); see reset
         self.plain_step = None            # running mean of a step without draft, seconds
         self._fixed_obs = []              # observed fixed costs of drafted steps (in plain steps)
+
+    def set_device(self, device) -> None:
+        if self._node_cost is None:
+            self.node_cost = device_node_cost(device, self.CPU_NODE_COST)
 
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)

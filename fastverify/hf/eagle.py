@@ -58,13 +58,14 @@ class EagleDrafter(HeadsDrafter):
 
     wants_hidden = True
     wants_path_hidden = True  # the loop calls observe_path (every accepted row's hidden state) instead
+    CPU_NODE_COST = 0.06  # the default node_cost on a CPU; on a GPU, GPU_NODE_COST (HeadsDrafter.set_device)
 
     @property
     def _grows(self) -> bool:
         return True
 
     def __init__(self, model, layer: EagleLayer, *, width: int = 4, max_nodes: int = 16, score: str = "auto",
-                 calibration=None, temperature: float = 1.0, fixed_cost: float = 0.05, node_cost: float = 0.06,
+                 calibration=None, temperature: float = 1.0, fixed_cost: float = 0.05, node_cost: float = None,
                  min_gain: float = 1.0, max_depth: int = 5, ngram: Drafter = None, frontier: int = 4,
                  ngram_confident: float = 1.5):
         weight = output_projection(model)[0]

@@ -186,6 +186,8 @@ class Decoder:
         if L > 1:
             prefix_mask, prefix_pos = prefill_inputs(attention_mask[:, :-1], self.dtype)
             self.prefix = (input_ids[:, :-1], prefix_mask, prefix_pos, mask[:, :-1])
+        if callable(getattr(drafter, "set_device", None)):  # a cost model that depends on the device
+            drafter.set_device(self.device)
         drafter.reset(B)
 
     def _sync(self):

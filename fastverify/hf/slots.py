@@ -186,6 +186,11 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         if self.heads is not None:
             self.heads.observe_hidden(hidden, active)
 
+    def set_device(self, device) -> None:
+        for d in (self.ngram, self.heads):
+            if d is not None and callable(getattr(d, "set_device", None)):
+                d.set_device(device)
+
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)
         self._pending = [None] * batch_size
