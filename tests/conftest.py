@@ -32,6 +32,12 @@ def tolerance(dtype):
     return TOLERANCES[dtype]
 
 
+def float_bits(t):
+    """A float32 tensor's bit patterns (int32): equal bits, not equal values (NaN payloads, -0.0) for bit-exact
+    checks."""
+    return t.contiguous().view(torch.int32)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Random batches
 

@@ -7,14 +7,12 @@ import fastverify  # noqa: F401  (loads fastverify._C)
 from fastverify import _ext
 from fastverify.hf import layers as hf_layers
 
+from conftest import float_bits
+
 transformers = pytest.importorskip("transformers")
 
-needs_op = pytest.mark.skipif(not (_ext.HAS_CPP and hasattr(torch.ops.fastverify, "rms_norm")),
+needs_op = pytest.mark.skipif(_ext.compiled_op("rms_norm") is None,
                               reason="fastverify._C is not built or has no rms_norm kernel")
-
-
-def bits(t):
-    return t.contiguous().view(torch.int32)
 
 
 def module_norm(weight, eps):
@@ -38,7 +36,7 @@ def test_rms_norm_is_the_module_bit_for_bit(D, rows):
             want = module_norm(w, eps)(x)
         got = torch.ops.fastverify.rms_norm(x, w, eps)
         assert got.shape == want.shape and got.dtype == torch.float32
-        assert torch.equal(bits(got), bits(want)), (D, rows, eps)
+        assert torch.equal(float_bits(got), float_bits(want)), (D, rows, eps)
 
 
 @needs_op
@@ -52,7 +50,7 @@ def test_rms_norm_leading_dims_empty_rows_and_special_values():
     x[1, 0, :4] = 3e38           # squares overflow to inf
     for eps in (1e-5, 0.0):
         want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-        assert torch.equal(bits(torch.ops.fastverify.rms_norm(x, w, eps)), bits(want))
+        assert torch.equal(float_bits(torch.ops.fastverify.rms_norm(x, w, eps)), float_bits(want))
     empty = torch.ops.fastverify.rms_norm(torch.empty(0, 4, 96), w, 1e-5)
     assert empty.shape == (0, 4, 96)
 
@@ -89,7 +87,7 @@ def test_rms_norm_bad_input_names_the_argument(x, w, eps, match):
 
 
 @needs_op
-def test_lean_layers_norm_takes_the_op_only_where_it_gives_the_same_bits(monkeypatch):
+def test_lean_layers_norm_takes_the_op_only_where_it_gives_the_same_float_bits(monkeypatch):
     calls = []
     op = torch.ops.fastverify.rms_norm
     monkeypatch.setattr(hf_layers, "_rms_op", lambda *a: calls.append(a[0].shape) or op(*a))

@@ -7,15 +7,13 @@ import torch
 import fastverify  # noqa: F401  (loads fastverify._C)
 from fastverify import _ext
 
+from conftest import float_bits
+
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import rotate_half  # noqa: E402
 
-needs_op = pytest.mark.skipif(not (_ext.HAS_CPP and hasattr(torch.ops.fastverify, "rotary_embedding")),
+needs_op = pytest.mark.skipif(_ext.compiled_op("rotary_embedding") is None,
                               reason="fastverify._C is not built or has no rotary_embedding kernel")
-
-
-def bits(t):
-    return t.contiguous().view(torch.int32)
 
 
 def reference(x, cos, sin):
@@ -36,7 +34,7 @@ def test_rotary_embedding_is_transformers_bit_for_bit(D, B, H, n):
         got = torch.ops.fastverify.rotary_embedding(x, cos, sin)
         want = reference(x, cos, sin)
         assert got.shape == want.shape and got.is_contiguous()
-        assert torch.equal(bits(got), bits(want)), (D, B, H, n, cb)
+        assert torch.equal(float_bits(got), float_bits(want)), (D, B, H, n, cb)
 
 
 @needs_op
@@ -48,10 +46,10 @@ def test_rotary_embedding_special_values_broadcast_and_empty():
     x[0, 1, 2] = 3e38
     cos, sin = torch.randn(1, 1, 4, 8, generator=g), torch.randn(1, 1, 4, 8, generator=g)
     cos[0, 0, 1, 2] = 0.0
-    assert torch.equal(bits(torch.ops.fastverify.rotary_embedding(x, cos, sin)), bits(reference(x, cos, sin)))
+    assert torch.equal(float_bits(torch.ops.fastverify.rotary_embedding(x, cos, sin)), float_bits(reference(x, cos, sin)))
     per_head = torch.randn(2, 3, 1, 8, generator=g)  # one angle set per (batch, head), broadcast over the rows
-    assert torch.equal(bits(torch.ops.fastverify.rotary_embedding(x, per_head, per_head)),
-                       bits(reference(x, per_head, per_head)))
+    assert torch.equal(float_bits(torch.ops.fastverify.rotary_embedding(x, per_head, per_head)),
+                       float_bits(reference(x, per_head, per_head)))
     empty = torch.ops.fastverify.rotary_embedding(torch.empty(1, 3, 0, 8), torch.empty(1, 1, 0, 8),
                                                   torch.empty(1, 1, 0, 8))
     assert empty.shape == (1, 3, 0, 8)
@@ -63,7 +61,7 @@ def test_rotary_embedding_strided_last_dimension():
     x = torch.randn(1, 2, 16, 5, generator=g).transpose(2, 3)  # [1, 2, 5, 16], last dimension strided
     cos = torch.randn(1, 1, 16, 5, generator=g).transpose(2, 3)
     sin = torch.randn(1, 1, 5, 16, generator=g)
-    assert torch.equal(bits(torch.ops.fastverify.rotary_embedding(x, cos, sin)), bits(reference(x, cos, sin)))
+    assert torch.equal(float_bits(torch.ops.fastverify.rotary_embedding(x, cos, sin)), float_bits(reference(x, cos, sin)))
 
 
 @needs_op
