@@ -62,6 +62,13 @@
 #   3. device run, carry ["gpu_carry/p2"], timeout_s 600:  bash scripts/gpu_check.sh e2e
 #   4. device run, no carry, timeout_s 600:               bash scripts/gpu_check.sh e2e8
 #
+# In 15 device minutes (sized from the H200 run of 2026-11-27, below):
+#   1. carry p0, timeout_s 330: TEST_WORKERS=14 TEST_SECONDS=100 bash scripts/gpu_check.sh build test
+#   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
+#   3. carry p2, timeout_s 590: E2E_OFFSET=3 E2E_METHODS=generate E2E_DRAFTERS=bpd+ngram bash scripts/gpu_check.sh \
+#                               e2e8 e2e tune     (batch 8, the held-out questions 4-6 at batch 1, then the node costs)
+#   4. no carry, with what is left: BENCH_ONLY=ceilings,verify,sampling bash scripts/gpu_check.sh bench quick
+#
 # Measured on an H100 machine (2026-11-25): a start 1-2 min, build 109 s, test 191 s, bench 166 s, the model's
 # checkpoint 40 s (2026-11-26: build 84 s; test with TEST_WORKERS=14 ran 720 of 787 cases in 180 s, no faster than
 # 8 workers; `bench_gpu.py --quick --only ceilings,verify,sampling,compact` ~100 s), `heads` (3.5 data minutes)
