@@ -21,15 +21,17 @@ PY="$VENV/bin/python"
 "$PY" -c "import torch, transformers, gguf, accelerate, pytest, pytest_benchmark, ninja" \
   || { echo "setup_env.sh: dependency installation failed" >&2; exit 1; }
 # `pip install -e .` compiles the extension from scratch every time (minutes on a small CPU). Skip it when this
-# environment's last install built the same sources (setup.py, pyproject.toml, csrc/) with the same torch and build
-# settings, its fastverify is this checkout's, and the extension it left is still the one in place. A build with the
-# CUDA kernels also serves FASTVERIFY_NO_CUDA=1 (they add to the CPU kernels); one without them is rebuilt when
-# they are wanted (nvcc and a CUDA torch present, FASTVERIFY_NO_CUDA unset).
+# environment's last install built the same sources (setup.py, pyproject.toml, csrc/; the same top-level packages)
+# with the same Python, torch and build settings, its fastverify is this checkout's, and the extension it left is
+# still the one in place. A build with the CUDA kernels also serves FASTVERIFY_NO_CUDA=1 (they add to the CPU
+# kernels); one without them is rebuilt when they are wanted (nvcc and a CUDA torch present, FASTVERIFY_NO_CUDA
+# unset).
 stamp="$VENV/.fastverify-build"
 key=$( {
   env | grep -E '^(FASTVERIFY_(NO_EXT|DEBUG)|TORCH_CUDA_ARCH_LIST|CUDA_HOME|CUDA_PATH)=' | LC_ALL=C sort || true
   "$PY" -c "import sys, torch; print(sys.version, torch.__version__, torch.version.cuda)"
   find setup.py pyproject.toml csrc -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
+  ls -d ./*/__init__.py  # the top-level packages the editable install maps
 } | sha256sum | cut -d' ' -f1)
 want_cuda=0  # what setup.py decides: FASTVERIFY_NO_CUDA unset (or 0 / false / no / off), nvcc, a CUDA torch
 case "$(echo "${FASTVERIFY_NO_CUDA:-0}" | tr '[:upper:]' '[:lower:]')" in
