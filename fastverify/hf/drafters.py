@@ -247,8 +247,9 @@ class NGramDrafter(Drafter):
     Args: min_n, max_n: n-gram sizes; depth, max_depth, min_depth: initial / largest / smallest continuation
     length; width, max_width: initial / largest number of continuations; max_nodes: cap on the tree size;
     scan: how many most recent matches are examined (distinct continuations and supports); fixed_cost,
-    node_cost: the cost model above (>= 0; node_cost None: 0.025 on a CPU, ``GPU_NODE_COST`` on a GPU); min_gain: required ratio of expected tokens per cost (> 0);
-    calibrate: learn the fixed cost from measured step times (above).
+    node_cost: the cost model above (>= 0; node_cost None: 0.025 on a CPU, ``GPU_NODE_COST`` on a GPU);
+    min_gain: required ratio of expected tokens per cost (> 0); calibrate: learn the fixed cost from measured step
+    times (above).
     """
 
     _PRIORS = {}  # filled below the class
