@@ -74,8 +74,7 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.heads import ProposalHeads, load_heads, output_projection, unit_rms
-from fastverify.hf.drafters import (MERGE_RULES, Drafter, batch_drafting, cut_scored, device_node_cost, empty_tree,
-                                     merge_scored)
+from fastverify.hf.drafters import MERGE_RULES, Drafter, batch_drafting, cut_scored, empty_tree, merge_scored
 from fastverify.hf.linear import skinny_available
 from fastverify.ops.linear import PackedWeight, pack_blocks, skinny_linear, skinny_linear_packed
 from fastverify.tree import Tree
@@ -206,8 +205,7 @@ class HeadsDrafter(Drafter):
                                  f"{tuple(acc.shape)}")
             self.calib_edges, self.calib_logp = edges[1:-1], torch.log(acc.clamp(min=1e-6))
         self._calib_device = None
-        self._node_cost = node_cost  # None: the device's (set_device)
-        node_cost = self.CPU_NODE_COST if node_cost is None else node_cost
+        node_cost = self._default_node_cost(node_cost)
         if not (fixed_cost >= 0 and node_cost >= 0):
             raise ValueError(f"fixed_cost, node_cost: expected >= 0, got {fixed_cost}, {node_cost}")
         self.fixed_cost, self.node_cost, self.min_gain = float(fixed_cost), float(node_cost), float(min_gain)
@@ -224,8 +222,7 @@ class HeadsDrafter(Drafter):
     # -- Drafter interface ----------------------------------------------------------------------------------
 
     def set_device(self, device) -> None:
-        if self._node_cost is None:
-            self.node_cost = device_node_cost(device, self.CPU_NODE_COST)
+        super().set_device(device)
         if self.ngram is not None and callable(getattr(self.ngram, "set_device", None)):
             self.ngram.set_device(device)
 

@@ -141,9 +141,20 @@ class Drafter:
     def reset(self, batch_size: int) -> None:
         self.batch_size = batch_size
 
+    # A cost-aware drafter's node_cost when none is given: its fit on a CPU; on another device ``set_device`` takes
+    # ``device_node_cost``'s. None: the drafter has no cost model.
+    CPU_NODE_COST = None
+
+    def _default_node_cost(self, node_cost):
+        """``node_cost`` as given, or (None) ``CPU_NODE_COST``, which ``set_device`` then follows the device with."""
+        self._node_cost = node_cost
+        return self.CPU_NODE_COST if node_cost is None else node_cost
+
     def set_device(self, device) -> None:
-        """Called by the loop before ``reset`` with the device the model runs on: a drafter whose cost model
-        depends on it (``device_node_cost``) picks its costs here."""
+        """Called by the loop before ``reset`` with the device the model runs on: a drafter given no node_cost takes
+        the device's (``device_node_cost``)."""
+        if self.CPU_NODE_COST is not None and getattr(self, "_node_cost", 0) is None:
+            self.node_cost = device_node_cost(device, self.CPU_NODE_COST)
 
     def propose(self, contexts, budget):
         return [empty_tree() for _ in contexts]
@@ -268,8 +279,7 @@ class NGramDrafter(Drafter):
             raise ValueError(f"width: expected 1 <= width <= max_width, got {width}, {max_width}")
         if max_nodes < 1 or scan < 1:
             raise ValueError(f"max_nodes, scan: expected >= 1, got {max_nodes}, {scan}")
-        self._node_cost = node_cost  # None: the device's (set_device)
-        node_cost = self.CPU_NODE_COST if node_cost is None else node_cost
+        node_cost = self._default_node_cost(node_cost)
         if not (fixed_cost >= 0 and node_cost >= 0):
             raise ValueError(f"fixed_cost, node_cost: expected >= 0, got {fixed_cost}, {node_cost}")
         if not min_gain > 0:
@@ -288,10 +298,6 @@ class NGramDrafter(Drafter):
         self._last, self._prompt_gap = None, True  # (clock at the last propose, nodes proposed then); see reset
         self.plain_step = None            # running mean of a step without draft, seconds
         self._fixed_obs = []              # observed fixed costs of drafted steps (in plain steps)
-
-    def set_device(self, device) -> None:
-        if self._node_cost is None:
-            self.node_cost = device_node_cost(device, self.CPU_NODE_COST)
 
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)

@@ -58,7 +58,7 @@ class EagleDrafter(HeadsDrafter):
 
     wants_hidden = True
     wants_path_hidden = True  # the loop calls observe_path (every accepted row's hidden state) instead
-    CPU_NODE_COST = 0.06  # the default node_cost on a CPU; on a GPU, GPU_NODE_COST (HeadsDrafter.set_device)
+    CPU_NODE_COST = 0.06  # the default node_cost on a CPU; on a GPU, GPU_NODE_COST (Drafter.set_device)
 
     @property
     def _grows(self) -> bool:
