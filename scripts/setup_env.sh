@@ -57,11 +57,11 @@ else
   rc=0
   "$PY" -m pip install -q --no-build-isolation -e . 2>&1 | { grep -v '^WARNING: Location' || true; } || rc=$?
   # the stamp only after a build that succeeded (a failed one can leave the previous extension in place)
-  if [ "$rc" -eq 0 ] && "$PY" -c "import sys, fastverify._ext as e; sys.exit(0 if e.HAS_CPP else 1)" 2>/dev/null; then
-    printf '%s\n%s\n%s\n' "$key" "$want_cuda" "$(so_state)" >"$stamp"
-  else
+  if [ "$rc" -ne 0 ]; then
     echo "setup_env.sh: pip install -e . failed (exit $rc)" >&2
-  fi
+  elif "$PY" -c "import sys, fastverify._ext as e; sys.exit(0 if e.HAS_CPP else 1)" 2>/dev/null; then
+    printf '%s\n%s\n%s\n' "$key" "$want_cuda" "$(so_state)" >"$stamp"
+  fi  # else: the check below names why fastverify._C did not load
 fi
 "$PY" -c "import fastverify; print('fastverify backends on cpu:', fastverify.backends('cpu'))"
 "$PY" -c "import fastverify._ext as e; assert e.HAS_CPP, 'fastverify._C was not built: ' + str(e._EXT_ERROR)"
