@@ -14,7 +14,12 @@ eligible decoder layer runs ``_forward`` instead of its own forward (rebound on 
   calls instead of fourteen (``sin'`` made once per forward, every layer shares it);
 - RMSNorm's ops without the casts that are no-ops on a float32 input, and on float32 CPU tensors as one
   ``fastverify::rms_norm`` call (csrc/norm.cpp: the same six steps, torch's own sum of squares, 4.5 instead of
-  15.9 us a row); no module calls for the norms, the attention and the MLP themselves, no deprecation wrappers.
+  15.9 us a row); no module calls for the norms, the attention and the MLP themselves, no deprecation wrappers;
+- where every projection streams packed (a GGUF model's float32 weights on the CPU; no q / k norms, a plain SiLU)
+  and the rows are few, the steps before the attention (norm, q / k / v, rotary embedding) and after it (output
+  projection, residual, norm, gate / up, SiLU x up, down, residual) as one C++ call each
+  (``fastverify::decoder_pre_attention`` / ``decoder_post_attention``, csrc/layer.cpp: the same registered and
+  ATen ops on the same tensors, so the same bits), which leaves the cache's append and the attention to Python.
 
 Live rows (``LiveRows``): a batched verify forward pads every request's rows to the largest tree's (the first one
 also every prompt to the longest), and on the CPU a padding row costs the linear layers what a real one does (at 4
@@ -44,7 +49,7 @@ import types
 import torch
 
 from fastverify import _ext
-from fastverify.hf.linear import MAX_ROWS, packed_group, skinny_available, takes_skinny
+from fastverify.hf.linear import MAX_ROWS, packed_group, packed_weight, skinny_available, takes_skinny
 
 __all__ = ["lean_layers", "projection_groups", "LiveRows", "scatter_rows"]
 
@@ -129,8 +134,9 @@ def _rms(weight, eps, h):
     return weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
-# csrc/norm.cpp, csrc/rotary.cpp; None where not built: then torch's ops run
+# csrc/norm.cpp, csrc/rotary.cpp, csrc/layer.cpp; None where not built: then torch's ops run
 _rms_op, _rotary_op = _ext.compiled_op("rms_norm"), _ext.compiled_op("rotary_embedding")
+_pre_op, _post_op = _ext.compiled_op("decoder_pre_attention"), _ext.compiled_op("decoder_post_attention")
 
 if _rms_op is not None:
     @torch.library.register_fake("fastverify::rms_norm")
@@ -142,11 +148,31 @@ if _rotary_op is not None:
     def _rotary_embedding_fake(x, cos, sin):
         return x.new_empty(x.shape)
 
+if _pre_op is not None:
+    @torch.library.register_fake("fastverify::decoder_pre_attention")
+    def _decoder_pre_attention_fake(h, norm_weight, eps, qkv_q, qkv_d, qkv_m, qkv_bits, qkv_bias, cos, sin, n_q, n_kv):
+        B, S, D = h.shape[0], h.shape[1], cos.shape[-1]
+        v = h.new_empty(B, S, n_q + 2 * n_kv, D).transpose(1, 2)[:, n_q + n_kv:]
+        return h.new_empty(B, n_q + n_kv, S, D), v
+
+    @torch.library.register_fake("fastverify::decoder_post_attention")
+    def _decoder_post_attention_fake(h, attn, *weights):
+        return torch.empty_like(h, memory_format=torch.contiguous_format)
+
 
 def _fused(x, other) -> bool:
     """Whether a fused C++ op (no autograd, float32 CPU kernels) may take x and its second operand."""
     return (x.dtype == other.dtype == torch.float32 and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or other.requires_grad)))
+
+
+def _fusable(h, cos, plan) -> bool:
+    """Whether ``decoder_pre_attention`` / ``decoder_post_attention`` may run a layer on h: float32 and contiguous
+    [B, S, E], at most ``max_rows`` rows (the skinny kernels' range), float32 cos / sin of the head dimension, and
+    no autograd."""
+    return (h.dtype == torch.float32 and h.dim() == 3 and h.is_contiguous()
+            and h.numel() <= plan.max_rows * h.shape[-1] and cos.dtype == torch.float32
+            and cos.dim() == 4 and cos.shape[-1] == plan.head_dim and not torch.is_grad_enabled())
 
 
 def _silu(act):
@@ -177,6 +203,28 @@ class _Plan:
         self.extra = _LAYERS[type(layer).__name__](a)
         self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(a.config._attn_implementation, _eager(a))
         self.max_rows = max_rows
+        self.fused = self._fused_args(a, m) if pack else None
+
+    def _fused_args(self, a, m):
+        """The packed weights of ``decoder_pre_attention`` / ``decoder_post_attention`` (csrc/layer.cpp), or None
+        unless the ops are built and every projection streams packed (the q / k / v and gate / up stacks, the output
+        and down projections through ``skinny_linears``), with no q / k norms and a plain SiLU."""
+        if (_pre_op is None or _post_op is None or self.head_norms is not None
+                or self.act is not torch.nn.functional.silu
+                or any(w.dtype != torch.float32 for w, _ in self.norms)):
+            return None
+        if self.qkv is None or self.gate_up is None:
+            return None
+        out = []
+        for proj in (a.o_proj, m.down_proj):
+            p = packed_weight(proj) if getattr(proj.forward, "skinny", False) else None
+            if p is None:
+                return None
+            out.append((p.q, p.d, p.m, p.bits, proj.bias))
+        (w1, eps1), (w2, eps2) = self.norms
+        g = self.gate_up
+        return ((w1, eps1, self.qkv.q, self.qkv.d, self.qkv.m, self.qkv.bits, self.qkv_bias),
+                (*out[0], w2, eps2, g.q, g.d, g.m, g.bits, self.gate_up_bias, *out[1]))
 
     @staticmethod
     def _stack(mods, pack):
@@ -233,9 +281,20 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)
-    (w1, eps1), (w2, eps2) = plan.norms
     shape = hidden_states.shape[:-1]
     index = live.index if live is not None and shape.numel() == live.total else None
+    cos, sin, sin_rolled = rotary(*position_embeddings)
+    fused = plan.fused if index is None and _fusable(hidden_states, cos, plan) else None
+    if fused is not None:  # the same ops from C++ (csrc/layer.cpp)
+        qk, v = _pre_op(hidden_states, *fused[0], cos, sin, plan.nq, plan.nk)
+        q, k = qk[:, :plan.nq], qk[:, plan.nq:]
+        if cache is not None:
+            k, v = cache.update(k, v, plan.layer_idx, kwargs=kwargs)
+        a = plan.attn
+        out, _ = plan.attention(a, q, k, v, attention_mask, dropout=0.0 if not a.training else a.attention_dropout,
+                                scaling=plan.scaling, **plan.extra, **kwargs)
+        return _post_op(hidden_states, out, *fused[1])
+    (w1, eps1), (w2, eps2) = plan.norms
     h0 = hidden_states if index is None else hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, index)
     x = _rms(w1, eps1, h0)
     qkv = plan.project(plan.qkv, plan.qkv_bias, plan.qkv_mods, x)
@@ -249,7 +308,6 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
         (wq, eq), (wk, ek) = plan.head_norms
         qk = torch.cat((_rms(wq, eq, qkv[..., :nq, :]), _rms(wk, ek, qkv[..., nq:nqk, :])), -2).transpose(1, 2)
     qkv = qkv.transpose(1, 2)
-    cos, sin, sin_rolled = rotary(*position_embeddings)
     if _rotary_op is not None and _fused(qk, cos) and cos.dim() == 4 and cos.shape[-1] == qk.shape[-1]:
         qk = _rotary_op(qk, cos, sin)
     else:

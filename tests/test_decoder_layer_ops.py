@@ -1,0 +1,125 @@
+"""fastverify::decoder_pre_attention / decoder_post_attention (csrc/layer.cpp): the lean decoder layer's steps
+around its attention, from C++, bit for bit the ops that fastverify.hf.layers' Python forward calls."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastverify  # noqa: F401  (loads fastverify._C)
+from fastverify import _ext
+from fastverify.ops.linear import pack_blocks
+
+from conftest import float_bits
+from test_linear import gguf_quantised
+
+needs_ops = pytest.mark.skipif(_ext.compiled_op("decoder_pre_attention") is None,
+                               reason="fastverify._C is not built or has no decoder layer ops")
+ops = torch.ops.fastverify
+
+
+def packed(N, K, kind, g):
+    p = pack_blocks(gguf_quantised(N, K, kind, g))
+    assert p is not None
+    return p
+
+
+def layer(g, E=64, D=16, n_q=4, n_kv=2, inter=96, bias=False):
+    """Random packed weights of one layer: norms, q / k / v stacked, o, gate / up stacked, down (+ biases)."""
+    qkv = packed((n_q + 2 * n_kv) * D, E, "q4_1", g)
+    o = packed(E, n_q * D, "q8_0", g)
+    gate_up = packed(2 * inter, E, "q4_1", g)
+    down = packed(E, inter, "q4_0", g)
+    b = (lambda n: torch.randn(n, generator=g) * 0.1) if bias else (lambda n: None)
+    return dict(E=E, D=D, n_q=n_q, n_kv=n_kv, inter=inter, w1=torch.rand(E, generator=g) + 0.5,
+                w2=torch.rand(E, generator=g) + 0.5, eps=1e-5, qkv=qkv, qkv_b=b(qkv.q.shape[0]), o=o, o_b=b(E),
+                gate_up=gate_up, gate_up_b=b(2 * inter), down=down, down_b=b(E))
+
+
+def lin(x, p, bias):
+    return ops.skinny_linear_packed(x, p.q, p.d, p.m, p.bits, bias)
+
+
+def python_pre(h, L, cos, sin):
+    """fastverify.hf.layers._forward's steps before the attention (its float32 CPU path)."""
+    B, S = h.shape[:2]
+    qkv = lin(ops.rms_norm(h, L["w1"], L["eps"]), L["qkv"], L["qkv_b"]).view(B, S, -1, L["D"])
+    nqk = L["n_q"] + L["n_kv"]
+    qk = ops.rotary_embedding(qkv[..., :nqk, :].transpose(1, 2), cos, sin)
+    return qk, qkv.transpose(1, 2)[:, nqk:]
+
+
+def python_post(h, attn, L):
+    """... and after it."""
+    h = h + lin(attn.reshape(*h.shape[:2], -1).contiguous(), L["o"], L["o_b"])
+    gu = lin(ops.rms_norm(h, L["w2"], L["eps"]), L["gate_up"], L["gate_up_b"])
+    return h + lin(F.silu(gu[..., :L["inter"]]) * gu[..., L["inter"]:], L["down"], L["down_b"])
+
+
+def pre_args(L):
+    p = L["qkv"]
+    return (L["w1"], L["eps"], p.q, p.d, p.m, p.bits, L["qkv_b"])
+
+
+def post_args(L):
+    o, gu, dn = L["o"], L["gate_up"], L["down"]
+    return (o.q, o.d, o.m, o.bits, L["o_b"], L["w2"], L["eps"], gu.q, gu.d, gu.m, gu.bits, L["gate_up_b"],
+            dn.q, dn.d, dn.m, dn.bits, L["down_b"])
+
+
+def rotary_tables(B, S, D, g):
+    angles = torch.rand(B, S, D // 2, generator=g).repeat(1, 1, 2) * 6.0
+    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+
+
+@needs_ops
+@pytest.mark.parametrize("B,S", [(1, 1), (1, 5), (3, 2), (2, 17)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_decoder_ops_are_the_python_steps_bit_for_bit(B, S, bias):
+    g = torch.Generator().manual_seed(B * 100 + S + bias)
+    L = layer(g, bias=bias)
+    h = torch.randn(B, S, L["E"], generator=g)
+    cos, sin = rotary_tables(B, S, L["D"], g)
+    got = ops.decoder_pre_attention(h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"])
+    want = python_pre(h, L, cos, sin)
+    for a, b, n in zip(got, want, (L["n_q"] + L["n_kv"], L["n_kv"])):
+        assert a.shape == b.shape == (B, n, S, L["D"])
+        assert torch.equal(float_bits(a), float_bits(b))
+    attn = torch.randn(B, S, L["n_q"], L["D"], generator=g)  # the attention's output layout
+    got = ops.decoder_post_attention(h, attn, *post_args(L))
+    assert got.shape == h.shape
+    assert torch.equal(float_bits(got), float_bits(python_post(h, attn, L)))
+
+
+@needs_ops
+def test_decoder_ops_opcheck():
+    g = torch.Generator().manual_seed(5)
+    L = layer(g, bias=True)
+    h = torch.randn(1, 3, L["E"], generator=g)
+    cos, sin = rotary_tables(1, 3, L["D"], g)
+    torch.library.opcheck(ops.decoder_pre_attention.default, (h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"]))
+    attn = torch.randn(1, 3, L["n_q"] * L["D"], generator=g)
+    torch.library.opcheck(ops.decoder_post_attention.default, (h, attn, *post_args(L)))
+
+
+@needs_ops
+def test_decoder_ops_bad_input_names_the_argument():
+    g = torch.Generator().manual_seed(6)
+    L = layer(g)
+    h = torch.randn(1, 2, L["E"], generator=g)
+    cos, sin = rotary_tables(1, 2, L["D"], g)
+    with pytest.raises(RuntimeError, match="h: expected a float32 CPU tensor"):
+        ops.decoder_pre_attention(h.double(), *pre_args(L), cos, sin, L["n_q"], L["n_kv"])
+    with pytest.raises(RuntimeError, match="h: expected a float32 CPU tensor"):
+        ops.decoder_pre_attention(h[0], *pre_args(L), cos, sin, L["n_q"], L["n_kv"])
+    with pytest.raises(RuntimeError, match="qkv_q: expected 160 output rows"):
+        ops.decoder_pre_attention(h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"] + 1)
+    with pytest.raises(RuntimeError, match="n_q, n_kv: expected >= 1"):
+        ops.decoder_pre_attention(h, *pre_args(L), cos, sin, 0, L["n_kv"])
+    with pytest.raises(RuntimeError, match="cos: expected"):
+        ops.decoder_pre_attention(h, *pre_args(L), cos[0], sin[0], L["n_q"], L["n_kv"])
+    with pytest.raises(RuntimeError, match="attn: expected"):
+        ops.decoder_post_attention(h, torch.randn(1, 3, 64), *post_args(L))
+    args = list(post_args(L))
+    args[7] = args[7][:-1]  # gate / up stacked: an even number of rows
+    with pytest.raises(RuntimeError, match="gate_up_q: expected"):
+        ops.decoder_post_attention(h, torch.randn(1, 2, 64), *args)
