@@ -1,23 +1,37 @@
-// Schema of the two halves of a Llama-style decoder layer around its attention, for the loop's forward on the CPU
-// (kernel: csrc/cpu/layer.cpp; reference: fastverify/hf/layers.py `_forward`, op for op).
+// Schema of the two halves of a Llama-style decoder layer around its attention, for the loop's forward (kernels:
+// csrc/cpu/layer.cpp for the packed ops; the dense ops' composite below; reference: fastverify/hf/layers.py
+// `_forward`, op for op).
 //
 //   decoder_pre_attention(h float32 [B, S, E], norm_weight [E], eps, qkv packed [N = (n_q + 2 n_kv) D] (q, d, m,
 //                         bits as fastverify.ops.linear.PackedWeight), qkv_bias [N] or None, cos [B or 1, 1, S, D],
 //                         sin (as cos), n_q, n_kv) -> (qk [B, n_q + n_kv, S, D], v [B, n_kv, S, D])
 //       x = rms_norm(h); qkv = skinny_linear_packed(x) viewed [B, S, n_q + 2 n_kv, D]; q and k rotated together by
-//       rotary_embedding (q = qk[:, :n_q], k = qk[:, n_q:]; two outputs of an op may not
-//       share memory), v a view of qkv.
-//   decoder_post_attention(h [B, S, E], attn float32 [B, S, n_q, D] or [B, S, n_q D] (the attention's output), the output
-//                          projection packed and its bias, norm_weight, eps, the stacked gate / up projections packed
+//       rotary_embedding (q = qk[:, :n_q], k = qk[:, n_q:]: two outputs of an op may not share memory), v a view
+//       of qkv. CPU only, float32, packed projections (a GGUF model's).
+//   decoder_post_attention(h [B, S, E], attn float32 [B, S, n_q, D] or [B, S, n_q D] (the attention's output),
+//                          the output projection packed and its bias, norm_weight, eps, the stacked gate / up projections packed
 //                          [2 I, E] and their bias, the down projection packed and its bias) -> h' [B, S, E]
 //       h1 = h + o_proj(attn); h' = h1 + down_proj(silu(gate) * up) with [gate | up] = gate_up(rms_norm(h1)).
+//
+//   decoder_pre_attention_dense(h [B, S, E], norm_weight, eps, qkv_weight [W_q, W_k, W_v], qkv_bias [b_q, b_k,
+//                               b_v] (each None or a tensor), cos [B or 1, 1, S, D], sin_rolled ([-sin_lo, sin_hi],
+//                               as cos), n_q, n_kv) -> (qk, v)
+//   decoder_post_attention_dense(h, attn, o_weight, o_bias, norm_weight, eps, gate_up_weight [W_gate, W_up],
+//                                gate_up_bias, down_weight, down_bias) -> h'
+//       The same steps on unpacked weights in any dtype and on any device, as the Python forward takes them there:
+//       RMSNorm as torch's expression (in float32, cast back), each projection F.linear, q / k / v and gate / up
+//       concatenated, the rotary embedding as qk * cos + roll(qk, D / 2) * sin_rolled. ATen ops only (a composite
+//       for every dispatch key); the loop runs them where the model is on a GPU, where each op of the Python forward
+//       costs the host a Python call and a kernel launch, and the C++ calls leave the launches.
 //
 // Each step is the registered op or the ATen op that the Python forward calls, on the same tensors, so the results
 // are the same bits: one call from Python where the Python forward makes about twenty (views, slices, norms,
 // projections, the activation, residual additions), which on a small model's one-row step is most of a layer's
-// time outside its kernels. Inference only (no autograd); CPU only, float32, packed projections (a GGUF model's):
-// anything else runs the Python forward.
+// time outside its kernels. Inference only (no autograd); what the ops do not take runs the Python forward.
+#include <ATen/ATen.h>
 #include <torch/library.h>
+
+#include <tuple>
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("decoder_pre_attention(Tensor h, Tensor norm_weight, float eps, Tensor qkv_q, Tensor qkv_d, Tensor qkv_m, "
@@ -26,4 +40,78 @@ TORCH_LIBRARY_FRAGMENT(fastverify, m) {
         "Tensor? o_bias, Tensor norm_weight, float eps, Tensor gate_up_q, Tensor gate_up_d, Tensor gate_up_m, "
         "int gate_up_bits, Tensor? gate_up_bias, Tensor down_q, Tensor down_d, Tensor down_m, int down_bits, "
         "Tensor? down_bias) -> Tensor");
+  m.def("decoder_pre_attention_dense(Tensor h, Tensor norm_weight, float eps, Tensor[] qkv_weight, Tensor?[] qkv_bias, "
+        "Tensor cos, Tensor sin_rolled, int n_q, int n_kv) -> (Tensor, Tensor)");
+  m.def("decoder_post_attention_dense(Tensor h, Tensor attn, Tensor o_weight, Tensor? o_bias, Tensor norm_weight, "
+        "float eps, Tensor[] gate_up_weight, Tensor?[] gate_up_bias, Tensor down_weight, Tensor? down_bias) -> Tensor");
+}
+
+namespace {
+
+using OptTensorList = c10::List<std::optional<at::Tensor>>;
+
+// fastverify/hf/layers.py `_rms` on a tensor outside the rms_norm op's reach: transformers' RMSNorm with the
+// float32 casts that are no-ops on a float32 input left out.
+at::Tensor rms_dense(const at::Tensor& h, const at::Tensor& weight, double eps) {
+  const bool f32 = h.scalar_type() == at::kFloat;
+  const at::Tensor x32 = f32 ? h : h.to(at::kFloat);
+  const at::Tensor x = at::mul(x32, at::rsqrt(at::add(at::mean(at::pow(x32, 2), {-1}, /*keepdim=*/true), eps)));
+  return at::mul(weight, f32 ? x : x.to(h.scalar_type()));
+}
+
+at::Tensor linears_cat(const at::Tensor& x, at::TensorList weights, const OptTensorList& biases) {
+  TORCH_CHECK(weights.size() == biases.size(), "biases: expected one (or None) per weight, got ", biases.size(),
+              " for ", weights.size());
+  std::vector<at::Tensor> out;
+  out.reserve(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i) out.push_back(at::linear(x, weights[i], biases.get(i)));
+  return at::cat(out, -1);
+}
+
+void check_dense_hidden(const at::Tensor& h) {
+  TORCH_CHECK(h.dim() == 3 && h.is_floating_point(), "h: expected a floating-point tensor [B, S, E], got ",
+              h.scalar_type(), " ", h.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_dense(const at::Tensor& h, const at::Tensor& norm_weight,
+                                                               double eps, at::TensorList qkv_weight,
+                                                               const OptTensorList& qkv_bias, const at::Tensor& cos,
+                                                               const at::Tensor& sin_rolled, int64_t n_q,
+                                                               int64_t n_kv) {
+  check_dense_hidden(h);
+  TORCH_CHECK(n_q >= 1 && n_kv >= 1, "n_q, n_kv: expected >= 1, got ", n_q, " and ", n_kv);
+  TORCH_CHECK(qkv_weight.size() == 3, "qkv_weight: expected [W_q, W_k, W_v], got ", qkv_weight.size(), " tensors");
+  TORCH_CHECK(cos.dim() == 4 && sin_rolled.sizes() == cos.sizes(), "cos, sin_rolled: expected [B or 1, 1, S, D] "
+              "each, got ", cos.sizes(), " and ", sin_rolled.sizes());
+  const int64_t D = cos.size(3), heads = n_q + 2 * n_kv;
+  const at::Tensor qkv = linears_cat(rms_dense(h, norm_weight, eps), qkv_weight, qkv_bias);
+  TORCH_CHECK(qkv.size(-1) == heads * D, "qkv_weight: expected ", heads * D, " output rows in all ((n_q + 2 n_kv) "
+              "x head dimension ", D, "), got ", qkv.size(-1));
+  const at::Tensor heads_view = qkv.view({h.size(0), h.size(1), heads, D});
+  const at::Tensor qk = heads_view.slice(2, 0, n_q + n_kv).transpose(1, 2);
+  const at::Tensor rotated = at::add(at::mul(qk, cos), at::mul(at::roll(qk, {D / 2}, {-1}), sin_rolled));
+  return {rotated, heads_view.transpose(1, 2).slice(1, n_q + n_kv)};
+}
+
+at::Tensor decoder_post_attention_dense(const at::Tensor& h, const at::Tensor& attn, const at::Tensor& o_weight,
+                                        const std::optional<at::Tensor>& o_bias, const at::Tensor& norm_weight,
+                                        double eps, at::TensorList gate_up_weight, const OptTensorList& gate_up_bias,
+                                        const at::Tensor& down_weight, const std::optional<at::Tensor>& down_bias) {
+  check_dense_hidden(h);
+  TORCH_CHECK(attn.dim() >= 3 && attn.size(0) == h.size(0) && attn.size(1) == h.size(1), "attn: expected [",
+              h.size(0), ", ", h.size(1), ", ...] (h's rows), got ", attn.sizes());
+  TORCH_CHECK(gate_up_weight.size() == 2, "gate_up_weight: expected [W_gate, W_up], got ", gate_up_weight.size(),
+              " tensors");
+  const int64_t inter = gate_up_weight[0].size(0);
+  const at::Tensor h1 = at::add(h, at::linear(attn.reshape({h.size(0), h.size(1), -1}).contiguous(), o_weight, o_bias));
+  const at::Tensor gu = linears_cat(rms_dense(h1, norm_weight, eps), gate_up_weight, gate_up_bias);
+  const at::Tensor act = at::mul(at::silu(gu.slice(-1, 0, inter)), gu.slice(-1, inter));
+  return at::add(h1, at::linear(act, down_weight, down_bias));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastverify, CompositeExplicitAutograd, m) {
+  m.impl("decoder_pre_attention_dense", &decoder_pre_attention_dense);
+  m.impl("decoder_post_attention_dense", &decoder_post_attention_dense);
 }

@@ -123,3 +123,109 @@ def test_decoder_ops_bad_input_names_the_argument():
     args[7] = args[7][:-1]  # gate / up stacked: an even number of rows
     with pytest.raises(RuntimeError, match="gate_up_q: expected"):
         ops.decoder_post_attention(h, torch.randn(1, 2, 64), *args)
+
+
+def dense_layer(g, dtype, E=64, D=16, n_q=4, n_kv=2, inter=96, bias=False):
+    """Random unpacked weights of one layer in ``dtype``."""
+    w = lambda *shape: (torch.randn(*shape, generator=g) * 0.1).to(dtype)  # noqa: E731
+    b = (lambda n: w(n)) if bias else (lambda n: None)
+    return dict(E=E, D=D, n_q=n_q, n_kv=n_kv, inter=inter, eps=1e-6, w1=(torch.rand(E, generator=g) + 0.5).to(dtype),
+                w2=(torch.rand(E, generator=g) + 0.5).to(dtype),
+                qkv=[w(n_q * D, E), w(n_kv * D, E), w(n_kv * D, E)], qkv_b=[b(n_q * D), b(n_kv * D), b(n_kv * D)],
+                o=w(E, n_q * D), o_b=b(E), gate_up=[w(inter, E), w(inter, E)], gate_up_b=[b(inter), b(inter)],
+                down=w(E, inter), down_b=b(E))
+
+
+def rms_expression(h, weight, eps):
+    """transformers' RMSNorm, as fastverify.hf.layers._rms writes it outside the rms_norm op."""
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(h.dtype)
+
+
+def python_pre_dense(h, L, cos, sin_rolled):
+    B, S = h.shape[:2]
+    x = rms_expression(h, L["w1"], L["eps"])
+    qkv = torch.cat([F.linear(x, w, b) for w, b in zip(L["qkv"], L["qkv_b"])], -1).view(B, S, -1, L["D"])
+    nqk = L["n_q"] + L["n_kv"]
+    qk = qkv[..., :nqk, :].transpose(1, 2)
+    qk = qk * cos + qk.roll(L["D"] // 2, -1) * sin_rolled
+    return qk, qkv.transpose(1, 2)[:, nqk:]
+
+
+def python_post_dense(h, attn, L):
+    h = h + F.linear(attn.reshape(*h.shape[:2], -1).contiguous(), L["o"], L["o_b"])
+    x = rms_expression(h, L["w2"], L["eps"])
+    gu = torch.cat([F.linear(x, w, b) for w, b in zip(L["gate_up"], L["gate_up_b"])], -1)
+    return h + F.linear(F.silu(gu[..., :L["inter"]]) * gu[..., L["inter"]:], L["down"], L["down_b"])
+
+
+def dense_pre_args(L):
+    return (L["w1"], L["eps"], L["qkv"], L["qkv_b"])
+
+
+def dense_post_args(L):
+    return (L["o"], L["o_b"], L["w2"], L["eps"], L["gate_up"], L["gate_up_b"], L["down"], L["down_b"])
+
+
+def dense_tables(B, S, D, g, dtype):
+    cos, sin = (t.to(dtype) for t in rotary_tables(B, S, D, g))
+    return cos, torch.cat((-sin[..., :D // 2], sin[..., D // 2:]), -1)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,S", [(1, 1), (3, 2), (2, 17)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_decoder_ops_are_the_python_steps_bit_for_bit(dtype, B, S, bias):
+    g = torch.Generator().manual_seed(B * 100 + S + bias)
+    L = dense_layer(g, dtype, bias=bias)
+    h = torch.randn(B, S, L["E"], generator=g).to(dtype)
+    cos, sin_rolled = dense_tables(B, S, L["D"], g, dtype)
+    got = ops.decoder_pre_attention_dense(h, *dense_pre_args(L), cos, sin_rolled, L["n_q"], L["n_kv"])
+    want = python_pre_dense(h, L, cos, sin_rolled)
+    for a, b, n in zip(got, want, (L["n_q"] + L["n_kv"], L["n_kv"])):
+        assert a.shape == b.shape == (B, n, S, L["D"]) and a.dtype == dtype
+        assert torch.equal(a, b)
+    attn = torch.randn(B, S, L["n_q"], L["D"], generator=g).to(dtype)
+    got = ops.decoder_post_attention_dense(h, attn, *dense_post_args(L))
+    assert got.dtype == dtype and torch.equal(got, python_post_dense(h, attn, L))
+
+
+@needs_ops
+def test_dense_decoder_ops_opcheck():
+    g = torch.Generator().manual_seed(7)
+    L = dense_layer(g, torch.float32, bias=True)
+    h = torch.randn(2, 3, L["E"], generator=g)
+    cos, sin_rolled = dense_tables(2, 3, L["D"], g, torch.float32)
+    torch.library.opcheck(ops.decoder_pre_attention_dense.default,
+                          (h, *dense_pre_args(L), cos, sin_rolled, L["n_q"], L["n_kv"]))
+    attn = torch.randn(2, 3, L["n_q"] * L["D"], generator=g)
+    torch.library.opcheck(ops.decoder_post_attention_dense.default, (h, attn, *dense_post_args(L)))
+
+
+@needs_ops
+def test_dense_decoder_ops_bad_input_names_the_argument():
+    g = torch.Generator().manual_seed(8)
+    L = dense_layer(g, torch.float32)
+    h = torch.randn(1, 2, L["E"], generator=g)
+    cos, sin_rolled = dense_tables(1, 2, L["D"], g, torch.float32)
+    with pytest.raises(RuntimeError, match="h: expected a floating-point tensor"):
+        ops.decoder_pre_attention_dense(h[0], *dense_pre_args(L), cos, sin_rolled, L["n_q"], L["n_kv"])
+    args = list(dense_pre_args(L))
+    args[2] = args[2][:2]
+    with pytest.raises(RuntimeError, match=r"qkv_weight: expected \[W_q, W_k, W_v\]"):
+        ops.decoder_pre_attention_dense(h, *args, cos, sin_rolled, L["n_q"], L["n_kv"])
+    args[2], args[3] = L["qkv"], L["qkv_b"][:2]
+    with pytest.raises(RuntimeError, match="biases: expected one"):
+        ops.decoder_pre_attention_dense(h, *args, cos, sin_rolled, L["n_q"], L["n_kv"])
+    with pytest.raises(RuntimeError, match="qkv_weight: expected 160 output rows"):
+        ops.decoder_pre_attention_dense(h, *dense_pre_args(L), cos, sin_rolled, L["n_q"], L["n_kv"] + 1)
+    with pytest.raises(RuntimeError, match="cos, sin_rolled: expected"):
+        ops.decoder_pre_attention_dense(h, *dense_pre_args(L), cos, sin_rolled[..., :8], L["n_q"], L["n_kv"])
+    with pytest.raises(RuntimeError, match="attn: expected"):
+        ops.decoder_post_attention_dense(h, torch.randn(2, 2, 64), *dense_post_args(L))
+    args = list(dense_post_args(L))
+    args[4] = args[4][:1]
+    with pytest.raises(RuntimeError, match=r"gate_up_weight: expected \[W_gate, W_up\]"):
+        ops.decoder_post_attention_dense(h, torch.randn(1, 2, 64), *args)

@@ -47,13 +47,15 @@ def tiny(family, dtype=torch.float32, quantised=False, seed=0, vocab=96):
     return model.to(dtype)
 
 
-def forwards(model, ids, lean, prof=None):
+def forwards(model, ids, lean, prof=None, skinny=True):
     """Logits of a prefill of ids[:, :6], then of 3 rows and 1 row over the cache, within the loop's contexts (its
-    linears, its attention, and ``lean_layers`` when ``lean``); and how many layers ran the lean forward."""
+    linears unless not ``skinny``, its attention, and ``lean_layers`` when ``lean``); and how many layers ran the
+    lean forward."""
     out = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        stack.enter_context(skinny_linears(model))
+        if skinny:
+            stack.enter_context(skinny_linears(model))
         stack.enter_context(gqa_attention(model))
         n = stack.enter_context(lean_layers(model)) if lean else 0
         if prof is not None:
@@ -64,11 +66,11 @@ def forwards(model, ids, lean, prof=None):
     return out, n
 
 
-def assert_lean_is_the_model(model, seed, prof=None):
+def assert_lean_is_the_model(model, seed, prof=None, skinny=True):
     """Both layers run the lean forward, and every logit is the model's own, bit for bit."""
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(seed)).to(model.device)
-    want, _ = forwards(model, ids, lean=False)
-    got, n = forwards(model, ids, lean=True, prof=prof)
+    want, _ = forwards(model, ids, lean=False, skinny=skinny)
+    got, n = forwards(model, ids, lean=True, prof=prof, skinny=skinny)
     assert n == 2
     for a, b in zip(want, got):
         assert torch.equal(a, b)
@@ -184,6 +186,26 @@ def test_lean_layers_in_half_precision(dtype):
     assert_lean_is_the_model(tiny("qwen2", dtype=dtype), 4)
 
 
+def assert_dense_ops_ran(prof, family):
+    """Each forward of each layer ran the dense decoder ops (csrc/layer.cpp), but Qwen3's (q / k norms)."""
+    if hf_layers._dense_pre_op is None:
+        return
+    counts = {e.key: e.count for e in prof.key_averages()}
+    fused = 0 if family == "qwen3" else 3 * 2
+    assert counts.get("fastverify::decoder_pre_attention_dense", 0) == fused
+    assert counts.get("fastverify::decoder_post_attention_dense", 0) == fused
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_layers_with_their_own_linears_run_the_dense_ops_bit_for_bit(family, dtype):
+    """Projections that run their own nn.Linear forward (as on a GPU; here the CPU without skinny_linears): the
+    steps around the attention from C++ on the unpacked weights, the model's forward bit for bit."""
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    assert_lean_is_the_model(tiny(family, dtype=dtype, seed=11), 12, prof, skinny=False)
+    assert_dense_ops_ran(prof, family)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_generate_with_lean_layers_is_greedy_exact_and_samples_the_same_stream(family):
     from conftest import assert_greedy_exact, patched_generate, repetitive
@@ -280,8 +302,11 @@ def test_a_layer_whose_attributes_the_plan_cannot_read_keeps_its_own_forward(mon
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lean_layers_on_cuda_give_the_model_forward_bit_for_bit(family, dtype):
-    """On a GPU the projections are each layer's own GEMMs (concatenated), the rest the same ops."""
-    assert_lean_is_the_model(tiny(family, dtype=dtype).cuda(), 7)
+    """On a GPU the projections are each layer's own GEMMs (concatenated), the rest the same ops: from C++ (the
+    dense decoder ops)."""
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    assert_lean_is_the_model(tiny(family, dtype=dtype).cuda(), 7, prof)
+    assert_dense_ops_ran(prof, family)
 
 
 def test_rotary_follows_its_inputs():

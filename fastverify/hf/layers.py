@@ -19,7 +19,10 @@ eligible decoder layer runs ``_forward`` instead of its own forward (rebound on 
   and the rows are few, the steps before the attention (norm, q / k / v, rotary embedding) and after it (output
   projection, residual, norm, gate / up, SiLU x up, down, residual) as one C++ call each
   (``fastverify::decoder_pre_attention`` / ``decoder_post_attention``, csrc/layer.cpp: the same registered and
-  ATen ops on the same tensors, so the same bits), which leaves the cache's append and the attention to Python.
+  ATen ops on the same tensors, so the same bits), which leaves the cache's append and the attention to Python;
+  where every projection runs its own ``nn.Linear`` forward (on a GPU, whose host pays a Python call and a kernel
+  launch per op), the same two halves on the unpacked weights as ``decoder_pre_attention_dense`` /
+  ``decoder_post_attention_dense`` (ATen ops only, a composite for every device).
 
 Live rows (``LiveRows``): a batched verify forward pads every request's rows to the largest tree's (the first one
 also every prompt to the longest), and on the CPU a padding row costs the linear layers what a real one does (at 4
@@ -137,6 +140,8 @@ def _rms(weight, eps, h):
 # csrc/norm.cpp, csrc/rotary.cpp, csrc/layer.cpp; None where not built: then torch's ops run
 _rms_op, _rotary_op = _ext.compiled_op("rms_norm"), _ext.compiled_op("rotary_embedding")
 _pre_op, _post_op = _ext.compiled_op("decoder_pre_attention"), _ext.compiled_op("decoder_post_attention")
+_dense_pre_op = _ext.compiled_op("decoder_pre_attention_dense")
+_dense_post_op = _ext.compiled_op("decoder_post_attention_dense")
 
 if _rms_op is not None:
     @torch.library.register_fake("fastverify::rms_norm")
@@ -159,6 +164,17 @@ if _pre_op is not None:
     def _decoder_post_attention_fake(h, attn, *weights):
         return torch.empty_like(h, memory_format=torch.contiguous_format)
 
+if _dense_pre_op is not None:
+    @torch.library.register_fake("fastverify::decoder_pre_attention_dense")
+    def _decoder_pre_attention_dense_fake(h, norm_weight, eps, qkv_weight, qkv_bias, cos, sin_rolled, n_q, n_kv):
+        B, S, D = h.shape[0], h.shape[1], cos.shape[-1]
+        v = h.new_empty(B, S, n_q + 2 * n_kv, D).transpose(1, 2)[:, n_q + n_kv:]
+        return h.new_empty(B, S, n_q + n_kv, D).transpose(1, 2), v  # elementwise ops keep qk's [B, S, ...] layout
+
+    @torch.library.register_fake("fastverify::decoder_post_attention_dense")
+    def _decoder_post_attention_dense_fake(h, attn, *weights):
+        return torch.empty_like(h, memory_format=torch.contiguous_format)
+
 
 def _fused(x, other) -> bool:
     """Whether a fused C++ op (no autograd, float32 CPU kernels) may take x and its second operand."""
@@ -167,12 +183,11 @@ def _fused(x, other) -> bool:
 
 
 def _fusable(h, cos, plan) -> bool:
-    """Whether ``decoder_pre_attention`` / ``decoder_post_attention`` may run a layer on h: float32 and contiguous
-    [B, S, E], at most ``max_rows`` rows (the skinny kernels' range), float32 cos / sin of the head dimension, and
-    no autograd."""
-    return (h.dtype == torch.float32 and h.dim() == 3 and h.is_contiguous()
-            and h.numel() <= plan.max_rows * h.shape[-1] and cos.dtype == torch.float32
-            and cos.dim() == 4 and cos.shape[-1] == plan.head_dim and not torch.is_grad_enabled())
+    """Whether ``decoder_pre_attention`` / ``decoder_post_attention`` may run a layer on h [B, S, E] (outside
+    autograd): float32 and contiguous, at most ``max_rows`` rows (the skinny kernels' range), float32 cos / sin of
+    the head dimension."""
+    return (h.dtype == torch.float32 and h.is_contiguous() and h.numel() <= plan.max_rows * h.shape[-1]
+            and cos.dtype == torch.float32 and cos.shape[-1] == plan.head_dim)
 
 
 def _silu(act):
@@ -204,6 +219,7 @@ class _Plan:
         self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(a.config._attn_implementation, _eager(a))
         self.max_rows = max_rows
         self.fused = self._fused_args(a, m) if pack else None
+        self.dense = self._dense_args(a, m) if self.fused is None else None
 
     def _fused_args(self, a, m):
         """The packed weights of ``decoder_pre_attention`` / ``decoder_post_attention`` (csrc/layer.cpp), or None
@@ -225,6 +241,20 @@ class _Plan:
         g = self.gate_up
         return ((w1, eps1, self.qkv.q, self.qkv.d, self.qkv.m, self.qkv.bits, self.qkv_bias),
                 (*out[0], w2, eps2, g.q, g.d, g.m, g.bits, self.gate_up_bias, *out[1]))
+
+    def _dense_args(self, a, m):
+        """The weights of ``decoder_pre_attention_dense`` / ``decoder_post_attention_dense`` (csrc/layer.cpp), or
+        None unless the ops are built and every projection runs its own ``nn.Linear`` forward (F.linear: on a GPU;
+        on the CPU while ``skinny_linears`` is off), with no q / k norms and a plain SiLU."""
+        projections = (*self.qkv_mods, a.o_proj, *self.gate_up_mods, m.down_proj)
+        if (_dense_pre_op is None or _dense_post_op is None or self.head_norms is not None
+                or self.act is not torch.nn.functional.silu
+                or any("forward" in p.__dict__ for p in projections)):
+            return None
+        (w1, eps1), (w2, eps2) = self.norms
+        return ((w1, eps1, [p.weight for p in self.qkv_mods], [p.bias for p in self.qkv_mods]),
+                (a.o_proj.weight, a.o_proj.bias, w2, eps2, [p.weight for p in self.gate_up_mods],
+                 [p.bias for p in self.gate_up_mods], m.down_proj.weight, m.down_proj.bias))
 
     @staticmethod
     def _stack(mods, pack):
@@ -284,16 +314,22 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     shape = hidden_states.shape[:-1]
     index = live.index if live is not None and shape.numel() == live.total else None
     cos, sin, sin_rolled = rotary(*position_embeddings)
-    fused = plan.fused if index is None and _fusable(hidden_states, cos, plan) else None
-    if fused is not None:  # the same ops from C++ (csrc/layer.cpp)
-        qk, v = _pre_op(hidden_states, *fused[0], cos, sin, plan.nq, plan.nk)
+    ops = None  # the steps around the attention from C++ (csrc/layer.cpp): the same ops, the same bits
+    if index is None and hidden_states.dim() == 3 and cos.dim() == 4 and not torch.is_grad_enabled():
+        if plan.fused is not None and _fusable(hidden_states, cos, plan):
+            ops = _pre_op, _post_op, plan.fused, sin
+        elif plan.dense is not None:
+            ops = _dense_pre_op, _dense_post_op, plan.dense, sin_rolled
+    if ops is not None:
+        pre, post, (pre_args, post_args), sin_table = ops
+        qk, v = pre(hidden_states, *pre_args, cos, sin_table, plan.nq, plan.nk)
         q, k = qk[:, :plan.nq], qk[:, plan.nq:]
         if cache is not None:
             k, v = cache.update(k, v, plan.layer_idx, kwargs=kwargs)
         a = plan.attn
         out, _ = plan.attention(a, q, k, v, attention_mask, dropout=0.0 if not a.training else a.attention_dropout,
                                 scaling=plan.scaling, **plan.extra, **kwargs)
-        return _post_op(hidden_states, out, *fused[1])
+        return post(hidden_states, out, *post_args)
     (w1, eps1), (w2, eps2) = plan.norms
     h0 = hidden_states if index is None else hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, index)
     x = _rms(w1, eps1, h0)
