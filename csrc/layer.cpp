@@ -12,6 +12,9 @@
 //                          the output projection packed and its bias, norm_weight, eps, the stacked gate / up projections packed
 //                          [2 I, E] and their bias, the down projection packed and its bias) -> h' [B, S, E]
 //       h1 = h + o_proj(attn); h' = h1 + down_proj(silu(gate) * up) with [gate | up] = gate_up(rms_norm(h1)).
+//   index (both; int64 [M] or None): the live rows of a batch's forward (fastverify.hf.layers.LiveRows: flat indices
+//       into the B S rows): the norms, projections and MLP run on those rows only, and the rows between them come
+//       out as zeros (q / k / v, and h'), as the Python forward's index_select / scatter_rows give them.
 //
 //   decoder_pre_attention_dense(h [B, S, E], norm_weight, eps, qkv_weight [W_q, W_k, W_v], qkv_bias [b_q, b_k,
 //                               b_v] (each None or a tensor), cos [B or 1, 1, S, D], sin_rolled ([-sin_lo, sin_hi],
@@ -35,11 +38,11 @@
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("decoder_pre_attention(Tensor h, Tensor norm_weight, float eps, Tensor qkv_q, Tensor qkv_d, Tensor qkv_m, "
-        "int qkv_bits, Tensor? qkv_bias, Tensor cos, Tensor sin, int n_q, int n_kv) -> (Tensor, Tensor)");
+        "int qkv_bits, Tensor? qkv_bias, Tensor cos, Tensor sin, int n_q, int n_kv, Tensor? index=None) -> (Tensor, Tensor)");
   m.def("decoder_post_attention(Tensor h, Tensor attn, Tensor o_q, Tensor o_d, Tensor o_m, int o_bits, "
         "Tensor? o_bias, Tensor norm_weight, float eps, Tensor gate_up_q, Tensor gate_up_d, Tensor gate_up_m, "
         "int gate_up_bits, Tensor? gate_up_bias, Tensor down_q, Tensor down_d, Tensor down_m, int down_bits, "
-        "Tensor? down_bias) -> Tensor");
+        "Tensor? down_bias, Tensor? index=None) -> Tensor");
   m.def("decoder_pre_attention_dense(Tensor h, Tensor norm_weight, float eps, Tensor[] qkv_weight, Tensor?[] qkv_bias, "
         "Tensor cos, Tensor sin_rolled, int n_q, int n_kv) -> (Tensor, Tensor)");
   m.def("decoder_post_attention_dense(Tensor h, Tensor attn, Tensor o_weight, Tensor? o_bias, Tensor norm_weight, "

@@ -91,6 +91,39 @@ def test_decoder_ops_are_the_python_steps_bit_for_bit(B, S, bias):
 
 
 @needs_ops
+@pytest.mark.parametrize("bias", [False, True])
+def test_decoder_ops_on_live_rows_are_the_python_steps_bit_for_bit(bias):
+    """index: the live rows of a batch's forward (fastverify.hf.layers.LiveRows), computed alone and scattered back
+    between zeros, as the Python forward's index_select / scatter_rows do."""
+    from fastverify.hf.layers import scatter_rows
+    g = torch.Generator().manual_seed(21 + bias)
+    L = layer(g, bias=bias)
+    B, S = 3, 4
+    index = torch.tensor([0, 1, 2, 3, 4, 8, 9])
+    h = torch.randn(B, S, L["E"], generator=g)
+    cos, sin = rotary_tables(B, S, L["D"], g)
+    rows = h.reshape(-1, L["E"]).index_select(0, index)
+    qkv = lin(ops.rms_norm(rows, L["w1"], L["eps"]), L["qkv"], L["qkv_b"])
+    qkv = scatter_rows(qkv, index, B * S).view(B, S, -1, L["D"])
+    nqk = L["n_q"] + L["n_kv"]
+    want = ops.rotary_embedding(qkv[..., :nqk, :].transpose(1, 2), cos, sin), qkv.transpose(1, 2)[:, nqk:]
+    got = ops.decoder_pre_attention(h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"], index)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.equal(float_bits(a), float_bits(b))
+    attn = torch.randn(B, S, L["n_q"], L["D"], generator=g)
+    h1 = rows + lin(attn.reshape(B * S, -1).index_select(0, index).contiguous(), L["o"], L["o_b"])
+    gu = lin(ops.rms_norm(h1, L["w2"], L["eps"]), L["gate_up"], L["gate_up_b"])
+    h2 = h1 + lin(F.silu(gu[..., :L["inter"]]) * gu[..., L["inter"]:], L["down"], L["down_b"])
+    want = scatter_rows(h2, index, B * S).view(B, S, -1)
+    got = ops.decoder_post_attention(h, attn, *post_args(L), index)
+    assert got.shape == h.shape and torch.equal(float_bits(got), float_bits(want))
+    with pytest.raises(RuntimeError, match="index: expected an int64 CPU tensor"):
+        ops.decoder_pre_attention(h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"], index.int())
+    with pytest.raises((RuntimeError, IndexError), match="out of range"):
+        ops.decoder_post_attention(h, attn, *post_args(L), torch.tensor([0, B * S]))
+
+
+@needs_ops
 def test_decoder_ops_opcheck():
     g = torch.Generator().manual_seed(5)
     L = layer(g, bias=True)
@@ -99,6 +132,10 @@ def test_decoder_ops_opcheck():
     torch.library.opcheck(ops.decoder_pre_attention.default, (h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"]))
     attn = torch.randn(1, 3, L["n_q"] * L["D"], generator=g)
     torch.library.opcheck(ops.decoder_post_attention.default, (h, attn, *post_args(L)))
+    index = torch.tensor([0, 2])
+    torch.library.opcheck(ops.decoder_pre_attention.default,
+                          (h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"], index))
+    torch.library.opcheck(ops.decoder_post_attention.default, (h, attn, *post_args(L), index))
 
 
 @needs_ops

@@ -104,10 +104,13 @@ def test_live_rows_are_the_padded_forward_rows_bit_for_bit(family, quantised):
     ids = torch.randint(0, 96, (3, 10), generator=torch.Generator().manual_seed(10))
     index = torch.tensor([0, 1, 2, 3, 4, 8, 9])  # request 0: rows 0-3, request 1: row 0, request 2: rows 0-1
     out = {}
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     for name in ("padded", "live"):
         live = LiveRows()
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
+            if name == "live":
+                stack.enter_context(prof)
             stack.enter_context(skinny_linears(model))
             stack.enter_context(gqa_attention(model))
             assert stack.enter_context(lean_layers(model, live=live)) == 2
@@ -122,6 +125,9 @@ def test_live_rows_are_the_padded_forward_rows_bit_for_bit(family, quantised):
         rest[index] = False
         assert not b.reshape(12, -1)[rest].any()
     assert torch.equal(out["padded"].logits.reshape(12, -1)[index], out["live"].logits.reshape(12, -1)[index])
+    if quantised and skinny_available() and hf_layers._pre_op is not None:  # the live rows from C++ too
+        counts = {e.key: e.count for e in prof.key_averages()}
+        assert counts.get("fastverify::decoder_post_attention", 0) == (0 if family == "qwen3" else 2 * 2)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

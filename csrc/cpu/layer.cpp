@@ -36,6 +36,20 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return op.call(x, cos, sin);
 }
 
+// The live rows of h [B, S, E] (``index``), or h itself; checked.
+at::Tensor live_rows(const at::Tensor& h, const OptTensor& index) {
+  if (!index.has_value()) return h;
+  const at::Tensor& idx = *index;
+  TORCH_CHECK(idx.device().is_cpu() && idx.scalar_type() == at::kLong && idx.dim() == 1, "index: expected an int64 "
+              "CPU tensor [M], got ", idx.scalar_type(), " ", idx.sizes(), " on ", idx.device());
+  return h.reshape({-1, h.size(2)}).index_select(0, idx);  // index_select checks the range
+}
+
+// rows [M, N] back in the layout of h's B S rows, zeros between them (fastverify.hf.layers.scatter_rows).
+at::Tensor scatter_rows(const at::Tensor& rows, const at::Tensor& index, int64_t total) {
+  return at::zeros({total, rows.size(-1)}, rows.options()).index_copy_(0, index, rows);
+}
+
 void check_hidden(const at::Tensor& h, const char* name) {
   TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kFloat && h.dim() == 3, name,
               ": expected a float32 CPU tensor [B, S, E], got ", h.scalar_type(), " ", h.sizes(), " on ", h.device());
@@ -44,15 +58,18 @@ void check_hidden(const at::Tensor& h, const char* name) {
 std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_cpu(
     const at::Tensor& h, const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_q, const at::Tensor& qkv_d,
     const at::Tensor& qkv_m, int64_t qkv_bits, const OptTensor& qkv_bias, const at::Tensor& cos,
-    const at::Tensor& sin, int64_t n_q, int64_t n_kv) {
+    const at::Tensor& sin, int64_t n_q, int64_t n_kv, const OptTensor& index) {
   check_hidden(h, "h");
   TORCH_CHECK(n_q >= 1 && n_kv >= 1, "n_q, n_kv: expected >= 1, got ", n_q, " and ", n_kv);
   TORCH_CHECK(cos.dim() == 4, "cos: expected [B or 1, 1, S, D], got ", cos.sizes());
   const int64_t D = cos.size(3), heads = n_q + 2 * n_kv;
   TORCH_CHECK(qkv_q.dim() == 2 && qkv_q.size(0) == heads * D, "qkv_q: expected ", heads * D,
               " output rows ((n_q + 2 n_kv) x head dimension ", D, "), got ", qkv_q.sizes());
-  const at::Tensor x = rms_norm(h, norm_weight, eps);
-  const at::Tensor qkv = linear_packed(x, qkv_q, qkv_d, qkv_m, qkv_bits, qkv_bias).view({h.size(0), h.size(1), heads, D});
+  const int64_t B = h.size(0), S = h.size(1);
+  at::Tensor qkv = linear_packed(rms_norm(live_rows(h, index), norm_weight, eps), qkv_q, qkv_d, qkv_m, qkv_bits,
+                                 qkv_bias);
+  if (index.has_value()) qkv = scatter_rows(qkv, *index, B * S);
+  qkv = qkv.view({B, S, heads, D});
   const at::Tensor qk = rotary(qkv.slice(2, 0, n_q + n_kv).transpose(1, 2), cos, sin);
   return {qk, qkv.transpose(1, 2).slice(1, n_q + n_kv)};
 }
@@ -63,18 +80,22 @@ at::Tensor decoder_post_attention_cpu(const at::Tensor& h, const at::Tensor& att
                                       const at::Tensor& gate_up_q, const at::Tensor& gate_up_d,
                                       const at::Tensor& gate_up_m, int64_t gate_up_bits, const OptTensor& gate_up_bias,
                                       const at::Tensor& down_q, const at::Tensor& down_d, const at::Tensor& down_m,
-                                      int64_t down_bits, const OptTensor& down_bias) {
+                                      int64_t down_bits, const OptTensor& down_bias, const OptTensor& index) {
   check_hidden(h, "h");
   TORCH_CHECK(attn.dim() >= 3 && attn.size(0) == h.size(0) && attn.size(1) == h.size(1), "attn: expected [",
               h.size(0), ", ", h.size(1), ", ...] (h's rows), got ", attn.sizes());
   TORCH_CHECK(gate_up_q.dim() == 2 && gate_up_q.size(0) % 2 == 0, "gate_up_q: expected [2 I, ...] (gate and up "
               "stacked), got ", gate_up_q.sizes());
   const int64_t inter = gate_up_q.size(0) / 2;
-  const at::Tensor h1 = at::add(h, linear_packed(attn.reshape({h.size(0), h.size(1), -1}).contiguous(), o_q, o_d, o_m, o_bits, o_bias));
+  const int64_t B = h.size(0), S = h.size(1);
+  const at::Tensor a = index.has_value() ? attn.reshape({B * S, -1}).index_select(0, *index)
+                                         : attn.reshape({B, S, -1});
+  const at::Tensor h1 = at::add(live_rows(h, index), linear_packed(a.contiguous(), o_q, o_d, o_m, o_bits, o_bias));
   const at::Tensor gu = linear_packed(rms_norm(h1, norm_weight, eps), gate_up_q, gate_up_d, gate_up_m,
                                       gate_up_bits, gate_up_bias);
   const at::Tensor act = at::mul(at::silu(gu.slice(-1, 0, inter)), gu.slice(-1, inter));
-  return at::add(h1, linear_packed(act, down_q, down_d, down_m, down_bits, down_bias));
+  const at::Tensor out = at::add(h1, linear_packed(act, down_q, down_d, down_m, down_bits, down_bias));
+  return index.has_value() ? scatter_rows(out, *index, B * S).view({B, S, -1}) : out;
 }
 
 }  // namespace

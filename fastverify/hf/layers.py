@@ -19,7 +19,8 @@ eligible decoder layer runs ``_forward`` instead of its own forward (rebound on 
   and the rows are few, the steps before the attention (norm, q / k / v, rotary embedding) and after it (output
   projection, residual, norm, gate / up, SiLU x up, down, residual) as one C++ call each
   (``fastverify::decoder_pre_attention`` / ``decoder_post_attention``, csrc/layer.cpp: the same registered and
-  ATen ops on the same tensors, so the same bits), which leaves the cache's append and the attention to Python;
+  ATen ops on the same tensors, so the same bits; a batch's live rows alone, as below), which leaves the cache's
+  append and the attention to Python;
   where every projection runs its own ``nn.Linear`` forward (on a GPU, whose host pays a Python call and a kernel
   launch per op), the same two halves on the unpacked weights as ``decoder_pre_attention_dense`` /
   ``decoder_post_attention_dense`` (ATen ops only, a composite for every device).
@@ -155,7 +156,8 @@ if _rotary_op is not None:
 
 if _pre_op is not None:
     @torch.library.register_fake("fastverify::decoder_pre_attention")
-    def _decoder_pre_attention_fake(h, norm_weight, eps, qkv_q, qkv_d, qkv_m, qkv_bits, qkv_bias, cos, sin, n_q, n_kv):
+    def _decoder_pre_attention_fake(h, norm_weight, eps, qkv_q, qkv_d, qkv_m, qkv_bits, qkv_bias, cos, sin, n_q, n_kv,
+                                    index=None):
         B, S, D = h.shape[0], h.shape[1], cos.shape[-1]
         v = h.new_empty(B, S, n_q + 2 * n_kv, D).transpose(1, 2)[:, n_q + n_kv:]
         return h.new_empty(B, n_q + n_kv, S, D), v
@@ -182,11 +184,12 @@ def _fused(x, other) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or other.requires_grad)))
 
 
-def _fusable(h, cos, plan) -> bool:
+def _fusable(h, cos, plan, index) -> bool:
     """Whether ``decoder_pre_attention`` / ``decoder_post_attention`` may run a layer on h [B, S, E] (outside
-    autograd): float32 and contiguous, at most ``max_rows`` rows (the skinny kernels' range), float32 cos / sin of
-    the head dimension."""
-    return (h.dtype == torch.float32 and h.is_contiguous() and h.numel() <= plan.max_rows * h.shape[-1]
+    autograd) and its live rows ``index`` (or all): float32 and contiguous, at most ``max_rows`` rows computed (the
+    skinny kernels' range), float32 cos / sin of the head dimension."""
+    rows = h.numel() // h.shape[-1] if index is None else index.numel()
+    return (h.dtype == torch.float32 and h.is_contiguous() and rows <= plan.max_rows
             and cos.dtype == torch.float32 and cos.shape[-1] == plan.head_dim)
 
 
@@ -315,21 +318,21 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     index = live.index if live is not None and shape.numel() == live.total else None
     cos, sin, sin_rolled = rotary(*position_embeddings)
     ops = None  # the steps around the attention from C++ (csrc/layer.cpp): the same ops, the same bits
-    if index is None and hidden_states.dim() == 3 and cos.dim() == 4 and not torch.is_grad_enabled():
-        if plan.fused is not None and _fusable(hidden_states, cos, plan):
-            ops = _pre_op, _post_op, plan.fused, sin
-        elif plan.dense is not None:
-            ops = _dense_pre_op, _dense_post_op, plan.dense, sin_rolled
+    if hidden_states.dim() == 3 and cos.dim() == 4 and not torch.is_grad_enabled():
+        if plan.fused is not None and _fusable(hidden_states, cos, plan, index):
+            ops = _pre_op, _post_op, plan.fused, sin, (index,)
+        elif plan.dense is not None and index is None:
+            ops = _dense_pre_op, _dense_post_op, plan.dense, sin_rolled, ()
     if ops is not None:
-        pre, post, (pre_args, post_args), sin_table = ops
-        qk, v = pre(hidden_states, *pre_args, cos, sin_table, plan.nq, plan.nk)
+        pre, post, (pre_args, post_args), sin_table, rows = ops
+        qk, v = pre(hidden_states, *pre_args, cos, sin_table, plan.nq, plan.nk, *rows)
         q, k = qk[:, :plan.nq], qk[:, plan.nq:]
         if cache is not None:
             k, v = cache.update(k, v, plan.layer_idx, kwargs=kwargs)
         a = plan.attn
         out, _ = plan.attention(a, q, k, v, attention_mask, dropout=0.0 if not a.training else a.attention_dropout,
                                 scaling=plan.scaling, **plan.extra, **kwargs)
-        return post(hidden_states, out, *post_args)
+        return post(hidden_states, out, *post_args, *rows)
     (w1, eps1), (w2, eps2) = plan.norms
     h0 = hidden_states if index is None else hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, index)
     x = _rms(w1, eps1, h0)
