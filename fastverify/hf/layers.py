@@ -306,6 +306,16 @@ def scatter_rows(rows, index, total):
     return rows.new_zeros(total, *rows.shape[1:]).index_copy_(0, index, rows)
 
 
+def _attend(plan, q, k, v, cache, attention_mask, kwargs):
+    """The layer's attention of q [B, n_q, S, D] over the cache with k / v [B, n_kv, S, D] appended; [B, S, n_q, D]."""
+    if cache is not None:
+        k, v = cache.update(k, v, plan.layer_idx, kwargs=kwargs)
+    a = plan.attn
+    out, _ = plan.attention(a, q, k, v, attention_mask, dropout=0.0 if not a.training else a.attention_dropout,
+                            scaling=plan.scaling, **plan.extra, **kwargs)
+    return out
+
+
 def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
              position_embeddings=None, **kwargs):
     """The decoder layer's forward (transformers' Llama / Mistral / Qwen2 / Qwen3), op for op;
@@ -326,12 +336,7 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     if ops is not None:
         pre, post, (pre_args, post_args), sin_table, rows = ops
         qk, v = pre(hidden_states, *pre_args, cos, sin_table, plan.nq, plan.nk, *rows)
-        q, k = qk[:, :plan.nq], qk[:, plan.nq:]
-        if cache is not None:
-            k, v = cache.update(k, v, plan.layer_idx, kwargs=kwargs)
-        a = plan.attn
-        out, _ = plan.attention(a, q, k, v, attention_mask, dropout=0.0 if not a.training else a.attention_dropout,
-                                scaling=plan.scaling, **plan.extra, **kwargs)
+        out = _attend(plan, qk[:, :plan.nq], qk[:, plan.nq:], v, cache, attention_mask, kwargs)
         return post(hidden_states, out, *post_args, *rows)
     (w1, eps1), (w2, eps2) = plan.norms
     h0 = hidden_states if index is None else hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, index)
@@ -351,12 +356,7 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
         qk = _rotary_op(qk, cos, sin)
     else:
         qk = qk * cos + qk.roll(cos.shape[-1] // 2, -1) * sin_rolled
-    q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nqk:]
-    if cache is not None:
-        k, v = cache.update(k, v, plan.layer_idx, kwargs=kwargs)
-    a = plan.attn
-    out, _ = plan.attention(a, q, k, v, attention_mask, dropout=0.0 if not a.training else a.attention_dropout,
-                            scaling=plan.scaling, **plan.extra, **kwargs)
+    out = _attend(plan, qk[:, :nq], qk[:, nq:], qkv[:, nqk:], cache, attention_mask, kwargs)
     out = out.reshape(*shape, -1) if index is None else out.reshape(live.total, -1).index_select(0, index)
     h = h0 + plan.o_proj(out.contiguous())
     x = _rms(w2, eps2, h)
