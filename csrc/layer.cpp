@@ -17,24 +17,29 @@
 //       out as zeros (q / k / v, and h'), as the Python forward's index_select / scatter_rows give them.
 //
 //   decoder_pre_attention_dense(h [B, S, E], norm_weight, eps, qkv_weight [W_q, W_k, W_v], qkv_bias [b_q, b_k,
-//                               b_v] (each None or a tensor), cos [B or 1, 1, S, D], sin_rolled ([-sin_lo, sin_hi],
-//                               as cos), n_q, n_kv) -> (qk, v)
+//                               b_v] (each None or a tensor), cos [B or 1, 1, S, D], sin (as cos), sin_rolled
+//                               ([-sin_lo, sin_hi], as cos), n_q, n_kv, skinny_rows) -> (qk, v)
 //   decoder_post_attention_dense(h, attn, o_weight, o_bias, norm_weight, eps, gate_up_weight [W_gate, W_up],
-//                                gate_up_bias, down_weight, down_bias) -> h'
+//                                gate_up_bias, down_weight, down_bias, skinny_rows) -> h'
 //       The same steps on unpacked weights in any dtype and on any device, as the Python forward takes them there:
-//       RMSNorm as torch's expression (in float32, cast back), each projection F.linear, q / k / v and gate / up
-//       concatenated, the rotary embedding as qk * cos + roll(qk, D / 2) * sin_rolled. ATen ops only (a composite
-//       for every dispatch key); the loop runs them where the model is on a GPU, where each op of the Python forward
-//       costs the host a Python call and a kernel launch, and the C++ calls leave the launches.
+//       each projection its own (q / k / v and gate / up concatenated): F.linear, or, for float32 inputs of at most
+//       skinny_rows rows (> 0: the projections run fastverify.hf.linear.skinny_linears' forward), skinny_linear;
+//       RMSNorm and the rotary embedding as the rms_norm / rotary_embedding ops on float32 CPU tensors, else as
+//       torch's expressions (RMSNorm in float32, cast back; x cos + roll(x, D / 2) sin_rolled). A composite for every
+//       dispatch key: on a GPU each op of the Python forward costs the host a Python call beside its launch, and
+//       these calls leave the launches.
 //
 // Each step is the registered op or the ATen op that the Python forward calls, on the same tensors, so the results
 // are the same bits: one call from Python where the Python forward makes about twenty (views, slices, norms,
 // projections, the activation, residual additions), which on a small model's one-row step is most of a layer's
 // time outside its kernels. Inference only (no autograd); what the ops do not take runs the Python forward.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
+#include <vector>
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("decoder_pre_attention(Tensor h, Tensor norm_weight, float eps, Tensor qkv_q, Tensor qkv_d, Tensor qkv_m, "
@@ -44,30 +49,53 @@ TORCH_LIBRARY_FRAGMENT(fastverify, m) {
         "int gate_up_bits, Tensor? gate_up_bias, Tensor down_q, Tensor down_d, Tensor down_m, int down_bits, "
         "Tensor? down_bias, Tensor? index=None) -> Tensor");
   m.def("decoder_pre_attention_dense(Tensor h, Tensor norm_weight, float eps, Tensor[] qkv_weight, Tensor?[] qkv_bias, "
-        "Tensor cos, Tensor sin_rolled, int n_q, int n_kv) -> (Tensor, Tensor)");
+        "Tensor cos, Tensor sin, Tensor sin_rolled, int n_q, int n_kv, int skinny_rows=0) -> (Tensor, Tensor)");
   m.def("decoder_post_attention_dense(Tensor h, Tensor attn, Tensor o_weight, Tensor? o_bias, Tensor norm_weight, "
-        "float eps, Tensor[] gate_up_weight, Tensor?[] gate_up_bias, Tensor down_weight, Tensor? down_bias) -> Tensor");
+        "float eps, Tensor[] gate_up_weight, Tensor?[] gate_up_bias, Tensor down_weight, Tensor? down_bias, "
+        "int skinny_rows=0) -> Tensor");
 }
 
 namespace {
 
-using OptTensorList = c10::List<std::optional<at::Tensor>>;
+using OptTensor = std::optional<at::Tensor>;
+using OptTensorList = c10::List<OptTensor>;
 
-// fastverify/hf/layers.py `_rms` on a tensor outside the rms_norm op's reach: transformers' RMSNorm with the
-// float32 casts that are no-ops on a float32 input left out.
+bool cpu_float(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
+
+// fastverify/hf/layers.py `_rms`: the rms_norm op where it takes h (the same bits as the expression), else
+// transformers' RMSNorm with the float32 casts that are no-ops on a float32 input left out.
 at::Tensor rms_dense(const at::Tensor& h, const at::Tensor& weight, double eps) {
+  if (cpu_float(h) && cpu_float(weight) && h.is_contiguous()) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("fastverify::rms_norm", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+    return op.call(h, weight, eps);
+  }
   const bool f32 = h.scalar_type() == at::kFloat;
   const at::Tensor x32 = f32 ? h : h.to(at::kFloat);
   const at::Tensor x = at::mul(x32, at::rsqrt(at::add(at::mean(at::pow(x32, 2), {-1}, /*keepdim=*/true), eps)));
   return at::mul(weight, f32 ? x : x.to(h.scalar_type()));
 }
 
-at::Tensor linears_cat(const at::Tensor& x, at::TensorList weights, const OptTensorList& biases) {
+// A projection as its nn.Linear forward computes it: F.linear, or, under skinny_linears (skinny_rows > 0), the
+// skinny_linear op for float32 inputs of at most skinny_rows rows (fastverify.hf.linear.takes_skinny).
+at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, int64_t skinny_rows) {
+  if (skinny_rows > 0 && x.scalar_type() == at::kFloat && x.numel() <= skinny_rows * x.size(-1)) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("fastverify::skinny_linear", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>();
+    return op.call(x, weight, bias);
+  }
+  return at::linear(x, weight, bias);
+}
+
+at::Tensor linears_cat(const at::Tensor& x, at::TensorList weights, const OptTensorList& biases,
+                       int64_t skinny_rows) {
   TORCH_CHECK(weights.size() == biases.size(), "biases: expected one (or None) per weight, got ", biases.size(),
               " for ", weights.size());
   std::vector<at::Tensor> out;
   out.reserve(weights.size());
-  for (size_t i = 0; i < weights.size(); ++i) out.push_back(at::linear(x, weights[i], biases.get(i)));
+  for (size_t i = 0; i < weights.size(); ++i) out.push_back(linear_dense(x, weights[i], biases.get(i), skinny_rows));
   return at::cat(out, -1);
 }
 
@@ -79,37 +107,48 @@ void check_dense_hidden(const at::Tensor& h) {
 std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_dense(const at::Tensor& h, const at::Tensor& norm_weight,
                                                                double eps, at::TensorList qkv_weight,
                                                                const OptTensorList& qkv_bias, const at::Tensor& cos,
-                                                               const at::Tensor& sin_rolled, int64_t n_q,
-                                                               int64_t n_kv) {
+                                                               const at::Tensor& sin, const at::Tensor& sin_rolled,
+                                                               int64_t n_q, int64_t n_kv, int64_t skinny_rows) {
   check_dense_hidden(h);
   TORCH_CHECK(n_q >= 1 && n_kv >= 1, "n_q, n_kv: expected >= 1, got ", n_q, " and ", n_kv);
   TORCH_CHECK(qkv_weight.size() == 3, "qkv_weight: expected [W_q, W_k, W_v], got ", qkv_weight.size(), " tensors");
-  TORCH_CHECK(cos.dim() == 4 && sin_rolled.sizes() == cos.sizes(), "cos, sin_rolled: expected [B or 1, 1, S, D] "
-              "each, got ", cos.sizes(), " and ", sin_rolled.sizes());
+  TORCH_CHECK(cos.dim() == 4 && sin.sizes() == cos.sizes() && sin_rolled.sizes() == cos.sizes(), "cos, sin, "
+              "sin_rolled: expected [B or 1, 1, S, D] each, got ", cos.sizes(), ", ", sin.sizes(), " and ",
+              sin_rolled.sizes());
   const int64_t D = cos.size(3), heads = n_q + 2 * n_kv;
-  const at::Tensor qkv = linears_cat(rms_dense(h, norm_weight, eps), qkv_weight, qkv_bias);
+  const at::Tensor qkv = linears_cat(rms_dense(h, norm_weight, eps), qkv_weight, qkv_bias, skinny_rows);
   TORCH_CHECK(qkv.size(-1) == heads * D, "qkv_weight: expected ", heads * D, " output rows in all ((n_q + 2 n_kv) "
               "x head dimension ", D, "), got ", qkv.size(-1));
   const at::Tensor heads_view = qkv.view({h.size(0), h.size(1), heads, D});
   const at::Tensor qk = heads_view.slice(2, 0, n_q + n_kv).transpose(1, 2);
-  const at::Tensor rotated = at::add(at::mul(qk, cos), at::mul(at::roll(qk, {D / 2}, {-1}), sin_rolled));
+  at::Tensor rotated;
+  if (cpu_float(qk) && cos.scalar_type() == at::kFloat) {  // as `_forward`: the rotary_embedding op, the same bits
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("fastverify::rotary_embedding", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    rotated = op.call(qk, cos, sin);
+  } else {
+    rotated = at::add(at::mul(qk, cos), at::mul(at::roll(qk, {D / 2}, {-1}), sin_rolled));
+  }
   return {rotated, heads_view.transpose(1, 2).slice(1, n_q + n_kv)};
 }
 
 at::Tensor decoder_post_attention_dense(const at::Tensor& h, const at::Tensor& attn, const at::Tensor& o_weight,
-                                        const std::optional<at::Tensor>& o_bias, const at::Tensor& norm_weight,
-                                        double eps, at::TensorList gate_up_weight, const OptTensorList& gate_up_bias,
-                                        const at::Tensor& down_weight, const std::optional<at::Tensor>& down_bias) {
+                                        const OptTensor& o_bias, const at::Tensor& norm_weight, double eps,
+                                        at::TensorList gate_up_weight, const OptTensorList& gate_up_bias,
+                                        const at::Tensor& down_weight, const OptTensor& down_bias,
+                                        int64_t skinny_rows) {
   check_dense_hidden(h);
   TORCH_CHECK(attn.dim() >= 3 && attn.size(0) == h.size(0) && attn.size(1) == h.size(1), "attn: expected [",
               h.size(0), ", ", h.size(1), ", ...] (h's rows), got ", attn.sizes());
   TORCH_CHECK(gate_up_weight.size() == 2, "gate_up_weight: expected [W_gate, W_up], got ", gate_up_weight.size(),
               " tensors");
   const int64_t inter = gate_up_weight[0].size(0);
-  const at::Tensor h1 = at::add(h, at::linear(attn.reshape({h.size(0), h.size(1), -1}).contiguous(), o_weight, o_bias));
-  const at::Tensor gu = linears_cat(rms_dense(h1, norm_weight, eps), gate_up_weight, gate_up_bias);
+  const at::Tensor a = attn.reshape({h.size(0), h.size(1), -1}).contiguous();
+  const at::Tensor h1 = at::add(h, linear_dense(a, o_weight, o_bias, skinny_rows));
+  const at::Tensor gu = linears_cat(rms_dense(h1, norm_weight, eps), gate_up_weight, gate_up_bias, skinny_rows);
   const at::Tensor act = at::mul(at::silu(gu.slice(-1, 0, inter)), gu.slice(-1, inter));
-  return at::add(h1, at::linear(act, down_weight, down_bias));
+  return at::add(h1, linear_dense(act, down_weight, down_bias, skinny_rows));
 }
 
 }  // namespace

@@ -180,21 +180,29 @@ def rms_expression(h, weight, eps):
     return weight * x.to(h.dtype)
 
 
-def python_pre_dense(h, L, cos, sin_rolled):
+def linear_ref(x, w, b, skinny_rows):
+    """A projection as its nn.Linear forward computes it (F.linear), or under skinny_linears' forward."""
+    if skinny_rows and x.dtype == torch.float32 and x.numel() <= skinny_rows * x.shape[-1]:
+        return ops.skinny_linear(x, w, b)
+    return F.linear(x, w, b)
+
+
+def python_pre_dense(h, L, cos, sin_rolled, skinny_rows=0):
     B, S = h.shape[:2]
     x = rms_expression(h, L["w1"], L["eps"])
-    qkv = torch.cat([F.linear(x, w, b) for w, b in zip(L["qkv"], L["qkv_b"])], -1).view(B, S, -1, L["D"])
+    qkv = torch.cat([linear_ref(x, w, b, skinny_rows) for w, b in zip(L["qkv"], L["qkv_b"])], -1)
+    qkv = qkv.view(B, S, -1, L["D"])
     nqk = L["n_q"] + L["n_kv"]
     qk = qkv[..., :nqk, :].transpose(1, 2)
     qk = qk * cos + qk.roll(L["D"] // 2, -1) * sin_rolled
     return qk, qkv.transpose(1, 2)[:, nqk:]
 
 
-def python_post_dense(h, attn, L):
-    h = h + F.linear(attn.reshape(*h.shape[:2], -1).contiguous(), L["o"], L["o_b"])
+def python_post_dense(h, attn, L, skinny_rows=0):
+    h = h + linear_ref(attn.reshape(*h.shape[:2], -1).contiguous(), L["o"], L["o_b"], skinny_rows)
     x = rms_expression(h, L["w2"], L["eps"])
-    gu = torch.cat([F.linear(x, w, b) for w, b in zip(L["gate_up"], L["gate_up_b"])], -1)
-    return h + F.linear(F.silu(gu[..., :L["inter"]]) * gu[..., L["inter"]:], L["down"], L["down_b"])
+    gu = torch.cat([linear_ref(x, w, b, skinny_rows) for w, b in zip(L["gate_up"], L["gate_up_b"])], -1)
+    return h + linear_ref(F.silu(gu[..., :L["inter"]]) * gu[..., L["inter"]:], L["down"], L["down_b"], skinny_rows)
 
 
 def dense_pre_args(L):
@@ -206,27 +214,33 @@ def dense_post_args(L):
 
 
 def dense_tables(B, S, D, g, dtype):
+    """cos, sin and sin_rolled = [-sin_lo, sin_hi]."""
     cos, sin = (t.to(dtype) for t in rotary_tables(B, S, D, g))
-    return cos, torch.cat((-sin[..., :D // 2], sin[..., D // 2:]), -1)
+    return cos, sin, torch.cat((-sin[..., :D // 2], sin[..., D // 2:]), -1)
 
 
 @needs_ops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,S", [(1, 1), (3, 2), (2, 17)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_dense_decoder_ops_are_the_python_steps_bit_for_bit(dtype, B, S, bias):
+@pytest.mark.parametrize("skinny_rows", [0, 6])
+def test_dense_decoder_ops_are_the_python_steps_bit_for_bit(dtype, B, S, bias, skinny_rows):
+    """The Python forward's steps on unpacked weights: F.linear, or skinny_linear for float32 inputs of at most
+    skinny_rows rows (here some calls of the 34-row case go to F.linear); the norm and rotary ops on float32 CPU
+    tensors, whose bits are the expressions'."""
     g = torch.Generator().manual_seed(B * 100 + S + bias)
     L = dense_layer(g, dtype, bias=bias)
     h = torch.randn(B, S, L["E"], generator=g).to(dtype)
-    cos, sin_rolled = dense_tables(B, S, L["D"], g, dtype)
-    got = ops.decoder_pre_attention_dense(h, *dense_pre_args(L), cos, sin_rolled, L["n_q"], L["n_kv"])
-    want = python_pre_dense(h, L, cos, sin_rolled)
+    cos, sin, sin_rolled = dense_tables(B, S, L["D"], g, dtype)
+    got = ops.decoder_pre_attention_dense(h, *dense_pre_args(L), cos, sin, sin_rolled, L["n_q"], L["n_kv"],
+                                          skinny_rows)
+    want = python_pre_dense(h, L, cos, sin_rolled, skinny_rows)
     for a, b, n in zip(got, want, (L["n_q"] + L["n_kv"], L["n_kv"])):
         assert a.shape == b.shape == (B, n, S, L["D"]) and a.dtype == dtype
         assert torch.equal(a, b)
     attn = torch.randn(B, S, L["n_q"], L["D"], generator=g).to(dtype)
-    got = ops.decoder_post_attention_dense(h, attn, *dense_post_args(L))
-    assert got.dtype == dtype and torch.equal(got, python_post_dense(h, attn, L))
+    got = ops.decoder_post_attention_dense(h, attn, *dense_post_args(L), skinny_rows)
+    assert got.dtype == dtype and torch.equal(got, python_post_dense(h, attn, L, skinny_rows))
 
 
 @needs_ops
@@ -234,11 +248,17 @@ def test_dense_decoder_ops_opcheck():
     g = torch.Generator().manual_seed(7)
     L = dense_layer(g, torch.float32, bias=True)
     h = torch.randn(2, 3, L["E"], generator=g)
-    cos, sin_rolled = dense_tables(2, 3, L["D"], g, torch.float32)
-    torch.library.opcheck(ops.decoder_pre_attention_dense.default,
-                          (h, *dense_pre_args(L), cos, sin_rolled, L["n_q"], L["n_kv"]))
+    cos, sin, sin_rolled = dense_tables(2, 3, L["D"], g, torch.float32)
     attn = torch.randn(2, 3, L["n_q"] * L["D"], generator=g)
-    torch.library.opcheck(ops.decoder_post_attention_dense.default, (h, attn, *dense_post_args(L)))
+    for skinny_rows in (0, 8):
+        torch.library.opcheck(ops.decoder_pre_attention_dense.default,
+                              (h, *dense_pre_args(L), cos, sin, sin_rolled, L["n_q"], L["n_kv"], skinny_rows))
+        torch.library.opcheck(ops.decoder_post_attention_dense.default, (h, attn, *dense_post_args(L), skinny_rows))
+    bf = {k: v.bfloat16() if isinstance(v, torch.Tensor) else [t.bfloat16() for t in v] if isinstance(v, list)
+          else v for k, v in L.items()}
+    torch.library.opcheck(ops.decoder_pre_attention_dense.default,
+                          (h.bfloat16(), *dense_pre_args(bf), cos.bfloat16(), sin.bfloat16(), sin_rolled.bfloat16(),
+                           L["n_q"], L["n_kv"]))
 
 
 @needs_ops
@@ -246,20 +266,20 @@ def test_dense_decoder_ops_bad_input_names_the_argument():
     g = torch.Generator().manual_seed(8)
     L = dense_layer(g, torch.float32)
     h = torch.randn(1, 2, L["E"], generator=g)
-    cos, sin_rolled = dense_tables(1, 2, L["D"], g, torch.float32)
+    cos, sin, sin_rolled = dense_tables(1, 2, L["D"], g, torch.float32)
     with pytest.raises(RuntimeError, match="h: expected a floating-point tensor"):
-        ops.decoder_pre_attention_dense(h[0], *dense_pre_args(L), cos, sin_rolled, L["n_q"], L["n_kv"])
+        ops.decoder_pre_attention_dense(h[0], *dense_pre_args(L), cos, sin, sin_rolled, L["n_q"], L["n_kv"])
     args = list(dense_pre_args(L))
     args[2] = args[2][:2]
     with pytest.raises(RuntimeError, match=r"qkv_weight: expected \[W_q, W_k, W_v\]"):
-        ops.decoder_pre_attention_dense(h, *args, cos, sin_rolled, L["n_q"], L["n_kv"])
+        ops.decoder_pre_attention_dense(h, *args, cos, sin, sin_rolled, L["n_q"], L["n_kv"])
     args[2], args[3] = L["qkv"], L["qkv_b"][:2]
     with pytest.raises(RuntimeError, match="biases: expected one"):
-        ops.decoder_pre_attention_dense(h, *args, cos, sin_rolled, L["n_q"], L["n_kv"])
+        ops.decoder_pre_attention_dense(h, *args, cos, sin, sin_rolled, L["n_q"], L["n_kv"])
     with pytest.raises(RuntimeError, match="qkv_weight: expected 160 output rows"):
-        ops.decoder_pre_attention_dense(h, *dense_pre_args(L), cos, sin_rolled, L["n_q"], L["n_kv"] + 1)
-    with pytest.raises(RuntimeError, match="cos, sin_rolled: expected"):
-        ops.decoder_pre_attention_dense(h, *dense_pre_args(L), cos, sin_rolled[..., :8], L["n_q"], L["n_kv"])
+        ops.decoder_pre_attention_dense(h, *dense_pre_args(L), cos, sin, sin_rolled, L["n_q"], L["n_kv"] + 1)
+    with pytest.raises(RuntimeError, match="cos, sin, sin_rolled: expected"):
+        ops.decoder_pre_attention_dense(h, *dense_pre_args(L), cos, sin, sin_rolled[..., :8], L["n_q"], L["n_kv"])
     with pytest.raises(RuntimeError, match="attn: expected"):
         ops.decoder_post_attention_dense(h, torch.randn(2, 2, 64), *dense_post_args(L))
     args = list(dense_post_args(L))

@@ -91,6 +91,11 @@ def test_lean_layers_give_the_model_forward_bit_for_bit(family, quantised):
             fused = 0 if family == "qwen3" else 3 * 2
             assert counts.get("fastverify::decoder_pre_attention", 0) == fused
             assert counts.get("fastverify::decoder_post_attention", 0) == fused
+    if not quantised:  # float32 weights that do not pack: the dense ops, their projections through skinny_linear
+        assert_dense_ops_ran(prof, family)
+        if skinny_available():
+            counts = {e.key: e.count for e in prof.key_averages()}
+            assert counts["fastverify::skinny_linear"] == 3 * (2 * 7 + 1)
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)  # removed on exit
 
 

@@ -23,7 +23,8 @@ eligible decoder layer runs ``_forward`` instead of its own forward (rebound on 
   append and the attention to Python;
   where every projection runs its own ``nn.Linear`` forward (on a GPU, whose host pays a Python call and a kernel
   launch per op), the same two halves on the unpacked weights as ``decoder_pre_attention_dense`` /
-  ``decoder_post_attention_dense`` (ATen ops only, a composite for every device).
+  ``decoder_post_attention_dense`` (a composite for every device: ATen ops, and on float32 CPU tensors the norm,
+  rotary and skinny_linear ops; on the CPU for float32 weights that do not pack, streamed by skinny_linear).
 
 Live rows (``LiveRows``): a batched verify forward pads every request's rows to the largest tree's (the first one
 also every prompt to the longest), and on the CPU a padding row costs the linear layers what a real one does (at 4
@@ -168,9 +169,12 @@ if _pre_op is not None:
 
 if _dense_pre_op is not None:
     @torch.library.register_fake("fastverify::decoder_pre_attention_dense")
-    def _decoder_pre_attention_dense_fake(h, norm_weight, eps, qkv_weight, qkv_bias, cos, sin_rolled, n_q, n_kv):
+    def _decoder_pre_attention_dense_fake(h, norm_weight, eps, qkv_weight, qkv_bias, cos, sin, sin_rolled, n_q, n_kv,
+                                          skinny_rows=0):
         B, S, D = h.shape[0], h.shape[1], cos.shape[-1]
         v = h.new_empty(B, S, n_q + 2 * n_kv, D).transpose(1, 2)[:, n_q + n_kv:]
+        if h.device.type == "cpu" and h.dtype == cos.dtype == torch.float32:  # the rotary_embedding op: contiguous
+            return h.new_empty(B, n_q + n_kv, S, D), v
         return h.new_empty(B, S, n_q + n_kv, D).transpose(1, 2), v  # elementwise ops keep qk's [B, S, ...] layout
 
     @torch.library.register_fake("fastverify::decoder_post_attention_dense")
@@ -246,18 +250,28 @@ class _Plan:
                 (*out[0], w2, eps2, g.q, g.d, g.m, g.bits, self.gate_up_bias, *out[1]))
 
     def _dense_args(self, a, m):
-        """The weights of ``decoder_pre_attention_dense`` / ``decoder_post_attention_dense`` (csrc/layer.cpp), or
-        None unless the ops are built and every projection runs its own ``nn.Linear`` forward (F.linear: on a GPU;
-        on the CPU while ``skinny_linears`` is off), with no q / k norms and a plain SiLU."""
+        """The weights of ``decoder_pre_attention_dense`` / ``decoder_post_attention_dense`` (csrc/layer.cpp) and the
+        rows up to which their projections run skinny_linear, or None unless the ops are built, every projection
+        runs its own ``nn.Linear`` forward (F.linear: on a GPU) or every one ``skinny_linears``' forward on its
+        float32 weight (on the CPU, weights that do not pack), with no q / k norms and a plain SiLU."""
         projections = (*self.qkv_mods, a.o_proj, *self.gate_up_mods, m.down_proj)
         if (_dense_pre_op is None or _dense_post_op is None or self.head_norms is not None
-                or self.act is not torch.nn.functional.silu
-                or any("forward" in p.__dict__ for p in projections)):
+                or self.act is not torch.nn.functional.silu):
+            return None
+        forwards = [p.__dict__.get("forward") for p in projections]
+        if all(f is None for f in forwards):
+            rows = 0
+        elif all(getattr(f, "skinny", False) for f in forwards):
+            rows = forwards[0].max_rows
+            if any(f.max_rows != rows or (f.pack and packed_weight(p) is not None)
+                   for f, p in zip(forwards, projections)):
+                return None
+        else:
             return None
         (w1, eps1), (w2, eps2) = self.norms
         return ((w1, eps1, [p.weight for p in self.qkv_mods], [p.bias for p in self.qkv_mods]),
                 (a.o_proj.weight, a.o_proj.bias, w2, eps2, [p.weight for p in self.gate_up_mods],
-                 [p.bias for p in self.gate_up_mods], m.down_proj.weight, m.down_proj.bias))
+                 [p.bias for p in self.gate_up_mods], m.down_proj.weight, m.down_proj.bias), rows)
 
     @staticmethod
     def _stack(mods, pack):
@@ -330,14 +344,14 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     ops = None  # the steps around the attention from C++ (csrc/layer.cpp): the same ops, the same bits
     if hidden_states.dim() == 3 and cos.dim() == 4 and not torch.is_grad_enabled():
         if plan.fused is not None and _fusable(hidden_states, cos, plan, index):
-            ops = _pre_op, _post_op, plan.fused, sin, (index,)
+            ops = _pre_op, _post_op, *plan.fused, (sin,), index
         elif plan.dense is not None and index is None:
-            ops = _dense_pre_op, _dense_post_op, plan.dense, sin_rolled, ()
-    if ops is not None:
-        pre, post, (pre_args, post_args), sin_table, rows = ops
-        qk, v = pre(hidden_states, *pre_args, cos, sin_table, plan.nq, plan.nk, *rows)
+            ops = _dense_pre_op, _dense_post_op, *plan.dense[:2], (sin, sin_rolled), plan.dense[2]
+    if ops is not None:  # the last argument of both: the live rows (packed) / the rows up to which skinny (dense)
+        pre, post, pre_args, post_args, tables, last = ops
+        qk, v = pre(hidden_states, *pre_args, cos, *tables, plan.nq, plan.nk, last)
         out = _attend(plan, qk[:, :plan.nq], qk[:, plan.nq:], v, cache, attention_mask, kwargs)
-        return post(hidden_states, out, *post_args, *rows)
+        return post(hidden_states, out, *post_args, last)
     (w1, eps1), (w2, eps2) = plan.norms
     h0 = hidden_states if index is None else hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, index)
     x = _rms(w1, eps1, h0)

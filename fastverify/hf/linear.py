@@ -140,7 +140,8 @@ def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
             return op(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    forward.skinny = True  # fastverify.hf.layers tells this rebinding from others'
+    forward.skinny = True  # fastverify.hf.layers tells this rebinding from others' (and mirrors it: max_rows, pack)
+    forward.max_rows, forward.pack = max_rows, op_packed is not None
     for m in mods:
         m.forward = types.MethodType(forward, m)
     try:
