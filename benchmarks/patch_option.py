@@ -4,6 +4,7 @@ checked against plain ``generate``.
 
     python benchmarks/patch_option.py lean_layers --questions 4 --threads 2
     python benchmarks/patch_option.py pack_weights --drafter bpd+ngram
+    python benchmarks/patch_option.py lean_layers --device cuda      # the lean (and dense C++) layers on a GPU
 
 Prints, per setting: outputs identical to ``generate``, total seconds, and the model forward's milliseconds per
 decoding step (fastverify.hf.stats; the drafts do not depend on the option, so both settings run the same steps).
@@ -31,17 +32,18 @@ def main(argv=None):
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from fastverify.models import load_smollm2
-    model, tok = load_smollm2()
+    model, tok = load_smollm2(device=args.device)
     model.eval()
     path = os.path.join(e2e.ROOT, e2e.DEFAULT_QUESTIONS)
     questions = e2e.load_questions(path, per_category=1, offset=args.offset)[:args.questions]
     seconds, forward, identical = {False: 0.0, True: 0.0}, {False: 0.0, True: 0.0}, {False: 0, True: 0}
     for q in questions:
-        ids = e2e.encode(tok, q["prompt"])
+        ids = e2e.encode(tok, q["prompt"]).to(model.device)
         with torch.inference_mode():
             want = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
         for on in (False, True, False, True):
@@ -49,9 +51,11 @@ def main(argv=None):
                        else e2e.heads_drafter(model, args.drafter))
             fastverify.patch(model, drafter=drafter, **{args.option: on})
             try:
+                e2e._sync(ids.device)
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+                e2e._sync(ids.device)
                 seconds[on] += time.perf_counter() - t0
                 st = fastverify.hf.stats(model)
             finally:

@@ -68,6 +68,11 @@
 #   3. carry p2, timeout_s 590: E2E_OFFSET=3 E2E_METHODS=generate E2E_DRAFTERS=bpd+ngram bash scripts/gpu_check.sh \
 #                               e2e8 e2e tune     (batch 8, the held-out questions 4-6 at batch 1, then the node costs)
 #   4. no carry, with what is left: BENCH_ONLY=ceilings,verify,sampling bash scripts/gpu_check.sh bench quick
+# Since 2026-11-28 the lean layers run each layer's steps around its attention as two C++ calls on a GPU too (the
+# dense decoder ops; csrc/layer.cpp): step 1's CUDA test of the lean layers checks them bit for bit, and e2e's
+# ratios against plain generate in the same run show their effect (the fifth run: n-gram 1.86-1.88x, bpd+ngram
+# 2.35x at batch 1). Isolated (lean layers off / on side by side, where the model and Spec-Bench are at hand):
+# `python benchmarks/patch_option.py lean_layers --device cuda`.
 #
 # Measured on an H100 machine (2026-11-25): a start 1-2 min, build 109 s, test 191 s, bench 166 s, the model's
 # checkpoint 40 s (2026-11-26: build 84 s; test with TEST_WORKERS=14 ran 720 of 787 cases in 180 s, no faster than
