@@ -41,6 +41,8 @@
 #include <tuple>
 #include <vector>
 
+#include "layer.h"
+
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("decoder_pre_attention(Tensor h, Tensor norm_weight, float eps, Tensor qkv_q, Tensor qkv_d, Tensor qkv_m, "
         "int qkv_bits, Tensor? qkv_bias, Tensor cos, Tensor sin, int n_q, int n_kv, Tensor? index=None) -> (Tensor, Tensor)");
@@ -65,12 +67,7 @@ bool cpu_float(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_typ
 // fastverify/hf/layers.py `_rms`: the rms_norm op where it takes h (the same bits as the expression), else
 // transformers' RMSNorm with the float32 casts that are no-ops on a float32 input left out.
 at::Tensor rms_dense(const at::Tensor& h, const at::Tensor& weight, double eps) {
-  if (cpu_float(h) && cpu_float(weight) && h.is_contiguous()) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("fastverify::rms_norm", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
-    return op.call(h, weight, eps);
-  }
+  if (cpu_float(h) && cpu_float(weight) && h.is_contiguous()) return fastverify::layer::rms_norm(h, weight, eps);
   const bool f32 = h.scalar_type() == at::kFloat;
   const at::Tensor x32 = f32 ? h : h.to(at::kFloat);
   const at::Tensor x = at::mul(x32, at::rsqrt(at::add(at::mean(at::pow(x32, 2), {-1}, /*keepdim=*/true), eps)));
@@ -121,15 +118,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_dense(const at::Tensor&
               "x head dimension ", D, "), got ", qkv.size(-1));
   const at::Tensor heads_view = qkv.view({h.size(0), h.size(1), heads, D});
   const at::Tensor qk = heads_view.slice(2, 0, n_q + n_kv).transpose(1, 2);
-  at::Tensor rotated;
-  if (cpu_float(qk) && cos.scalar_type() == at::kFloat) {  // as `_forward`: the rotary_embedding op, the same bits
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("fastverify::rotary_embedding", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-    rotated = op.call(qk, cos, sin);
-  } else {
-    rotated = at::add(at::mul(qk, cos), at::mul(at::roll(qk, {D / 2}, {-1}), sin_rolled));
-  }
+  // as `_forward`: the rotary_embedding op on float32 CPU tensors (the expression's bits), else the expression
+  const at::Tensor rotated = cpu_float(qk) && cos.scalar_type() == at::kFloat
+                                 ? fastverify::layer::rotary(qk, cos, sin)
+                                 : at::add(at::mul(qk, cos), at::mul(at::roll(qk, {D / 2}, {-1}), sin_rolled));
   return {rotated, heads_view.transpose(1, 2).slice(1, n_q + n_kv)};
 }
 
@@ -147,7 +139,7 @@ at::Tensor decoder_post_attention_dense(const at::Tensor& h, const at::Tensor& a
   const at::Tensor a = attn.reshape({h.size(0), h.size(1), -1}).contiguous();
   const at::Tensor h1 = at::add(h, linear_dense(a, o_weight, o_bias, skinny_rows));
   const at::Tensor gu = linears_cat(rms_dense(h1, norm_weight, eps), gate_up_weight, gate_up_bias, skinny_rows);
-  const at::Tensor act = at::mul(at::silu(gu.slice(-1, 0, inter)), gu.slice(-1, inter));
+  const at::Tensor act = fastverify::layer::silu_gate(gu, inter);
   return at::add(h1, linear_dense(act, down_weight, down_bias, skinny_rows));
 }
 

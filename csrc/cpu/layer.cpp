@@ -8,16 +8,15 @@
 #include <optional>
 #include <tuple>
 
+#include "layer.h"
+
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
+using fastverify::layer::rms_norm;
+using fastverify::layer::rotary;
+using fastverify::layer::silu_gate;
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fastverify::rms_norm", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
-  return op.call(x, weight, eps);
-}
+using OptTensor = std::optional<at::Tensor>;
 
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                          int64_t bits, const OptTensor& bias) {
@@ -27,13 +26,6 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& q, const at::Ten
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                             const OptTensor&)>();
   return op.call(x, q, d, m, bits, bias);
-}
-
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fastverify::rotary_embedding", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  return op.call(x, cos, sin);
 }
 
 // The live rows of h [B, S, E] (``index``), or h itself; checked.
@@ -93,8 +85,8 @@ at::Tensor decoder_post_attention_cpu(const at::Tensor& h, const at::Tensor& att
   const at::Tensor h1 = at::add(live_rows(h, index), linear_packed(a.contiguous(), o_q, o_d, o_m, o_bits, o_bias));
   const at::Tensor gu = linear_packed(rms_norm(h1, norm_weight, eps), gate_up_q, gate_up_d, gate_up_m,
                                       gate_up_bits, gate_up_bias);
-  const at::Tensor act = at::mul(at::silu(gu.slice(-1, 0, inter)), gu.slice(-1, inter));
-  const at::Tensor out = at::add(h1, linear_packed(act, down_q, down_d, down_m, down_bits, down_bias));
+  const at::Tensor out =
+      at::add(h1, linear_packed(silu_gate(gu, inter), down_q, down_d, down_m, down_bits, down_bias));
   return index.has_value() ? scatter_rows(out, *index, B * S).view({B, S, -1}) : out;
 }
 
