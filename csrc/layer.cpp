@@ -9,8 +9,9 @@
 //       rotary_embedding (q = qk[:, :n_q], k = qk[:, n_q:]: two outputs of an op may not share memory), v a view
 //       of qkv. CPU only, float32, packed projections (a GGUF model's).
 //   decoder_post_attention(h [B, S, E], attn float32 [B, S, n_q, D] or [B, S, n_q D] (the attention's output),
-//                          the output projection packed and its bias, norm_weight, eps, the stacked gate / up projections packed
-//                          [2 I, E] and their bias, the down projection packed and its bias) -> h' [B, S, E]
+//                          the output projection packed and its bias, norm_weight, eps, the stacked gate / up
+//                          projections packed [2 I, E] and their bias, the down projection packed and its bias)
+//                          -> h' [B, S, E]
 //       h1 = h + o_proj(attn); h' = h1 + down_proj(silu(gate) * up) with [gate | up] = gate_up(rms_norm(h1)).
 //   index (both; int64 [M] or None): the live rows of a batch's forward (fastverify.hf.layers.LiveRows: flat indices
 //       into the B S rows): the norms, projections and MLP run on those rows only, and the rows between them come
@@ -45,7 +46,8 @@
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("decoder_pre_attention(Tensor h, Tensor norm_weight, float eps, Tensor qkv_q, Tensor qkv_d, Tensor qkv_m, "
-        "int qkv_bits, Tensor? qkv_bias, Tensor cos, Tensor sin, int n_q, int n_kv, Tensor? index=None) -> (Tensor, Tensor)");
+        "int qkv_bits, Tensor? qkv_bias, Tensor cos, Tensor sin, int n_q, int n_kv, Tensor? index=None) "
+        "-> (Tensor, Tensor)");
   m.def("decoder_post_attention(Tensor h, Tensor attn, Tensor o_q, Tensor o_d, Tensor o_m, int o_bits, "
         "Tensor? o_bias, Tensor norm_weight, float eps, Tensor gate_up_q, Tensor gate_up_d, Tensor gate_up_m, "
         "int gate_up_bits, Tensor? gate_up_bias, Tensor down_q, Tensor down_d, Tensor down_m, int down_bits, "

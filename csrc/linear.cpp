@@ -14,6 +14,13 @@
 //       skinny_linear on the float32 weight, bit for bit, streaming 0.75 (4 bits) or 1.25 (8 bits) bytes per weight
 //       instead of 4.
 //
+//   pack_blocks(weight float32 [N, K]) -> (q uint8, d float32 [N, K / 32], m float32 [N, K / 32], bits)
+//       the packed form of a weight that is exactly 4- or 8-bit blocks (fastverify.reference.linear.pack_blocks,
+//       the specification: each block's scale and minimum found as a GGUF quantiser sets them, every weight
+//       checked exactly); bits 0 and empty tensors for a weight of any other form (a non-finite value included).
+//       K a multiple of 32. One pass over the weight (two for 8-bit blocks), instead of the reference's dozen
+//       tensor passes.
+//
 //   gated_lora_add_(y float32 [R, N] (mutated), x float32 [R, K], index int64 [n], A float32 [r, K],
 //                   B float32 [N, r], scale) -> ()
 //       y[index[i]] += scale * (x[index[i]] @ A^T) @ B^T for i < n, every other row of y untouched: a gated LoRA
@@ -25,5 +32,6 @@
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("skinny_linear_packed(Tensor x, Tensor q, Tensor d, Tensor m, int bits, Tensor? bias) -> Tensor");
+  m.def("pack_blocks(Tensor weight) -> (Tensor, Tensor, Tensor, int)");
   m.def("gated_lora_add_(Tensor(a!) y, Tensor x, Tensor index, Tensor A, Tensor B, float scale) -> ()");
 }

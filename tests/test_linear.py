@@ -302,6 +302,58 @@ def test_pack_blocks_refuses_what_it_cannot_hold_exactly():
     assert pack_blocks(nan) is None
 
 
+def _pack_cases(gen):
+    """Weights for pack_blocks' backends: GGUF kinds at odd shapes, blocks of two kinds in one weight (each block
+    fits another scale, in 4 and in 8 bits), zero blocks, and weights that do not pack at all."""
+    cases = [gguf_quantised(N, K, kind, gen) for kind in ("q4_1", "q4_0", "q8_0")
+             for N, K in [(1, 32), (3, 96), (49, 576), (130, 64)]]
+    cases.append(torch.cat([gguf_quantised(5, 64, "q4_1", gen), gguf_quantised(4, 64, "q4_0", gen)]))
+    levels = torch.randint(0, 256, (3, 2, 32), generator=gen).float()
+    levels[..., 0], levels[..., 1] = 0.0, 255.0  # blocks of span / 255 = 2^-7: the second 8-bit scale
+    cases.append(torch.cat([gguf_quantised(4, 64, "q8_0", gen), (levels / 128 - 1).reshape(3, 64)]))
+    cases.append(torch.zeros(4, 64))
+    cases.append(-torch.zeros(2, 32))
+    cases.append(torch.randn(7, 64, generator=gen))
+    huge = gguf_quantised(4, 64, "q4_1", gen) * 1e36  # scales past float16's range
+    cases.append(huge)
+    for bad in (float("nan"), float("inf")):
+        w = gguf_quantised(6, 64, "q4_1", gen)
+        w[5, 63] = bad
+        cases.append(w)
+    nudged = gguf_quantised(40, 64, "q8_0", gen)
+    nudged[39, 1] = torch.nextafter(nudged[39, 1], torch.tensor(1.0))
+    cases.append(nudged)
+    return cases
+
+
+@pytest.mark.skipif("cpp" not in implemented_backends("pack_blocks"), reason="fastverify._C has no pack_blocks")
+def test_pack_blocks_cpp_gives_the_reference_tensors():
+    """The C++ packer against the reference (fastverify.reference.linear.pack_blocks) on every case, with one and
+    two threads: the same bits, the same q / d / m, or both None."""
+    threads = torch.get_num_threads()
+    try:
+        for w in _pack_cases(torch.Generator().manual_seed(11)):
+            want = pack_blocks(w, backend="torch")
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                got = pack_blocks(w, backend="cpp")
+                assert (got is None) == (want is None), (tuple(w.shape), want, got)
+                if want is not None:
+                    assert got.bits == want.bits
+                    for a, b in zip(got[:3], want[:3]):
+                        assert a.dtype == b.dtype and torch.equal(a, b)
+                    assert torch.equal(unpack_blocks(*got), w)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_pack_blocks_cases_pack_as_expected():
+    """The cases above do what they are for (so that the backend comparison covers each kind of outcome)."""
+    bits = [None if p is None else p.bits for p in map(lambda w: pack_blocks(w, backend="torch"),
+                                                        _pack_cases(torch.Generator().manual_seed(11)))]
+    assert bits == [4] * 8 + [8] * 4 + [4, 8, 4, 4, None, None, None, None, None]
+
+
 @needs_packed
 @pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
 # fused to 128 rows (tiles of up to 8), then buffered

@@ -4,6 +4,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cmath>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -133,10 +136,100 @@ void gated_lora_add_cpu(at::Tensor& y, const at::Tensor& x, const at::Tensor& in
   }
 }
 
+
+// One block's 32 weights as d * q + lo with 0 <= q < levels (q = round((w - lo) / d), half to even, as torch.round),
+// checked exactly (d * q is exact in float32: d has a float16's 11 significant bits and q at most 8); q written to
+// out. d == 0 fits a constant block (q = 0); d == inf fits nothing. No branch per weight, so that the loop
+// vectorises: a quotient of 256.5 or more cannot fit and is clamped first, and below 2^22, adding and subtracting
+// 1.5 * 2^23 rounds it half to even (the default rounding mode; std::nearbyint would be a libm call per weight).
+bool fit_block(const float* w, float lo, float d, int levels, uint8_t* out) {
+  const float inv_ok = d > 0.0f ? 1.0f : 0.0f, safe = d > 0.0f ? d : 1.0f, top = static_cast<float>(levels);
+  bool ok = true;
+  for (int i = 0; i < 32; ++i) {
+    const float v = std::min((w[i] - lo) / safe * inv_ok, 256.5f);
+    const float q = (v + 12582912.0f) - 12582912.0f;
+    ok &= (q >= 0.0f) & (q < top) & (lo + q * d == w[i]);
+    out[i] = static_cast<uint8_t>(std::min(q, 255.0f));
+  }
+  return ok;
+}
+
+// A float32 value rounded to float16 and back (round to nearest even; overflow to inf), as torch's .half().float().
+float via_half(float v) { return static_cast<float>(c10::Half(v)); }
+
+// fastverify.reference.linear.pack_blocks, block by block: the scales in the reference's order, the first that fits
+// a block kept for it; 4 bits when every block fits one of the 4-bit scales, else 8 when every block fits one of the
+// 8-bit ones, else bits 0 (and empty tensors). A weight with a non-finite value gives bits 0 as well.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> pack_blocks_cpu(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "weight: expected a 2-D float32 CPU tensor, got ", weight.scalar_type(), " ", weight.sizes(), " on ",
+              weight.device());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % 32 == 0, "weight: expected K (its second dimension) a multiple of 32, got ", K);
+  const at::Tensor w = weight.contiguous();
+  const float* wp = w.data_ptr<float>();
+  const int64_t nb = K / 32;
+  at::Tensor d = at::empty({N, nb}, w.options()), m = at::empty({N, nb}, w.options());
+  at::Tensor q8 = at::empty({N, K}, w.options().dtype(at::kByte));
+  float* dp = d.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  uint8_t* qp = q8.data_ptr<uint8_t>();
+  auto empty = [&]() {
+    const auto none = w.options();
+    return std::make_tuple(at::empty({0}, none.dtype(at::kByte)), at::empty({0}, none), at::empty({0}, none),
+                           int64_t(0));
+  };
+  for (const int bits : {4, 8}) {
+    std::atomic<bool> failed{false};
+    const int levels = 1 << bits;
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K, 1));
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1 && !failed.load(std::memory_order_relaxed); ++n) {
+        for (int64_t j = 0; j < nb; ++j) {
+          const float* b = wp + n * K + 32 * j;
+          float lo = b[0], hi = b[0], amax = std::fabs(b[0]), nan_if_not_finite = 0.0f;
+          for (int i = 0; i < 32; ++i) {
+            nan_if_not_finite += b[i] * 0.0f;  // inf * 0 and NaN * 0 are NaN
+            lo = std::min(lo, b[i]);
+            hi = std::max(hi, b[i]);
+            amax = std::max(amax, std::fabs(b[i]));
+          }
+          const bool finite = nan_if_not_finite == 0.0f;
+          const float scales[2] = {bits == 4 ? via_half((hi - lo) / 15.0f) : via_half(amax / 127.0f),
+                                   bits == 4 ? via_half(amax / 8.0f) : via_half((hi - lo) / 255.0f)};
+          uint8_t* out = qp + n * K + 32 * j;
+          int hit = -1;
+          for (int c = 0; c < 2 && finite && hit < 0; ++c)
+            if (fit_block(b, lo, scales[c], levels, out)) hit = c;
+          if (hit < 0) {
+            failed.store(true, std::memory_order_relaxed);
+            return;
+          }
+          dp[n * nb + j] = scales[hit];
+          mp[n * nb + j] = lo;
+        }
+      }
+    });
+    if (failed.load()) continue;
+    if (bits == 8) return std::make_tuple(q8, d, m, int64_t(8));
+    // 4 bits: per block of 32, byte l holds q[l] in its low nibble and q[16 + l] in its high one
+    at::Tensor q4 = at::empty({N, K / 2}, q8.options());
+    uint8_t* q4p = q4.data_ptr<uint8_t>();
+    at::parallel_for(0, N * nb, 1024, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk)
+        for (int l = 0; l < 16; ++l)
+          q4p[16 * blk + l] = static_cast<uint8_t>(qp[32 * blk + l] | (qp[32 * blk + 16 + l] << 4));
+    });
+    return std::make_tuple(q4, d, m, int64_t(4));
+  }
+  return empty();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
   m.impl("skinny_linear", &skinny_linear_cpu);
   m.impl("skinny_linear_packed", &skinny_linear_packed_cpu);
   m.impl("gated_lora_add_", &gated_lora_add_cpu);
+  m.impl("pack_blocks", &pack_blocks_cpu);
 }

@@ -301,7 +301,6 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
       (tests/test_hf_attention.py).
 
     Anything else goes to transformers' own function."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     if (attention_mask is not None and query.device.type == "cpu" and query.shape[1] % key.shape[1] == 0
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
             and not kwargs.get("output_attentions", False) and not dropout):
@@ -317,6 +316,7 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                                  scale=scaling, enable_gqa=True)
             return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
 

@@ -155,31 +155,37 @@ if _rotary_op is not None:
     def _rotary_embedding_fake(x, cos, sin):
         return x.new_empty(x.shape)
 
+
+
+def _pre_attention_fakes(h, cos, n_q, n_kv, contiguous_qk: bool):
+    """Shapes of a pre-attention op's (qk [B, n_q + n_kv, S, D], v [B, n_kv, S, D]): v a view of the [B, S, heads, D]
+    projection; qk contiguous (the rotary_embedding op's output) or in that layout (torch's elementwise ops)."""
+    B, S, D = h.shape[0], h.shape[1], cos.shape[-1]
+    v = h.new_empty(B, S, n_q + 2 * n_kv, D).transpose(1, 2)[:, n_q + n_kv:]
+    qk = h.new_empty(B, n_q + n_kv, S, D) if contiguous_qk else h.new_empty(B, S, n_q + n_kv, D).transpose(1, 2)
+    return qk, v
+
+
+def _post_attention_fake(h, attn, *weights):
+    return torch.empty_like(h, memory_format=torch.contiguous_format)
+
+
 if _pre_op is not None:
     @torch.library.register_fake("fastverify::decoder_pre_attention")
     def _decoder_pre_attention_fake(h, norm_weight, eps, qkv_q, qkv_d, qkv_m, qkv_bits, qkv_bias, cos, sin, n_q, n_kv,
                                     index=None):
-        B, S, D = h.shape[0], h.shape[1], cos.shape[-1]
-        v = h.new_empty(B, S, n_q + 2 * n_kv, D).transpose(1, 2)[:, n_q + n_kv:]
-        return h.new_empty(B, n_q + n_kv, S, D), v
+        return _pre_attention_fakes(h, cos, n_q, n_kv, True)
 
-    @torch.library.register_fake("fastverify::decoder_post_attention")
-    def _decoder_post_attention_fake(h, attn, *weights):
-        return torch.empty_like(h, memory_format=torch.contiguous_format)
+    torch.library.register_fake("fastverify::decoder_post_attention")(_post_attention_fake)
 
 if _dense_pre_op is not None:
     @torch.library.register_fake("fastverify::decoder_pre_attention_dense")
     def _decoder_pre_attention_dense_fake(h, norm_weight, eps, qkv_weight, qkv_bias, cos, sin, sin_rolled, n_q, n_kv,
                                           skinny_rows=0):
-        B, S, D = h.shape[0], h.shape[1], cos.shape[-1]
-        v = h.new_empty(B, S, n_q + 2 * n_kv, D).transpose(1, 2)[:, n_q + n_kv:]
-        if h.device.type == "cpu" and h.dtype == cos.dtype == torch.float32:  # the rotary_embedding op: contiguous
-            return h.new_empty(B, n_q + n_kv, S, D), v
-        return h.new_empty(B, S, n_q + n_kv, D).transpose(1, 2), v  # elementwise ops keep qk's [B, S, ...] layout
+        rotary_op = h.device.type == "cpu" and h.dtype == cos.dtype == torch.float32
+        return _pre_attention_fakes(h, cos, n_q, n_kv, rotary_op)
 
-    @torch.library.register_fake("fastverify::decoder_post_attention_dense")
-    def _decoder_post_attention_dense_fake(h, attn, *weights):
-        return torch.empty_like(h, memory_format=torch.contiguous_format)
+    torch.library.register_fake("fastverify::decoder_post_attention_dense")(_post_attention_fake)
 
 
 def _fused(x, other) -> bool:
@@ -345,7 +351,7 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     if hidden_states.dim() == 3 and cos.dim() == 4 and not torch.is_grad_enabled():
         if plan.fused is not None and _fusable(hidden_states, cos, plan, index):
             ops = _pre_op, _post_op, *plan.fused, (sin,), index
-        elif plan.dense is not None and index is None:
+        elif plan.dense is not None and index is None and cos.shape[-1] == plan.head_dim:
             ops = _dense_pre_op, _dense_post_op, *plan.dense[:2], (sin, sin_rolled), plan.dense[2]
     if ops is not None:  # the last argument of both: the live rows (packed) / the rows up to which skinny (dense)
         pre, post, pre_args, post_args, tables, last = ops

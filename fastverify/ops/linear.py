@@ -79,65 +79,25 @@ class PackedWeight(NamedTuple):
         return (self.q.shape[0], self.d.shape[1] * 32)
 
 
-def _fit(w, bits, d, m):
-    """(q uint8 [N, nb, 32], ok bool [N, nb]): the blocks of w [N, nb, 32] that d and m [N, nb] give exactly,
-    with 0 <= q < 2^bits. d holds float16 values (11 significant bits), so every product d * q (q < 2^8) is exact
-    in float32 and a fused multiply-add gives what the check below computes."""
-    safe = torch.where(d > 0, d, torch.ones_like(d))
-    qf = torch.where((d > 0)[..., None], ((w - m[..., None]) / safe[..., None]).round_(), torch.zeros_like(w))
-    ok = ((qf >= 0) & (qf < 2 ** bits)).all(-1)
-    qf.clamp_(0, 2 ** bits - 1)
-    ok &= (torch.addcmul(m[..., None], qf, d[..., None]) == w).all(-1)
-    return qf.to(torch.uint8), ok
-
-
-def pack_blocks(weight: torch.Tensor) -> Optional[PackedWeight]:
+def pack_blocks(weight: torch.Tensor, *, backend: str = "auto") -> Optional[PackedWeight]:
     """``weight`` (float32 [N, K], K a multiple of 32) as a PackedWeight when every block of 32 weights along K
     is exactly d * q + m with q of 4 bits (tried first) or 8 bits (see the module docstring); else None. The
     scale d of a block is found as a GGUF quantiser sets it, rounded to float16: the block's span / 15 (Q4_1),
     its largest magnitude / 8 (Q4_0) or / 127 (Q8_0), or its span / 255; m is the block's minimum. Every block
     is checked exactly: a weight that is not of this form, or whose blocks these scales do not reproduce, gives
-    None."""
+    None. Backends: torch (fastverify.reference.linear.pack_blocks, the specification) and cpp (csrc/cpu/linear.cpp:
+    the same tensors in one pass over the weight; SmolLM2-135M's 211 layers in ~0.2 instead of ~2.5 s)."""
     if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.float32
             or weight.shape[1] % 32 or weight.numel() == 0 or weight.device.type != "cpu"):
         return None
-    N, K = weight.shape
-    w = weight.detach().reshape(N, K // 32, 32)
-    rows = torch.linspace(0, N - 1, min(N, 16)).long().unique()
-    if N * K > 1 << 16 and _pack_blocks(w[rows]) is None:  # a few rows first: other weights are refused in ~1 ms
-        return None
-    return _pack_blocks(w)
-
-
-def _pack_blocks(w):
-    """pack_blocks of the blocks w [N, K // 32, 32]."""
-    N, nb = w.shape[:2]
-    K = nb * 32
-    if not bool(torch.isfinite(w).all()):
-        return None
-    lo, hi = w.amin(-1), w.amax(-1)
-    amax = w.abs().amax(-1)
-    candidates = {4: [(hi - lo) / 15, amax / 8], 8: [amax / 127, (hi - lo) / 255]}
-    for bits, scales in candidates.items():
-        q = ok = None
-        for scale in scales:
-            d = scale.half().float()
-            qc, okc = _fit(w, bits, d, lo)
-            if q is None:
-                q, ok, dd = qc, okc, d
-            else:  # keep the blocks an earlier candidate already fits
-                take = okc & ~ok
-                q, dd, ok = torch.where(take[..., None], qc, q), torch.where(take, d, dd), ok | okc
-            if bool(ok.all()):
-                break
-        if bool(ok.all()):
-            if bits == 4:
-                b = q.reshape(N, K // 32, 2, 16)  # byte l of a block: q[l] | q[16 + l] << 4
-                packed = (b[..., 0, :] | (b[..., 1, :] << 4)).reshape(N, K // 2)
-            else:
-                packed = q.reshape(N, K)
-            return PackedWeight(packed.contiguous(), dd.contiguous(), lo.contiguous(), bits)
-    return None
+    w = weight.detach()
+    if dispatch.resolve("pack_blocks", backend, w.device) == "torch":
+        N, K = w.shape
+        rows = torch.linspace(0, N - 1, min(N, 16)).long().unique()
+        if N * K > 1 << 16 and dispatch.call("pack_blocks", "torch", w.device, w[rows])[3] == 0:
+            return None  # a few rows first: other weights are refused in ~1 ms
+    q, d, m, bits = dispatch.call("pack_blocks", backend, w.device, w)
+    return PackedWeight(q, d, m, bits) if bits else None
 
 
 def skinny_linear_packed(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor = None, *,
