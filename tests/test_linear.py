@@ -347,6 +347,17 @@ def test_pack_blocks_cpp_gives_the_reference_tensors():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif("cpp" not in implemented_backends("pack_blocks"), reason="fastverify._C has no pack_blocks")
+def test_pack_blocks_op_bad_input_names_the_argument():
+    op = torch.ops.fastverify.pack_blocks
+    for bad, what in [(torch.zeros(4, 32, dtype=torch.float64), "float32"), (torch.zeros(2, 4, 32), "2-D"),
+                      (torch.zeros(4, 48), "multiple of 32")]:
+        with pytest.raises(RuntimeError, match=f"weight: .*{what}"):
+            op(bad)
+    q, d, m, bits = op(torch.zeros(0, 64))  # no rows: nothing to refuse
+    assert bits == 4 and q.shape == (0, 32) and d.shape == m.shape == (0, 2)
+
+
 def test_pack_blocks_cases_pack_as_expected():
     """The cases above do what they are for (so that the backend comparison covers each kind of outcome)."""
     bits = [None if p is None else p.bits for p in map(lambda w: pack_blocks(w, backend="torch"),
