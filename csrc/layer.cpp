@@ -16,6 +16,8 @@
 //   index (both; int64 [M] or None): the live rows of a batch's forward (fastverify.hf.layers.LiveRows: flat indices
 //       into the B S rows): the norms, projections and MLP run on those rows only, and the rows between them come
 //       out as zeros (q / k / v, and h'), as the Python forward's index_select / scatter_rows give them.
+//   q_norm_weight, q_norm_eps, k_norm_weight, k_norm_eps (both pre-attention ops; the weights [D] or None, both or
+//       neither): Qwen3's RMSNorm of each q head and each k head over its D dimensions, before the rotation.
 //
 //   decoder_pre_attention_dense(h [B, S, E], norm_weight, eps, qkv_weight [W_q, W_k, W_v], qkv_bias [b_q, b_k,
 //                               b_v] (each None or a tensor), cos [B or 1, 1, S, D], sin (as cos), sin_rolled
@@ -46,14 +48,16 @@
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("decoder_pre_attention(Tensor h, Tensor norm_weight, float eps, Tensor qkv_q, Tensor qkv_d, Tensor qkv_m, "
-        "int qkv_bits, Tensor? qkv_bias, Tensor cos, Tensor sin, int n_q, int n_kv, Tensor? index=None) "
+        "int qkv_bits, Tensor? qkv_bias, Tensor cos, Tensor sin, int n_q, int n_kv, Tensor? index=None, "
+        "Tensor? q_norm_weight=None, float q_norm_eps=0.0, Tensor? k_norm_weight=None, float k_norm_eps=0.0) "
         "-> (Tensor, Tensor)");
   m.def("decoder_post_attention(Tensor h, Tensor attn, Tensor o_q, Tensor o_d, Tensor o_m, int o_bits, "
         "Tensor? o_bias, Tensor norm_weight, float eps, Tensor gate_up_q, Tensor gate_up_d, Tensor gate_up_m, "
         "int gate_up_bits, Tensor? gate_up_bias, Tensor down_q, Tensor down_d, Tensor down_m, int down_bits, "
         "Tensor? down_bias, Tensor? index=None) -> Tensor");
   m.def("decoder_pre_attention_dense(Tensor h, Tensor norm_weight, float eps, Tensor[] qkv_weight, Tensor?[] qkv_bias, "
-        "Tensor cos, Tensor sin, Tensor sin_rolled, int n_q, int n_kv, int skinny_rows=0) -> (Tensor, Tensor)");
+        "Tensor cos, Tensor sin, Tensor sin_rolled, int n_q, int n_kv, int skinny_rows=0, Tensor? q_norm_weight=None, "
+        "float q_norm_eps=0.0, Tensor? k_norm_weight=None, float k_norm_eps=0.0) -> (Tensor, Tensor)");
   m.def("decoder_post_attention_dense(Tensor h, Tensor attn, Tensor o_weight, Tensor? o_bias, Tensor norm_weight, "
         "float eps, Tensor[] gate_up_weight, Tensor?[] gate_up_bias, Tensor down_weight, Tensor? down_bias, "
         "int skinny_rows=0) -> Tensor");
@@ -64,17 +68,9 @@ namespace {
 using OptTensor = std::optional<at::Tensor>;
 using OptTensorList = c10::List<OptTensor>;
 
-bool cpu_float(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
-
-// fastverify/hf/layers.py `_rms`: the rms_norm op where it takes h (the same bits as the expression), else
-// transformers' RMSNorm with the float32 casts that are no-ops on a float32 input left out.
-at::Tensor rms_dense(const at::Tensor& h, const at::Tensor& weight, double eps) {
-  if (cpu_float(h) && cpu_float(weight) && h.is_contiguous()) return fastverify::layer::rms_norm(h, weight, eps);
-  const bool f32 = h.scalar_type() == at::kFloat;
-  const at::Tensor x32 = f32 ? h : h.to(at::kFloat);
-  const at::Tensor x = at::mul(x32, at::rsqrt(at::add(at::mean(at::pow(x32, 2), {-1}, /*keepdim=*/true), eps)));
-  return at::mul(weight, f32 ? x : x.to(h.scalar_type()));
-}
+using fastverify::layer::cpu_float;
+using fastverify::layer::qk_heads;
+using fastverify::layer::rms;
 
 // A projection as its nn.Linear forward computes it: F.linear, or, under skinny_linears (skinny_rows > 0), the
 // skinny_linear op for float32 inputs of at most skinny_rows rows (fastverify.hf.linear.takes_skinny).
@@ -107,7 +103,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_dense(const at::Tensor&
                                                                double eps, at::TensorList qkv_weight,
                                                                const OptTensorList& qkv_bias, const at::Tensor& cos,
                                                                const at::Tensor& sin, const at::Tensor& sin_rolled,
-                                                               int64_t n_q, int64_t n_kv, int64_t skinny_rows) {
+                                                               int64_t n_q, int64_t n_kv, int64_t skinny_rows,
+                                                               const OptTensor& q_norm_weight, double q_norm_eps,
+                                                               const OptTensor& k_norm_weight, double k_norm_eps) {
   check_dense_hidden(h);
   TORCH_CHECK(n_q >= 1 && n_kv >= 1, "n_q, n_kv: expected >= 1, got ", n_q, " and ", n_kv);
   TORCH_CHECK(qkv_weight.size() == 3, "qkv_weight: expected [W_q, W_k, W_v], got ", qkv_weight.size(), " tensors");
@@ -115,11 +113,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_dense(const at::Tensor&
               "sin_rolled: expected [B or 1, 1, S, D] each, got ", cos.sizes(), ", ", sin.sizes(), " and ",
               sin_rolled.sizes());
   const int64_t D = cos.size(3), heads = n_q + 2 * n_kv;
-  const at::Tensor qkv = linears_cat(rms_dense(h, norm_weight, eps), qkv_weight, qkv_bias, skinny_rows);
+  const at::Tensor qkv = linears_cat(rms(h, norm_weight, eps), qkv_weight, qkv_bias, skinny_rows);
   TORCH_CHECK(qkv.size(-1) == heads * D, "qkv_weight: expected ", heads * D, " output rows in all ((n_q + 2 n_kv) "
               "x head dimension ", D, "), got ", qkv.size(-1));
   const at::Tensor heads_view = qkv.view({h.size(0), h.size(1), heads, D});
-  const at::Tensor qk = heads_view.slice(2, 0, n_q + n_kv).transpose(1, 2);
+  const at::Tensor qk = qk_heads(heads_view, n_q, n_kv, q_norm_weight, q_norm_eps, k_norm_weight, k_norm_eps);
   // as `_forward`: the rotary_embedding op on float32 CPU tensors (the expression's bits), else the expression
   const at::Tensor rotated = cpu_float(qk) && cos.scalar_type() == at::kFloat
                                  ? fastverify::layer::rotary(qk, cos, sin)
@@ -140,7 +138,7 @@ at::Tensor decoder_post_attention_dense(const at::Tensor& h, const at::Tensor& a
   const int64_t inter = gate_up_weight[0].size(0);
   const at::Tensor a = attn.reshape({h.size(0), h.size(1), -1}).contiguous();
   const at::Tensor h1 = at::add(h, linear_dense(a, o_weight, o_bias, skinny_rows));
-  const at::Tensor gu = linears_cat(rms_dense(h1, norm_weight, eps), gate_up_weight, gate_up_bias, skinny_rows);
+  const at::Tensor gu = linears_cat(rms(h1, norm_weight, eps), gate_up_weight, gate_up_bias, skinny_rows);
   const at::Tensor act = fastverify::layer::silu_gate(gu, inter);
   return at::add(h1, linear_dense(act, down_weight, down_bias, skinny_rows));
 }

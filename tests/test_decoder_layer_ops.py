@@ -90,6 +90,48 @@ def test_decoder_ops_are_the_python_steps_bit_for_bit(B, S, bias):
     assert torch.equal(float_bits(got), float_bits(python_post(h, attn, L)))
 
 
+def head_norms(L, g):
+    """Qwen3's q_norm / k_norm weights over a head's D dimensions, with their eps: (wq, eq, wk, ek)."""
+    return (torch.rand(L["D"], generator=g) + 0.5, 1e-6, torch.rand(L["D"], generator=g) + 0.5, 1e-5)
+
+
+def normed_qk(qkv, L, heads):
+    """fastverify.hf.layers._forward's Qwen3 q / k: each head RMS-normed (its ``_rms``), q and k concatenated."""
+    from fastverify.hf.layers import _rms
+    wq, eq, wk, ek = heads
+    nq, nqk = L["n_q"], L["n_q"] + L["n_kv"]
+    return torch.cat((_rms(wq, eq, qkv[..., :nq, :]), _rms(wk, ek, qkv[..., nq:nqk, :])), -2).transpose(1, 2)
+
+
+@needs_ops
+@pytest.mark.parametrize("B,S", [(1, 1), (1, 5), (2, 3)])
+@pytest.mark.parametrize("live", [False, True])
+def test_decoder_pre_attention_with_head_norms_is_the_python_steps_bit_for_bit(B, S, live):
+    """Qwen3: q_norm / k_norm over each head before the rotation (at B = S = 1 a head's slice is contiguous and
+    ``_rms`` takes the rms_norm op; otherwise its expression); with and without live rows."""
+    from fastverify.hf.layers import scatter_rows
+    g = torch.Generator().manual_seed(B * 10 + S + live)
+    L = layer(g)
+    heads = head_norms(L, g)
+    h = torch.randn(B, S, L["E"], generator=g)
+    cos, sin = rotary_tables(B, S, L["D"], g)
+    index = torch.arange(0, B * S, 2) if live else None
+    x = h.reshape(-1, L["E"]) if index is None else h.reshape(-1, L["E"]).index_select(0, index)
+    qkv = lin(ops.rms_norm(x, L["w1"], L["eps"]), L["qkv"], L["qkv_b"])
+    qkv = (qkv if index is None else scatter_rows(qkv, index, B * S)).view(B, S, -1, L["D"])
+    want = ops.rotary_embedding(normed_qk(qkv, L, heads), cos, sin), qkv.transpose(1, 2)[:, L["n_q"] + L["n_kv"]:]
+    got = ops.decoder_pre_attention(h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"], index, *heads)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.equal(float_bits(a), float_bits(b))
+    torch.library.opcheck(ops.decoder_pre_attention.default,
+                          (h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"], index, *heads))
+    with pytest.raises(RuntimeError, match="q_norm_weight, k_norm_weight: expected both or neither"):
+        ops.decoder_pre_attention(h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"], index, heads[0], 1e-6)
+    with pytest.raises(RuntimeError, match=r"k_norm_weight: expected \[D = 16\]"):
+        ops.decoder_pre_attention(h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"], index, heads[0], 1e-6,
+                                  torch.ones(8), 1e-6)
+
+
 @needs_ops
 @pytest.mark.parametrize("bias", [False, True])
 def test_decoder_ops_on_live_rows_are_the_python_steps_bit_for_bit(bias):
@@ -241,6 +283,32 @@ def test_dense_decoder_ops_are_the_python_steps_bit_for_bit(dtype, B, S, bias, s
     attn = torch.randn(B, S, L["n_q"], L["D"], generator=g).to(dtype)
     got = ops.decoder_post_attention_dense(h, attn, *dense_post_args(L), skinny_rows)
     assert got.dtype == dtype and torch.equal(got, python_post_dense(h, attn, L, skinny_rows))
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,S", [(1, 1), (2, 3)])
+@pytest.mark.parametrize("skinny_rows", [0, 6])
+def test_dense_decoder_pre_attention_with_head_norms_is_the_python_steps_bit_for_bit(dtype, B, S, skinny_rows):
+    g = torch.Generator().manual_seed(B * 10 + S + skinny_rows)
+    L = dense_layer(g, dtype)
+    heads = tuple(x.to(dtype) if isinstance(x, torch.Tensor) else x for x in head_norms(L, g))
+    h = torch.randn(B, S, L["E"], generator=g).to(dtype)
+    cos, sin, sin_rolled = dense_tables(B, S, L["D"], g, dtype)
+    x = rms_expression(h, L["w1"], L["eps"])
+    qkv = torch.cat([linear_ref(x, w, b, skinny_rows) for w, b in zip(L["qkv"], L["qkv_b"])], -1)
+    qkv = qkv.view(B, S, -1, L["D"])
+    qk = normed_qk(qkv, L, heads)
+    if dtype == torch.float32:  # as _forward: the rotary op on float32 CPU tensors, else the expression
+        qk = ops.rotary_embedding(qk, cos, sin)
+    else:
+        qk = qk * cos + qk.roll(L["D"] // 2, -1) * sin_rolled
+    got = ops.decoder_pre_attention_dense(h, *dense_pre_args(L), cos, sin, sin_rolled, L["n_q"], L["n_kv"],
+                                          skinny_rows, *heads)
+    for a, b in zip(got, (qk, qkv.transpose(1, 2)[:, L["n_q"] + L["n_kv"]:])):
+        assert a.shape == b.shape and a.dtype == dtype and torch.equal(a, b)
+    torch.library.opcheck(ops.decoder_pre_attention_dense.default,
+                          (h, *dense_pre_args(L), cos, sin, sin_rolled, L["n_q"], L["n_kv"], skinny_rows, *heads))
 
 
 @needs_ops

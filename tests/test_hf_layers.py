@@ -87,10 +87,9 @@ def test_lean_layers_give_the_model_forward_bit_for_bit(family, quantised):
         counts = {e.key: e.count for e in prof.key_averages()}
         assert counts["fastverify::skinny_linear_packed"] == 3 * (2 * 4 + 1)
         if hf_layers._pre_op is not None:
-            # the layer's steps around its attention from C++ (csrc/layer.cpp), but for Qwen3's q / k norms
-            fused = 0 if family == "qwen3" else 3 * 2
-            assert counts.get("fastverify::decoder_pre_attention", 0) == fused
-            assert counts.get("fastverify::decoder_post_attention", 0) == fused
+            # the layer's steps around its attention from C++ (csrc/layer.cpp), Qwen3's q / k norms included
+            assert counts.get("fastverify::decoder_pre_attention", 0) == 3 * 2
+            assert counts.get("fastverify::decoder_post_attention", 0) == 3 * 2
     if not quantised:  # float32 weights that do not pack: the dense ops, their projections through skinny_linear
         assert_dense_ops_ran(prof, family)
         if skinny_available():
@@ -132,7 +131,7 @@ def test_live_rows_are_the_padded_forward_rows_bit_for_bit(family, quantised):
     assert torch.equal(out["padded"].logits.reshape(12, -1)[index], out["live"].logits.reshape(12, -1)[index])
     if quantised and skinny_available() and hf_layers._pre_op is not None:  # the live rows from C++ too
         counts = {e.key: e.count for e in prof.key_averages()}
-        assert counts.get("fastverify::decoder_post_attention", 0) == (0 if family == "qwen3" else 2 * 2)
+        assert counts.get("fastverify::decoder_post_attention", 0) == 2 * 2
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -198,13 +197,12 @@ def test_lean_layers_in_half_precision(dtype):
 
 
 def assert_dense_ops_ran(prof, family):
-    """Each forward of each layer ran the dense decoder ops (csrc/layer.cpp), but Qwen3's (q / k norms)."""
+    """Each forward of each layer ran the dense decoder ops (csrc/layer.cpp), Qwen3's q / k norms included."""
     if hf_layers._dense_pre_op is None:
         return
     counts = {e.key: e.count for e in prof.key_averages()}
-    fused = 0 if family == "qwen3" else 3 * 2
-    assert counts.get("fastverify::decoder_pre_attention_dense", 0) == fused
-    assert counts.get("fastverify::decoder_post_attention_dense", 0) == fused
+    assert counts.get("fastverify::decoder_pre_attention_dense", 0) == 3 * 2
+    assert counts.get("fastverify::decoder_post_attention_dense", 0) == 3 * 2
 
 
 @pytest.mark.parametrize("family", FAMILIES)

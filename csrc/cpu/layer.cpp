@@ -12,6 +12,7 @@
 
 namespace {
 
+using fastverify::layer::qk_heads;
 using fastverify::layer::rms_norm;
 using fastverify::layer::rotary;
 using fastverify::layer::silu_gate;
@@ -50,7 +51,8 @@ void check_hidden(const at::Tensor& h, const char* name) {
 std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_cpu(
     const at::Tensor& h, const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_q, const at::Tensor& qkv_d,
     const at::Tensor& qkv_m, int64_t qkv_bits, const OptTensor& qkv_bias, const at::Tensor& cos,
-    const at::Tensor& sin, int64_t n_q, int64_t n_kv, const OptTensor& index) {
+    const at::Tensor& sin, int64_t n_q, int64_t n_kv, const OptTensor& index, const OptTensor& q_norm_weight,
+    double q_norm_eps, const OptTensor& k_norm_weight, double k_norm_eps) {
   check_hidden(h, "h");
   TORCH_CHECK(n_q >= 1 && n_kv >= 1, "n_q, n_kv: expected >= 1, got ", n_q, " and ", n_kv);
   TORCH_CHECK(cos.dim() == 4, "cos: expected [B or 1, 1, S, D], got ", cos.sizes());
@@ -62,7 +64,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_cpu(
                                  qkv_bias);
   if (index.has_value()) qkv = scatter_rows(qkv, *index, B * S);
   qkv = qkv.view({B, S, heads, D});
-  const at::Tensor qk = rotary(qkv.slice(2, 0, n_q + n_kv).transpose(1, 2), cos, sin);
+  const at::Tensor qk = rotary(qk_heads(qkv, n_q, n_kv, q_norm_weight, q_norm_eps, k_norm_weight, k_norm_eps), cos,
+                               sin);
   return {qk, qkv.transpose(1, 2).slice(1, n_q + n_kv)};
 }
 

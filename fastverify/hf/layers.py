@@ -15,8 +15,8 @@ eligible decoder layer runs ``_forward`` instead of its own forward (rebound on 
 - RMSNorm's ops without the casts that are no-ops on a float32 input, and on float32 CPU tensors as one
   ``fastverify::rms_norm`` call (csrc/norm.cpp: the same six steps, torch's own sum of squares, 4.5 instead of
   15.9 us a row); no module calls for the norms, the attention and the MLP themselves, no deprecation wrappers;
-- where every projection streams packed (a GGUF model's float32 weights on the CPU; no q / k norms, a plain SiLU)
-  and the rows are few, the steps before the attention (norm, q / k / v, rotary embedding) and after it (output
+- where every projection streams packed (a GGUF model's float32 weights on the CPU; a plain SiLU) and the rows are
+  few, the steps before the attention (norm, q / k / v, Qwen3's q / k norms, rotary embedding) and after it (output
   projection, residual, norm, gate / up, SiLU x up, down, residual) as one C++ call each
   (``fastverify::decoder_pre_attention`` / ``decoder_post_attention``, csrc/layer.cpp: the same registered and
   ATen ops on the same tensors, so the same bits; a batch's live rows alone, as below), which leaves the cache's
@@ -173,7 +173,8 @@ def _post_attention_fake(h, attn, *weights):
 if _pre_op is not None:
     @torch.library.register_fake("fastverify::decoder_pre_attention")
     def _decoder_pre_attention_fake(h, norm_weight, eps, qkv_q, qkv_d, qkv_m, qkv_bits, qkv_bias, cos, sin, n_q, n_kv,
-                                    index=None):
+                                    index=None, q_norm_weight=None, q_norm_eps=0.0, k_norm_weight=None,
+                                    k_norm_eps=0.0):
         return _pre_attention_fakes(h, cos, n_q, n_kv, True)
 
     torch.library.register_fake("fastverify::decoder_post_attention")(_post_attention_fake)
@@ -181,7 +182,8 @@ if _pre_op is not None:
 if _dense_pre_op is not None:
     @torch.library.register_fake("fastverify::decoder_pre_attention_dense")
     def _decoder_pre_attention_dense_fake(h, norm_weight, eps, qkv_weight, qkv_bias, cos, sin, sin_rolled, n_q, n_kv,
-                                          skinny_rows=0):
+                                          skinny_rows=0, q_norm_weight=None, q_norm_eps=0.0, k_norm_weight=None,
+                                          k_norm_eps=0.0):
         rotary_op = h.device.type == "cpu" and h.dtype == cos.dtype == torch.float32
         return _pre_attention_fakes(h, cos, n_q, n_kv, rotary_op)
 
@@ -231,16 +233,17 @@ class _Plan:
         self.extra = _LAYERS[type(layer).__name__](a)
         self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(a.config._attn_implementation, _eager(a))
         self.max_rows = max_rows
+        # the pre-attention ops' last arguments: Qwen3's q / k norms (weights and eps), or none
+        self.head_args = tuple(x for w, eps in self.head_norms for x in (w, eps)) if self.head_norms else ()
         self.fused = self._fused_args(a, m) if pack else None
         self.dense = self._dense_args(a, m) if self.fused is None else None
 
     def _fused_args(self, a, m):
         """The packed weights of ``decoder_pre_attention`` / ``decoder_post_attention`` (csrc/layer.cpp), or None
         unless the ops are built and every projection streams packed (the q / k / v and gate / up stacks, the output
-        and down projections through ``skinny_linears``), with no q / k norms and a plain SiLU."""
-        if (_pre_op is None or _post_op is None or self.head_norms is not None
-                or self.act is not torch.nn.functional.silu
-                or any(w.dtype != torch.float32 for w, _ in self.norms)):
+        and down projections through ``skinny_linears``), with float32 norms and a plain SiLU."""
+        if (_pre_op is None or _post_op is None or self.act is not torch.nn.functional.silu
+                or any(w.dtype != torch.float32 for w, _ in self.norms + (self.head_norms or []))):
             return None
         if self.qkv is None or self.gate_up is None:
             return None
@@ -259,10 +262,9 @@ class _Plan:
         """The weights of ``decoder_pre_attention_dense`` / ``decoder_post_attention_dense`` (csrc/layer.cpp) and the
         rows up to which their projections run skinny_linear, or None unless the ops are built, every projection
         runs its own ``nn.Linear`` forward (F.linear: on a GPU) or every one ``skinny_linears``' forward on its
-        float32 weight (on the CPU, weights that do not pack), with no q / k norms and a plain SiLU."""
+        float32 weight (on the CPU, weights that do not pack), with a plain SiLU."""
         projections = (*self.qkv_mods, a.o_proj, *self.gate_up_mods, m.down_proj)
-        if (_dense_pre_op is None or _dense_post_op is None or self.head_norms is not None
-                or self.act is not torch.nn.functional.silu):
+        if _dense_pre_op is None or _dense_post_op is None or self.act is not torch.nn.functional.silu:
             return None
         forwards = [p.__dict__.get("forward") for p in projections]
         if all(f is None for f in forwards):
@@ -355,7 +357,7 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
             ops = _dense_pre_op, _dense_post_op, *plan.dense[:2], (sin, sin_rolled), plan.dense[2]
     if ops is not None:  # the last argument of both: the live rows (packed) / the rows up to which skinny (dense)
         pre, post, pre_args, post_args, tables, last = ops
-        qk, v = pre(hidden_states, *pre_args, cos, *tables, plan.nq, plan.nk, last)
+        qk, v = pre(hidden_states, *pre_args, cos, *tables, plan.nq, plan.nk, last, *plan.head_args)
         out = _attend(plan, qk[:, :plan.nq], qk[:, plan.nq:], v, cache, attention_mask, kwargs)
         return post(hidden_states, out, *post_args, last)
     (w1, eps1), (w2, eps2) = plan.norms
