@@ -136,12 +136,11 @@ void gated_lora_add_cpu(at::Tensor& y, const at::Tensor& x, const at::Tensor& in
   }
 }
 
-
 // One block's 32 weights as d * q + lo with 0 <= q < levels (q = round((w - lo) / d), half to even, as torch.round),
 // checked exactly (d * q is exact in float32: d has a float16's 11 significant bits and q at most 8); q written to
-// out. d == 0 fits a constant block (q = 0); d == inf fits nothing. No branch per weight, so that the loop
-// vectorises: a quotient of 256.5 or more cannot fit and is clamped first, and below 2^22, adding and subtracting
-// 1.5 * 2^23 rounds it half to even (the default rounding mode; std::nearbyint would be a libm call per weight).
+// out. d == 0 fits a constant block (q = 0); d == inf fits nothing. No branch and no libm call per weight: a
+// quotient of 256.5 or more cannot fit and is clamped first, and below 2^22, adding and subtracting 1.5 * 2^23 rounds
+// it half to even (the default rounding mode), as std::nearbyint would.
 bool fit_block(const float* w, float lo, float d, int levels, uint8_t* out) {
   const float inv_ok = d > 0.0f ? 1.0f : 0.0f, safe = d > 0.0f ? d : 1.0f, top = static_cast<float>(levels);
   bool ok = true;
