@@ -10,9 +10,18 @@
 //       any of its query rows sees (mask above -1e30; none skipped if a row sees no key): a left-padded prompt's
 //       padding. Their weight would be 0, so the result is the same bit for bit, unless they hold NaN or inf
 //       (which SDPA's result would show). CPU only.
+//
+//   append_attention(q [B, Hq, n, D], k, v [B, Hkv, n, D], k_cache, v_cache [B, Hkv, C, D] (mutated), start, mask
+//                    [B, 1 or Hq, n, start + n], scale) -> float32 [B, n, Hq, D]
+//       A decoder layer's cache append and attention in one call (fastverify/hf/layers.py `_attend` on the loop's
+//       buffered cache, fastverify/hf/attention.py): k and v written to rows [start, start + n) of the caches, then
+//       masked_attention of q over their rows [0, start + n) with skip_masked_prefix, in the layout transformers'
+//       attention functions return (transposed, contiguous). start + n <= C. CPU only, float32.
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("masked_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool skip_masked_prefix=False) "
         "-> Tensor");
+  m.def("append_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
+        "Tensor mask, float scale) -> Tensor");
 }

@@ -8,6 +8,7 @@ import torch
 
 from fastverify.hf import patch, unpatch
 from fastverify.hf import attention
+from fastverify.hf import layers as fastverify_layers
 from fastverify.hf.attention import GQA_ATTENTION, _gqa_sdpa, crop_cache, gqa_attention, new_cache
 from fastverify.ops.cache import compact_cache
 
@@ -147,8 +148,52 @@ def test_buffered_cache_follows_a_dynamic_cache():
     for cache in (ref, buf):  # replaced from outside: the next update copies it into a new buffer
         cache.layers[1].keys = cache.layers[1].keys.clone()
         cache.layers[1].values = cache.layers[1].values.clone()
+    assert buf.layers[1].room(3, (B, H)) == -1 and buf.layers[0].room(3, (B, H)) >= 0
     update(3)
     same()
+    for cache in (ref, buf):  # a batch narrowed from outside (a view of the buffer that is not its prefix)
+        cache.layers[0].keys = cache.layers[0].keys[:1]
+        cache.layers[0].values = cache.layers[0].values[:1]
+    assert buf.layers[0].room(1, (1, H)) == -1
+    for cache in (ref, buf):
+        cache.layers[0].update(torch.ones(1, H, 1, D), torch.ones(1, H, 1, D))
+    same()
+    for cache in (ref, buf):
+        cache.layers[1].reset()
+    assert buf.layers[1].keys is None and buf.layers[1].values is None
+
+
+@pytest.mark.skipif(fastverify_layers._append_op is None, reason="fastverify._C has no append_attention")
+def test_buffered_cache_appended_by_append_attention_follows_a_dynamic_cache():
+    """The lean layers' append (``append_attention`` on the buffers, ``room`` and the layer's lengths) between
+    crops: the cache holds what a DynamicCache's update gives, and the attention is masked_attention's over it."""
+    from transformers import DynamicCache
+    g = torch.Generator().manual_seed(1)
+    ref, buf = DynamicCache(), new_cache()
+    B, H, G, D = 1, 2, 3, 8
+    k0, v0 = torch.randn(B, H, 12, D, generator=g), torch.randn(B, H, 12, D, generator=g)
+    ref.update(k0, v0, 0)
+    buf.update(k0.clone(), v0.clone(), 0)
+    layer = buf.layers[0]
+    for step in range(90):  # grows past the first buffer: room says -1, the update path takes that step
+        n = 1 + step % 4
+        q = torch.randn(B, H * G, n, D, generator=g)
+        k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+        keys, values = ref.update(k, v, 0)
+        mask = torch.zeros(B, 1, n, keys.shape[2])
+        want = torch.ops.fastverify.masked_attention(q, keys, values, mask, 0.5, True).transpose(1, 2)
+        start = layer.room(n, (B, H))
+        if start < 0:
+            got_k, got_v = buf.update(k, v, 0)
+            got = torch.ops.fastverify.masked_attention(q, got_k, got_v, mask, 0.5, True).transpose(1, 2)
+        else:
+            got = torch.ops.fastverify.append_attention(q, k, v, layer._kbuf, layer._vbuf, start, mask, 0.5)
+            layer._klen = layer._vlen = start + n
+        assert torch.equal(got, want)
+        length = keys.shape[2] - (step % 3)
+        for cache in (ref, buf):
+            crop_cache(cache, length)
+        assert torch.equal(layer.keys, ref.layers[0].keys) and torch.equal(layer.values, ref.layers[0].values)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -160,12 +205,17 @@ def test_patched_greedy_exact_with_gqa_attention(attn, one_thread):
     ids[:, 10:20] = ids[:, :10]  # repeats, so that the n-gram drafter drafts
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
     patch(model)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     try:
-        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        with prof:
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
     finally:
         unpatch(model)
     assert torch.equal(got, want)
     assert model.config._attn_implementation == attn
+    if attn == "sdpa" and fastverify_layers._append_op is not None:  # the steps' append and attention in one call
+        counts = {e.key: e.count for e in prof.key_averages()}
+        assert counts.get("fastverify::append_attention", 0) >= 2 * 5
 
 
 def test_patched_generate_runs_while_the_loop_attention_is_switched_in(one_thread):

@@ -149,3 +149,46 @@ def test_bad_input_is_refused():
             masked_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), backend="cpp")
         with pytest.raises(RuntimeError, match="multiple of the key / value heads"):
             torch.ops.fastverify.masked_attention(q[:, :3], k, v, None, 0.25)
+
+
+needs_append = pytest.mark.skipif(_ext.compiled_op("append_attention") is None,
+                                  reason="fastverify._C has no append_attention")
+
+
+@needs_append
+@pytest.mark.parametrize("B, Hkv, G, n, start, cap", [(1, 3, 3, 1, 40, 64), (2, 2, 2, 5, 17, 30), (1, 1, 4, 16, 0, 16)])
+def test_append_attention_is_the_append_then_masked_attention_bit_for_bit(B, Hkv, G, n, start, cap):
+    """k / v written to rows [start, start + n) of the caches (the other rows untouched), then masked_attention over
+    the first start + n rows with skip_masked_prefix, transposed to [B, n, Hq, D] as transformers' attention returns."""
+    g = torch.Generator().manual_seed(B * 100 + n + start)
+    D = 16
+    q = torch.randn(B, Hkv * G, n, D, generator=g)
+    k, v = torch.randn(B, Hkv, n, D, generator=g), torch.randn(B, Hkv, n, D, generator=g)
+    kc, vc = torch.randn(B, Hkv, cap, D, generator=g), torch.randn(B, Hkv, cap, D, generator=g)
+    mask = torch.zeros(B, 1, n, start + n)
+    mask[..., :start // 2] = torch.finfo(torch.float32).min  # a masked prefix, as a left-padded prompt's
+    mask[..., start:] = torch.triu(torch.full((n, n), torch.finfo(torch.float32).min), 1)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[:, :, start:start + n], want_v[:, :, start:start + n] = k, v
+    want = torch.ops.fastverify.masked_attention(q, want_k[:, :, :start + n], want_v[:, :, :start + n], mask, 0.25,
+                                                 True).transpose(1, 2).contiguous()
+    got = torch.ops.fastverify.append_attention(q, k, v, kc, vc, start, mask, 0.25)
+    assert got.shape == (B, n, Hkv * G, D) and got.is_contiguous()
+    assert torch.equal(got, want) and torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    torch.library.opcheck(torch.ops.fastverify.append_attention.default, (q, k, v, kc, vc, start, mask, 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_append
+def test_append_attention_bad_input_names_the_argument():
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+    kc, vc = torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8)
+    op = torch.ops.fastverify.append_attention
+    with pytest.raises(RuntimeError, match="start: expected 0 <= start and start \\+ n <= C = 4"):
+        op(q, k, v, kc, vc, 4, torch.zeros(1, 1, 1, 5), 1.0)
+    with pytest.raises(RuntimeError, match="k_cache, v_cache: expected"):
+        op(q, k, v, kc, torch.zeros(1, 1, 5, 8), 0, torch.zeros(1, 1, 1, 1), 1.0)
+    with pytest.raises(RuntimeError, match="k: expected a 4-D float32 CPU tensor"):
+        op(q, k.double(), v, kc, vc, 0, torch.zeros(1, 1, 1, 1), 1.0)
+    with pytest.raises(RuntimeError, match="mask: expected"):
+        op(q, k, v, kc, vc, 0, torch.zeros(1, 1, 1, 3), 1.0)

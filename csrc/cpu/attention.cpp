@@ -104,6 +104,30 @@ at::Tensor masked_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   return out;
 }
 
+at::Tensor append_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                                at::Tensor& v_cache, int64_t start, const at::Tensor& mask, double scale) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k, "k"}, {&v, "v"}, {&k_cache, "k_cache"},
+                                {&v_cache, "v_cache"}})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4, name,
+                ": expected a 4-D float32 CPU tensor, got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  const int64_t n = k.size(2);
+  TORCH_CHECK(v.sizes() == k.sizes(), "v: expected the shape of k ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == k.size(0) && k_cache.size(1) == k.size(1) &&
+                  k_cache.size(3) == k.size(3),
+              "k_cache, v_cache: expected [B, Hkv, C, D] = [", k.size(0), ", ", k.size(1), ", C, ", k.size(3),
+              "] each, got ", k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(start >= 0 && start + n <= k_cache.size(2), "start: expected 0 <= start and start + n <= C = ",
+              k_cache.size(2), ", got start ", start, " for n = ", n);
+  k_cache.narrow(2, start, n).copy_(k);
+  v_cache.narrow(2, start, n).copy_(v);
+  const at::Tensor out = masked_attention_cpu(q, k_cache.narrow(2, 0, start + n), v_cache.narrow(2, 0, start + n),
+                                              mask, scale, /*skip_masked_prefix=*/true);
+  return out.transpose(1, 2).contiguous();
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fastverify, CPU, m) { m.impl("masked_attention", &masked_attention_cpu); }
+TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
+  m.impl("masked_attention", &masked_attention_cpu);
+  m.impl("append_attention", &append_attention_cpu);
+}

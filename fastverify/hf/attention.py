@@ -223,6 +223,9 @@ def crop_cache(cache, length: int) -> None:
     Written against the layers' tensors because ``DynamicCache.crop``'s meaning changed across transformers
     versions (absolute length in 4.x, a negative count per layer in 5.x)."""
     for layer in _layers(cache):
+        crop = getattr(layer, "crop_to", None)  # the loop's buffered layers: their lengths, no views made
+        if crop is not None and crop(length):
+            continue
         keys = getattr(layer, "keys", None)
         if isinstance(keys, torch.Tensor) and keys.numel() and keys.shape[-2] > length:
             layer.keys = keys[..., :length, :]
@@ -233,37 +236,82 @@ def crop_cache(cache, length: int) -> None:
 def _buffered_layer_class():
     """A transformers ``DynamicLayer`` that appends into a preallocated buffer (grown by half when full) instead of
     ``torch.cat``: a DynamicLayer copies the whole layer's cache at every step, an O(context) copy per layer that
-    the loop's cropping (a view) does not avoid. ``keys`` / ``values`` stay [B, H, length, D] views of the
-    buffers, so ``crop_cache`` and ``compact_cache`` work on them in place; a layer whose tensors were replaced
-    from outside (a view of other storage) is copied into a new buffer at its next update."""
+    the loop's cropping (a view) does not avoid. ``keys`` / ``values`` read as [B, H, length, D] views of the
+    buffers (made when read: a view made from Python costs a few microseconds, and the loop's own append and
+    attention, ``append_attention``, reads the buffers instead), so ``crop_cache`` and ``compact_cache`` work on
+    them in place; a tensor assigned from outside that is not such a view (another storage, another batch) is kept
+    as it is and copied into a new buffer at the next update."""
     from transformers.cache_utils import DynamicLayer
 
     class BufferedLayer(DynamicLayer):
-        _kbuf = _vbuf = None
+        # the buffers, the rows of each that hold the layer's keys / values, and a tensor assigned from outside
+        # that is not a prefix of its buffer (None: the buffer's prefix is the tensor)
+        _kbuf = _vbuf = _kout = _vout = None
+        _klen = _vlen = 0
 
         @staticmethod
-        def _views(t, buf):
-            return t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride() and t.dtype == buf.dtype
+        def _prefix(t, buf):
+            return (buf is not None and isinstance(t, torch.Tensor) and t.data_ptr() == buf.data_ptr()
+                    and t.stride() == buf.stride() and t.dtype == buf.dtype and t.shape[:2] == buf.shape[:2]
+                    and t.shape[-1] == buf.shape[-1])
+
+        @property
+        def keys(self):
+            return self._kout if self._kout is not None or self._kbuf is None else self._kbuf[:, :, :self._klen]
+
+        @keys.setter
+        def keys(self, t):
+            if self._prefix(t, self._kbuf):
+                self._kout, self._klen = None, t.shape[-2]
+            else:
+                self._kout, self._kbuf = t, None
+
+        @property
+        def values(self):
+            return self._vout if self._vout is not None or self._vbuf is None else self._vbuf[:, :, :self._vlen]
+
+        @values.setter
+        def values(self, t):
+            if self._prefix(t, self._vbuf):
+                self._vout, self._vlen = None, t.shape[-2]
+            else:
+                self._vout, self._vbuf = t, None
+
+        def crop_to(self, length: int) -> bool:
+            """Keep the first ``length`` rows, if the layer's tensors are its buffers' prefixes (True), else
+            nothing (False)."""
+            if self._kbuf is None or self._vbuf is None or self._kout is not None or self._vout is not None:
+                return False
+            self._klen, self._vlen = min(self._klen, length), min(self._vlen, length)
+            return True
+
+        def room(self, n: int, batch_heads) -> int:
+            """The row where ``n`` new rows of keys / values go when they fit the buffers as they stand (the
+            layer's tensors their prefixes, of the same length; batch and heads ``batch_heads``), else -1."""
+            kbuf = self._kbuf
+            if (kbuf is None or self._vbuf is None or self._klen != self._vlen
+                    or self._klen + n > kbuf.shape[2] or kbuf.shape[:2] != batch_heads):
+                return -1
+            return self._klen
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            old = self.keys.shape[-2] if self.keys.numel() else 0
-            new = old + key_states.shape[-2]
-            kbuf = self._kbuf
-            fits = (kbuf is not None and kbuf.shape[:2] == key_states.shape[:2] and new <= kbuf.shape[-2]
-                    and (old == 0 or (self._views(self.keys, kbuf) and self._views(self.values, self._vbuf))))
-            if not fits:
-                cap = new + max(64, new // 2)
+            n = key_states.shape[-2]
+            old = self.room(n, key_states.shape[:2])
+            if old < 0:  # new buffers, the layer's rows copied over
+                keys, values = self.keys, self.values
+                old = keys.shape[-2] if keys is not None and keys.numel() else 0
+                cap = old + n + max(64, (old + n) // 2)
                 kbuf = key_states.new_empty(key_states.shape[:2] + (cap, key_states.shape[-1]))
                 vbuf = value_states.new_empty(value_states.shape[:2] + (cap, value_states.shape[-1]))
                 if old:
-                    kbuf[:, :, :old].copy_(self.keys)
-                    vbuf[:, :, :old].copy_(self.values)
-                self._kbuf, self._vbuf = kbuf, vbuf
-            self._kbuf[:, :, old:new].copy_(key_states)
-            self._vbuf[:, :, old:new].copy_(value_states)
-            self.keys, self.values = self._kbuf[:, :, :new], self._vbuf[:, :, :new]
+                    kbuf[:, :, :old].copy_(keys)
+                    vbuf[:, :, :old].copy_(values)
+                self._kbuf, self._vbuf, self._kout, self._vout = kbuf, vbuf, None, None
+            self._kbuf[:, :, old:old + n].copy_(key_states)
+            self._vbuf[:, :, old:old + n].copy_(value_states)
+            self._klen = self._vlen = old + n
             return self.keys, self.values
 
     return BufferedLayer
@@ -287,35 +335,47 @@ GQA_ATTENTION = "fastverify_sdpa"
 MASKED_ATTENTION_ROWS = 16
 
 
+def masked_rows(query, kv_heads: int, kv_len: int, kv_dtype, attention_mask, dropout, kwargs) -> bool:
+    """Whether ``_gqa_sdpa`` computes the attention of ``query`` [B, Hq, n, D] over ``kv_len`` keys of ``kv_heads``
+    heads with ``fastverify::masked_attention``: float32 CPU tensors, at most ``MASKED_ATTENTION_ROWS`` query rows,
+    an additive 4D mask [B, 1 or Hq, n, kv_len], no dropout, nothing transformers' function would add."""
+    return (attention_mask is not None and query.device.type == "cpu" and query.shape[1] % kv_heads == 0
+            and not dropout and query.shape[2] <= MASKED_ATTENTION_ROWS
+            and query.dtype == kv_dtype == attention_mask.dtype == torch.float32
+            and attention_mask.dim() == 4 and attention_mask.shape[0] == query.shape[0]
+            and attention_mask.shape[1] in (1, query.shape[1])
+            and attention_mask.shape[2:] == (query.shape[2], kv_len)
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and not kwargs.get("output_attentions", False) and _masked_attention_op() is not None)
+
+
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' ``sdpa`` attention, except on the CPU with a mask:
 
-    - float32 and at most ``MASKED_ATTENTION_ROWS`` query rows (the loop's verify forwards):
+    - float32 and at most ``MASKED_ATTENTION_ROWS`` query rows (the loop's verify forwards; ``masked_rows``):
       ``fastverify::masked_attention`` (csrc/attention.h), SDPA's softmax(q k^T * scale + mask) v to float32
       rounding, each key / value head read once for all of its grouped query heads; on SmolLM2-135M's shapes (9
       query heads on 3 key / value heads, D = 64, 400 cached tokens, 2-core Intel Xeon) 19 against 38 us per call
       at one query row, 35 against 52 at 4, 64 against 86 at 8; at 1500 cached tokens 74 against 171 at one row;
-      with ``skip_masked_prefix``: a batch's left-padded prompts' padding keys are not read;
+      with ``skip_masked_prefix``: a batch's left-padded prompts' padding keys are not read (fastverify.hf.layers
+      takes the same path with the cache's append in the same call, ``append_attention``);
     - otherwise, with more than one query row, torch's SDPA with ``enable_gqa`` instead of transformers'
       ``repeat_kv`` (which copies every layer's keys and values at every step): the same result bit for bit
       (tests/test_hf_attention.py).
 
     Anything else goes to transformers' own function."""
+    if masked_rows(query, key.shape[1], key.shape[2], key.dtype if key.dtype == value.dtype else None,
+                   attention_mask, dropout, kwargs):
+        out = _masked_attention_op()(query, key, value, attention_mask,
+                                     query.shape[-1] ** -0.5 if scaling is None else scaling, True)
+        return out.transpose(1, 2).contiguous(), None
     if (attention_mask is not None and query.device.type == "cpu" and query.shape[1] % key.shape[1] == 0
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
-            and not kwargs.get("output_attentions", False) and not dropout):
-        op = _masked_attention_op()
-        if (op is not None and query.shape[2] <= MASKED_ATTENTION_ROWS
-                and query.dtype == key.dtype == value.dtype == attention_mask.dtype == torch.float32
-                and attention_mask.dim() == 4 and attention_mask.shape[0] == query.shape[0]
-                and attention_mask.shape[1] in (1, query.shape[1])
-                and attention_mask.shape[2:] == (query.shape[2], key.shape[2])):
-            out = op(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling, True)
-            return out.transpose(1, 2).contiguous(), None
-        if query.shape[2] > 1 and key.shape[1] != query.shape[1]:
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                                 scale=scaling, enable_gqa=True)
-            return out.transpose(1, 2).contiguous(), None
+            and not kwargs.get("output_attentions", False) and not dropout
+            and query.shape[2] > 1 and key.shape[1] != query.shape[1]):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                             scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)

@@ -54,6 +54,7 @@ import types
 import torch
 
 from fastverify import _ext
+from fastverify.hf.attention import _buffered_layer_class, _gqa_sdpa, masked_rows
 from fastverify.hf.linear import MAX_ROWS, packed_group, packed_weight, skinny_available, takes_skinny
 
 __all__ = ["lean_layers", "projection_groups", "LiveRows", "scatter_rows"]
@@ -144,6 +145,7 @@ _rms_op, _rotary_op = _ext.compiled_op("rms_norm"), _ext.compiled_op("rotary_emb
 _pre_op, _post_op = _ext.compiled_op("decoder_pre_attention"), _ext.compiled_op("decoder_post_attention")
 _dense_pre_op = _ext.compiled_op("decoder_pre_attention_dense")
 _dense_post_op = _ext.compiled_op("decoder_post_attention_dense")
+_append_op = _ext.compiled_op("append_attention")
 
 if _rms_op is not None:
     @torch.library.register_fake("fastverify::rms_norm")
@@ -232,6 +234,8 @@ class _Plan:
         self.inter = m.gate_proj.out_features
         self.extra = _LAYERS[type(layer).__name__](a)
         self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(a.config._attn_implementation, _eager(a))
+        # the cache's append and the attention in one call where the attention is the loop's fastverify_sdpa
+        self.append_attention = _append_op if self.attention is _gqa_sdpa else None
         self.max_rows = max_rows
         # the pre-attention ops' last arguments: Qwen3's q / k norms (weights and eps), or none
         self.head_args = tuple(x for w, eps in self.head_norms for x in (w, eps)) if self.head_norms else ()
@@ -329,10 +333,24 @@ def scatter_rows(rows, index, total):
 
 
 def _attend(plan, q, k, v, cache, attention_mask, kwargs):
-    """The layer's attention of q [B, n_q, S, D] over the cache with k / v [B, n_kv, S, D] appended; [B, S, n_q, D]."""
+    """The layer's attention of q [B, n_q, S, D] over the cache with k / v [B, n_kv, S, D] appended; [B, S, n_q, D].
+    Where the attention is the loop's ``_gqa_sdpa`` taking ``masked_attention`` and the layer of the cache is the
+    loop's buffered one with room for k / v, both in one ``append_attention`` call (csrc/attention.cpp): the same
+    rows written, the same op on the same keys, values and mask, without the views and copies made from Python."""
+    a = plan.attn
+    if plan.append_attention is not None and cache is not None and not a.training:
+        layers = getattr(cache, "layers", None)
+        layer = layers[plan.layer_idx] if layers is not None and plan.layer_idx < len(layers) else None
+        start = layer.room(k.shape[2], k.shape[:2]) if type(layer) is _buffered_layer_class() else -1
+        if (start >= 0 and not getattr(cache, "offloading", False)
+                and masked_rows(q, k.shape[1], start + k.shape[2], layer._kbuf.dtype if k.dtype == v.dtype ==
+                                layer._vbuf.dtype else None, attention_mask, 0.0, kwargs)):
+            out = plan.append_attention(q, k, v, layer._kbuf, layer._vbuf, start, attention_mask,
+                                        q.shape[-1] ** -0.5 if plan.scaling is None else plan.scaling)
+            layer._klen = layer._vlen = start + k.shape[2]
+            return out
     if cache is not None:
         k, v = cache.update(k, v, plan.layer_idx, kwargs=kwargs)
-    a = plan.attn
     out, _ = plan.attention(a, q, k, v, attention_mask, dropout=0.0 if not a.training else a.attention_dropout,
                             scaling=plan.scaling, **plan.extra, **kwargs)
     return out

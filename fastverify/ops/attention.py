@@ -137,3 +137,7 @@ if _ext.HAS_CPP:
             return torch.empty_like(q, memory_format=torch.contiguous_format)
     except RuntimeError:  # the schema is missing from an old build of _C
         pass
+    if _ext.compiled_op("append_attention") is not None:
+        @torch.library.register_fake("fastverify::append_attention")
+        def _append_attention_fake(q, k, v, k_cache, v_cache, start, mask, scale):
+            return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
