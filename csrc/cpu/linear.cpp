@@ -178,10 +178,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> pack_blocks_cpu(const at
     return std::make_tuple(at::empty({0}, none.dtype(at::kByte)), at::empty({0}, none), at::empty({0}, none),
                            int64_t(0));
   };
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K, 1));
   for (const int bits : {4, 8}) {
     std::atomic<bool> failed{false};
     const int levels = 1 << bits;
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K, 1));
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1 && !failed.load(std::memory_order_relaxed); ++n) {
         for (int64_t j = 0; j < nb; ++j) {

@@ -335,18 +335,24 @@ GQA_ATTENTION = "fastverify_sdpa"
 MASKED_ATTENTION_ROWS = 16
 
 
+def _masked_cpu_call(query, kv_heads: int, attention_mask, dropout, kwargs) -> bool:
+    """What both of ``_gqa_sdpa``'s own routes need: a CPU query [B, Hq, n, D] whose heads group over ``kv_heads``,
+    a mask, no dropout, and nothing transformers' function would add (position bias, softcap, attention weights)."""
+    return (attention_mask is not None and query.device.type == "cpu" and query.shape[1] % kv_heads == 0
+            and not dropout and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and not kwargs.get("output_attentions", False))
+
+
 def masked_rows(query, kv_heads: int, kv_len: int, kv_dtype, attention_mask, dropout, kwargs) -> bool:
     """Whether ``_gqa_sdpa`` computes the attention of ``query`` [B, Hq, n, D] over ``kv_len`` keys of ``kv_heads``
     heads with ``fastverify::masked_attention``: float32 CPU tensors, at most ``MASKED_ATTENTION_ROWS`` query rows,
     an additive 4D mask [B, 1 or Hq, n, kv_len], no dropout, nothing transformers' function would add."""
-    return (attention_mask is not None and query.device.type == "cpu" and query.shape[1] % kv_heads == 0
-            and not dropout and query.shape[2] <= MASKED_ATTENTION_ROWS
+    return (_masked_cpu_call(query, kv_heads, attention_mask, dropout, kwargs)
+            and query.shape[2] <= MASKED_ATTENTION_ROWS
             and query.dtype == kv_dtype == attention_mask.dtype == torch.float32
             and attention_mask.dim() == 4 and attention_mask.shape[0] == query.shape[0]
             and attention_mask.shape[1] in (1, query.shape[1])
-            and attention_mask.shape[2:] == (query.shape[2], kv_len)
-            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
-            and not kwargs.get("output_attentions", False) and _masked_attention_op() is not None)
+            and attention_mask.shape[2:] == (query.shape[2], kv_len) and _masked_attention_op() is not None)
 
 
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -369,9 +375,7 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         out = _masked_attention_op()(query, key, value, attention_mask,
                                      query.shape[-1] ** -0.5 if scaling is None else scaling, True)
         return out.transpose(1, 2).contiguous(), None
-    if (attention_mask is not None and query.device.type == "cpu" and query.shape[1] % key.shape[1] == 0
-            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
-            and not kwargs.get("output_attentions", False) and not dropout
+    if (_masked_cpu_call(query, key.shape[1], attention_mask, dropout, kwargs)
             and query.shape[2] > 1 and key.shape[1] != query.shape[1]):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                              scale=scaling, enable_gqa=True)

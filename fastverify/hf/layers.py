@@ -158,7 +158,6 @@ if _rotary_op is not None:
         return x.new_empty(x.shape)
 
 
-
 def _pre_attention_fakes(h, cos, n_q, n_kv, contiguous_qk: bool):
     """Shapes of a pre-attention op's (qk [B, n_q + n_kv, S, D], v [B, n_kv, S, D]): v a view of the [B, S, heads, D]
     projection; qk contiguous (the rotary_embedding op's output) or in that layout (torch's elementwise ops)."""
@@ -342,9 +341,9 @@ def _attend(plan, q, k, v, cache, attention_mask, kwargs):
         layers = getattr(cache, "layers", None)
         layer = layers[plan.layer_idx] if layers is not None and plan.layer_idx < len(layers) else None
         start = layer.room(k.shape[2], k.shape[:2]) if type(layer) is _buffered_layer_class() else -1
+        kv_dtype = k.dtype if start >= 0 and k.dtype == v.dtype == layer._kbuf.dtype == layer._vbuf.dtype else None
         if (start >= 0 and not getattr(cache, "offloading", False)
-                and masked_rows(q, k.shape[1], start + k.shape[2], layer._kbuf.dtype if k.dtype == v.dtype ==
-                                layer._vbuf.dtype else None, attention_mask, 0.0, kwargs)):
+                and masked_rows(q, k.shape[1], start + k.shape[2], kv_dtype, attention_mask, 0.0, kwargs)):
             out = plan.append_attention(q, k, v, layer._kbuf, layer._vbuf, start, attention_mask,
                                         q.shape[-1] ** -0.5 if plan.scaling is None else plan.scaling)
             layer._klen = layer._vlen = start + k.shape[2]

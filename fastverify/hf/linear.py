@@ -12,8 +12,8 @@ dequantised from a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors, as fastverify.models.
 ``skinny_linear_packed`` on a packed copy of it (fastverify.ops.linear.pack_blocks: 0.75 or 1.25 bytes per weight
 instead of 4): the same result, bit for bit, for a fraction of the memory traffic. The packed copy is made by
 ``fastverify.patch`` (``pack_model``; SmolLM2-135M: 0.5-0.6 s on a 2-core Intel Xeon with the C++ packer, 3.3 s
-with the torch reference's tensor passes; 115 MB beside the 540 MB of float32 weights), or at the first use, and kept while the layer lives, made again when its weight changes (another
-tensor, or an in-place update).
+with the torch reference's tensor passes; 115 MB beside the 540 MB of float32 weights), or at the first use, and
+kept while the layer lives, made again when its weight changes (another tensor, or an in-place update).
 """
 
 import contextlib

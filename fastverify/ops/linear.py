@@ -86,7 +86,8 @@ def pack_blocks(weight: torch.Tensor, *, backend: str = "auto") -> Optional[Pack
     its largest magnitude / 8 (Q4_0) or / 127 (Q8_0), or its span / 255; m is the block's minimum. Every block
     is checked exactly: a weight that is not of this form, or whose blocks these scales do not reproduce, gives
     None. Backends: torch (fastverify.reference.linear.pack_blocks, the specification) and cpp (csrc/cpu/linear.cpp:
-    the same tensors in one pass over the weight; SmolLM2-135M's 211 layers in ~0.2 instead of ~2.5 s)."""
+    the same tensors, one pass over the weight per bit width tried; SmolLM2-135M's 211 layers in 0.53 instead of
+    3.3 s on a 2-core Intel Xeon)."""
     if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != torch.float32
             or weight.shape[1] % 32 or weight.numel() == 0 or weight.device.type != "cpu"):
         return None
