@@ -22,7 +22,8 @@
 #          in a call of its own.
 #   e2e8   patched against plain generate at batch 8 (benchmarks/e2e_batch.py, 5 batches of 8 mixed questions: the
 #          39 and the writing category's 4th -> e2e_batch.log; E2E8_METHODS, default "generate fastverify
-#          bpd+ngram", the n-gram drafter and the shipped heads). Needs the carried model.
+#          bpd+ngram", the n-gram drafter and the shipped heads; E2E8_BATCH=4 for the heads' batch-4 protocol, 5
+#          batches of 4). Needs the carried model.
 #   tune   drafter variants side by side on the tuning questions (question 1 of each category; benchmarks/drafters.py
 #          -> drafters.log, drafters.json): TUNE_VARIANTS, default "ngram ngram:node_cost=0.025 bpd+ngram
 #          bpd+ngram:node_cost=0.11", the drafters' GPU node cost (fastverify.hf.drafters.GPU_NODE_COST, which a
@@ -62,12 +63,21 @@
 #   3. device run, carry ["gpu_carry/p2"], timeout_s 600:  bash scripts/gpu_check.sh e2e
 #   4. device run, no carry, timeout_s 600:               bash scripts/gpu_check.sh e2e8
 #
-# In 15 device minutes (sized from the H200 run of 2026-11-27, below):
+# In 15 device minutes (sized from the H200 run of 2026-11-27, below), one of two plans.
+# The kernels and the end to end at batch 8:
 #   1. carry p0, timeout_s 330: TEST_WORKERS=14 TEST_SECONDS=100 bash scripts/gpu_check.sh build test
 #   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
 #   3. carry p2, timeout_s 590: E2E_OFFSET=3 E2E_METHODS=generate E2E_DRAFTERS=bpd+ngram bash scripts/gpu_check.sh \
 #                               e2e8 e2e tune     (batch 8, the held-out questions 4-6 at batch 1, then the node costs)
 #   4. no carry, with what is left: BENCH_ONLY=ceilings,verify,sampling bash scripts/gpu_check.sh bench quick
+# The proposal heads' protocol on the GPU (heads + n-gram against n-gram fastverify side by side in one run, questions
+# 4-6 and 1-3 of every category at batch 1, and a batch of 4), with the GPU node cost a drafter takes there
+# (GPU_NODE_COST, not yet run on a GPU); no tests, so ~12.5 of the 15 minutes (estimates from the H200 run):
+#   1. carry p0, timeout_s 200: bash scripts/gpu_check.sh build                        (~80 s + the start)
+#   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
+#   3. carry p2, timeout_s 500: E2E_OFFSET=3 E2E_METHODS=generate E2E8_BATCH=4 bash scripts/gpu_check.sh e2e8 e2e
+#                               (checkpoint ~26 s, batch 4 ~60 s, 39 questions x 3 methods ~250 s)
+#   4. no carry, timeout_s 330: E2E_METHODS=generate bash scripts/gpu_check.sh e2e     (questions 1-3, ~250 s)
 # Since 2026-11-28 the lean layers run each layer's steps around its attention as two C++ calls on a GPU too (the
 # dense decoder ops; csrc/layer.cpp): step 1's CUDA test of the lean layers checks them bit for bit, and e2e's
 # ratios against plain generate in the same run show their effect (the fifth run: n-gram 1.86-1.88x, bpd+ngram
@@ -309,7 +319,7 @@ has ptp && train_recipe ptp ptp slots.safetensors \
 # e2e8 first: the shorter of the two, so that a call cut short has measured it
 if has e2e8; then
   if e2e_prepare; then
-    dev=cuda; batch=(--batch 8 --batches 5)
+    dev=cuda; batch=(--batch "${E2E8_BATCH:-8}" --batches 5)
     [ -n "$DRY" ] && dev=cpu && batch=(--batch 2 --batches 1 --max-new-tokens 8 --threads 1)
     start=$(date +%s)
     $PY benchmarks/e2e_batch.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" \
