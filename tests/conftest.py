@@ -149,6 +149,34 @@ def left_padded(prompts, pad: int):
     return ids, mask
 
 
+def gguf_blocks(x, kind: str):
+    """float32 values [N, K] (K a multiple of 32) as a GGUF reader returns a weight of ``kind`` ("q4_1", "q4_0",
+    "q8_0"): quantised per block of 32 along K the way ggml's reference quantisers do (scales stored in float16),
+    then dequantised in float32 (d * q, or d * q + m), so that fastverify's ``pack_blocks`` packs it."""
+    N, K = x.shape
+    x = x.detach().float().reshape(N, K // 32, 32)
+    if kind == "q4_1":
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = ((x - lo) * inv + 0.5).floor().clamp(max=15)
+        w = d.half().float() * q + lo.half().float()
+    elif kind == "q4_0":
+        idx = x.abs().argmax(-1, keepdim=True)
+        d = x.gather(-1, idx) / -8
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = (x * inv + 8.5).floor().clamp(max=15)
+        w = (q - 8) * d.half().float()
+    elif kind == "q8_0":
+        d = x.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = (x * inv).round()
+        w = q * d.half().float()
+    else:
+        raise ValueError(f"kind: expected 'q4_1', 'q4_0' or 'q8_0', got {kind!r}")
+    return w.reshape(N, K).contiguous()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module that decodes with a model: batch-1 decoding is bandwidth-bound, and intra-op

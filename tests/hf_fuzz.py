@@ -2,8 +2,9 @@
 exactly the unpatched output, or fall back with a warning (and then, too, give that output).
 
 One case = a random config (architecture; sliding windows, chunk sizes, RoPE scaling type, tied or untied
-embeddings, attention implementation), a random batch (1-4 requests, left padding, random prompt lengths,
-repetitive or random prompts), random ``generate`` options (greedy or sampling, max_new_tokens / max_length,
+embeddings, attention implementation; in about a third of the cases every linear layer's weight as a GGUF
+file's blocks hold it, so that the loop streams it packed), a random batch (1-4 requests, left padding, random
+prompt lengths, repetitive or random prompts), random ``generate`` options (greedy or sampling, max_new_tokens / max_length,
 eos, options the loop does not run), a random drafter (n-gram, the target itself as a draft model, none, GAD /
 LUD / PTP slots with random active adapters, which also checks that verify rows stay the base model, proposal
 heads and an EAGLE layer with random weights, alone or merged with the n-gram trie) and rule.
@@ -34,11 +35,12 @@ import torch
 from fastverify.eagle import EagleLayer
 from fastverify.heads import ProposalHeads
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, unpatch
+from fastverify.hf import linear as hf_linear
 from fastverify.hf.bpd import HeadsDrafter
 from fastverify.hf.eagle import EagleDrafter
 from fastverify.hf.slots import BlockSlotDrafter, PTPSlotDrafter
 
-from conftest import left_padded
+from conftest import gguf_blocks, left_padded
 
 V = 384
 PAD = 1
@@ -131,6 +133,21 @@ def build_model(rng: random.Random):
     model.generation_config.eos_token_id = None
     model.generation_config.bos_token_id = None
     return model, desc
+
+
+def quantise_weights(rng: random.Random, model):
+    """Every ``nn.Linear`` weight of ``model`` (the output head too, and with it a tied embedding) replaced in
+    place by its values as a GGUF file's Q4_1 / Q4_0 / Q8_0 blocks hold them (a kind per layer), as SmolLM2's
+    weights are: ``patch`` then streams them packed (skinny_linear_packed, and in Llama-style layers the packed
+    decoder ops). Returns the kinds used."""
+    kinds = set()
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m) is torch.nn.Linear and m.weight.shape[1] % 32 == 0:
+                kind = rng.choice(["q4_1", "q4_0", "q8_0"])
+                m.weight.copy_(gguf_blocks(m.weight, kind))
+                kinds.add(kind)
+    return sorted(kinds)
 
 
 def build_batch(rng: random.Random):
@@ -282,6 +299,9 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
     plus ``reason`` for fallbacks and ``detail`` for defects."""
     rng = random.Random(seed)
     model, desc = build_model(rng)
+    weights = random.Random(f"weights {seed}")  # a stream of its own: a seed's other draws are unchanged by it
+    if weights.random() < 0.35:  # weights that pack, as a GGUF model's do
+        desc["weights"] = quantise_weights(weights, model)
     ids, mask = build_batch(rng)
     opts = build_options(rng, ids)
     kind, drafter = _drafter(rng, model, kinds)
@@ -307,6 +327,8 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
         ref = _sequences(model.generate(ids, attention_mask=mask, pad_token_id=PAD, **plain))
     twin = copy.deepcopy(drafter) if sampling and rule == "speculative" else None  # drafters keep state
     patch(model, drafter=drafter, rule=rule, **extra)
+    if "weights" in desc:  # how many layers the patch streams packed
+        desc["packed"] = sum(hf_linear._PACKED.get(m, (None, None))[1] is not None for m in model.modules())
     out, fallback, switched = _generate(model, ids, mask, opts)
     if fallback:
         desc["reason"] = fallback[0].split(FALLBACK + ": ", 1)[-1]
@@ -359,6 +381,9 @@ def summary(results) -> dict:
     for r in results:
         drafters[r["drafter"]] = drafters.get(r["drafter"], 0) + 1
     out["drafters"] = drafters
+    # cases whose weights were GGUF blocks: how many ran the loop on weights it streamed packed
+    out["packed_weights"] = {k: sum(1 for r in results if r.get("packed") and r["outcome"] == k)
+                             for k in ("identical", "fallback")}
     return out
 
 

@@ -242,6 +242,7 @@ def test_gated_lora_add_bad_input_names_the_argument():
 # ---------------------------------------------------------------------------------------------------------------
 # Block-packed weights: a float32 weight dequantised from GGUF Q4_0 / Q4_1 / Q8_0 blocks, streamed packed
 
+from conftest import gguf_blocks  # noqa: E402
 from fastverify.hf.linear import packed_weight  # noqa: E402
 from fastverify.ops.linear import PackedWeight, pack_blocks, skinny_linear_packed, unpack_blocks  # noqa: E402
 
@@ -250,31 +251,13 @@ needs_packed = pytest.mark.skipif("cpp" not in implemented_backends("skinny_line
 
 
 def gguf_quantised(N, K, kind, gen):
-    """A float32 [N, K] weight as a GGUF reader returns it: random values quantised per block of 32 the way
-    ggml's reference quantisers do (scales stored in float16), then dequantised in float32 (d * q, or d * q + m).
-    A few blocks are constant and one is all zero."""
+    """A float32 [N, K] weight as a GGUF reader returns it (conftest's ``gguf_blocks``) from random values. A few
+    blocks are constant and one is all zero."""
     x = torch.randn(N, K // 32, 32, generator=gen) * torch.rand(N, K // 32, 1, generator=gen) * 0.2
     if N > 1:  # (a weight that is one zero block packs in 4 bits, whatever its kind)
         x[0, 0] = 0.0
         x[1, -1] = 0.37
-    if kind == "q4_1":
-        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-        d = (hi - lo) / 15
-        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-        q = ((x - lo) * inv + 0.5).floor().clamp(max=15)
-        w = d.half().float() * q + lo.half().float()
-    elif kind == "q4_0":
-        idx = x.abs().argmax(-1, keepdim=True)
-        d = x.gather(-1, idx) / -8
-        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-        q = (x * inv + 8.5).floor().clamp(max=15)
-        w = (q - 8) * d.half().float()
-    else:  # q8_0
-        d = x.abs().amax(-1, keepdim=True) / 127
-        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-        q = (x * inv).round()
-        w = q * d.half().float()
-    return w.reshape(N, K).contiguous()
+    return gguf_blocks(x.reshape(N, K), kind)
 
 
 @pytest.mark.parametrize("kind, bits", [("q4_1", 4), ("q4_0", 4), ("q8_0", 8)])
