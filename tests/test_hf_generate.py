@@ -124,6 +124,48 @@ def test_greedy_eos_in_the_middle(model, lengths):
     assert torch.equal(out, ref)
 
 
+def _tokenizer():
+    """A word-level tokenizer of the tiny models' V tokens: token i is the i-th string of one to four letters of
+    "abcdefgh" (shortest first), so that a stop string may lie within a token or span several."""
+    import itertools
+
+    from tokenizers import Tokenizer, decoders, models
+    strings = [''.join(p) for n in range(1, 5) for p in itertools.product("abcdefgh", repeat=n)][:V]
+    # longest match first, and tokens joined as they are (what the stop-string criteria read the vocabulary by)
+    tk = Tokenizer(models.WordPiece({t: i for i, t in enumerate(strings)}, unk_token=strings[0],
+                                    continuing_subword_prefix=""))
+    tk.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_greedy_stop_strings(model, lengths):
+    """stop_strings (with the tokenizer) as generate applies them: a string inside a token, one spanning two
+    tokens, one that never occurs. With an eos id a row a stop string ended is padded; without one, generate stops
+    only once every row has stopped, the rows running on till then. The loop runs (no fallback)."""
+    tok = _tokenizer()
+    ids, mask = _batch(lengths, seed=5)
+    L = ids.shape[1]
+    free = _reference(model, ids, mask, max_new_tokens=20)
+    words = tok.convert_ids_to_tokens(free[0, L:].tolist())
+    unused = min(set(range(3, V)) - set(free[:, L:].reshape(-1).tolist()))  # an eos that is never generated
+    cases = [[words[6][-1:]],  # within a token (maybe earlier too)
+             [words[3][-1:] + words[4][:1], "hhhhhhhhhh"],  # across two tokens, and one that cannot occur
+             ["hhhhhhhhhh"]]
+    changed = 0
+    for eos in (None, unused):
+        for stops in cases:
+            ref = _reference(model, ids, mask, max_new_tokens=20, eos_token_id=eos, stop_strings=stops,
+                             tokenizer=tok)
+            for drafter in (NGramDrafter(), DraftModelDrafter(model, k=4)):
+                out, st = _patched(model, ids, mask, drafter=drafter, max_new_tokens=20, eos_token_id=eos,
+                                   stop_strings=stops, tokenizer=tok)
+                assert st is not None  # the loop ran
+                assert torch.equal(out, ref), (eos, stops, out.tolist(), ref.tolist())
+            changed += ref.shape != free.shape or not torch.equal(ref, free)
+    assert changed >= 2  # the strings that occur ended generation early, or padded a row
+
+
 def test_max_new_tokens_exact(model):
     ids, mask = _batch([12])
     for n in (1, 2, 7):
@@ -185,6 +227,21 @@ def test_seeded_sampling_equals_autoregressive_sampling(model, lengths, backend)
     assert st.accepted_tokens > 0  # the self-drafter's greedy drafts are often the sampled tokens at T = 0.7
     other, _ = _patched(model, ids, mask, drafter=Drafter(), **{**kw, "seed": 99})
     assert not torch.equal(other, ar)
+
+
+@pytest.mark.parametrize("eos", [None, 3], ids=["no-eos", "eos"])
+def test_seeded_sampling_with_stop_strings_equals_autoregressive_sampling(model, eos):
+    """Sampled rows end at stop strings exactly where the loop's own autoregressive sampling ends them."""
+    tok = _tokenizer()
+    ids, mask = _batch([14, 6, 2], seed=7)
+    kw = dict(do_sample=True, temperature=1.3, max_new_tokens=20, seed=1234, tokenizer=tok, eos_token_id=eos)
+    free, _ = _patched(model, ids, mask, drafter=Drafter(), **kw)
+    stops = [tok.convert_ids_to_tokens(int(free[1, ids.shape[1] + 5]))[-1:]]  # a letter request 1 samples
+    ar, _ = _patched(model, ids, mask, drafter=Drafter(), stop_strings=stops, **kw)
+    assert ar.shape != free.shape or not torch.equal(ar, free)
+    for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+        out, st = _patched(model, ids, mask, drafter=drafter, stop_strings=stops, **kw)
+        assert torch.equal(out, ar), (type(drafter).__name__, out.tolist(), ar.tolist())
 
 
 def test_sampling_seed_from_torch_global_generator(model):

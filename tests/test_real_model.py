@@ -138,6 +138,27 @@ def test_patched_greedy_equals_generate(smollm2, prompt):
         assert stats.accepted_tokens > 0
 
 
+def test_patched_stop_strings_equal_generate(smollm2):
+    """Stop strings on the real (byte-level BPE) tokenizer: inside a token, across tokens, with newlines."""
+    model, tok = smollm2
+    ids = _chat_ids(tok, PROMPTS[1])
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False, tokenizer=tok)
+    with torch.inference_mode():
+        free = model.generate(ids, **kw)
+        for stops in (["ellow"], [", gr"], ["\n\n", "violet"], ["no such text"]):
+            plain = model.generate(ids, stop_strings=stops, **kw)
+            fastverify.patch(model)
+            try:
+                fast = model.generate(ids, stop_strings=stops, **kw)
+                stats = fastverify.hf.stats(model)
+            finally:
+                fastverify.unpatch(model)
+            assert stats is not None, "the patched generate fell back to the original"
+            assert fast.tolist() == plain.tolist(), (stops, tok.decode(fast[0, ids.shape[1]:]),
+                                                     tok.decode(plain[0, ids.shape[1]:]))
+            assert (plain.shape[1] < free.shape[1]) == (stops != ["no such text"]), stops
+
+
 # ------------------------------------------------------------------------------- the end-to-end benchmark
 
 def _bench(name):

@@ -9,7 +9,7 @@ hit eos or max_new_tokens:
   2. forward    ONE forward over [root, draft nodes...] per request, padded across the batch, with
                 position_ids = committed length + depth and a 4D mask (prefix + ancestors + self);
   3. verify     fastverify.verify on the logits in the batch layout (rule greedy / coupled / any other);
-  4. commit     accepted nodes + the next token, cut at eos and max_new_tokens;
+  4. commit     accepted nodes + the next token, cut at eos, stop strings and max_new_tokens;
   5. cache      fastverify.compact_cache moves the root and the accepted nodes behind the request's prefix
                 and crops the cache to the longest request.
 
@@ -33,7 +33,7 @@ from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
 from fastverify.tree import Tree
 
-__all__ = ["LoopStats", "DecodeSettings", "decode"]
+__all__ = ["LoopStats", "DecodeSettings", "StopStrings", "decode"]
 
 SAMPLING_RULES = ("speculative", "coupled")
 # Rules whose tokens do not depend on the drafts (greedy: the argmax path; coupled: plain sampling's stream), the only
@@ -119,6 +119,31 @@ class DecodeSettings:
     live_rows: bool = True  # a batch on the CPU: padding rows skip the output projection and the lean layers' work
     pace_batch: bool = True  # a batch on the CPU: no drafts for a request well ahead of the one that ends last
     max_positions: int = None  # a position-dependent RoPE's bound: a forward's rows stay below it minus one
+    stop: object = None  # stop strings: a StopStrings, asked after every committed token (eos-like end)
+
+
+class StopStrings:
+    """``generate(stop_strings=..., tokenizer=...)`` for the loop: transformers' own ``StopStringCriteria``, asked
+    about one request's row after each token the loop commits, as generate asks about every row after each token
+    it appends. The criteria read only a row's last tokens and decide per row, so one request's row (its left
+    padding, prompt and tokens so far) gives what generate's whole batch gives for that row."""
+
+    def __init__(self, stop_strings, tokenizer):
+        from transformers.generation.stopping_criteria import StopStringCriteria
+        self.criteria = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+        # the tail the criteria read (all of the row where the attribute is missing)
+        self.tail = getattr(self.criteria, "maximum_token_len", None)
+
+    def first_stop(self, row: list, new: list):
+        """The index of the first token of ``new`` (tokens about to follow ``row``: the row of generate's input_ids,
+        left padding included, and the tokens so far) after which a stop string ends the row, or None."""
+        seq = list(row)
+        for i, tok in enumerate(new):
+            seq.append(tok)
+            tail = seq if self.tail is None else seq[-self.tail:]
+            if bool(self.criteria(torch.tensor([tail], dtype=torch.int64), None)[0]):
+                return i
+        return None
 
 
 def _to_host(res):
@@ -172,6 +197,9 @@ class Decoder:
         self.contexts = [input_ids[b][mask[b]].tolist() for b in range(B)]
         self.generated = [[] for _ in range(B)]
         self.finished = [False] * B
+        # stop strings without eos (StopStrings): each request's length where one first ended it, and the length
+        # every request ends at once all have (generate stops when every row has, its rows all as long)
+        self.stop_at, self.limit = [None] * B, settings.max_new_tokens
         self.pad_len = (L - mask.sum(-1)).tolist()
         self.cache = new_cache()
         self.cache_len = [L - 1] * B  # committed slots per request (left padding included)
@@ -257,7 +285,7 @@ class Decoder:
         return [0 if 0 < remaining[b] <= PACE_MARGIN * need else bud for b, bud in enumerate(budget)]
 
     def remaining(self, b: int) -> int:
-        return 0 if self.finished[b] else self.s.max_new_tokens - len(self.generated[b])
+        return 0 if self.finished[b] else max(self.limit - len(self.generated[b]), 0)
 
     def done(self) -> bool:
         return all(self.remaining(b) <= 0 for b in range(self.B))
@@ -330,7 +358,7 @@ class Decoder:
             accept_len, next_token, accepted = _to_host(res)
         t4 = time.perf_counter()
 
-        # 5. commit: the accepted path + next token, cut at eos and max_new_tokens.
+        # 5. commit: the accepted path + next token, cut at eos, stop strings and max_new_tokens.
         cu, flat = inp.cu_host, inp.tokens_host
         keep = [0] * B  # cache slots of the step to keep per request: root + accepted nodes
         st.drafted.append([len(t) if remaining[b] > 0 else None for b, t in enumerate(trees)])
@@ -346,6 +374,16 @@ class Decoder:
                     new = new[:i + 1]
                     self.finished[b] = True
                     break
+            if s.stop is not None and self.stop_at[b] is None:  # (new ends at an eos, if it holds one)
+                i = s.stop.first_stop(self.input_ids[b, :self.pad_len[b]].tolist() + self.contexts[b], new)
+                if i is not None and self.eos:  # generate pads a row a stop string ended, as one eos ended
+                    new = new[:i + 1]
+                    self.finished[b] = True
+                elif i is not None:  # without eos it does not: the row runs on until every row has stopped
+                    self.stop_at[b] = len(self.generated[b]) + i + 1
+                    if all(n is not None for n in self.stop_at):
+                        self.limit = min(self.limit, max(self.stop_at))
+                new = new[:max(self.limit - len(self.generated[b]), 0)]
             self.generated[b].extend(new)
             self.contexts[b].extend(new)
             st.new_tokens[b] += len(new)
@@ -521,9 +559,10 @@ class Decoder:
 
     def output(self) -> torch.Tensor:
         """[B, L + T]: the prompt (with its padding) and the emitted tokens, pad_token_id after a request ends."""
-        T = max(len(g) for g in self.generated)
+        rows = [g[:self.limit] for g in self.generated]  # a request that ran past the stop strings' end
+        T = max(len(g) for g in rows)
         out = torch.full((self.B, T), self.s.pad_token_id, dtype=torch.int64, device=self.device)
-        for b, g in enumerate(self.generated):
+        for b, g in enumerate(rows):
             if g:
                 out[b, :len(g)] = torch.tensor(g, dtype=torch.int64)
         return torch.cat([self.input_ids, out], dim=1)
@@ -694,4 +733,5 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
     if streamer is not None:
         streamer.end()
     dec.stats.time_total = time.perf_counter() - t0
+    dec.stats.new_tokens = [min(n, dec.limit) for n in dec.stats.new_tokens]
     return dec.output(), dec.stats

@@ -20,7 +20,7 @@ import torch
 from fastverify.hf.attention import GQA_ATTENTION
 from fastverify.hf.drafters import Drafter, NGramDrafter
 from fastverify.hf.linear import pack_model
-from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, decode
+from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, StopStrings, decode
 from fastverify.hf.model_limits import position_limit, sequence_limit
 
 __all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
@@ -253,7 +253,7 @@ def unpatch(model):
 
 
 # generation-config fields the loop honours; any other field set to a non-default value means fallback.
-_HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
+_HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "stop_strings",
             "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache",
             "transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash",
             "generation_kwargs"}
@@ -338,8 +338,8 @@ def _plan(model, state, args, kwargs):
     else:
         kwargs.pop("input_ids", None)
     streamer = kwargs.pop("streamer", None)
-    # generate reads the tokenizer only for stop_strings (refused below as a generation option)
-    kwargs.pop("tokenizer", None)
+    # generate reads the tokenizer only for stop_strings
+    tokenizer = kwargs.pop("tokenizer", None)
     for name in ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model",
                  "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "synced_gpus",
                  "past_key_values", "inputs_embeds", "assistant_tokenizer"):
@@ -355,6 +355,11 @@ def _plan(model, state, args, kwargs):
     reasons = _unsupported_config(gc)
     if reasons:
         return None, "generation option(s) " + ", ".join(reasons) + " are not supported"
+    stop = None
+    if gc.stop_strings:
+        if tokenizer is None:  # generate's own error follows
+            return None, "stop_strings without a tokenizer"
+        stop = StopStrings(gc.stop_strings, tokenizer)
     B, L = inputs.shape
     if streamer is not None and B > 1:
         return None, "a streamer with batch size > 1"
@@ -404,7 +409,7 @@ def _plan(model, state, args, kwargs):
                               lean_layers=bool(state.options.get("lean_layers", True)),
                               live_rows=bool(state.options.get("live_rows", True)),
                               pace_batch=bool(state.options.get("pace_batch", True)),
-                              max_positions=position_limit(model.config))
+                              max_positions=position_limit(model.config), stop=stop)
     settings.rule_params = rule_params
     if rule in SAMPLING_RULES:
         if sampling:
