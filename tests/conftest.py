@@ -177,6 +177,21 @@ def gguf_blocks(x, kind: str):
     return w.reshape(N, K).contiguous()
 
 
+def letter_tokenizer(vocab: int):
+    """A tokenizer of ``vocab`` tokens for tiny random models: token i is the i-th string of one to four letters of
+    "abcdefgh" (shortest first), longest match first, tokens joined as they are; a stop string may lie within a
+    token or span several."""
+    import itertools
+
+    import transformers
+    from tokenizers import Tokenizer, decoders, models
+    strings = [''.join(p) for n in range(1, 5) for p in itertools.product("abcdefgh", repeat=n)][:vocab]
+    tk = Tokenizer(models.WordPiece({t: i for i, t in enumerate(strings)}, unk_token=strings[0],
+                                    continuing_subword_prefix=""))
+    tk.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module that decodes with a model: batch-1 decoding is bandwidth-bound, and intra-op

@@ -5,7 +5,7 @@ One case = a random config (architecture; sliding windows, chunk sizes, RoPE sca
 embeddings, attention implementation; in about a third of the cases every linear layer's weight as a GGUF
 file's blocks hold it, so that the loop streams it packed), a random batch (1-4 requests, left padding, random
 prompt lengths, repetitive or random prompts), random ``generate`` options (greedy or sampling, max_new_tokens / max_length,
-eos, options the loop does not run), a random drafter (n-gram, the target itself as a draft model, none, GAD /
+eos, stop strings, options the loop does not run), a random drafter (n-gram, the target itself as a draft model, none, GAD /
 LUD / PTP slots with random active adapters, which also checks that verify rows stay the base model, proposal
 heads and an EAGLE layer with random weights, alone or merged with the n-gram trie) and rule.
 Checked:
@@ -40,7 +40,7 @@ from fastverify.hf.bpd import HeadsDrafter
 from fastverify.hf.eagle import EagleDrafter
 from fastverify.hf.slots import BlockSlotDrafter, PTPSlotDrafter
 
-from conftest import gguf_blocks, left_padded
+from conftest import gguf_blocks, left_padded, letter_tokenizer
 
 V = 384
 PAD = 1
@@ -148,6 +148,16 @@ def quantise_weights(rng: random.Random, model):
                 m.weight.copy_(gguf_blocks(m.weight, kind))
                 kinds.add(kind)
     return sorted(kinds)
+
+
+_TOKENIZER = []
+
+
+def _tokenizer():
+    """The letter tokenizer of the V-token models (made once)."""
+    if not _TOKENIZER:
+        _TOKENIZER.append(letter_tokenizer(V))
+    return _TOKENIZER[0]
 
 
 def build_batch(rng: random.Random):
@@ -304,12 +314,17 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
         desc["weights"] = quantise_weights(weights, model)
     ids, mask = build_batch(rng)
     opts = build_options(rng, ids)
+    stops = random.Random(f"stop strings {seed}")  # a stream of its own, as the weights'
+    if stops.random() < 0.2:  # stop strings of one to three letters (tokens are strings of letters)
+        opts["stop_strings"] = ["".join(stops.choice("abcdefgh") for _ in range(stops.randint(1, 3)))
+                                for _ in range(stops.randint(1, 2))]
+        opts["tokenizer"] = _tokenizer()
     kind, drafter = _drafter(rng, model, kinds)
     rule = None
     if rng.random() < 0.2:  # an explicit exact rule (greedy also under do_sample: must switch, with a warning)
         rule = rng.choice(["greedy", "coupled", "speculative"])
     desc.update(seed=seed, batch=ids.shape[0], length=ids.shape[1], drafter=kind, rule=rule,
-                options={k: v for k, v in opts.items() if k != "seed"})
+                options={k: v for k, v in opts.items() if k not in ("seed", "tokenizer")})
     extra = {"allow_unknown_model": True} if desc["arch"] in UNREGISTERED else {}
     if rng.random() < 0.3:  # the loop's own options: draft budget, verify backend, torch's GEMM
         extra.update(max_draft=rng.choice([0, 1, 3, 32]), backend=rng.choice(["auto", "torch"]),
@@ -384,6 +399,8 @@ def summary(results) -> dict:
     # cases whose weights were GGUF blocks: how many ran the loop on weights it streamed packed
     out["packed_weights"] = {k: sum(1 for r in results if r.get("packed") and r["outcome"] == k)
                              for k in ("identical", "fallback")}
+    out["stop_strings"] = {k: sum(1 for r in results if "stop_strings" in r["options"] and r["outcome"] == k)
+                           for k in ("identical", "fallback")}
     return out
 
 

@@ -29,9 +29,10 @@ def test_fuzz_sweep_identical_or_fallback():
     defects = [r for r in results if r["outcome"] not in ("identical", "fallback")]
     assert not defects, "\n".join(json.dumps(r) for r in defects)
     # the sweep exercises both outcomes (a sweep that always falls back would prove nothing), and the loop ran on
-    # weights it streamed packed
+    # weights it streamed packed and with stop strings
     assert summary.get("identical", 0) > cases // 2 and summary.get("fallback", 0) > 0
     assert any(r.get("packed") for r in results if r["outcome"] == "identical")
+    assert any("stop_strings" in r["options"] for r in results if r["outcome"] == "identical")
 
 
 def test_fuzz_model_drafters_identical_or_fallback():

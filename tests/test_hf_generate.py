@@ -13,7 +13,7 @@ import torch
 import fastverify
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, stats, unpatch
 
-from conftest import left_padded
+from conftest import left_padded, letter_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,17 +125,7 @@ def test_greedy_eos_in_the_middle(model, lengths):
 
 
 def _tokenizer():
-    """A word-level tokenizer of the tiny models' V tokens: token i is the i-th string of one to four letters of
-    "abcdefgh" (shortest first), so that a stop string may lie within a token or span several."""
-    import itertools
-
-    from tokenizers import Tokenizer, decoders, models
-    strings = [''.join(p) for n in range(1, 5) for p in itertools.product("abcdefgh", repeat=n)][:V]
-    # longest match first, and tokens joined as they are (what the stop-string criteria read the vocabulary by)
-    tk = Tokenizer(models.WordPiece({t: i for i, t in enumerate(strings)}, unk_token=strings[0],
-                                    continuing_subword_prefix=""))
-    tk.decoder = decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk)
+    return letter_tokenizer(V)
 
 
 @pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
