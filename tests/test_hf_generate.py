@@ -156,6 +156,25 @@ def test_greedy_stop_strings(model, lengths):
     assert changed >= 2  # the strings that occur ended generation early, or padded a row
 
 
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_greedy_min_new_tokens_and_min_length(model, lengths):
+    """min_new_tokens / min_length hold eos back as generate's logits processors do (on every verify row whose token
+    comes too early); the loop runs."""
+    ids, mask = _batch(lengths, seed=3)
+    L = ids.shape[1]
+    free = _reference(model, ids, mask, max_new_tokens=20)
+    eos = [int(free[0, L + 2]), int(free[-1, L + 1])]  # tokens the requests pick early
+    early = _reference(model, ids, mask, max_new_tokens=20, eos_token_id=eos)
+    for kw in ({"min_new_tokens": 6}, {"min_length": L + 9}, {"min_new_tokens": 2, "min_length": L + 4},
+               {"min_new_tokens": 40}):
+        ref = _reference(model, ids, mask, max_new_tokens=20, eos_token_id=eos, **kw)
+        assert not torch.equal(ref, early)  # held back: the output changed
+        for drafter in (NGramDrafter(), DraftModelDrafter(model, k=4, tree_topk=2)):
+            out, st = _patched(model, ids, mask, drafter=drafter, max_new_tokens=20, eos_token_id=eos, **kw)
+            assert st is not None  # the loop ran
+            assert torch.equal(out, ref), (kw, out.tolist(), ref.tolist())
+
+
 def test_max_new_tokens_exact(model):
     ids, mask = _batch([12])
     for n in (1, 2, 7):
@@ -231,6 +250,19 @@ def test_seeded_sampling_with_stop_strings_equals_autoregressive_sampling(model,
     assert ar.shape != free.shape or not torch.equal(ar, free)
     for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
         out, st = _patched(model, ids, mask, drafter=drafter, stop_strings=stops, **kw)
+        assert torch.equal(out, ar), (type(drafter).__name__, out.tolist(), ar.tolist())
+
+
+def test_seeded_sampling_with_min_new_tokens_equals_autoregressive_sampling(model):
+    ids, mask = _batch([14, 6, 2], seed=7)
+    kw = dict(do_sample=True, temperature=1.3, max_new_tokens=20, seed=1234)
+    free, _ = _patched(model, ids, mask, drafter=Drafter(), **kw)
+    eos = sorted({int(t) for t in free[:, ids.shape[1]:ids.shape[1] + 4].reshape(-1)})  # tokens sampled early
+    early, _ = _patched(model, ids, mask, drafter=Drafter(), eos_token_id=eos, **kw)
+    ar, _ = _patched(model, ids, mask, drafter=Drafter(), eos_token_id=eos, min_new_tokens=8, **kw)
+    assert not torch.equal(ar, early)
+    for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+        out, st = _patched(model, ids, mask, drafter=drafter, eos_token_id=eos, min_new_tokens=8, **kw)
         assert torch.equal(out, ar), (type(drafter).__name__, out.tolist(), ar.tolist())
 
 

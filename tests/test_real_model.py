@@ -159,6 +159,24 @@ def test_patched_stop_strings_equal_generate(smollm2):
             assert (plain.shape[1] < free.shape[1]) == (stops != ["no such text"]), stops
 
 
+def test_patched_min_new_tokens_equal_generate(smollm2):
+    """min_new_tokens past the model's own end of answer: eos held back, as generate does, on every verify row."""
+    model, tok = smollm2
+    ids = _chat_ids(tok, "Answer with one word: is the sky blue?")
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    with torch.inference_mode():
+        free = model.generate(ids, **kw)
+        plain = model.generate(ids, min_new_tokens=16, **kw)
+        fastverify.patch(model)
+        try:
+            fast = model.generate(ids, min_new_tokens=16, **kw)
+            stats = fastverify.hf.stats(model)
+        finally:
+            fastverify.unpatch(model)
+    assert free.shape[1] - ids.shape[1] < 16 and plain.shape[1] - ids.shape[1] >= 16  # the answer was held open
+    assert stats is not None and fast.tolist() == plain.tolist()
+
+
 # ------------------------------------------------------------------------------- the end-to-end benchmark
 
 def _bench(name):

@@ -120,6 +120,7 @@ class DecodeSettings:
     pace_batch: bool = True  # a batch on the CPU: no drafts for a request well ahead of the one that ends last
     max_positions: int = None  # a position-dependent RoPE's bound: a forward's rows stay below it minus one
     stop: object = None  # stop strings: a StopStrings, asked after every committed token (eos-like end)
+    min_tokens: int = 0  # min_new_tokens / min_length: eos is not a candidate before a request has this many tokens
 
 
 class StopStrings:
@@ -284,6 +285,24 @@ class Decoder:
         need = max(remaining[b] * steps / (len(self.generated[b]) + 1) for b in active)
         return [0 if 0 < remaining[b] <= PACE_MARGIN * need else bud for b, bud in enumerate(budget)]
 
+    def _hold_eos(self, logits, trees, cu, remaining):
+        """generate's MinNewTokensLengthLogitsProcessor / MinLengthLogitsProcessor on the verify rows: eos at -inf
+        on a row that picks a request's token number < min_tokens (the root's picks number len(generated), a draft
+        node's len(generated) + its depth). logits [N + B, V] in verify's layout; a copy where any row is held."""
+        rows = []
+        for b, tree in enumerate(trees):
+            below = self.s.min_tokens - len(self.generated[b])  # depths whose row picks a token too early
+            if remaining[b] <= 0 or below <= 0:
+                continue
+            first = cu[b] + b  # the root's row, then the nodes' in order
+            rows += [first] + [first + 1 + j for j, d in enumerate(tree.depth.tolist()) if d < below]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        r, e = upload_lists([rows, sorted(self.eos)], torch.int64, logits.device)
+        logits[r[:, None], e[None, :]] = float("-inf")
+        return logits
+
     def remaining(self, b: int) -> int:
         return 0 if self.finished[b] else max(self.limit - len(self.generated[b]), 0)
 
@@ -334,6 +353,8 @@ class Decoder:
             logits = step_logits.reshape(-1, step_logits.shape[-1])  # (batch 1 without slot rows): a view, no copy
         else:
             logits = step_logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
+        if s.min_tokens > 0 and self.eos:
+            logits = self._hold_eos(logits, trees, inp.cu_host, remaining)
         self._sync()
         t3 = time.perf_counter()
 

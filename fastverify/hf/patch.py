@@ -254,14 +254,15 @@ def unpatch(model):
 
 # generation-config fields the loop honours; any other field set to a non-default value means fallback.
 _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "stop_strings",
-            "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache",
+            "min_length", "min_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id",
+            "use_cache",
             "transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash",
             "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
 _NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
             "length_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0,
             "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
-            "min_length": 0, "min_new_tokens": 0, "output_scores": False, "output_logits": False,
+            "output_scores": False, "output_logits": False,
             "output_attentions": False, "output_hidden_states": False, "return_dict_in_generate": False,
             "remove_invalid_values": False, "renormalize_logits": False, "early_stopping": False,
             "low_memory": False, "cache_implementation": "dynamic", "guidance_scale": 1.0,
@@ -323,6 +324,14 @@ def _as_list(x):
     if isinstance(x, (list, tuple)):
         return [int(t) for t in x]
     return [int(x)]
+
+
+def _min_tokens(gc, L: int) -> int:
+    """The tokens a request generates before eos may end it: min_new_tokens, which generate lets take precedence
+    (it sets min_length = L + min_new_tokens), else min_length - L (L: the padded prompt's length)."""
+    if gc.min_new_tokens is not None:
+        return int(gc.min_new_tokens)
+    return int(gc.min_length or 0) - L
 
 
 def _plan(model, state, args, kwargs):
@@ -409,7 +418,8 @@ def _plan(model, state, args, kwargs):
                               lean_layers=bool(state.options.get("lean_layers", True)),
                               live_rows=bool(state.options.get("live_rows", True)),
                               pace_batch=bool(state.options.get("pace_batch", True)),
-                              max_positions=position_limit(model.config), stop=stop)
+                              max_positions=position_limit(model.config), stop=stop,
+                              min_tokens=_min_tokens(gc, L))
     settings.rule_params = rule_params
     if rule in SAMPLING_RULES:
         if sampling:
