@@ -5,10 +5,10 @@ One case = a random config (architecture; sliding windows, chunk sizes, RoPE sca
 embeddings, attention implementation; in about a third of the cases every linear layer's weight as a GGUF file's
 blocks hold it, so that the loop streams it packed), a random batch (1-4 requests, left padding, random prompt
 lengths, repetitive or random prompts), random ``generate`` options (greedy or sampling, max_new_tokens /
-max_length, eos, stop strings, min_new_tokens / min_length, options the loop does not run), a random drafter
-(n-gram, the target itself as a draft model, none, GAD / LUD / PTP slots with random active adapters, which also
-checks that verify rows stay the base model, proposal heads and an EAGLE layer with random weights, alone or merged
-with the n-gram trie) and rule.
+max_length, eos, stop strings, min_new_tokens / min_length, repetition penalty, options the loop does not run), a
+random drafter (n-gram, the target itself as a draft model, none, GAD / LUD / PTP slots with random active
+adapters, which also checks that verify rows stay the base model, proposal heads and an EAGLE layer with random
+weights, alone or merged with the n-gram trie) and rule.
 Checked:
 
 - greedy: patched output == the model's own ``generate(do_sample=False)``, whether the loop ran or fell back;
@@ -193,7 +193,7 @@ def build_options(rng: random.Random, ids):
         opts["do_sample"] = False
     if rng.random() < 0.3:  # eos: a token of the prompt, so that it may well be generated
         opts["eos_token_id"] = int(ids[0, -1]) if rng.random() < 0.5 else [int(ids[0, -1]), int(ids[-1, 0])]
-    if rng.random() < 0.15:  # options the loop does not run: it must fall back (min_new_tokens: since run, checked)
+    if rng.random() < 0.15:  # options the loop does not run: it must fall back (or, run since, checked)
         name, value = rng.choice([("repetition_penalty", 1.3), ("num_beams", 2), ("min_new_tokens", 3),
                                   ("no_repeat_ngram_size", 2), ("output_scores", True)])
         if not (name == "num_beams" and sampling):
@@ -319,6 +319,9 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
     if held.random() < 0.2:
         key = held.choice(["min_new_tokens", "min_length"])
         opts[key] = held.randint(1, 12) + (ids.shape[1] if key == "min_length" else 0)
+    penalty = random.Random(f"repetition penalty {seed}")
+    if penalty.random() < 0.2:
+        opts["repetition_penalty"] = penalty.choice([0.8, 1.1, 1.3, 2.0])
     stops = random.Random(f"stop strings {seed}")  # a stream of its own, as the weights'
     if stops.random() < 0.2:  # stop strings of one to three letters (tokens are strings of letters)
         opts["stop_strings"] = ["".join(stops.choice("abcdefgh") for _ in range(stops.randint(1, 3)))
@@ -404,7 +407,8 @@ def summary(results) -> dict:
     # cases whose weights were GGUF blocks: how many ran the loop on weights it streamed packed
     out["packed_weights"] = {k: sum(1 for r in results if r.get("packed") and r["outcome"] == k)
                              for k in ("identical", "fallback")}
-    for key, names in (("stop_strings", ("stop_strings",)), ("min_tokens", ("min_new_tokens", "min_length"))):
+    for key, names in (("stop_strings", ("stop_strings",)), ("min_tokens", ("min_new_tokens", "min_length")),
+                       ("repetition_penalty", ("repetition_penalty",))):
         out[key] = {k: sum(1 for r in results if any(n in r["options"] for n in names) and r["outcome"] == k)
                     for k in ("identical", "fallback")}
     return out

@@ -117,7 +117,7 @@ def test_every_rule_selectable(model):
 @pytest.mark.parametrize("kwargs, reason", [
     ({"num_beams": 2}, "num_beams"),
     ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
-    ({"repetition_penalty": 1.3}, "repetition_penalty"),
+    ({"bad_words_ids": [[5]]}, "bad_words_ids"),
     ({"return_dict_in_generate": True}, "return_dict_in_generate"),
     ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
 ])

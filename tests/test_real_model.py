@@ -177,6 +177,22 @@ def test_patched_min_new_tokens_equal_generate(smollm2):
     assert stats is not None and fast.tolist() == plain.tolist()
 
 
+def test_patched_repetition_penalty_equals_generate(smollm2):
+    model, tok = smollm2
+    ids = _chat_ids(tok, PROMPTS[1])
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False, repetition_penalty=1.2)
+    with torch.inference_mode():
+        plain = model.generate(ids, **kw)
+        fastverify.patch(model)
+        try:
+            fast = model.generate(ids, **kw)
+            stats = fastverify.hf.stats(model)
+        finally:
+            fastverify.unpatch(model)
+    assert stats is not None and fast.tolist() == plain.tolist(), (tok.decode(fast[0, ids.shape[1]:]),
+                                                                   tok.decode(plain[0, ids.shape[1]:]))
+
+
 # ------------------------------------------------------------------------------- the end-to-end benchmark
 
 def _bench(name):

@@ -121,6 +121,7 @@ class DecodeSettings:
     max_positions: int = None  # a position-dependent RoPE's bound: a forward's rows stay below it minus one
     stop: object = None  # stop strings: a StopStrings, asked after every committed token (eos-like end)
     min_tokens: int = 0  # min_new_tokens / min_length: eos is not a candidate before a request has this many tokens
+    repetition_penalty: float = 1.0  # generate's RepetitionPenaltyLogitsProcessor on every verify row
 
 
 class StopStrings:
@@ -201,6 +202,8 @@ class Decoder:
         # stop strings without eos (StopStrings): each request's length where one first ended it, and the length
         # every request ends at once all have (generate stops when every row has, its rows all as long)
         self.stop_at, self.limit = [None] * B, settings.max_new_tokens
+        # repetition_penalty: the tokens of each request's sequence (prompt without padding, tokens so far)
+        self.seen = [set(c) for c in self.contexts] if settings.repetition_penalty != 1.0 else None
         self.pad_len = (L - mask.sum(-1)).tolist()
         self.cache = new_cache()
         self.cache_len = [L - 1] * B  # committed slots per request (left padding included)
@@ -285,22 +288,43 @@ class Decoder:
         need = max(remaining[b] * steps / (len(self.generated[b]) + 1) for b in active)
         return [0 if 0 < remaining[b] <= PACE_MARGIN * need else bud for b, bud in enumerate(budget)]
 
-    def _hold_eos(self, logits, trees, cu, remaining):
-        """generate's MinNewTokensLengthLogitsProcessor / MinLengthLogitsProcessor on the verify rows: eos at -inf
-        on a row that picks a request's token number < min_tokens (the root's picks number len(generated), a draft
-        node's len(generated) + its depth). logits [N + B, V] in verify's layout; a copy where any row is held."""
-        rows = []
+    def _process(self, logits, trees, cu, remaining):
+        """generate's logits processors that the loop runs, on the verify rows (logits [N + B, V] in verify's layout,
+        in place; request b's rows are cu[b] + b, its root's, then its nodes' in order), each row as generate would
+        see it: the request's tokens so far followed by the row's path of draft tokens.
+
+        - RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the prompt without its left padding, the
+          tokens so far, the path) scores s < 0 ? s * penalty : s / penalty;
+        - MinNewTokensLength / MinLength: eos at -inf on a row that picks a token numbered below min_tokens (the
+          root's row picks token len(generated), a node's row len(generated) + the node's depth)."""
+        s, V = self.s, logits.shape[-1]
+        p = s.repetition_penalty
+        rows, eos_rows = [], []
         for b, tree in enumerate(trees):
-            below = self.s.min_tokens - len(self.generated[b])  # depths whose row picks a token too early
-            if remaining[b] <= 0 or below <= 0:
+            if remaining[b] <= 0:
                 continue
-            first = cu[b] + b  # the root's row, then the nodes' in order
-            rows += [first] + [first + 1 + j for j, d in enumerate(tree.depth.tolist()) if d < below]
-        if not rows:
-            return logits
-        logits = logits.clone()
-        r, e = upload_lists([rows, sorted(self.eos)], torch.int64, logits.device)
-        logits[r[:, None], e[None, :]] = float("-inf")
+            first, n = cu[b] + b, len(tree)
+            if p != 1.0:
+                seen = self.seen[b]
+                sub = logits[first:first + n + 1]  # the request's rows (a view)
+                base = torch.tensor(sorted(t for t in seen if t < V), dtype=torch.int64, device=logits.device)
+                g = sub[:, base]
+                sub[:, base] = torch.where(g < 0, g * p, g / p)
+                path = []  # per node: its path's tokens that the request's sequence does not hold yet
+                for j, (t, q) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+                    above = path[q] if q >= 0 else ()
+                    path.append(above + (t,) if t < V and t not in seen and t not in above else above)
+                    rows += [(first + 1 + j, c) for c in path[-1]]
+            below = s.min_tokens - len(self.generated[b])  # depths whose row picks a token too early
+            if self.eos and below > 0:
+                eos_rows += [first] + [first + 1 + j for j, d in enumerate(tree.depth.tolist()) if d < below]
+        if rows:
+            r, c = upload_lists([[r for r, _ in rows], [c for _, c in rows]], torch.int64, logits.device)
+            g = logits[r, c]
+            logits[r, c] = torch.where(g < 0, g * p, g / p)
+        if eos_rows:
+            r, e = upload_lists([eos_rows, sorted(self.eos)], torch.int64, logits.device)
+            logits[r[:, None], e[None, :]] = float("-inf")
         return logits
 
     def remaining(self, b: int) -> int:
@@ -353,8 +377,8 @@ class Decoder:
             logits = step_logits.reshape(-1, step_logits.shape[-1])  # (batch 1 without slot rows): a view, no copy
         else:
             logits = step_logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
-        if s.min_tokens > 0 and self.eos:
-            logits = self._hold_eos(logits, trees, inp.cu_host, remaining)
+        if s.repetition_penalty != 1.0 or (s.min_tokens > 0 and self.eos):  # generate's logits processors
+            logits = self._process(logits.clone(), trees, inp.cu_host, remaining)
         self._sync()
         t3 = time.perf_counter()
 
@@ -407,6 +431,8 @@ class Decoder:
                 new = new[:max(self.limit - len(self.generated[b]), 0)]
             self.generated[b].extend(new)
             self.contexts[b].extend(new)
+            if self.seen is not None:
+                self.seen[b].update(new)
             st.new_tokens[b] += len(new)
             keep[b] = accept_len[b] + 1 if self.remaining(b) > 0 else 0
             if self.streamer is not None:
