@@ -112,13 +112,10 @@ def test_bad_dtype():
         models.load_smollm2(dtype=torch.int32)
 
 
-@pytest.mark.parametrize("prompt", PROMPTS, ids=["code-edit", "copy-list", "open"])
-def test_patched_greedy_equals_generate(smollm2, prompt):
-    if not hasattr(fastverify, "patch"):
-        pytest.skip("fastverify.patch is not available yet")
-    model, tok = smollm2
-    ids = _chat_ids(tok, prompt)
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=72, do_sample=False)
+def _plain_and_patched(model, tok, ids, **kw):
+    """(plain generate's output, the patched generate's, its loop statistics); asserts that the loop ran and
+    that the two outputs are the same tokens."""
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, **kw)
     with torch.inference_mode():
         plain = model.generate(ids, **kw)
         fastverify.patch(model)
@@ -128,9 +125,17 @@ def test_patched_greedy_equals_generate(smollm2, prompt):
         finally:
             fastverify.unpatch(model)
     assert stats is not None, "the patched generate fell back to the original"
-    assert fast[0].tolist() == plain[0].tolist(), (
-        f"patched output differs from plain greedy:\n{tok.decode(fast[0, ids.shape[1]:])!r}\n"
+    assert fast.tolist() == plain.tolist(), (
+        f"patched output differs from plain generate:\n{tok.decode(fast[0, ids.shape[1]:])!r}\n"
         f"vs\n{tok.decode(plain[0, ids.shape[1]:])!r}")
+    return plain, fast, stats
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["code-edit", "copy-list", "open"])
+def test_patched_greedy_equals_generate(smollm2, prompt):
+    model, tok = smollm2
+    ids = _chat_ids(tok, prompt)
+    plain, _, stats = _plain_and_patched(model, tok, ids, max_new_tokens=72)
     assert plain.shape[1] - ids.shape[1] >= 64 or plain[0, -1].item() == 2
     assert stats.steps <= plain.shape[1] - ids.shape[1]
     if prompt is PROMPTS[0]:
@@ -142,55 +147,26 @@ def test_patched_stop_strings_equal_generate(smollm2):
     """Stop strings on the real (byte-level BPE) tokenizer: inside a token, across tokens, with newlines."""
     model, tok = smollm2
     ids = _chat_ids(tok, PROMPTS[1])
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False, tokenizer=tok)
     with torch.inference_mode():
-        free = model.generate(ids, **kw)
-        for stops in (["ellow"], [", gr"], ["\n\n", "violet"], ["no such text"]):
-            plain = model.generate(ids, stop_strings=stops, **kw)
-            fastverify.patch(model)
-            try:
-                fast = model.generate(ids, stop_strings=stops, **kw)
-                stats = fastverify.hf.stats(model)
-            finally:
-                fastverify.unpatch(model)
-            assert stats is not None, "the patched generate fell back to the original"
-            assert fast.tolist() == plain.tolist(), (stops, tok.decode(fast[0, ids.shape[1]:]),
-                                                     tok.decode(plain[0, ids.shape[1]:]))
-            assert (plain.shape[1] < free.shape[1]) == (stops != ["no such text"]), stops
+        free = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
+    for stops in (["ellow"], [", gr"], ["\n\n", "violet"], ["no such text"]):
+        plain, _, _ = _plain_and_patched(model, tok, ids, max_new_tokens=48, stop_strings=stops, tokenizer=tok)
+        assert (plain.shape[1] < free.shape[1]) == (stops != ["no such text"]), stops
 
 
 def test_patched_min_new_tokens_equal_generate(smollm2):
     """min_new_tokens past the model's own end of answer: eos held back, as generate does, on every verify row."""
     model, tok = smollm2
     ids = _chat_ids(tok, "Answer with one word: is the sky blue?")
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
     with torch.inference_mode():
-        free = model.generate(ids, **kw)
-        plain = model.generate(ids, min_new_tokens=16, **kw)
-        fastverify.patch(model)
-        try:
-            fast = model.generate(ids, min_new_tokens=16, **kw)
-            stats = fastverify.hf.stats(model)
-        finally:
-            fastverify.unpatch(model)
+        free = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    plain, _, _ = _plain_and_patched(model, tok, ids, max_new_tokens=40, min_new_tokens=16)
     assert free.shape[1] - ids.shape[1] < 16 and plain.shape[1] - ids.shape[1] >= 16  # the answer was held open
-    assert stats is not None and fast.tolist() == plain.tolist()
 
 
 def test_patched_repetition_penalty_equals_generate(smollm2):
     model, tok = smollm2
-    ids = _chat_ids(tok, PROMPTS[1])
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False, repetition_penalty=1.2)
-    with torch.inference_mode():
-        plain = model.generate(ids, **kw)
-        fastverify.patch(model)
-        try:
-            fast = model.generate(ids, **kw)
-            stats = fastverify.hf.stats(model)
-        finally:
-            fastverify.unpatch(model)
-    assert stats is not None and fast.tolist() == plain.tolist(), (tok.decode(fast[0, ids.shape[1]:]),
-                                                                   tok.decode(plain[0, ids.shape[1]:]))
+    _plain_and_patched(model, tok, _chat_ids(tok, PROMPTS[1]), max_new_tokens=48, repetition_penalty=1.2)
 
 
 # ------------------------------------------------------------------------------- the end-to-end benchmark
