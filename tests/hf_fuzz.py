@@ -5,10 +5,10 @@ One case = a random config (architecture; sliding windows, chunk sizes, RoPE sca
 embeddings, attention implementation; in about a third of the cases every linear layer's weight as a GGUF file's
 blocks hold it, so that the loop streams it packed), a random batch (1-4 requests, left padding, random prompt
 lengths, repetitive or random prompts), random ``generate`` options (greedy or sampling, max_new_tokens /
-max_length, eos, stop strings, min_new_tokens / min_length, repetition penalty, options the loop does not run), a
-random drafter (n-gram, the target itself as a draft model, none, GAD / LUD / PTP slots with random active
-adapters, which also checks that verify rows stay the base model, proposal heads and an EAGLE layer with random
-weights, alone or merged with the n-gram trie) and rule.
+max_length, eos, stop strings, min_new_tokens / min_length, repetition penalty, no_repeat_ngram_size, options the
+loop does not run), a random drafter (n-gram, the target itself as a draft model, none, GAD / LUD / PTP slots with
+random active adapters, which also checks that verify rows stay the base model, proposal heads and an EAGLE layer
+with random weights, alone or merged with the n-gram trie) and rule.
 Checked:
 
 - greedy: patched output == the model's own ``generate(do_sample=False)``, whether the loop ran or fell back;
@@ -322,6 +322,8 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
     penalty = random.Random(f"repetition penalty {seed}")
     if penalty.random() < 0.2:
         opts["repetition_penalty"] = penalty.choice([0.8, 1.1, 1.3, 2.0])
+    if penalty.random() < 0.2:
+        opts["no_repeat_ngram_size"] = penalty.choice([1, 2, 3, 4, 8])
     stops = random.Random(f"stop strings {seed}")  # a stream of its own, as the weights'
     if stops.random() < 0.2:  # stop strings of one to three letters (tokens are strings of letters)
         opts["stop_strings"] = ["".join(stops.choice("abcdefgh") for _ in range(stops.randint(1, 3)))
@@ -408,7 +410,7 @@ def summary(results) -> dict:
     out["packed_weights"] = {k: sum(1 for r in results if r.get("packed") and r["outcome"] == k)
                              for k in ("identical", "fallback")}
     for key, names in (("stop_strings", ("stop_strings",)), ("min_tokens", ("min_new_tokens", "min_length")),
-                       ("repetition_penalty", ("repetition_penalty",))):
+                       ("repetition", ("repetition_penalty", "no_repeat_ngram_size"))):
         out[key] = {k: sum(1 for r in results if any(n in r["options"] for n in names) and r["outcome"] == k)
                     for k in ("identical", "fallback")}
     return out

@@ -176,21 +176,23 @@ def test_greedy_min_new_tokens_and_min_length(model, lengths):
 
 
 @pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
-def test_greedy_repetition_penalty(model, lengths):
-    """repetition_penalty as generate's processor applies it, on every verify row with the row's own path: the
-    prompts repeat a motif, which the n-gram drafter drafts and the penalty then turns away from."""
+def test_greedy_repetition_penalty_and_no_repeat_ngram_size(model, lengths):
+    """repetition_penalty and no_repeat_ngram_size as generate's processors apply them, on every verify row with the
+    row's own path: the prompts repeat a motif, which the n-gram drafter drafts and the processors turn away from."""
     ids, mask = _batch(lengths, seed=3)
     free = _reference(model, ids, mask, max_new_tokens=20)
     changed = 0
     for kw in ({"repetition_penalty": 1.3}, {"repetition_penalty": 0.7}, {"repetition_penalty": 3.0},
-               {"repetition_penalty": 1.2, "min_new_tokens": 5, "eos_token_id": 7}):
+               {"repetition_penalty": 1.2, "min_new_tokens": 5, "eos_token_id": 7}, {"no_repeat_ngram_size": 1},
+               {"no_repeat_ngram_size": 2}, {"no_repeat_ngram_size": 3}, {"no_repeat_ngram_size": 20},
+               {"no_repeat_ngram_size": 2, "repetition_penalty": 1.1}):
         ref = _reference(model, ids, mask, max_new_tokens=20, **kw)
         changed += not torch.equal(ref, free)
         for drafter in (NGramDrafter(), DraftModelDrafter(model, k=4, tree_topk=2)):
             out, st = _patched(model, ids, mask, drafter=drafter, max_new_tokens=20, **kw)
             assert st is not None  # the loop ran
             assert torch.equal(out, ref), (kw, out.tolist(), ref.tolist())
-    assert changed >= 1  # the penalty moved the output
+    assert changed >= 4  # the processors moved the output
 
 
 def test_max_new_tokens_exact(model):
@@ -284,11 +286,13 @@ def test_seeded_sampling_with_min_new_tokens_equals_autoregressive_sampling(mode
         assert torch.equal(out, ar), (type(drafter).__name__, out.tolist(), ar.tolist())
 
 
-def test_seeded_sampling_with_repetition_penalty_equals_autoregressive_sampling(model):
+def test_seeded_sampling_with_repetition_processors_equals_autoregressive_sampling(model):
     ids, mask = _batch([14, 6, 2], seed=7)
-    kw = dict(do_sample=True, temperature=0.8, max_new_tokens=20, seed=1234, repetition_penalty=1.5)
+    kw = dict(do_sample=True, temperature=0.8, max_new_tokens=20, seed=1234, repetition_penalty=1.5,
+              no_repeat_ngram_size=2)
     ar, _ = _patched(model, ids, mask, drafter=Drafter(), **kw)
-    free, _ = _patched(model, ids, mask, drafter=Drafter(), **{**kw, "repetition_penalty": 1.0})
+    free, _ = _patched(model, ids, mask, drafter=Drafter(), **{**kw, "repetition_penalty": 1.0,
+                                                              "no_repeat_ngram_size": 0})
     assert not torch.equal(ar, free)
     for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
         out, st = _patched(model, ids, mask, drafter=drafter, **kw)

@@ -119,7 +119,7 @@ def test_every_rule_selectable(model):
     ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
     ({"bad_words_ids": [[5]]}, "bad_words_ids"),
     ({"return_dict_in_generate": True}, "return_dict_in_generate"),
-    ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
+    ({"encoder_no_repeat_ngram_size": 2}, "encoder_no_repeat_ngram_size"),
 ])
 def test_fallback_warns_once_and_runs_original(model, kwargs, reason):
     ref = model.generate(PROMPT, max_new_tokens=6, **kwargs) if not kwargs.get("do_sample") else None

@@ -164,9 +164,11 @@ def test_patched_min_new_tokens_equal_generate(smollm2):
     assert free.shape[1] - ids.shape[1] < 16 and plain.shape[1] - ids.shape[1] >= 16  # the answer was held open
 
 
-def test_patched_repetition_penalty_equals_generate(smollm2):
+@pytest.mark.parametrize("kw", [{"repetition_penalty": 1.2}, {"no_repeat_ngram_size": 3}],
+                         ids=["repetition_penalty", "no_repeat_ngram_size"])
+def test_patched_repetition_processors_equal_generate(smollm2, kw):
     model, tok = smollm2
-    _plain_and_patched(model, tok, _chat_ids(tok, PROMPTS[1]), max_new_tokens=48, repetition_penalty=1.2)
+    _plain_and_patched(model, tok, _chat_ids(tok, PROMPTS[1]), max_new_tokens=48, **kw)
 
 
 # ------------------------------------------------------------------------------- the end-to-end benchmark

@@ -122,6 +122,7 @@ class DecodeSettings:
     stop: object = None  # stop strings: a StopStrings, asked after every committed token (eos-like end)
     min_tokens: int = 0  # min_new_tokens / min_length: eos is not a candidate before a request has this many tokens
     repetition_penalty: float = 1.0  # generate's RepetitionPenaltyLogitsProcessor on every verify row
+    no_repeat_ngram_size: int = 0  # generate's NoRepeatNGramLogitsProcessor on every verify row
 
 
 class StopStrings:
@@ -204,6 +205,14 @@ class Decoder:
         self.stop_at, self.limit = [None] * B, settings.max_new_tokens
         # repetition_penalty: the tokens of each request's sequence (prompt without padding, tokens so far)
         self.seen = [set(c) for c in self.contexts] if settings.repetition_penalty != 1.0 else None
+        # no_repeat_ngram_size: each request's generate row (padded prompt, tokens so far) and its n-grams,
+        # first n - 1 tokens -> the last tokens that followed them
+        self.full = self.follow = None
+        if settings.no_repeat_ngram_size:
+            self.full = [row.tolist() for row in input_ids]
+            self.follow = [{} for _ in range(B)]
+            for b in range(B):
+                self._add_ngrams(b, 0)
         self.pad_len = (L - mask.sum(-1)).tolist()
         self.cache = new_cache()
         self.cache_len = [L - 1] * B  # committed slots per request (left padding included)
@@ -295,15 +304,20 @@ class Decoder:
 
         - RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the prompt without its left padding, the
           tokens so far, the path) scores s < 0 ? s * penalty : s / penalty;
+        - NoRepeatNGramLogitsProcessor: on a row whose sequence (generate's input_ids row: left padding included)
+          ends in the first n - 1 tokens of one of its n-grams, that n-gram's last token at -inf (the n-grams of
+          the request's tokens so far kept in ``self.follow``, those ending in the path found per row);
         - MinNewTokensLength / MinLength: eos at -inf on a row that picks a token numbered below min_tokens (the
           root's row picks token len(generated), a node's row len(generated) + the node's depth)."""
         s, V = self.s, logits.shape[-1]
         p = s.repetition_penalty
-        rows, eos_rows = [], []
+        rows, eos_rows, banned = [], [], []
         for b, tree in enumerate(trees):
             if remaining[b] <= 0:
                 continue
             first, n = cu[b] + b, len(tree)
+            if s.no_repeat_ngram_size:
+                banned += self._banned(b, tree, first, V)
             if p != 1.0:
                 seen = self.seen[b]
                 sub = logits[first:first + n + 1]  # the request's rows (a view)
@@ -322,10 +336,40 @@ class Decoder:
             r, c = upload_lists([[r for r, _ in rows], [c for _, c in rows]], torch.int64, logits.device)
             g = logits[r, c]
             logits[r, c] = torch.where(g < 0, g * p, g / p)
+        if banned:
+            r, c = upload_lists([[r for r, _ in banned], [c for _, c in banned]], torch.int64, logits.device)
+            logits[r, c] = float("-inf")
         if eos_rows:
             r, e = upload_lists([eos_rows, sorted(self.eos)], torch.int64, logits.device)
             logits[r[:, None], e[None, :]] = float("-inf")
         return logits
+
+    def _add_ngrams(self, b, start):
+        """Record request b's n-grams that end at positions >= start of its generate row."""
+        k, seq, follow = self.s.no_repeat_ngram_size, self.full[b], self.follow[b]
+        for i in range(max(start, k - 1), len(seq)):
+            follow.setdefault(tuple(seq[i - k + 1:i]), set()).add(seq[i])
+
+    def _banned(self, b, tree, first, V):
+        """[(row, token)]: what no_repeat_ngram_size bans on request b's rows (``_process``)."""
+        k = self.s.no_repeat_ngram_size
+        seq = self.full[b]  # generate's row: the padded prompt and the tokens so far
+        toks, par = tree.tokens.tolist(), tree.parents.tolist()
+        paths, out = [], []
+        for j in range(-1, len(toks)):  # the root's row, then the nodes' (a parent before its children)
+            path = () if j < 0 else (paths[par[j]] if par[j] >= 0 else ()) + (toks[j],)
+            if j >= 0:
+                paths.append(path)
+            if len(seq) + len(path) < k:
+                continue
+            x = seq[max(len(seq) - k + 1, 0):] + list(path)  # the tail that holds the n-grams ending in the path
+            prefix = tuple(x[len(x) - k + 1:])
+            ban = set(self.follow[b].get(prefix, ()))
+            for i in range(max(len(x) - len(path), k - 1), len(x)):  # the n-grams ending in the path
+                if tuple(x[i - k + 1:i]) == prefix:
+                    ban.add(x[i])
+            out += [(first + 1 + j, t) for t in ban if t < V]
+        return out
 
     def remaining(self, b: int) -> int:
         return 0 if self.finished[b] else max(self.limit - len(self.generated[b]), 0)
@@ -377,7 +421,7 @@ class Decoder:
             logits = step_logits.reshape(-1, step_logits.shape[-1])  # (batch 1 without slot rows): a view, no copy
         else:
             logits = step_logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
-        if s.repetition_penalty != 1.0 or (s.min_tokens > 0 and self.eos):  # generate's logits processors
+        if s.repetition_penalty != 1.0 or s.no_repeat_ngram_size or (s.min_tokens > 0 and self.eos):
             logits = self._process(logits.clone(), trees, inp.cu_host, remaining)
         self._sync()
         t3 = time.perf_counter()
@@ -433,6 +477,9 @@ class Decoder:
             self.contexts[b].extend(new)
             if self.seen is not None:
                 self.seen[b].update(new)
+            if self.full is not None:
+                self.full[b].extend(new)
+                self._add_ngrams(b, len(self.full[b]) - len(new))
             st.new_tokens[b] += len(new)
             keep[b] = accept_len[b] + 1 if self.remaining(b) > 0 else 0
             if self.streamer is not None:

@@ -254,12 +254,12 @@ def unpatch(model):
 
 # generation-config fields the loop honours; any other field set to a non-default value means fallback.
 _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "stop_strings",
-            "min_length", "min_new_tokens", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id",
-            "decoder_start_token_id", "use_cache", "transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash",
-            "generation_kwargs"}
+            "min_length", "min_new_tokens", "repetition_penalty", "no_repeat_ngram_size", "eos_token_id",
+            "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "transformers_version",
+            "_from_model_config", "_commit_hash", "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
 _NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "encoder_repetition_penalty": 1.0,
-            "length_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0,
+            "length_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0,
             "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
             "output_scores": False, "output_logits": False,
             "output_attentions": False, "output_hidden_states": False, "return_dict_in_generate": False,
@@ -366,6 +366,9 @@ def _plan(model, state, args, kwargs):
     penalty = gc.repetition_penalty
     if penalty is not None and penalty != 1.0 and not (isinstance(penalty, float) and penalty > 0):
         return None, f"repetition_penalty={penalty!r} (generate's own error follows)"
+    ngram = gc.no_repeat_ngram_size
+    if ngram is not None and ngram != 0 and not (isinstance(ngram, int) and ngram > 0):
+        return None, f"no_repeat_ngram_size={ngram!r} (generate's own error follows)"
     stop = None
     if gc.stop_strings:
         if tokenizer is None:  # generate's own error follows
@@ -422,7 +425,8 @@ def _plan(model, state, args, kwargs):
                               pace_batch=bool(state.options.get("pace_batch", True)),
                               max_positions=position_limit(model.config), stop=stop,
                               min_tokens=_min_tokens(gc, L),
-                              repetition_penalty=1.0 if penalty is None else float(penalty))
+                              repetition_penalty=1.0 if penalty is None else float(penalty),
+                              no_repeat_ngram_size=int(ngram or 0))
     settings.rule_params = rule_params
     if rule in SAMPLING_RULES:
         if sampling:
