@@ -184,14 +184,16 @@ def slot_drafter(model, method, slots, ngram=None):
     return drafter
 
 
-def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None, bpd=None, slots=None):
+def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None, bpd=None, slots=None, options=None):
     """One greedy generation with ``method``. Returns (new tokens list, seconds, forwards, loop stats or None).
     ``ngram``: keyword arguments of fastverify's NGramDrafter (None: its defaults); ``bpd``: see heads_drafter;
-    ``slots``: {"gad" / "lud": checkpoint, "rule": verify rule, "params": its parameters} for the slot drafters."""
+    ``slots``: {"gad" / "lud": checkpoint, "rule": verify rule, "params": its parameters} for the slot drafters;
+    ``options``: more generate keyword arguments, for every method (e.g. repetition_penalty)."""
     import fastverify
 
     input_ids = input_ids.to(model.device)
-    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False)
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
+                  **(options or {}))
     stats = None
     patched = method in ("fastverify", "no_draft") + HEAD_METHODS + SLOT_METHODS
     if method in SLOT_METHODS:
@@ -274,7 +276,7 @@ def _loop(stats):
 
 
 def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_METHODS, progress=True, log=print,
-                  ngram=None, bpd=None, slots=None, repeats=1):
+                  ngram=None, bpd=None, slots=None, repeats=1, options=None):
     """Run every method on every question. Returns a list of per-question records. repeats: rounds of every method
     per question (the order rotating each round); a method's time is its fastest round (on a shared machine the
     noise only ever adds time), with that round's forwards and loop figures; every round's output must be the
@@ -284,7 +286,7 @@ def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_M
         # Warm-up (not timed): every method once on the first question, short.
         warm = encode(tokenizer, questions[0]["prompt"])
         for m in methods:
-            run_method(model, m, warm, min(16, max_new_tokens), counter, ngram, bpd, slots)
+            run_method(model, m, warm, min(16, max_new_tokens), counter, ngram, bpd, slots, options)
         bar = _progress(len(questions) * len(methods) * repeats, progress)
         records = []
         for i, q in enumerate(questions):
@@ -295,7 +297,7 @@ def run_benchmark(model, tokenizer, questions, max_new_tokens, methods=DEFAULT_M
             for rnd in range(repeats):
                 for m in order[rnd % len(order):] + order[:rnd % len(order)]:
                     tokens, seconds, forwards, stats = run_method(model, m, ids, max_new_tokens, counter, ngram, bpd,
-                                                                  slots)
+                                                                  slots, options)
                     bar.update(1)
                     if rnd:
                         r = rec["methods"][m]
@@ -645,6 +647,8 @@ def parse_args(argv=None):
     p.add_argument("--rule-params", nargs="+", default=[], metavar="KEY=NUMBER", help="parameters of --rule")
     p.add_argument("--slot-attach", default="path", choices=["path", "last"],
                    help="where the slot drafters attach their blocks (fastverify.hf.slots)")
+    p.add_argument("--generate", nargs="+", default=[], metavar="KEY=NUMBER",
+                   help="more generate arguments for every method, e.g. repetition_penalty=1.2 no_repeat_ngram_size=3")
     p.add_argument("--bpd", nargs="+", default=[], metavar="KEY=VALUE",
                    help="HeadsDrafter arguments, e.g. --bpd width=3 max_nodes=12 score=rank")
     p.add_argument("--out", help="write every per-question record and the summary to this JSON file")
@@ -687,6 +691,7 @@ def parse_args(argv=None):
     args.methods = [m for m in METHODS if m in args.methods]
     args.ngram = parse_options(p, "--ngram", args.ngram)
     args.bpd = parse_options(p, "--bpd", args.bpd, strings=True)
+    args.generate = parse_options(p, "--generate", args.generate)
     if any(m.startswith("eagle") for m in args.methods) and not args.eagle:
         p.error("--eagle: the eagle methods need an EAGLE checkpoint folder (python -m fastverify.train eagle)")
     args.name = "e2e_quick" if args.quick else "e2e"
@@ -736,7 +741,8 @@ def main(argv=None):
                             bpd={"heads": args.heads, "options": args.bpd, "eagle": args.eagle},
                             slots={"gad": args.gad, "lud": args.lud, "rule": args.rule,
                                    "params": {k: _number(v) for k, v in (a.split("=", 1) for a in args.rule_params)},
-                                   "options": {"attach": args.slot_attach}}, repeats=args.repeats)
+                                   "options": {"attach": args.slot_attach}}, repeats=args.repeats,
+                            options=args.generate)
     elapsed = time.perf_counter() - t0
     try:
         info["load_after"] = round(os.getloadavg()[0], 2)
