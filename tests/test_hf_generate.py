@@ -195,6 +195,17 @@ def test_greedy_repetition_penalty_and_no_repeat_ngram_size(model, lengths):
     assert changed >= 4  # the processors moved the output
 
 
+def test_drafts_a_processor_bans_are_not_verified(model):
+    """no_repeat_ngram_size=1 bans every token the sequence holds: the n-gram drafter's copies from the context are
+    all banned, so the loop verifies none of them (and the output is still generate's)."""
+    ids, mask = _batch([13], seed=3)
+    ref = _reference(model, ids, mask, max_new_tokens=12, no_repeat_ngram_size=1)
+    out, st = _patched(model, ids, mask, drafter=NGramDrafter(), max_new_tokens=12, no_repeat_ngram_size=1)
+    assert torch.equal(out, ref) and st.drafted_tokens == 0
+    _, st = _patched(model, ids, mask, drafter=NGramDrafter(), max_new_tokens=12)
+    assert st.drafted_tokens > 0  # without the processor the same prompt is drafted
+
+
 def test_max_new_tokens_exact(model):
     ids, mask = _batch([12])
     for n in (1, 2, 7):

@@ -344,6 +344,23 @@ class Decoder:
             logits[r[:, None], e[None, :]] = float("-inf")
         return logits
 
+    def _drop_banned(self, b, tree):
+        """Request b's tree without the nodes whose token ``_process`` will set to -inf on their parent's row (and
+        their subtrees): no rule accepts them, so their rows would be verified for nothing."""
+        banned = set(self._banned(b, tree, 0, self.vocab_size)) if self.s.no_repeat_ngram_size else set()
+        early = self.s.min_tokens - len(self.generated[b])  # a node at depth d is token number len + d - 1
+        toks, par, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
+        index = {}  # kept node -> its index in the new tree
+        for j, (t, q) in enumerate(zip(toks, par)):
+            if (q < 0 or q in index) and (0 if q < 0 else 1 + q, t) not in banned and not (
+                    t in self.eos and depth[j] - 1 < early):
+                index[j] = len(index)
+        if len(index) == len(toks):
+            return tree
+        kept = list(index)
+        return Tree(tree.tokens[kept], torch.tensor([index[par[j]] if par[j] >= 0 else -1 for j in kept],
+                                                    dtype=tree.parents.dtype), validate=False)
+
     def _add_ngrams(self, b, start):
         """Record request b's n-grams that end at positions >= start of its generate row."""
         k, seq, follow = self.s.no_repeat_ngram_size, self.full[b], self.follow[b]
@@ -389,6 +406,8 @@ class Decoder:
         check_drafts(self.drafter, trees, B, self.vocab_size)
         trees = [_prune(t, r - 1) if r > 0 else empty_tree() for t, r in zip(trees, remaining)]
         trees = [t if len(t) <= bud else _prune_nodes(t, bud) for t, bud in zip(trees, budget)]
+        if s.no_repeat_ngram_size or (s.min_tokens > 0 and self.eos):  # nodes a processor bans cannot be accepted
+            trees = [self._drop_banned(b, t) if remaining[b] > 0 and len(t) else t for b, t in enumerate(trees)]
         # Lexical Unit Decoding (rule "confidence" with a drafter that knows its confidence): the lookahead tokens
         # it is sure of are accepted unchecked, and every other token is the target's argmax, LUD's normal-position
         # token (fastverify.hf.slots); other drafters get the verify op's confidence rule on the target's p.
