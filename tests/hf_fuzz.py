@@ -324,6 +324,13 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
         opts["repetition_penalty"] = penalty.choice([0.8, 1.1, 1.3, 2.0])
     if penalty.random() < 0.2:
         opts["no_repeat_ngram_size"] = penalty.choice([1, 2, 3, 4, 8])
+    bans = random.Random(f"banned tokens {seed}")  # tokens of the prompts, which the n-gram drafter copies
+    if bans.random() < 0.2:
+        seen = sorted(set(ids.reshape(-1).tolist()) - {PAD})
+        opts["bad_words_ids"] = [[bans.choice(seen) for _ in range(bans.randint(1, 3))]
+                                 for _ in range(bans.randint(1, 3))]
+    if bans.random() < 0.1:
+        opts[bans.choice(["suppress_tokens", "begin_suppress_tokens"])] = bans.sample(range(V), 3)
     stops = random.Random(f"stop strings {seed}")  # a stream of its own, as the weights'
     if stops.random() < 0.2:  # stop strings of one to three letters (tokens are strings of letters)
         opts["stop_strings"] = ["".join(stops.choice("abcdefgh") for _ in range(stops.randint(1, 3)))
@@ -410,7 +417,8 @@ def summary(results) -> dict:
     out["packed_weights"] = {k: sum(1 for r in results if r.get("packed") and r["outcome"] == k)
                              for k in ("identical", "fallback")}
     for key, names in (("stop_strings", ("stop_strings",)), ("min_tokens", ("min_new_tokens", "min_length")),
-                       ("repetition", ("repetition_penalty", "no_repeat_ngram_size"))):
+                       ("repetition", ("repetition_penalty", "no_repeat_ngram_size")),
+                       ("banned", ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens"))):
         out[key] = {k: sum(1 for r in results if any(n in r["options"] for n in names) and r["outcome"] == k)
                     for k in ("identical", "fallback")}
     return out

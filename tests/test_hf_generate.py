@@ -180,19 +180,40 @@ def test_greedy_repetition_penalty_and_no_repeat_ngram_size(model, lengths):
     """repetition_penalty and no_repeat_ngram_size as generate's processors apply them, on every verify row with the
     row's own path: the prompts repeat a motif, which the n-gram drafter drafts and the processors turn away from."""
     ids, mask = _batch(lengths, seed=3)
+    cases = [{"repetition_penalty": 1.3}, {"repetition_penalty": 0.7}, {"repetition_penalty": 3.0},
+             {"repetition_penalty": 1.2, "min_new_tokens": 5, "eos_token_id": 7}, {"no_repeat_ngram_size": 1},
+             {"no_repeat_ngram_size": 2}, {"no_repeat_ngram_size": 3}, {"no_repeat_ngram_size": 20},
+             {"no_repeat_ngram_size": 2, "repetition_penalty": 1.1}]
+    assert _options_match_generate(model, ids, mask, cases) >= 4  # the processors moved the output
+
+
+def _options_match_generate(model, ids, mask, cases):
+    """Each generate option set of ``cases``: the patched output (n-gram and draft-model drafters) is generate's and
+    the loop ran. Returns how many of them changed generate's output."""
     free = _reference(model, ids, mask, max_new_tokens=20)
     changed = 0
-    for kw in ({"repetition_penalty": 1.3}, {"repetition_penalty": 0.7}, {"repetition_penalty": 3.0},
-               {"repetition_penalty": 1.2, "min_new_tokens": 5, "eos_token_id": 7}, {"no_repeat_ngram_size": 1},
-               {"no_repeat_ngram_size": 2}, {"no_repeat_ngram_size": 3}, {"no_repeat_ngram_size": 20},
-               {"no_repeat_ngram_size": 2, "repetition_penalty": 1.1}):
+    for kw in cases:
         ref = _reference(model, ids, mask, max_new_tokens=20, **kw)
         changed += not torch.equal(ref, free)
         for drafter in (NGramDrafter(), DraftModelDrafter(model, k=4, tree_topk=2)):
             out, st = _patched(model, ids, mask, drafter=drafter, max_new_tokens=20, **kw)
             assert st is not None  # the loop ran
             assert torch.equal(out, ref), (kw, out.tolist(), ref.tolist())
-    assert changed >= 4  # the processors moved the output
+    return changed
+
+
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_greedy_bad_words_and_suppressed_tokens(model, lengths):
+    """bad_words_ids (one token, and sequences whose last token is banned only after the others), suppress_tokens
+    and begin_suppress_tokens as generate's processors apply them, on every verify row with its own path."""
+    ids, mask = _batch(lengths, seed=3)
+    L = ids.shape[1]
+    free = _reference(model, ids, mask, max_new_tokens=20)
+    g = free[0, L:].tolist()
+    cases = [{"bad_words_ids": [[g[3]]]}, {"bad_words_ids": [g[2:4], g[5:8]]}, {"bad_words_ids": [[g[1]], g[6:8]]},
+             {"suppress_tokens": [g[4], g[9]]}, {"begin_suppress_tokens": [int(t) for t in free[:, L]]},
+             {"bad_words_ids": [g[2:4]], "no_repeat_ngram_size": 3, "suppress_tokens": [g[0]]}]
+    assert _options_match_generate(model, ids, mask, cases) >= 4
 
 
 def test_drafts_a_processor_bans_are_not_verified(model):

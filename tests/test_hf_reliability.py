@@ -438,6 +438,25 @@ def test_lossy_rules_documented():
     assert "change the output" in readme and all(f"`{r}`" in readme for r in LOSSY_RULES)
 
 
+def test_processor_values_generate_refuses_fall_back_to_its_error():
+    """Values generate's own processors refuse (a bad word outside the vocabulary, an empty list, a non-float
+    penalty, a fractional n-gram size) reach generate, whose error names them; the loop runs none of them. A size
+    <= 0 is no processor there, and none here."""
+    model = _llama()
+    ids, mask = _prompts(1)
+    patch(model)
+    for kw in ({"bad_words_ids": [[V + 5]]}, {"bad_words_ids": []}, {"repetition_penalty": 2},
+               {"no_repeat_ngram_size": 2.5}):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError):
+                model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, **kw)
+        assert any(next(iter(kw)) in str(w.message) for w in record if "falling back" in str(w.message)), kw
+    ref = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=6)
+    out, messages = _run(model, ids, mask, max_new_tokens=6, no_repeat_ngram_size=-1)
+    assert torch.equal(out, ref) and not _fallbacks(messages)
+
+
 # ------------------------------------------------------------------------------------ 10. stop_strings
 
 def _word_tokenizer():

@@ -123,6 +123,15 @@ class DecodeSettings:
     min_tokens: int = 0  # min_new_tokens / min_length: eos is not a candidate before a request has this many tokens
     repetition_penalty: float = 1.0  # generate's RepetitionPenaltyLogitsProcessor on every verify row
     no_repeat_ngram_size: int = 0  # generate's NoRepeatNGramLogitsProcessor on every verify row
+    bad_words: tuple = ()  # bad_words_ids as (the tokens before the last, the last); a single token: ((), token)
+    suppress: frozenset = frozenset()  # suppress_tokens: never picked
+    begin_suppress: frozenset = frozenset()  # begin_suppress_tokens: not picked as a request's first token
+
+    @property
+    def bans(self) -> bool:
+        """Whether a processor sets tokens to -inf on some rows (``Decoder._bans``); min_tokens needs an eos too."""
+        return bool(self.no_repeat_ngram_size or self.bad_words or self.suppress or self.begin_suppress
+                    or (self.min_tokens > 0 and self.eos_token_ids))
 
 
 class StopStrings:
@@ -205,11 +214,12 @@ class Decoder:
         self.stop_at, self.limit = [None] * B, settings.max_new_tokens
         # repetition_penalty: the tokens of each request's sequence (prompt without padding, tokens so far)
         self.seen = [set(c) for c in self.contexts] if settings.repetition_penalty != 1.0 else None
-        # no_repeat_ngram_size: each request's generate row (padded prompt, tokens so far) and its n-grams,
-        # first n - 1 tokens -> the last tokens that followed them
+        # no_repeat_ngram_size, bad_words_ids: each request's generate row (padded prompt, tokens so far); and its
+        # n-grams, first n - 1 tokens -> the last tokens that followed them
         self.full = self.follow = None
-        if settings.no_repeat_ngram_size:
+        if settings.no_repeat_ngram_size or settings.bad_words:
             self.full = [row.tolist() for row in input_ids]
+        if settings.no_repeat_ngram_size:
             self.follow = [{} for _ in range(B)]
             for b in range(B):
                 self._add_ngrams(b, 0)
@@ -220,7 +230,7 @@ class Decoder:
         self.stats = LoopStats(new_tokens=[0] * B)
         self.eos = set(settings.eos_token_ids)
         self.hidden = _HiddenCapture(model) if getattr(drafter, "wants_hidden", False) else None
-        self.vocab_size = _vocab_size(model)
+        self.vocab_size = model_vocab_size(model)
         self.slots = drafter if getattr(drafter, "wants_slots", False) else None
         # the prompt's prefix (all but its last token): input ids, mask and positions of the first forward's rows
         self.prefix = None
@@ -300,24 +310,18 @@ class Decoder:
     def _process(self, logits, trees, cu, remaining):
         """generate's logits processors that the loop runs, on the verify rows (logits [N + B, V] in verify's layout,
         in place; request b's rows are cu[b] + b, its root's, then its nodes' in order), each row as generate would
-        see it: the request's tokens so far followed by the row's path of draft tokens.
-
-        - RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the prompt without its left padding, the
-          tokens so far, the path) scores s < 0 ? s * penalty : s / penalty;
-        - NoRepeatNGramLogitsProcessor: on a row whose sequence (generate's input_ids row: left padding included)
-          ends in the first n - 1 tokens of one of its n-grams, that n-gram's last token at -inf (the n-grams of
-          the request's tokens so far kept in ``self.follow``, those ending in the path found per row);
-        - MinNewTokensLength / MinLength: eos at -inf on a row that picks a token numbered below min_tokens (the
-          root's row picks token len(generated), a node's row len(generated) + the node's depth)."""
+        see it: the request's tokens so far followed by the row's path of draft tokens. First
+        RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the prompt without its left padding, the
+        tokens so far, the path) scores s < 0 ? s * penalty : s / penalty; then the tokens ``_bans`` names at -inf."""
         s, V = self.s, logits.shape[-1]
         p = s.repetition_penalty
-        rows, eos_rows, banned = [], [], []
+        rows, banned = [], []
         for b, tree in enumerate(trees):
             if remaining[b] <= 0:
                 continue
             first, n = cu[b] + b, len(tree)
-            if s.no_repeat_ngram_size:
-                banned += self._banned(b, tree, first, V)
+            if s.bans:
+                banned += self._bans(b, tree, first, V)
             if p != 1.0:
                 seen = self.seen[b]
                 sub = logits[first:first + n + 1]  # the request's rows (a view)
@@ -329,9 +333,6 @@ class Decoder:
                     above = path[q] if q >= 0 else ()
                     path.append(above + (t,) if t < V and t not in seen and t not in above else above)
                     rows += [(first + 1 + j, c) for c in path[-1]]
-            below = s.min_tokens - len(self.generated[b])  # depths whose row picks a token too early
-            if self.eos and below > 0:
-                eos_rows += [first] + [first + 1 + j for j, d in enumerate(tree.depth.tolist()) if d < below]
         if rows:
             r, c = upload_lists([[r for r, _ in rows], [c for _, c in rows]], torch.int64, logits.device)
             g = logits[r, c]
@@ -339,21 +340,16 @@ class Decoder:
         if banned:
             r, c = upload_lists([[r for r, _ in banned], [c for _, c in banned]], torch.int64, logits.device)
             logits[r, c] = float("-inf")
-        if eos_rows:
-            r, e = upload_lists([eos_rows, sorted(self.eos)], torch.int64, logits.device)
-            logits[r[:, None], e[None, :]] = float("-inf")
         return logits
 
     def _drop_banned(self, b, tree):
-        """Request b's tree without the nodes whose token ``_process`` will set to -inf on their parent's row (and
-        their subtrees): no rule accepts them, so their rows would be verified for nothing."""
-        banned = set(self._banned(b, tree, 0, self.vocab_size)) if self.s.no_repeat_ngram_size else set()
-        early = self.s.min_tokens - len(self.generated[b])  # a node at depth d is token number len + d - 1
-        toks, par, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
+        """Request b's tree without the nodes whose token ``_bans`` sets to -inf on their parent's row (and their
+        subtrees): no rule accepts them, so their rows would be verified for nothing."""
+        banned = set(self._bans(b, tree, 0, self.vocab_size))
+        toks, par = tree.tokens.tolist(), tree.parents.tolist()
         index = {}  # kept node -> its index in the new tree
         for j, (t, q) in enumerate(zip(toks, par)):
-            if (q < 0 or q in index) and (0 if q < 0 else 1 + q, t) not in banned and not (
-                    t in self.eos and depth[j] - 1 < early):
+            if (q < 0 or q in index) and (0 if q < 0 else 1 + q, t) not in banned:
                 index[j] = len(index)
         if len(index) == len(toks):
             return tree
@@ -367,24 +363,44 @@ class Decoder:
         for i in range(max(start, k - 1), len(seq)):
             follow.setdefault(tuple(seq[i - k + 1:i]), set()).add(seq[i])
 
-    def _banned(self, b, tree, first, V):
-        """[(row, token)]: what no_repeat_ngram_size bans on request b's rows (``_process``)."""
-        k = self.s.no_repeat_ngram_size
-        seq = self.full[b]  # generate's row: the padded prompt and the tokens so far
+    def _bans(self, b, tree, first, V):
+        """[(row, token)]: the tokens generate's processors set to -inf on request b's rows (the root's row
+        ``first``, node j's row first + 1 + j), each row's sequence being generate's row (left padding, prompt,
+        tokens so far: ``self.full``) followed by the row's draft path:
+
+        - NoRepeatNGramLogitsProcessor: where the sequence ends in the first n - 1 tokens of one of its n-grams, that
+          n-gram's last token (the n-grams of the tokens so far kept in ``self.follow``, those ending in the path
+          found per row);
+        - NoBadWordsLogitsProcessor: a bad word's last token where the sequence ends in the tokens before it;
+        - SuppressTokens / SuppressTokensAtBegin: its tokens everywhere / on the row that picks the first token;
+        - MinNewTokensLength / MinLength: eos on a row that picks a token numbered below min_tokens (the root's row
+          picks token len(generated), a node's row len(generated) + the node's depth)."""
+        s = self.s
+        k, done = s.no_repeat_ngram_size, len(self.generated[b])
+        seq = self.full[b] if self.full is not None else []
         toks, par = tree.tokens.tolist(), tree.parents.tolist()
         paths, out = [], []
         for j in range(-1, len(toks)):  # the root's row, then the nodes' (a parent before its children)
             path = () if j < 0 else (paths[par[j]] if par[j] >= 0 else ()) + (toks[j],)
             if j >= 0:
                 paths.append(path)
-            if len(seq) + len(path) < k:
-                continue
-            x = seq[max(len(seq) - k + 1, 0):] + list(path)  # the tail that holds the n-grams ending in the path
-            prefix = tuple(x[len(x) - k + 1:])
-            ban = set(self.follow[b].get(prefix, ()))
-            for i in range(max(len(x) - len(path), k - 1), len(x)):  # the n-grams ending in the path
-                if tuple(x[i - k + 1:i]) == prefix:
-                    ban.add(x[i])
+            ban = set(s.suppress)
+            if done + len(path) == 0:
+                ban |= s.begin_suppress
+            if done + len(path) < s.min_tokens:
+                ban |= self.eos
+            if k and len(seq) + len(path) >= k:
+                x = seq[max(len(seq) - k + 1, 0):] + list(path)  # the tail holding the n-grams ending in the path
+                prefix = tuple(x[len(x) - k + 1:])
+                ban |= self.follow[b].get(prefix, set())
+                for i in range(max(len(x) - len(path), k - 1), len(x)):  # the n-grams ending in the path
+                    if tuple(x[i - k + 1:i]) == prefix:
+                        ban.add(x[i])
+            for before, last in s.bad_words:
+                n = len(before)
+                if n <= len(seq) + len(path) and (n == 0 or tuple((seq[max(len(seq) - n, 0):] + list(path))[-n:])
+                                                   == before):
+                    ban.add(last)
             out += [(first + 1 + j, t) for t in ban if t < V]
         return out
 
@@ -406,7 +422,7 @@ class Decoder:
         check_drafts(self.drafter, trees, B, self.vocab_size)
         trees = [_prune(t, r - 1) if r > 0 else empty_tree() for t, r in zip(trees, remaining)]
         trees = [t if len(t) <= bud else _prune_nodes(t, bud) for t, bud in zip(trees, budget)]
-        if s.no_repeat_ngram_size or (s.min_tokens > 0 and self.eos):  # nodes a processor bans cannot be accepted
+        if s.bans:  # nodes a processor bans cannot be accepted
             trees = [self._drop_banned(b, t) if remaining[b] > 0 and len(t) else t for b, t in enumerate(trees)]
         # Lexical Unit Decoding (rule "confidence" with a drafter that knows its confidence): the lookahead tokens
         # it is sure of are accepted unchecked, and every other token is the target's argmax, LUD's normal-position
@@ -440,7 +456,7 @@ class Decoder:
             logits = step_logits.reshape(-1, step_logits.shape[-1])  # (batch 1 without slot rows): a view, no copy
         else:
             logits = step_logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
-        if s.repetition_penalty != 1.0 or s.no_repeat_ngram_size or (s.min_tokens > 0 and self.eos):
+        if s.repetition_penalty != 1.0 or s.bans:
             logits = self._process(logits.clone(), trees, inp.cu_host, remaining)
         self._sync()
         t3 = time.perf_counter()
@@ -498,7 +514,8 @@ class Decoder:
                 self.seen[b].update(new)
             if self.full is not None:
                 self.full[b].extend(new)
-                self._add_ngrams(b, len(self.full[b]) - len(new))
+                if self.follow is not None:
+                    self._add_ngrams(b, len(self.full[b]) - len(new))
             st.new_tokens[b] += len(new)
             keep[b] = accept_len[b] + 1 if self.remaining(b) > 0 else 0
             if self.streamer is not None:
@@ -681,7 +698,7 @@ class Decoder:
         return torch.cat([self.input_ids, out], dim=1)
 
 
-def _vocab_size(model) -> int:
+def model_vocab_size(model) -> int:
     """The token ids a draft may hold: rows of the input embedding (and of the output projection, if smaller)."""
     sizes = [getattr(model.config, "vocab_size", None)]
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

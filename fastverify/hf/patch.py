@@ -20,7 +20,7 @@ import torch
 from fastverify.hf.attention import GQA_ATTENTION
 from fastverify.hf.drafters import Drafter, NGramDrafter
 from fastverify.hf.linear import pack_model
-from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, StopStrings, decode
+from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, StopStrings, decode, model_vocab_size
 from fastverify.hf.model_limits import position_limit, sequence_limit
 
 __all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
@@ -254,7 +254,8 @@ def unpatch(model):
 
 # generation-config fields the loop honours; any other field set to a non-default value means fallback.
 _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "stop_strings",
-            "min_length", "min_new_tokens", "repetition_penalty", "no_repeat_ngram_size", "eos_token_id",
+            "min_length", "min_new_tokens", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
+            "suppress_tokens", "begin_suppress_tokens", "eos_token_id",
             "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "transformers_version",
             "_from_model_config", "_commit_hash", "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
@@ -333,6 +334,26 @@ def _min_tokens(gc, L: int) -> int:
     return int(gc.min_length or 0) - L
 
 
+def _bans(gc, eos, vocab_size):
+    """(DecodeSettings fields, None) for bad_words_ids / suppress_tokens / begin_suppress_tokens, as generate's
+    processors take them (a bad word that is a single eos token dropped), or (None, reason) for values generate
+    refuses."""
+    out = {}
+    words = gc.bad_words_ids
+    if words is not None:
+        if not (isinstance(words, list) and words and all(isinstance(w, list) and w for w in words)
+                and all(isinstance(t, int) and 0 <= t < vocab_size for w in words for t in w)):
+            return None, f"bad_words_ids={words!r}"
+        out["bad_words"] = tuple((tuple(w[:-1]), w[-1]) for w in words if not (len(w) == 1 and w[0] in eos))
+    for name, field_name in (("suppress_tokens", "suppress"), ("begin_suppress_tokens", "begin_suppress")):
+        tokens = getattr(gc, name, None)
+        if tokens is not None:
+            if not all(isinstance(t, int) for t in tokens):
+                return None, f"{name}={tokens!r}"
+            out[field_name] = frozenset(tokens)
+    return out, None
+
+
 def _plan(model, state, args, kwargs):
     """Decide whether the loop can run this generate call. Returns (plan dict, None) or (None, reason)."""
     kwargs = dict(kwargs)
@@ -366,9 +387,12 @@ def _plan(model, state, args, kwargs):
     penalty = gc.repetition_penalty
     if penalty is not None and penalty != 1.0 and not (isinstance(penalty, float) and penalty > 0):
         return None, f"repetition_penalty={penalty!r} (generate's own error follows)"
-    ngram = gc.no_repeat_ngram_size
-    if ngram is not None and ngram != 0 and not (isinstance(ngram, int) and ngram > 0):
+    ngram = gc.no_repeat_ngram_size if gc.no_repeat_ngram_size is not None and gc.no_repeat_ngram_size > 0 else 0
+    if not isinstance(ngram, int):  # generate runs no processor for a size <= 0
         return None, f"no_repeat_ngram_size={ngram!r} (generate's own error follows)"
+    bans, reason = _bans(gc, _as_list(gc.eos_token_id), model_vocab_size(model))
+    if reason:
+        return None, reason + " (generate's own error follows)"
     stop = None
     if gc.stop_strings:
         if tokenizer is None:  # generate's own error follows
@@ -426,7 +450,7 @@ def _plan(model, state, args, kwargs):
                               max_positions=position_limit(model.config), stop=stop,
                               min_tokens=_min_tokens(gc, L),
                               repetition_penalty=1.0 if penalty is None else float(penalty),
-                              no_repeat_ngram_size=int(ngram or 0))
+                              no_repeat_ngram_size=ngram, **bans)
     settings.rule_params = rule_params
     if rule in SAMPLING_RULES:
         if sampling:
