@@ -149,7 +149,7 @@ class StopStrings:
     def first_stop(self, row: list, new: list):
         """The index of the first token of ``new`` (tokens about to follow ``row``: the row of generate's input_ids,
         left padding included, and the tokens so far) after which a stop string ends the row, or None."""
-        seq = list(row)
+        seq = list(row if self.tail is None else row[-self.tail:])
         for i, tok in enumerate(new):
             seq.append(tok)
             tail = seq if self.tail is None else seq[-self.tail:]
@@ -214,10 +214,10 @@ class Decoder:
         self.stop_at, self.limit = [None] * B, settings.max_new_tokens
         # repetition_penalty: the tokens of each request's sequence (prompt without padding, tokens so far)
         self.seen = [set(c) for c in self.contexts] if settings.repetition_penalty != 1.0 else None
-        # no_repeat_ngram_size, bad_words_ids: each request's generate row (padded prompt, tokens so far); and its
-        # n-grams, first n - 1 tokens -> the last tokens that followed them
+        # no_repeat_ngram_size, bad_words_ids, stop strings: each request's generate row (padded prompt, tokens so
+        # far); and its n-grams, first n - 1 tokens -> the last tokens that followed them
         self.full = self.follow = None
-        if settings.no_repeat_ngram_size or settings.bad_words:
+        if settings.no_repeat_ngram_size or settings.bad_words or settings.stop is not None:
             self.full = [row.tolist() for row in input_ids]
         if settings.no_repeat_ngram_size:
             self.follow = [{} for _ in range(B)]
@@ -328,11 +328,8 @@ class Decoder:
                 base = torch.tensor(sorted(t for t in seen if t < V), dtype=torch.int64, device=logits.device)
                 g = sub[:, base]
                 sub[:, base] = torch.where(g < 0, g * p, g / p)
-                path = []  # per node: its path's tokens that the request's sequence does not hold yet
-                for j, (t, q) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
-                    above = path[q] if q >= 0 else ()
-                    path.append(above + (t,) if t < V and t not in seen and t not in above else above)
-                    rows += [(first + 1 + j, c) for c in path[-1]]
+                for j, path in enumerate(_node_paths(tree)):  # the path's tokens the sequence does not hold yet
+                    rows += [(first + 1 + j, c) for c in set(path) if c < V and c not in seen]
         if rows:
             r, c = upload_lists([[r for r, _ in rows], [c for _, c in rows]], torch.int64, logits.device)
             g = logits[r, c]
@@ -378,12 +375,8 @@ class Decoder:
         s = self.s
         k, done = s.no_repeat_ngram_size, len(self.generated[b])
         seq = self.full[b] if self.full is not None else []
-        toks, par = tree.tokens.tolist(), tree.parents.tolist()
-        paths, out = [], []
-        for j in range(-1, len(toks)):  # the root's row, then the nodes' (a parent before its children)
-            path = () if j < 0 else (paths[par[j]] if par[j] >= 0 else ()) + (toks[j],)
-            if j >= 0:
-                paths.append(path)
+        out = []
+        for j, path in enumerate([()] + _node_paths(tree), -1):  # the root's row, then the nodes'
             ban = set(s.suppress)
             if done + len(path) == 0:
                 ban |= s.begin_suppress
@@ -499,7 +492,7 @@ class Decoder:
                     self.finished[b] = True
                     break
             if s.stop is not None and self.stop_at[b] is None:  # (new ends at an eos, if it holds one)
-                i = s.stop.first_stop(self.input_ids[b, :self.pad_len[b]].tolist() + self.contexts[b], new)
+                i = s.stop.first_stop(self.full[b], new)
                 if i is not None and self.eos:  # generate pads a row a stop string ended, as one eos ended
                     new = new[:i + 1]
                     self.finished[b] = True
@@ -829,6 +822,14 @@ def _forced_first(tree: Tree, f: int):
     new_index = {j: i for i, j in enumerate(keep)}
     par = [-1 if i == 0 else new_index[parents[j]] for i, j in enumerate(keep)]
     return Tree(tree.tokens[keep], torch.tensor(par, dtype=tree.parents.dtype), validate=False), len(chain)
+
+
+def _node_paths(tree: Tree) -> list:
+    """Per draft node, the tokens from the root's child down to it (a tuple), in node order."""
+    paths = []
+    for t, q in zip(tree.tokens.tolist(), tree.parents.tolist()):
+        paths.append((paths[q] if q >= 0 else ()) + (t,))
+    return paths
 
 
 def _prune_nodes(tree: Tree, n: int) -> Tree:
