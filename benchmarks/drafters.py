@@ -8,7 +8,8 @@ heads' cost model, a checkpoint against another) on a machine whose speed drifts
 
 A variant is ``ngram``, ``bpd`` or ``bpd+ngram``, optionally followed by ``:key=value,...``: HeadsDrafter keyword
 arguments for bpd / bpd+ngram (node_cost, fixed_cost, width, frontier, max_nodes, max_depth, ngram_confident, ...;
-``heads=NAME_OR_DIR`` picks the checkpoint), NGramDrafter keyword arguments for ngram. The first variant is the
+``heads=NAME_OR_DIR`` picks the checkpoint), NGramDrafter keyword arguments for ngram; ``processors=False`` keeps
+the generate options of ``--generate`` (a repetition penalty) from the drafter. The first variant is the
 reference of the speed ratios. Tune on the tuning questions only (``--per-category 1``: question 1 of each
 category) and keep questions 2-6 for the protocol's runs.
 """
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import (DEFAULT_QUESTIONS, ROOT, _loop_stats, _sync, encode, first_difference,  # noqa: E402
-                 heads_drafter, load_questions, machine_info)
+                 heads_drafter, load_questions, machine_info, parse_options)
 
 KINDS = ("ngram", "bpd", "bpd+ngram")
 
@@ -57,15 +58,20 @@ def parse_variant(spec):
 def make_drafter(model, kind, options):
     """A fresh drafter of the variant (fresh per generate, as patch users get)."""
     import fastverify
-    if kind == "ngram":
-        return fastverify.NGramDrafter(**options)
     opts = dict(options)
-    name = opts.pop("heads", "smollm2-bpd")
-    return heads_drafter(model, kind, None, {"heads": name, "options": opts})
+    told = opts.pop("processors", True)
+    if kind == "ngram":
+        drafter = fastverify.NGramDrafter(**opts)
+    else:
+        name = opts.pop("heads", "smollm2-bpd")
+        drafter = heads_drafter(model, kind, None, {"heads": name, "options": opts})
+    if not told:  # the drafter drafts as if generate had no logits processor
+        drafter.set_processors = lambda **processors: None
+    return drafter
 
 
-def run(model, tokenizer, questions, variants, max_new_tokens=128, passes=1, log=print):
-    """Per variant: seconds, steps, new tokens and the loop's phase times summed over every question and pass, and
+def run(model, tokenizer, questions, variants, max_new_tokens=128, passes=1, log=print, generate_options=None):
+    """generate_options: more generate keyword arguments (a repetition penalty, ...). Per variant: seconds, steps, new tokens and the loop's phase times summed over every question and pass, and
     seconds per category. Raises AssertionError when a variant's output differs from the first variant's."""
     import fastverify
     parsed = [parse_variant(v) for v in variants]
@@ -84,7 +90,7 @@ def run(model, tokenizer, questions, variants, max_new_tokens=128, passes=1, log
                     t0 = time.perf_counter()
                     with torch.inference_mode():
                         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                             do_sample=False)
+                                             do_sample=False, **(generate_options or {}))
                     _sync(ids.device)
                     seconds = time.perf_counter() - t0
                     stats = _loop_stats(model)
@@ -142,7 +148,10 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out", help="write the totals as JSON to this file")
+    p.add_argument("--generate", nargs="+", default=[], metavar="KEY=NUMBER",
+                   help="more generate arguments for every variant, e.g. repetition_penalty=1.2")
     args = p.parse_args(argv)
+    args.generate = parse_options(p, "--generate", args.generate)
     if len(set(args.variants)) != len(args.variants):
         p.error("variants: each at most once")
     for v in args.variants:
@@ -170,9 +179,10 @@ def main(argv=None):
         info["gpu"] = torch.cuda.get_device_name(model.device)
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
     print(f"{len(questions)} questions x {args.passes} passes, {args.max_new_tokens} new tokens, greedy, batch 1, "
-          f"{args.dtype} on {model.device}")
+          f"{args.dtype} on {model.device}" + "".join(f", {k}={v}" for k, v in args.generate.items()))
     t0 = time.perf_counter()
-    totals = run(model, tokenizer, questions, args.variants, args.max_new_tokens, args.passes)
+    totals = run(model, tokenizer, questions, args.variants, args.max_new_tokens, args.passes,
+                 generate_options=args.generate)
     print(f"every output identical to {args.variants[0]}'s; {time.perf_counter() - t0:.0f} s")
     print("\n".join(report(totals, args.variants)))
     if args.out:

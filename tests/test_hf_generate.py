@@ -227,6 +227,24 @@ def test_drafts_a_processor_bans_are_not_verified(model):
     assert st.drafted_tokens > 0  # without the processor the same prompt is drafted
 
 
+def test_self_drafting_under_a_repetition_penalty_accepts_every_draft(model):
+    """A draft model penalises its logits as the target's rows are (the generate call's repetition_penalty, handed
+    by the loop through ``set_processors``): the target drafting for itself then has every greedy draft accepted;
+    drafting as if there were no penalty, it has some rejected."""
+    ids, mask = _batch([9, 4, 12], seed=5)
+    kw = {"max_new_tokens": 21, "repetition_penalty": 1.6}
+    ref = _reference(model, ids, mask, **kw)
+    assert not torch.equal(ref, _reference(model, ids, mask, max_new_tokens=21))  # the penalty changes the output
+    out, st = _patched(model, ids, mask, drafter=DraftModelDrafter(model, k=4), **kw)
+    assert torch.equal(out, ref)
+    assert all(a == d for depth, acc in zip(st.depth, st.accepted) for d, a in zip(depth, acc) if d is not None)
+    untold = DraftModelDrafter(model, k=4)
+    untold.set_processors = lambda **processors: None
+    out, st = _patched(model, ids, mask, drafter=untold, **kw)
+    assert torch.equal(out, ref)
+    assert any(a < d for depth, acc in zip(st.depth, st.accepted) for d, a in zip(depth, acc) if d is not None)
+
+
 def test_max_new_tokens_exact(model):
     ids, mask = _batch([12])
     for n in (1, 2, 7):

@@ -11,6 +11,11 @@ Interface (``Drafter``), called by fastverify.hf.loop once per step for the whol
   update(accepted)               after verification: accepted draft nodes per request (None for requests
                                  that were not drafted for / are finished).
 
+Opt-in: ``set_processors(repetition_penalty=...)``, called by the loop before ``reset`` with the generate options
+that reshape the target's logits (the base class keeps them as attributes). ``DraftModelDrafter`` reshapes its draft
+model's logits the same way, so that its drafts follow the processed target, as transformers'
+assisted generation hands its logits processors to the assistant; the output never depends on it.
+
 Opt-in for drafters that read the target (DESIGN "Drafters that read the target"): a drafter with
 ``wants_hidden = True`` also gets, after ``update`` at every step,
 
@@ -43,6 +48,12 @@ from fastverify.tree import Tree
 
 __all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "empty_tree", "merge_scored", "cut_scored",
            "GPU_NODE_COST", "device_node_cost"]
+
+
+def _penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """generate's repetition penalty (RepetitionPenaltyLogitsProcessor) on logits [..., V] where the bool mask seen
+    [..., V] is set: s < 0 ? s * penalty : s / penalty. A new tensor."""
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
 def batch_drafting(budget) -> int:
@@ -140,6 +151,12 @@ class Drafter:
 
     def reset(self, batch_size: int) -> None:
         self.batch_size = batch_size
+
+    repetition_penalty = 1.0  # the generate call's (``set_processors``); 1.0: none
+
+    def set_processors(self, repetition_penalty: float = 1.0) -> None:
+        """Called by the loop before ``reset`` with the generate options that reshape the target's logits."""
+        self.repetition_penalty = float(repetition_penalty)
 
     # A cost-aware drafter's node_cost when none is given: its fit on a CPU; on another device ``set_device`` takes
     # ``device_node_cost``'s. None: the drafter has no cost model.
@@ -547,8 +564,14 @@ class DraftModelDrafter(Drafter):
             topk = min(self.tree_topk, bud)
             depth = max(1, min(self.k, bud // topk))
             logits = self._forward(b, ctx[self.cached[b]:])
+            seen = None
+            if self.repetition_penalty != 1.0:  # as the target's rows: the sequence's tokens penalised
+                seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                seen[torch.tensor([t for t in set(ctx) if t < seen.numel()], dtype=torch.int64)] = True
             tokens, parents, chain_parent = [], [], -1
             for d in range(depth):
+                if seen is not None:
+                    logits = _penalize(logits, seen, self.repetition_penalty)
                 cand = torch.topk(logits, topk).indices.tolist() if topk > 1 else [int(logits.argmax())]
                 head = len(tokens)
                 for t in cand:
@@ -557,6 +580,8 @@ class DraftModelDrafter(Drafter):
                 chain_parent = head
                 if d + 1 < depth:
                     logits = self._forward(b, [cand[0]])
+                    if seen is not None:
+                        seen[cand[0]] = True
             crop_cache(self.caches[b], len(ctx))
             self.cached[b] = len(ctx)
             trees.append(Tree(tokens, parents, validate=False))

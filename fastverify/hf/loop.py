@@ -239,6 +239,8 @@ class Decoder:
             self.prefix = (input_ids[:, :-1], prefix_mask, prefix_pos, mask[:, :-1])
         if callable(getattr(drafter, "set_device", None)):  # a cost model that depends on the device
             drafter.set_device(self.device)
+        if callable(getattr(drafter, "set_processors", None)):  # drafts that follow the processed target
+            drafter.set_processors(repetition_penalty=settings.repetition_penalty)
         drafter.reset(B)
 
     def _sync(self):
