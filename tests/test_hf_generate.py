@@ -245,6 +245,32 @@ def test_self_drafting_under_a_repetition_penalty_accepts_every_draft(model):
     assert any(a < d for depth, acc in zip(st.depth, st.accepted) for d, a in zip(depth, acc) if d is not None)
 
 
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_self_drafting_under_bans_accepts_every_draft(model, lengths):
+    """The tokens generate's processors ban on a row (no_repeat_ngram_size, bad words, suppressed tokens, the
+    minimum length), handed to the drafter by the loop (``set_processors(banned=...)``): the target drafting for
+    itself avoids them as its rows do, so every greedy draft is accepted, in fewer steps than drafting as if
+    nothing were banned (whose banned nodes the loop drops before its forward, ending those drafts early)."""
+    ids, mask = _batch(lengths, seed=3)
+    L = ids.shape[1]
+    g = _reference(model, ids, mask, max_new_tokens=20)[0, L:].tolist()
+    eos = int(g[2])
+    steps = {True: 0, False: 0}
+    for kw in ({"no_repeat_ngram_size": 2}, {"bad_words_ids": [[g[1]], g[5:7]], "suppress_tokens": [g[9]]},
+               {"min_new_tokens": 12, "eos_token_id": eos}):
+        ref = _reference(model, ids, mask, max_new_tokens=20, **kw)
+        for told in (True, False):
+            drafter = DraftModelDrafter(model, k=4)
+            if not told:
+                drafter.set_processors = lambda **processors: None
+            out, st = _patched(model, ids, mask, drafter=drafter, max_new_tokens=20, **kw)
+            assert torch.equal(out, ref), kw
+            assert all(a == d for depth, acc in zip(st.depth, st.accepted) for d, a in zip(depth, acc)
+                       if d is not None)
+            steps[told] += st.steps
+    assert steps[True] < steps[False], steps
+
+
 def test_max_new_tokens_exact(model):
     ids, mask = _batch([12])
     for n in (1, 2, 7):

@@ -11,10 +11,11 @@ Interface (``Drafter``), called by fastverify.hf.loop once per step for the whol
   update(accepted)               after verification: accepted draft nodes per request (None for requests
                                  that were not drafted for / are finished).
 
-Opt-in: ``set_processors(repetition_penalty=...)``, called by the loop before ``reset`` with the generate options
-that reshape the target's logits (the base class keeps them as attributes). ``DraftModelDrafter`` reshapes its draft
-model's logits the same way, so that its drafts follow the processed target, as transformers'
-assisted generation hands its logits processors to the assistant; the output never depends on it.
+Opt-in: ``set_processors(repetition_penalty=..., banned=...)``, called by the loop before ``reset`` with what the
+generate call's logits processors do to the target's rows (the base class keeps them as attributes).
+``DraftModelDrafter`` processes its draft model's logits the same way, so that its drafts follow the processed
+target, as transformers' assisted generation hands its logits processors to the assistant; the output never depends
+on it.
 
 Opt-in for drafters that read the target (DESIGN "Drafters that read the target"): a drafter with
 ``wants_hidden = True`` also gets, after ``update`` at every step,
@@ -153,10 +154,15 @@ class Drafter:
         self.batch_size = batch_size
 
     repetition_penalty = 1.0  # the generate call's (``set_processors``); 1.0: none
+    banned = None  # (request, draft path) -> the tokens the target's row after that path has at -inf; None: none
 
-    def set_processors(self, repetition_penalty: float = 1.0) -> None:
-        """Called by the loop before ``reset`` with the generate options that reshape the target's logits."""
+    def set_processors(self, repetition_penalty: float = 1.0, banned=None) -> None:
+        """Called by the loop before ``reset`` with what generate's logits processors do to the target's rows:
+        repetition_penalty (the call's), banned (a function of a request's index and a tuple of draft tokens
+        after its context: the set of tokens generate's processors set to -inf on that row; None when none
+        does); and with the defaults once the call ends."""
         self.repetition_penalty = float(repetition_penalty)
+        self.banned = banned
 
     # A cost-aware drafter's node_cost when none is given: its fit on a CPU; on another device ``set_device`` takes
     # ``device_node_cost``'s. None: the drafter has no cost model.
@@ -568,16 +574,21 @@ class DraftModelDrafter(Drafter):
             if self.repetition_penalty != 1.0:  # as the target's rows: the sequence's tokens penalised
                 seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
                 seen[torch.tensor([t for t in set(ctx) if t < seen.numel()], dtype=torch.int64)] = True
-            tokens, parents, chain_parent = [], [], -1
+            tokens, parents, chain, chain_parent = [], [], [], -1
             for d in range(depth):
                 if seen is not None:
                     logits = _penalize(logits, seen, self.repetition_penalty)
+                if self.banned is not None:  # the tokens the target's row after this chain cannot pick
+                    ban = [t for t in self.banned(b, tuple(chain)) if t < logits.shape[-1]]
+                    if ban:
+                        logits = logits.index_fill(0, torch.tensor(ban, device=logits.device), float("-inf"))
                 cand = torch.topk(logits, topk).indices.tolist() if topk > 1 else [int(logits.argmax())]
                 head = len(tokens)
                 for t in cand:
                     tokens.append(t)
                     parents.append(chain_parent)
                 chain_parent = head
+                chain.append(cand[0])
                 if d + 1 < depth:
                     logits = self._forward(b, [cand[0]])
                     if seen is not None:

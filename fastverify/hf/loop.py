@@ -240,7 +240,8 @@ class Decoder:
         if callable(getattr(drafter, "set_device", None)):  # a cost model that depends on the device
             drafter.set_device(self.device)
         if callable(getattr(drafter, "set_processors", None)):  # drafts that follow the processed target
-            drafter.set_processors(repetition_penalty=settings.repetition_penalty)
+            drafter.set_processors(repetition_penalty=settings.repetition_penalty,
+                                   banned=self.banned if settings.bans else None)
         drafter.reset(B)
 
     def _sync(self):
@@ -364,40 +365,44 @@ class Decoder:
 
     def _bans(self, b, tree, first, V):
         """[(row, token)]: the tokens generate's processors set to -inf on request b's rows (the root's row
-        ``first``, node j's row first + 1 + j), each row's sequence being generate's row (left padding, prompt,
-        tokens so far: ``self.full``) followed by the row's draft path:
+        ``first``, node j's row first + 1 + j): ``banned`` of each row's draft path."""
+        return [(first + 1 + j, t) for j, path in enumerate([()] + _node_paths(tree), -1)
+                for t in self.banned(b, path) if t < V]
+
+    def banned(self, b: int, path=()) -> set:
+        """The tokens generate's processors set to -inf on request b's row whose sequence is generate's row (left
+        padding, prompt, tokens so far: ``self.full``) followed by the draft tokens ``path``:
 
         - NoRepeatNGramLogitsProcessor: where the sequence ends in the first n - 1 tokens of one of its n-grams, that
           n-gram's last token (the n-grams of the tokens so far kept in ``self.follow``, those ending in the path
-          found per row);
+          found here);
         - NoBadWordsLogitsProcessor: a bad word's last token where the sequence ends in the tokens before it;
         - SuppressTokens / SuppressTokensAtBegin: its tokens everywhere / on the row that picks the first token;
-        - MinNewTokensLength / MinLength: eos on a row that picks a token numbered below min_tokens (the root's row
-          picks token len(generated), a node's row len(generated) + the node's depth)."""
+        - MinNewTokensLength / MinLength: eos on a row that picks a token numbered below min_tokens (the row picks
+          token len(generated) + len(path)).
+
+        Handed to the drafter (``set_processors``): a draft model's chain avoids what the target's rows ban."""
         s = self.s
         k, done = s.no_repeat_ngram_size, len(self.generated[b])
         seq = self.full[b] if self.full is not None else []
-        out = []
-        for j, path in enumerate([()] + _node_paths(tree), -1):  # the root's row, then the nodes'
-            ban = set(s.suppress)
-            if done + len(path) == 0:
-                ban |= s.begin_suppress
-            if done + len(path) < s.min_tokens:
-                ban |= self.eos
-            if k and len(seq) + len(path) >= k:
-                x = seq[max(len(seq) - k + 1, 0):] + list(path)  # the tail holding the n-grams ending in the path
-                prefix = tuple(x[len(x) - k + 1:])
-                ban |= self.follow[b].get(prefix, set())
-                for i in range(max(len(x) - len(path), k - 1), len(x)):  # the n-grams ending in the path
-                    if tuple(x[i - k + 1:i]) == prefix:
-                        ban.add(x[i])
-            for before, last in s.bad_words:
-                n = len(before)
-                if n <= len(seq) + len(path) and (n == 0 or tuple((seq[max(len(seq) - n, 0):] + list(path))[-n:])
-                                                   == before):
-                    ban.add(last)
-            out += [(first + 1 + j, t) for t in ban if t < V]
-        return out
+        ban = set(s.suppress)
+        if done + len(path) == 0:
+            ban |= s.begin_suppress
+        if done + len(path) < s.min_tokens:
+            ban |= self.eos
+        if k and len(seq) + len(path) >= k:
+            x = seq[max(len(seq) - k + 1, 0):] + list(path)  # the tail holding the n-grams ending in the path
+            prefix = tuple(x[len(x) - k + 1:])
+            ban |= self.follow[b].get(prefix, set())
+            for i in range(max(len(x) - len(path), k - 1), len(x)):  # the n-grams ending in the path
+                if tuple(x[i - k + 1:i]) == prefix:
+                    ban.add(x[i])
+        for before, last in s.bad_words:
+            n = len(before)
+            if n <= len(seq) + len(path) and (n == 0 or tuple((seq[max(len(seq) - n, 0):] + list(path))[-n:])
+                                               == before):
+                ban.add(last)
+        return ban
 
     def remaining(self, b: int) -> int:
         return 0 if self.finished[b] else max(self.limit - len(self.generated[b]), 0)
@@ -681,6 +686,8 @@ class Decoder:
     def close(self):
         if self.hidden is not None:
             self.hidden.close()
+        if callable(getattr(self.drafter, "set_processors", None)):  # not holding this decoder past its generate
+            self.drafter.set_processors()
 
     def output(self) -> torch.Tensor:
         """[B, L + T]: the prompt (with its padding) and the emitted tokens, pad_token_id after a request ends."""
