@@ -5,8 +5,8 @@ One case = a random config (architecture; sliding windows, chunk sizes, RoPE sca
 embeddings, attention implementation; in about a third of the cases every linear layer's weight as a GGUF file's
 blocks hold it, so that the loop streams it packed), a random batch (1-4 requests, left padding, random prompt
 lengths, repetitive or random prompts), random ``generate`` options (greedy or sampling, max_new_tokens /
-max_length, eos, stop strings, min_new_tokens / min_length, repetition penalty, no_repeat_ngram_size, options the
-loop does not run), a random drafter (n-gram, the target itself as a draft model, none, GAD / LUD / PTP slots with
+max_length, eos, stop strings, min_new_tokens / min_length, repetition penalty, no_repeat_ngram_size, bad words,
+suppressed tokens, sequence biases, forced eos tokens, options the loop does not run), a random drafter (n-gram, the target itself as a draft model, none, GAD / LUD / PTP slots with
 random active adapters, which also checks that verify rows stay the base model, proposal heads and an EAGLE layer
 with random weights, alone or merged with the n-gram trie) and rule.
 Checked:
@@ -331,6 +331,13 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
                                  for _ in range(bans.randint(1, 3))]
     if bans.random() < 0.1:
         opts[bans.choice(["suppress_tokens", "begin_suppress_tokens"])] = bans.sample(range(V), 3)
+    bias = random.Random(f"sequence bias {seed}")
+    if bias.random() < 0.15:  # single tokens and sequences of the prompts' tokens, some sharing a last token
+        seen = sorted(set(ids.reshape(-1).tolist()) - {PAD})
+        seqs = {tuple(bias.choice(seen) for _ in range(bias.randint(1, 3))) for _ in range(bias.randint(1, 4))}
+        opts["sequence_bias"] = {q: bias.choice([-20.0, -2.5, 0.75, 3.0, 12.0]) for q in seqs}
+    if bias.random() < 0.1:
+        opts["forced_eos_token_id"] = bias.sample(range(V), bias.randint(1, 2))
     stops = random.Random(f"stop strings {seed}")  # a stream of its own, as the weights'
     if stops.random() < 0.2:  # stop strings of one to three letters (tokens are strings of letters)
         opts["stop_strings"] = ["".join(stops.choice("abcdefgh") for _ in range(stops.randint(1, 3)))
@@ -418,7 +425,8 @@ def summary(results) -> dict:
                              for k in ("identical", "fallback")}
     for key, names in (("stop_strings", ("stop_strings",)), ("min_tokens", ("min_new_tokens", "min_length")),
                        ("repetition", ("repetition_penalty", "no_repeat_ngram_size")),
-                       ("banned", ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens"))):
+                       ("banned", ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens")),
+                       ("bias", ("sequence_bias", "forced_eos_token_id"))):
         out[key] = {k: sum(1 for r in results if any(n in r["options"] for n in names) and r["outcome"] == k)
                     for k in ("identical", "fallback")}
     return out

@@ -216,6 +216,23 @@ def test_greedy_bad_words_and_suppressed_tokens(model, lengths):
     assert _options_match_generate(model, ids, mask, cases) >= 4
 
 
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_greedy_sequence_bias_and_forced_eos(model, lengths):
+    """sequence_bias (single tokens and sequences, biases summed where several end in one token, as generate's
+    processor sums them) and forced_eos_token_id (the last new token forced), on every verify row with its path."""
+    ids, mask = _batch(lengths, seed=3)
+    L = ids.shape[1]
+    free = _reference(model, ids, mask, max_new_tokens=20)
+    g = free[0, L:].tolist()
+    o, o2 = [t for t in range(5, 100) if t not in g][:2]  # tokens the greedy output does not hold
+    cases = [{"sequence_bias": [[[g[3]], -4.0]]}, {"sequence_bias": {(o,): 6.0, (g[1], o2): 9.0}},
+             {"sequence_bias": [[g[2:4], -7.0], [[g[3]], 0.7], [g[1:4], 1.1], [[g[1], g[3]], -0.3]]},
+             {"forced_eos_token_id": o}, {"forced_eos_token_id": [o2, g[2]], "eos_token_id": o2},
+             {"forced_eos_token_id": [o, o2], "suppress_tokens": [o, g[8]], "repetition_penalty": 1.3,
+              "sequence_bias": {(g[0],): -1.5}}]
+    assert _options_match_generate(model, ids, mask, cases) >= 4
+
+
 def test_drafts_a_processor_bans_are_not_verified(model):
     """no_repeat_ngram_size=1 bans every token the sequence holds: the n-gram drafter's copies from the context are
     all banned, so the loop verifies none of them (and the output is still generate's)."""
@@ -362,13 +379,15 @@ def test_seeded_sampling_with_min_new_tokens_equals_autoregressive_sampling(mode
         assert torch.equal(out, ar), (type(drafter).__name__, out.tolist(), ar.tolist())
 
 
-def test_seeded_sampling_with_repetition_processors_equals_autoregressive_sampling(model):
+@pytest.mark.parametrize("processors", [{"repetition_penalty": 1.5, "no_repeat_ngram_size": 2},
+                                        {"sequence_bias": {(5,): 3.0, (7, 9): -2.0}, "forced_eos_token_id": [11, 13]}],
+                         ids=["repetition", "bias"])
+def test_seeded_sampling_with_processors_equals_autoregressive_sampling(model, processors):
     ids, mask = _batch([14, 6, 2], seed=7)
-    kw = dict(do_sample=True, temperature=0.8, max_new_tokens=20, seed=1234, repetition_penalty=1.5,
-              no_repeat_ngram_size=2)
+    kw = dict(do_sample=True, temperature=0.8, max_new_tokens=20, seed=1234, **processors)
     ar, _ = _patched(model, ids, mask, drafter=Drafter(), **kw)
-    free, _ = _patched(model, ids, mask, drafter=Drafter(), **{**kw, "repetition_penalty": 1.0,
-                                                              "no_repeat_ngram_size": 0})
+    free, _ = _patched(model, ids, mask, drafter=Drafter(), do_sample=True, temperature=0.8, max_new_tokens=20,
+                       seed=1234)
     assert not torch.equal(ar, free)
     for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
         out, st = _patched(model, ids, mask, drafter=drafter, **kw)

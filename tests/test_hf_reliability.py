@@ -439,17 +439,18 @@ def test_lossy_rules_documented():
 
 
 def test_processor_values_generate_refuses_fall_back_to_its_error():
-    """Values generate's own processors refuse (a bad word outside the vocabulary, an empty list, a non-float
-    penalty, a fractional n-gram size) reach generate, whose error names them; the loop runs none of them. A size
+    """Values generate's own processors refuse (a bad word or a biased / forced token outside the vocabulary, an
+    empty list, a non-float penalty or bias, a fractional n-gram size) reach generate, whose error names them; the loop runs none of them. A size
     <= 0 is no processor there, and none here."""
     model = _llama()
     ids, mask = _prompts(1)
     patch(model)
     for kw in ({"bad_words_ids": [[V + 5]]}, {"bad_words_ids": []}, {"repetition_penalty": 2},
-               {"no_repeat_ngram_size": 2.5}):
+               {"no_repeat_ngram_size": 2.5}, {"sequence_bias": {(3, V + 1): 1.0}}, {"sequence_bias": [[[3], 1]]},
+               {"sequence_bias": {}}, {"forced_eos_token_id": V + 2}):
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
-            with pytest.raises(ValueError):
+            with pytest.raises((ValueError, IndexError)):  # (a forced token outside: its IndexError)
                 model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, **kw)
         assert any(next(iter(kw)) in str(w.message) for w in record if "falling back" in str(w.message)), kw
     ref = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=6)

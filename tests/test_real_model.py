@@ -171,6 +171,14 @@ def test_patched_repetition_processors_equal_generate(smollm2, kw):
     _plain_and_patched(model, tok, _chat_ids(tok, PROMPTS[1]), max_new_tokens=48, **kw)
 
 
+def test_patched_sequence_bias_and_forced_eos_equal_generate(smollm2):
+    """Byte-level BPE tokens biased alone and in sequences, and the last token forced."""
+    model, tok = smollm2
+    bias = {tuple(tok.encode(" the")): -3.0, tuple(tok.encode(" of the")): 2.0, tuple(tok.encode(".")): -1.5}
+    _plain_and_patched(model, tok, _chat_ids(tok, PROMPTS[1]), max_new_tokens=48, sequence_bias=bias,
+                       forced_eos_token_id=tok.eos_token_id)
+
+
 # ------------------------------------------------------------------------------- the end-to-end benchmark
 
 def _bench(name):

@@ -19,6 +19,7 @@ autoregressive sampling with the same seed (a drafter that proposes nothing).
 """
 
 import contextlib
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -126,12 +127,21 @@ class DecodeSettings:
     bad_words: tuple = ()  # bad_words_ids as (the tokens before the last, the last); a single token: ((), token)
     suppress: frozenset = frozenset()  # suppress_tokens: never picked
     begin_suppress: frozenset = frozenset()  # begin_suppress_tokens: not picked as a request's first token
+    # sequence_bias: ((the tokens before the last, the last, the bias as a float32 value), ...) in the order
+    # generate's processor sums them (the single tokens first, then by prefix length as first given)
+    sequence_bias: tuple = ()
+    forced_eos: tuple = ()  # forced_eos_token_id: the tokens the row that picks the last new token keeps (at 0)
 
     @property
     def bans(self) -> bool:
-        """Whether a processor sets tokens to -inf on some rows (``Decoder._bans``); min_tokens needs an eos too."""
+        """Whether a processor sets tokens to -inf on some rows (``Decoder.banned``); min_tokens needs an eos too."""
         return bool(self.no_repeat_ngram_size or self.bad_words or self.suppress or self.begin_suppress
                     or (self.min_tokens > 0 and self.eos_token_ids))
+
+    @property
+    def processes(self) -> bool:
+        """Whether generate's logits processors change the verify rows' logits (``Decoder._process``)."""
+        return bool(self.repetition_penalty != 1.0 or self.bans or self.sequence_bias or self.forced_eos)
 
 
 class StopStrings:
@@ -217,7 +227,7 @@ class Decoder:
         # no_repeat_ngram_size, bad_words_ids, stop strings: each request's generate row (padded prompt, tokens so
         # far); and its n-grams, first n - 1 tokens -> the last tokens that followed them
         self.full = self.follow = None
-        if settings.no_repeat_ngram_size or settings.bad_words or settings.stop is not None:
+        if settings.no_repeat_ngram_size or settings.bad_words or settings.sequence_bias or settings.stop is not None:
             self.full = [row.tolist() for row in input_ids]
         if settings.no_repeat_ngram_size:
             self.follow = [{} for _ in range(B)]
@@ -313,43 +323,57 @@ class Decoder:
     def _process(self, logits, trees, cu, remaining):
         """generate's logits processors that the loop runs, on the verify rows (logits [N + B, V] in verify's layout,
         in place; request b's rows are cu[b] + b, its root's, then its nodes' in order), each row as generate would
-        see it: the request's tokens so far followed by the row's path of draft tokens. First
-        RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the prompt without its left padding, the
-        tokens so far, the path) scores s < 0 ? s * penalty : s / penalty; then the tokens ``_bans`` names at -inf."""
+        see it: the request's tokens so far followed by the row's path of draft tokens. In generate's order:
+        SequenceBiasLogitsProcessor (``_bias``); RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the
+        prompt without its left padding, the tokens so far, the path) scores s < 0 ? s * penalty : s / penalty;
+        ForcedEOSTokenLogitsProcessor: the row that picks the last new token keeps only forced_eos, at 0; then the
+        tokens ``banned`` names at -inf."""
         s, V = self.s, logits.shape[-1]
         p = s.repetition_penalty
-        rows, banned = [], []
+        rows, banned, forced = [], [], []
         for b, tree in enumerate(trees):
             if remaining[b] <= 0:
                 continue
             first, n = cu[b] + b, len(tree)
-            if s.bans:
-                banned += self._bans(b, tree, first, V)
+            paths = [()] + _node_paths(tree)  # the root's row, then the nodes'
+            if s.sequence_bias:
+                bias = [(first + j, t, v) for j, path in enumerate(paths) for t, v in self._bias(b, path).items()]
+                if bias:
+                    r, c = upload_lists([[x[0] for x in bias], [x[1] for x in bias]], torch.int64, logits.device)
+                    logits[r, c] += torch.tensor([x[2] for x in bias], dtype=torch.float32).to(logits)
             if p != 1.0:
                 seen = self.seen[b]
                 sub = logits[first:first + n + 1]  # the request's rows (a view)
                 base = torch.tensor(sorted(t for t in seen if t < V), dtype=torch.int64, device=logits.device)
                 g = sub[:, base]
                 sub[:, base] = torch.where(g < 0, g * p, g / p)
-                for j, path in enumerate(_node_paths(tree)):  # the path's tokens the sequence does not hold yet
+                for j, path in enumerate(paths[1:]):  # the path's tokens the sequence does not hold yet
                     rows += [(first + 1 + j, c) for c in set(path) if c < V and c not in seen]
+            if s.forced_eos:
+                forced += [first + j for j, path in enumerate(paths) if self._forced(b, path)]
+            if s.bans:
+                banned += [(first + j, t) for j, path in enumerate(paths) for t in self.banned(b, path) if t < V]
         if rows:
             r, c = upload_lists([[r for r, _ in rows], [c for _, c in rows]], torch.int64, logits.device)
             g = logits[r, c]
             logits[r, c] = torch.where(g < 0, g * p, g / p)
+        if forced:
+            r = torch.tensor(forced, dtype=torch.int64).to(logits.device)
+            logits[r] = float("-inf")
+            logits[r[:, None], torch.tensor(s.forced_eos, dtype=torch.int64).to(logits.device)] = 0.0
         if banned:
             r, c = upload_lists([[r for r, _ in banned], [c for _, c in banned]], torch.int64, logits.device)
             logits[r, c] = float("-inf")
         return logits
 
     def _drop_banned(self, b, tree):
-        """Request b's tree without the nodes whose token ``_bans`` sets to -inf on their parent's row (and their
+        """Request b's tree without the nodes whose token ``banned`` sets to -inf on their parent's row (and their
         subtrees): no rule accepts them, so their rows would be verified for nothing."""
-        banned = set(self._bans(b, tree, 0, self.vocab_size))
+        banned = [self.banned(b, path) for path in [()] + _node_paths(tree)]  # per row: the root's, the nodes'
         toks, par = tree.tokens.tolist(), tree.parents.tolist()
         index = {}  # kept node -> its index in the new tree
         for j, (t, q) in enumerate(zip(toks, par)):
-            if (q < 0 or q in index) and (0 if q < 0 else 1 + q, t) not in banned:
+            if (q < 0 or q in index) and t not in banned[0 if q < 0 else 1 + q]:
                 index[j] = len(index)
         if len(index) == len(toks):
             return tree
@@ -363,12 +387,6 @@ class Decoder:
         for i in range(max(start, k - 1), len(seq)):
             follow.setdefault(tuple(seq[i - k + 1:i]), set()).add(seq[i])
 
-    def _bans(self, b, tree, first, V):
-        """[(row, token)]: the tokens generate's processors set to -inf on request b's rows (the root's row
-        ``first``, node j's row first + 1 + j): ``banned`` of each row's draft path."""
-        return [(first + 1 + j, t) for j, path in enumerate([()] + _node_paths(tree), -1)
-                for t in self.banned(b, path) if t < V]
-
     def banned(self, b: int, path=()) -> set:
         """The tokens generate's processors set to -inf on request b's row whose sequence is generate's row (left
         padding, prompt, tokens so far: ``self.full``) followed by the draft tokens ``path``:
@@ -381,13 +399,17 @@ class Decoder:
         - MinNewTokensLength / MinLength: eos on a row that picks a token numbered below min_tokens (the row picks
           token len(generated) + len(path)).
 
-        Handed to the drafter (``set_processors``): a draft model's chain avoids what the target's rows ban."""
+        On the row ForcedEOSTokenLogitsProcessor replaces (``_forced``), only those of the processors after it:
+        SuppressTokens and SuppressTokensAtBegin. Handed to the drafter (``set_processors``): a draft model's chain
+        avoids what the target's rows ban."""
         s = self.s
         k, done = s.no_repeat_ngram_size, len(self.generated[b])
         seq = self.full[b] if self.full is not None else []
         ban = set(s.suppress)
         if done + len(path) == 0:
             ban |= s.begin_suppress
+        if self._forced(b, path):
+            return ban
         if done + len(path) < s.min_tokens:
             ban |= self.eos
         if k and len(seq) + len(path) >= k:
@@ -403,6 +425,24 @@ class Decoder:
                                                == before):
                 ban.add(last)
         return ban
+
+    def _forced(self, b: int, path) -> bool:
+        """Whether request b's row after the draft path picks the last new token (generate's max_length - 1), the
+        row ForcedEOSTokenLogitsProcessor keeps only the forced eos tokens on."""
+        return bool(self.s.forced_eos) and len(self.generated[b]) + len(path) == self.s.max_new_tokens - 1
+
+    def _bias(self, b: int, path) -> dict:
+        """SequenceBiasLogitsProcessor on request b's row after the draft path: {token: the sum of the biases of the
+        sequences ending in it whose tokens before it end the row's sequence (generate's row, then the path)},
+        summed in float32 in generate's order."""
+        seq = self.full[b]
+        out = {}
+        for before, last, value in self.s.sequence_bias:
+            n = len(before)
+            if n == 0 or (n <= len(seq) + len(path)
+                          and tuple((seq[max(len(seq) - n, 0):] + list(path))[-n:]) == before):
+                out[last] = _float32(out.get(last, 0.0) + value)
+        return out
 
     def remaining(self, b: int) -> int:
         return 0 if self.finished[b] else max(self.limit - len(self.generated[b]), 0)
@@ -456,7 +496,7 @@ class Decoder:
             logits = step_logits.reshape(-1, step_logits.shape[-1])  # (batch 1 without slot rows): a view, no copy
         else:
             logits = step_logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
-        if s.repetition_penalty != 1.0 or s.bans:
+        if s.processes:
             logits = self._process(logits.clone(), trees, inp.cu_host, remaining)
         self._sync()
         t3 = time.perf_counter()
@@ -831,6 +871,11 @@ def _forced_first(tree: Tree, f: int):
     new_index = {j: i for i, j in enumerate(keep)}
     par = [-1 if i == 0 else new_index[parents[j]] for i, j in enumerate(keep)]
     return Tree(tree.tokens[keep], torch.tensor(par, dtype=tree.parents.dtype), validate=False), len(chain)
+
+
+def _float32(x: float) -> float:
+    """x rounded to float32 (a sum of two float32 values rounded so is their float32 sum)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _node_paths(tree: Tree) -> list:

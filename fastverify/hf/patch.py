@@ -255,7 +255,7 @@ def unpatch(model):
 # generation-config fields the loop honours; any other field set to a non-default value means fallback.
 _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "stop_strings",
             "min_length", "min_new_tokens", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
-            "suppress_tokens", "begin_suppress_tokens", "eos_token_id",
+            "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_eos_token_id", "eos_token_id",
             "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "transformers_version",
             "_from_model_config", "_commit_hash", "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
@@ -335,9 +335,9 @@ def _min_tokens(gc, L: int) -> int:
 
 
 def _bans(gc, eos, vocab_size):
-    """(DecodeSettings fields, None) for bad_words_ids / suppress_tokens / begin_suppress_tokens, as generate's
-    processors take them (a bad word that is a single eos token dropped), or (None, reason) for values generate
-    refuses."""
+    """(DecodeSettings fields, None) for bad_words_ids / suppress_tokens / begin_suppress_tokens / sequence_bias /
+    forced_eos_token_id, as generate's processors take them (a bad word that is a single eos token dropped), or
+    (None, reason) for values generate refuses."""
     out = {}
     words = gc.bad_words_ids
     if words is not None:
@@ -351,6 +351,27 @@ def _bans(gc, eos, vocab_size):
             if not all(isinstance(t, int) for t in tokens):
                 return None, f"{name}={tokens!r}"
             out[field_name] = frozenset(tokens)
+    if gc.sequence_bias is not None:
+        from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+        try:  # its own checks and its conversion to {tuple of tokens: bias}
+            biases = SequenceBiasLogitsProcessor(gc.sequence_bias).sequence_bias
+        except (ValueError, TypeError):
+            return None, f"sequence_bias={gc.sequence_bias!r}"
+        if any(t >= vocab_size for seq in biases for t in seq):
+            return None, f"sequence_bias={gc.sequence_bias!r}"
+        # generate's order of summation: the single tokens, then the longer sequences grouped by their length in the
+        # order the lengths first come
+        order = sorted(biases, key=lambda seq: (len(seq) > 1, [len(q) for q in biases].index(len(seq))))
+        out["sequence_bias"] = tuple((tuple(seq[:-1]), seq[-1], torch.tensor(float(biases[seq]), dtype=torch.float32).item()) for seq in order)
+    if gc.forced_eos_token_id is not None:
+        forced = gc.forced_eos_token_id
+        forced = forced.tolist() if isinstance(forced, torch.Tensor) else forced
+        forced = forced if isinstance(forced, (list, tuple)) else [forced]
+        if not (forced and all(isinstance(t, int) and 0 <= t < vocab_size for t in forced)):
+            return None, f"forced_eos_token_id={gc.forced_eos_token_id!r}"
+        if set(forced) <= out.get("suppress", frozenset()):  # every token at -inf on the last row
+            return None, f"forced_eos_token_id={gc.forced_eos_token_id!r} with all of them in suppress_tokens"
+        out["forced_eos"] = tuple(forced)
     return out, None
 
 
