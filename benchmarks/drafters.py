@@ -6,12 +6,12 @@ heads' cost model, a checkpoint against another) on a machine whose speed drifts
     python benchmarks/drafters.py --per-category 1 --passes 2 ngram bpd+ngram bpd+ngram:node_cost=0.06
     python benchmarks/drafters.py --device cuda ngram bpd+ngram bpd+ngram:node_cost=0.03,heads=DIR
 
-A variant is ``ngram``, ``bpd`` or ``bpd+ngram``, optionally followed by ``:key=value,...``: HeadsDrafter keyword
-arguments for bpd / bpd+ngram (node_cost, fixed_cost, width, frontier, max_nodes, max_depth, ngram_confident, ...;
-``heads=NAME_OR_DIR`` picks the checkpoint), NGramDrafter keyword arguments for ngram; ``processors=False`` keeps
-the generate options of ``--generate`` (a repetition penalty) from the drafter. The first variant is the
-reference of the speed ratios. Tune on the tuning questions only (``--per-category 1``: question 1 of each
-category) and keep questions 2-6 for the protocol's runs.
+A variant is ``none`` (the loop without drafts), ``ngram``, ``bpd`` or ``bpd+ngram``, optionally followed by
+``:key=value,...``: HeadsDrafter keyword arguments for bpd / bpd+ngram (node_cost, fixed_cost, width, frontier,
+max_nodes, max_depth, ngram_confident, ...; ``heads=NAME_OR_DIR`` picks the checkpoint), NGramDrafter keyword
+arguments for ngram; ``processors=False`` keeps the generate options of ``--generate`` (a repetition penalty) from
+the drafter. The first variant is the reference of the speed ratios. Tune on the tuning questions only
+(``--per-category 1``: question 1 of each category) and keep questions 2-6 for the protocol's runs.
 """
 
 import argparse
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import (DEFAULT_QUESTIONS, ROOT, _loop_stats, _sync, encode, first_difference,  # noqa: E402
                  heads_drafter, load_questions, machine_info, parse_options)
 
-KINDS = ("ngram", "bpd", "bpd+ngram")
+KINDS = ("none", "ngram", "bpd", "bpd+ngram")
 
 
 def _value(text):
@@ -50,6 +50,8 @@ def parse_variant(spec):
         if not eq or not key:
             raise ValueError(f"variant {spec!r}: expected key=value options, got {item!r}")
         options[key] = _value(value)
+    if kind == "none" and options:
+        raise ValueError(f"variant {spec!r}: none (the loop without drafts) takes no options")
     if kind == "ngram" and "heads" in options:
         raise ValueError(f"variant {spec!r}: heads= applies to bpd / bpd+ngram")
     return kind, options
@@ -60,7 +62,9 @@ def make_drafter(model, kind, options):
     import fastverify
     opts = dict(options)
     told = opts.pop("processors", True)
-    if kind == "ngram":
+    if kind == "none":
+        drafter = fastverify.Drafter()
+    elif kind == "ngram":
         drafter = fastverify.NGramDrafter(**opts)
     else:
         name = opts.pop("heads", "smollm2-bpd")
@@ -71,8 +75,9 @@ def make_drafter(model, kind, options):
 
 
 def run(model, tokenizer, questions, variants, max_new_tokens=128, passes=1, log=print, generate_options=None):
-    """generate_options: more generate keyword arguments (a repetition penalty, ...). Per variant: seconds, steps, new tokens and the loop's phase times summed over every question and pass, and
-    seconds per category. Raises AssertionError when a variant's output differs from the first variant's."""
+    """generate_options: more generate keyword arguments (a repetition penalty, ...). Per variant: seconds, steps,
+    new tokens and the loop's phase times summed over every question and pass, and seconds per category. Raises
+    AssertionError when a variant's output differs from the first variant's."""
     import fastverify
     parsed = [parse_variant(v) for v in variants]
     totals = {v: {"seconds": 0.0, "steps": 0, "new_tokens": 0, "draft_s": 0.0, "forward_s": 0.0, "by_category": {}}
@@ -136,7 +141,7 @@ def report(totals, variants):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("variants", nargs="+", help="ngram | bpd | bpd+ngram, each optionally :key=value,... (above)")
+    p.add_argument("variants", nargs="+", help="none | ngram | bpd | bpd+ngram, each optionally :key=value,... (above)")
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl (relative to the "
                    "repository root when not absolute)")
     p.add_argument("--per-category", type=int, default=1, help="questions per category (default 1: the tuning ones)")

@@ -458,6 +458,22 @@ def test_processor_values_generate_refuses_fall_back_to_its_error():
     assert torch.equal(out, ref) and not _fallbacks(messages)
 
 
+def test_forced_eos_every_token_suppressed_falls_back():
+    """forced_eos_token_id whose tokens begin_suppress_tokens all bans on the only new token: every score is -inf
+    on that row (generate's greedy argmax then picks token 0); the loop, which refuses an invalid row, falls back.
+    With a second new token the forced row is not the first one, and the loop runs."""
+    model = _llama()
+    ids, mask = _prompts(1)
+    kw = {"forced_eos_token_id": [7, 9], "begin_suppress_tokens": [7, 9]}
+    ref = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=1, **kw)
+    patch(model)
+    out, messages = _run(model, ids, mask, max_new_tokens=1, **kw)
+    assert torch.equal(out, ref) and any("forced_eos_token_id" in m for m in _fallbacks(messages))
+    ref = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=3, **kw)
+    out, messages = _run(model, ids, mask, max_new_tokens=3, **kw)
+    assert torch.equal(out, ref) and not _fallbacks(messages)
+
+
 # ------------------------------------------------------------------------------------ 10. stop_strings
 
 def _word_tokenizer():

@@ -362,7 +362,8 @@ def _bans(gc, eos, vocab_size):
         # generate's order of summation: the single tokens, then the longer sequences grouped by their length in the
         # order the lengths first come
         order = sorted(biases, key=lambda seq: (len(seq) > 1, [len(q) for q in biases].index(len(seq))))
-        out["sequence_bias"] = tuple((tuple(seq[:-1]), seq[-1], torch.tensor(float(biases[seq]), dtype=torch.float32).item()) for seq in order)
+        out["sequence_bias"] = tuple((tuple(seq[:-1]), seq[-1], torch.tensor(float(biases[seq]), dtype=torch.float32)
+                                      .item()) for seq in order)  # the biases as float32 values, as generate's
     if gc.forced_eos_token_id is not None:
         forced = gc.forced_eos_token_id
         forced = forced.tolist() if isinstance(forced, torch.Tensor) else forced
@@ -446,6 +447,10 @@ def _plan(model, state, args, kwargs):
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - L
     if max_new is None or max_new <= 0:
         return None, f"max_new_tokens = {max_new} (nothing to generate)"
+    forced = set(bans.get("forced_eos", ()))
+    suppressed = bans.get("suppress", set()) | bans.get("begin_suppress", set())
+    if max_new == 1 and forced and forced <= suppressed:
+        return None, "forced_eos_token_id all suppressed on the only new token (every score -inf there)"
     limit, what = sequence_limit(model.config, state.spec.sliding_window_attr)
     if limit == 0:
         return None, f"the model's {what}"
