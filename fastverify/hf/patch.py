@@ -370,8 +370,6 @@ def _bans(gc, eos, vocab_size):
         forced = forced if isinstance(forced, (list, tuple)) else [forced]
         if not (forced and all(isinstance(t, int) and 0 <= t < vocab_size for t in forced)):
             return None, f"forced_eos_token_id={gc.forced_eos_token_id!r}"
-        if set(forced) <= out.get("suppress", frozenset()):  # every token at -inf on the last row
-            return None, f"forced_eos_token_id={gc.forced_eos_token_id!r} with all of them in suppress_tokens"
         out["forced_eos"] = tuple(forced)
     return out, None
 
@@ -447,10 +445,10 @@ def _plan(model, state, args, kwargs):
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - L
     if max_new is None or max_new <= 0:
         return None, f"max_new_tokens = {max_new} (nothing to generate)"
-    forced = set(bans.get("forced_eos", ()))
-    suppressed = bans.get("suppress", set()) | bans.get("begin_suppress", set())
-    if max_new == 1 and forced and forced <= suppressed:
-        return None, "forced_eos_token_id all suppressed on the only new token (every score -inf there)"
+    forced = set(bans.get("forced_eos", ()))  # the last new token's row keeps these, less the suppressed ones
+    suppressed = bans.get("suppress", set()) | (bans.get("begin_suppress", set()) if max_new == 1 else set())
+    if forced and forced <= suppressed:  # every score -inf on that row (generate takes token 0 there)
+        return None, "forced_eos_token_id all suppressed on the last new token's row"
     limit, what = sequence_limit(model.config, state.spec.sliding_window_attr)
     if limit == 0:
         return None, f"the model's {what}"
