@@ -8,8 +8,8 @@ lengths, repetitive or random prompts), random ``generate`` options (greedy or s
 max_length, eos, stop strings, min_new_tokens / min_length, repetition penalty, no_repeat_ngram_size, bad words,
 suppressed tokens, sequence biases, forced eos tokens, options the loop does not run), a random drafter (n-gram,
 the target itself as a draft model, none, GAD / LUD / PTP slots with random active adapters, which also checks
-that verify rows stay the base model, proposal heads and an EAGLE layer
-with random weights, alone or merged with the n-gram trie) and rule.
+that verify rows stay the base model, proposal heads and an EAGLE layer with random weights, alone or merged with
+the n-gram trie) and rule.
 Checked:
 
 - greedy: patched output == the model's own ``generate(do_sample=False)``, whether the loop ran or fell back;
@@ -325,16 +325,15 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
         opts["repetition_penalty"] = penalty.choice([0.8, 1.1, 1.3, 2.0])
     if penalty.random() < 0.2:
         opts["no_repeat_ngram_size"] = penalty.choice([1, 2, 3, 4, 8])
-    bans = random.Random(f"banned tokens {seed}")  # tokens of the prompts, which the n-gram drafter copies
+    seen = sorted(set(ids.reshape(-1).tolist()) - {PAD})  # the prompts' tokens, which the n-gram drafter copies
+    bans = random.Random(f"banned tokens {seed}")
     if bans.random() < 0.2:
-        seen = sorted(set(ids.reshape(-1).tolist()) - {PAD})
         opts["bad_words_ids"] = [[bans.choice(seen) for _ in range(bans.randint(1, 3))]
                                  for _ in range(bans.randint(1, 3))]
     if bans.random() < 0.1:
         opts[bans.choice(["suppress_tokens", "begin_suppress_tokens"])] = bans.sample(range(V), 3)
     bias = random.Random(f"sequence bias {seed}")
     if bias.random() < 0.15:  # single tokens and sequences of the prompts' tokens, some sharing a last token
-        seen = sorted(set(ids.reshape(-1).tolist()) - {PAD})
         seqs = {tuple(bias.choice(seen) for _ in range(bias.randint(1, 3))) for _ in range(bias.randint(1, 4))}
         opts["sequence_bias"] = [[list(q), bias.choice([-20.0, -2.5, 0.75, 3.0, 12.0])] for q in sorted(seqs)]
     if bias.random() < 0.1:

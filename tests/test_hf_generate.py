@@ -244,6 +244,17 @@ def test_drafts_a_processor_bans_are_not_verified(model):
     assert st.drafted_tokens > 0  # without the processor the same prompt is drafted
 
 
+def _every_draft_accepted(st) -> bool:
+    """Whether every step accepted its draft to its full depth (each request's greedy path)."""
+    return all(a == d for depth, acc in zip(st.depth, st.accepted) for d, a in zip(depth, acc) if d is not None)
+
+
+def _untold(drafter):
+    """``drafter`` drafting as if the generate call had no logits processor."""
+    drafter.set_processors = lambda **processors: None
+    return drafter
+
+
 def test_self_drafting_under_a_repetition_penalty_accepts_every_draft(model):
     """A draft model penalises its logits as the target's rows are (the generate call's repetition_penalty, handed
     by the loop through ``set_processors``): the target drafting for itself then has every greedy draft accepted;
@@ -253,13 +264,9 @@ def test_self_drafting_under_a_repetition_penalty_accepts_every_draft(model):
     ref = _reference(model, ids, mask, **kw)
     assert not torch.equal(ref, _reference(model, ids, mask, max_new_tokens=21))  # the penalty changes the output
     out, st = _patched(model, ids, mask, drafter=DraftModelDrafter(model, k=4), **kw)
-    assert torch.equal(out, ref)
-    assert all(a == d for depth, acc in zip(st.depth, st.accepted) for d, a in zip(depth, acc) if d is not None)
-    untold = DraftModelDrafter(model, k=4)
-    untold.set_processors = lambda **processors: None
-    out, st = _patched(model, ids, mask, drafter=untold, **kw)
-    assert torch.equal(out, ref)
-    assert any(a < d for depth, acc in zip(st.depth, st.accepted) for d, a in zip(depth, acc) if d is not None)
+    assert torch.equal(out, ref) and _every_draft_accepted(st)
+    out, st = _patched(model, ids, mask, drafter=_untold(DraftModelDrafter(model, k=4)), **kw)
+    assert torch.equal(out, ref) and not _every_draft_accepted(st)
 
 
 @pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
@@ -277,13 +284,9 @@ def test_self_drafting_under_bans_accepts_every_draft(model, lengths):
                {"min_new_tokens": 12, "eos_token_id": eos}):
         ref = _reference(model, ids, mask, max_new_tokens=20, **kw)
         for told in (True, False):
-            drafter = DraftModelDrafter(model, k=4)
-            if not told:
-                drafter.set_processors = lambda **processors: None
+            drafter = DraftModelDrafter(model, k=4) if told else _untold(DraftModelDrafter(model, k=4))
             out, st = _patched(model, ids, mask, drafter=drafter, max_new_tokens=20, **kw)
-            assert torch.equal(out, ref), kw
-            assert all(a == d for depth, acc in zip(st.depth, st.accepted) for d, a in zip(depth, acc)
-                       if d is not None)
+            assert torch.equal(out, ref) and _every_draft_accepted(st), kw
             steps[told] += st.steps
     assert steps[True] < steps[False], steps
 

@@ -51,10 +51,11 @@ __all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "empty_tree", "merge_
            "GPU_NODE_COST", "device_node_cost"]
 
 
-def _penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """generate's repetition penalty (RepetitionPenaltyLogitsProcessor) on logits [..., V] where the bool mask seen
-    [..., V] is set: s < 0 ? s * penalty : s / penalty. A new tensor."""
-    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+def penalized(scores: torch.Tensor, penalty: float) -> torch.Tensor:
+    """generate's repetition penalty (RepetitionPenaltyLogitsProcessor's expression) on the scores of tokens the
+    sequence holds: s < 0 ? s * penalty : s / penalty. A new tensor. The loop's verify rows and a draft model's
+    chain (``DraftModelDrafter``) both take it from here."""
+    return torch.where(scores < 0, scores * penalty, scores / penalty)
 
 
 def batch_drafting(budget) -> int:
@@ -577,7 +578,7 @@ class DraftModelDrafter(Drafter):
             tokens, parents, chain, chain_parent = [], [], [], -1
             for d in range(depth):
                 if seen is not None:
-                    logits = _penalize(logits, seen, self.repetition_penalty)
+                    logits = torch.where(seen, penalized(logits, self.repetition_penalty), logits)
                 if self.banned is not None:  # the tokens the target's row after this chain cannot pick
                     ban = [t for t in self.banned(b, tuple(chain)) if t < logits.shape[-1]]
                     if ban:

@@ -27,7 +27,7 @@ import torch
 
 from fastverify.hf.attention import (cache_kwargs, crop_cache, forward_takes, gqa_attention, new_cache, prefill_inputs,
                                      step_inputs, upload_lists)
-from fastverify.hf.drafters import empty_tree
+from fastverify.hf.drafters import empty_tree, penalized
 from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
 from fastverify.hf.linear import skinny_linears
 from fastverify.ops.cache import compact_cache
@@ -345,8 +345,7 @@ class Decoder:
                 seen = self.seen[b]
                 sub = logits[first:first + n + 1]  # the request's rows (a view)
                 base = torch.tensor(sorted(t for t in seen if t < V), dtype=torch.int64, device=logits.device)
-                g = sub[:, base]
-                sub[:, base] = torch.where(g < 0, g * p, g / p)
+                sub[:, base] = penalized(sub[:, base], p)
                 for j, path in enumerate(paths[1:]):  # the path's tokens the sequence does not hold yet
                     rows += [(first + 1 + j, c) for c in set(path) if c < V and c not in seen]
             if s.forced_eos:
@@ -355,8 +354,7 @@ class Decoder:
                 banned += [(first + j, t) for j, path in enumerate(paths) for t in self.banned(b, path) if t < V]
         if rows:
             r, c = upload_lists([[r for r, _ in rows], [c for _, c in rows]], torch.int64, logits.device)
-            g = logits[r, c]
-            logits[r, c] = torch.where(g < 0, g * p, g / p)
+            logits[r, c] = penalized(logits[r, c], p)
         if forced:
             r = torch.tensor(forced, dtype=torch.int64).to(logits.device)
             logits[r] = float("-inf")
@@ -419,11 +417,7 @@ class Decoder:
             for i in range(max(len(x) - len(path), k - 1), len(x)):  # the n-grams ending in the path
                 if tuple(x[i - k + 1:i]) == prefix:
                     ban.add(x[i])
-        for before, last in s.bad_words:
-            n = len(before)
-            if n <= len(seq) + len(path) and (n == 0 or tuple((seq[max(len(seq) - n, 0):] + list(path))[-n:])
-                                               == before):
-                ban.add(last)
+        ban.update(last for before, last in s.bad_words if _ends_in(seq, path, before))
         return ban
 
     def _forced(self, b: int, path) -> bool:
@@ -435,12 +429,9 @@ class Decoder:
         """SequenceBiasLogitsProcessor on request b's row after the draft path: {token: the sum of the biases of the
         sequences ending in it whose tokens before it end the row's sequence (generate's row, then the path)},
         summed in float32 in generate's order."""
-        seq = self.full[b]
         out = {}
         for before, last, value in self.s.sequence_bias:
-            n = len(before)
-            if n == 0 or (n <= len(seq) + len(path)
-                          and tuple((seq[max(len(seq) - n, 0):] + list(path))[-n:]) == before):
+            if _ends_in(self.full[b], path, before):
                 out[last] = _float32(out.get(last, 0.0) + value)
         return out
 
@@ -871,6 +862,12 @@ def _forced_first(tree: Tree, f: int):
     new_index = {j: i for i, j in enumerate(keep)}
     par = [-1 if i == 0 else new_index[parents[j]] for i, j in enumerate(keep)]
     return Tree(tree.tokens[keep], torch.tensor(par, dtype=tree.parents.dtype), validate=False), len(chain)
+
+
+def _ends_in(seq: list, path, before: tuple) -> bool:
+    """Whether the sequence ``seq`` followed by ``path`` ends in the tokens ``before`` (always, when it is empty)."""
+    n = len(before)
+    return n == 0 or (n <= len(seq) + len(path) and tuple((seq[max(len(seq) - n, 0):] + list(path))[-n:]) == before)
 
 
 def _float32(x: float) -> float:

@@ -334,7 +334,7 @@ def _min_tokens(gc, L: int) -> int:
     return int(gc.min_length or 0) - L
 
 
-def _bans(gc, eos, vocab_size):
+def _token_processors(gc, eos, vocab_size):
     """(DecodeSettings fields, None) for bad_words_ids / suppress_tokens / begin_suppress_tokens / sequence_bias /
     forced_eos_token_id, as generate's processors take them (a bad word that is a single eos token dropped), or
     (None, reason) for values generate refuses."""
@@ -410,7 +410,7 @@ def _plan(model, state, args, kwargs):
     ngram = gc.no_repeat_ngram_size if gc.no_repeat_ngram_size is not None and gc.no_repeat_ngram_size > 0 else 0
     if not isinstance(ngram, int):  # generate runs no processor for a size <= 0
         return None, f"no_repeat_ngram_size={ngram!r} (generate's own error follows)"
-    bans, reason = _bans(gc, _as_list(gc.eos_token_id), model_vocab_size(model))
+    processors, reason = _token_processors(gc, _as_list(gc.eos_token_id), model_vocab_size(model))
     if reason:
         return None, reason + " (generate's own error follows)"
     stop = None
@@ -445,8 +445,9 @@ def _plan(model, state, args, kwargs):
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - L
     if max_new is None or max_new <= 0:
         return None, f"max_new_tokens = {max_new} (nothing to generate)"
-    forced = set(bans.get("forced_eos", ()))  # the last new token's row keeps these, less the suppressed ones
-    suppressed = bans.get("suppress", set()) | (bans.get("begin_suppress", set()) if max_new == 1 else set())
+    forced = set(processors.get("forced_eos", ()))  # the last new token's row keeps these, less the suppressed ones
+    suppressed = (processors.get("suppress", set())
+                  | (processors.get("begin_suppress", set()) if max_new == 1 else set()))
     if forced and forced <= suppressed:  # every score -inf on that row (generate takes token 0 there)
         return None, "forced_eos_token_id all suppressed on the last new token's row"
     limit, what = sequence_limit(model.config, state.spec.sliding_window_attr)
@@ -474,7 +475,7 @@ def _plan(model, state, args, kwargs):
                               max_positions=position_limit(model.config), stop=stop,
                               min_tokens=_min_tokens(gc, L),
                               repetition_penalty=1.0 if penalty is None else float(penalty),
-                              no_repeat_ngram_size=ngram, **bans)
+                              no_repeat_ngram_size=ngram, **processors)
     settings.rule_params = rule_params
     if rule in SAMPLING_RULES:
         if sampling:
