@@ -292,6 +292,38 @@ def _drafter(rng: random.Random, model, kinds=DRAFTERS):
     return kind, Drafter()
 
 
+class _LastTokenIn:
+    """A custom stopping criterion: a row ends when its last token is one of ``tokens`` (a function of input_ids)."""
+
+    def __init__(self, tokens):
+        self.tokens = sorted(tokens)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.isin(input_ids[:, -1], torch.tensor(self.tokens, device=input_ids.device))
+
+    def __repr__(self):
+        return f"LastTokenIn({self.tokens})"
+
+
+class _Shifted:
+    """A custom logits processor, a function of input_ids: bans the token ``shift`` after each row's last one and,
+    on every ``every``-th length, adds 5 to the token ``step`` times the length."""
+
+    def __init__(self, shift, every, step):
+        self.shift, self.every, self.step = shift, every, step
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        V = scores.shape[1]
+        scores[torch.arange(scores.shape[0]), (input_ids[:, -1] + self.shift) % V] = float("-inf")
+        if input_ids.shape[1] % self.every == 0:
+            scores[:, (self.step * input_ids.shape[1]) % V] += 5.0
+        return scores
+
+    def __repr__(self):
+        return f"Shifted({self.shift}, {self.every}, {self.step})"
+
+
 def _sequences(out):
     return out if isinstance(out, torch.Tensor) else out.sequences
 
@@ -343,12 +375,18 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
         opts["stop_strings"] = ["".join(stops.choice("abcdefgh") for _ in range(stops.randint(1, 3)))
                                 for _ in range(stops.randint(1, 2))]
         opts["tokenizer"] = _tokenizer()
+    custom = random.Random(f"custom lists {seed}")
+    if custom.random() < 0.12:  # a stopping criterion ending a row whose last token is one of a few
+        opts["stopping_criteria"] = [_LastTokenIn(custom.sample(seen, min(len(seen), custom.randint(1, 4))))]
+    if custom.random() < 0.12:  # a processor reading the sequence (the loop runs it at batch size 1 only)
+        opts["logits_processor"] = [_Shifted(custom.randint(1, 5), custom.randint(2, 4), custom.randint(1, V - 1))]
     kind, drafter = _drafter(rng, model, kinds)
     rule = None
     if rng.random() < 0.2:  # an explicit exact rule (greedy also under do_sample: must switch, with a warning)
         rule = rng.choice(["greedy", "coupled", "speculative"])
     desc.update(seed=seed, batch=ids.shape[0], length=ids.shape[1], drafter=kind, rule=rule,
-                options={k: v for k, v in opts.items() if k not in ("seed", "tokenizer")})
+                options={k: v if k not in ("stopping_criteria", "logits_processor") else repr(v)
+                         for k, v in opts.items() if k not in ("seed", "tokenizer")})
     extra = {"allow_unknown_model": True} if desc["arch"] in UNREGISTERED else {}
     if rng.random() < 0.3:  # the loop's own options: draft budget, verify backend, torch's GEMM
         extra.update(max_draft=rng.choice([0, 1, 3, 32]), backend=rng.choice(["auto", "torch"]),
@@ -430,7 +468,8 @@ def summary(results) -> dict:
     for key, names in (("stop_strings", ("stop_strings",)), ("min_tokens", ("min_new_tokens", "min_length")),
                        ("repetition", ("repetition_penalty", "no_repeat_ngram_size")),
                        ("banned", ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens")),
-                       ("bias", ("sequence_bias", "forced_eos_token_id"))):
+                       ("bias", ("sequence_bias", "forced_eos_token_id")),
+                       ("custom", ("stopping_criteria", "logits_processor"))):
         out[key] = {k: sum(1 for r in results if any(n in r["options"] for n in names) and r["outcome"] == k)
                     for k in ("identical", "fallback")}
     return out

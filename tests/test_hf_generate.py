@@ -397,6 +397,145 @@ def test_seeded_sampling_with_processors_equals_autoregressive_sampling(model, p
         assert torch.equal(out, ar), (type(drafter).__name__, out.tolist(), ar.tolist())
 
 
+class _Ends(transformers.StoppingCriteria):
+    """A custom stopping criterion: a row ends when its last token is one of ``tokens``; every call's input_ids
+    recorded. ``batch_bool``: one bool for the whole batch, every row having ended at some call (lm-eval's
+    ``MultiTokenEOSCriteria`` answers so, and generate ORs it into every row)."""
+
+    def __init__(self, tokens, batch_bool=False):
+        self.tokens, self.batch_bool, self.calls, self.done = torch.tensor(tokens), batch_bool, [], None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls.append(input_ids.clone())
+        hit = torch.isin(input_ids[:, -1], self.tokens)
+        if not self.batch_bool:
+            return hit
+        self.done = hit if self.done is None else self.done | hit
+        return bool(self.done.all())
+
+
+class _Shift(transformers.LogitsProcessor):
+    """A custom logits processor reading the sequence: bans the token after the row's last one and, on every third
+    length, forces one chosen by the length; every call's input_ids recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, input_ids, scores):
+        self.calls.append(input_ids.clone())
+        scores = scores.clone()
+        scores[torch.arange(scores.shape[0]), (input_ids[:, -1] + 1) % scores.shape[1]] = float("-inf")
+        if input_ids.shape[1] % 3 == 0:
+            scores[:, (7 * input_ids.shape[1]) % scores.shape[1]] += 30.0
+        return scores
+
+
+def _ended_by_criteria(model, ids, mask, criteria_of, **kw):
+    """generate's output and its criterion's calls, then the patched loop's with each drafter, asserted equal."""
+    unpatch(model)
+    crit = criteria_of()
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD,
+                             stopping_criteria=transformers.StoppingCriteriaList([crit]), **kw)
+    for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+        mine = criteria_of()
+        out, st = _patched(model, ids, mask, drafter=drafter,
+                           stopping_criteria=transformers.StoppingCriteriaList([mine]), **kw)
+        assert st is not None  # the loop ran
+        assert torch.equal(out, ref), (type(drafter).__name__, out.tolist(), ref.tolist())
+        assert len(mine.calls) == len(crit.calls)  # asked as often, about the same batch each time
+        assert all(torch.equal(a, b) for a, b in zip(mine.calls, crit.calls))
+    return ref
+
+
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+@pytest.mark.parametrize("eos", [False, True], ids=["no_eos", "eos"])
+def test_greedy_custom_stopping_criteria(model, lengths, eos):
+    """generate's stopping_criteria argument: asked about the whole batch after every token, as generate asks it
+    (the same input_ids, in the same order: a running request's rows wait for the slowest), a row it ends padded
+    from there where eos ids exist and running on where none do; a criterion answering for the whole batch too."""
+    ids, mask = _batch(lengths, seed=3)
+    L = ids.shape[1]
+    free = _reference(model, ids, mask, max_new_tokens=20)
+    stops = [int(free[b, L + 3 + 4 * b]) for b in range(len(lengths))]  # tokens each row emits early
+    kw = dict(do_sample=False, max_new_tokens=20, eos_token_id=[V - 1] if eos else None)
+    ref = _ended_by_criteria(model, ids, mask, lambda: _Ends(stops), **kw)
+    assert ref.shape[1] < free.shape[1] or not torch.equal(ref, free)  # the criterion ended the call early
+    _ended_by_criteria(model, ids, mask, lambda: _Ends(stops, batch_bool=True), **kw)
+
+
+def test_greedy_custom_logits_processor(model):
+    """generate's logits_processor argument (batch 1): run on every verify row with the row's sequence, after the
+    processors generate builds itself, as transformers' assisted decoding runs it; generate's own calls are among
+    the loop's."""
+    ids, mask = _batch([13], seed=3)
+    free = _reference(model, ids, mask, max_new_tokens=20)
+    for extra in ({}, {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}):
+        unpatch(model)
+        proc = _Shift()
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, do_sample=False, max_new_tokens=20,
+                                 logits_processor=transformers.LogitsProcessorList([proc]), **extra)
+        assert not torch.equal(ref, free)
+        for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+            mine = _Shift()
+            out, st = _patched(model, ids, mask, drafter=drafter, do_sample=False, max_new_tokens=20,
+                               logits_processor=transformers.LogitsProcessorList([mine]), **extra)
+            assert st is not None and torch.equal(out, ref), (type(drafter).__name__, out.tolist(), ref.tolist())
+            seen = {tuple(c[0].tolist()) for c in mine.calls}
+            assert all(tuple(c[0].tolist()) in seen for c in proc.calls)
+
+
+def test_seeded_sampling_with_custom_processor_and_criteria_equals_autoregressive_sampling(model):
+    """Sampling (coupled rule) with a custom logits processor (batch 1) and stopping criterion (batch 3): the loop's
+    own autoregressive sampling, with drafts or without."""
+    for lengths, extra in (([13], lambda: {"logits_processor": transformers.LogitsProcessorList([_Shift()])}),
+                           ([14, 6, 2], lambda: {"stopping_criteria": transformers.StoppingCriteriaList(
+                               [_Ends(list(range(40, 120)))]), "eos_token_id": V - 1})):
+        ids, mask = _batch(lengths, seed=7)
+        kw = dict(do_sample=True, temperature=0.8, max_new_tokens=20, seed=1234)
+        ar, _ = _patched(model, ids, mask, drafter=Drafter(), **kw, **extra())
+        free, _ = _patched(model, ids, mask, drafter=Drafter(), **kw)
+        assert not torch.equal(ar, free)
+        for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+            out, st = _patched(model, ids, mask, drafter=drafter, **kw, **extra())
+            assert torch.equal(out, ar), (type(drafter).__name__, out.tolist(), ar.tolist())
+
+
+def test_max_time(model):
+    """max_time: generate's MaxTimeCriteria, asked after every token as generate asks it. 0 seconds ends the call
+    after its first token (some time has always passed); an hour does not end it."""
+    ids, mask = _batch([14, 6, 2], seed=3)
+    full = _reference(model, ids, mask, max_new_tokens=12)
+    out, st = _patched(model, ids, mask, drafter=NGramDrafter(), max_new_tokens=12, max_time=0.0)
+    assert st is not None and torch.equal(out, full[:, :ids.shape[1] + 1])
+    assert torch.equal(_reference(model, ids, mask, max_new_tokens=12, max_time=0.0), out)
+    out, st = _patched(model, ids, mask, drafter=NGramDrafter(), max_new_tokens=12, max_time=3600.0)
+    assert st is not None and torch.equal(out, full)
+
+
+def test_streamer_gets_no_token_a_criterion_takes_back(model):
+    """Batch 1 with a stopping criterion: the streamer receives the output's tokens, none past where it ended."""
+    class Collect:
+        def __init__(self):
+            self.puts = []
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            pass
+
+    ids, mask = _batch([13], seed=3)
+    L = ids.shape[1]
+    free = _reference(model, ids, mask, max_new_tokens=20)
+    collect = Collect()
+    out, _ = _patched(model, ids, mask, max_new_tokens=20, eos_token_id=V - 1, streamer=collect,
+                      stopping_criteria=transformers.StoppingCriteriaList([_Ends([int(free[0, L + 9])])]))
+    assert out.shape[1] < free.shape[1]
+    assert sum(collect.puts[1:], []) == out[0, L:].tolist()
+
+
 def test_sampling_seed_from_torch_global_generator(model):
     ids, mask = _batch([8])
     torch.manual_seed(5)

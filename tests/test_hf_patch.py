@@ -137,15 +137,48 @@ def test_fallback_warns_once_and_runs_original(model, kwargs, reason):
             assert torch.equal(out.sequences, ref.sequences)
 
 
-def test_fallback_logits_processor_and_streamer_batch(model):
-    from transformers import LogitsProcessorList, MinLengthLogitsProcessor
+def test_fallback_custom_processors_and_criteria_the_loop_cannot_mirror(model):
+    """A custom processor / criterion of a type generate builds itself for this call replaces generate's own in its
+    list; a custom processor at batch size > 1 would be called on rows generate does not have; a list of
+    non-callables is generate's to refuse; a criterion with an eos_token_id makes generate pad ended rows, which it
+    cannot without eos ids. Each falls back, with the reason named."""
+    from transformers import (EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria,
+                              RepetitionPenaltyLogitsProcessor, StoppingCriteriaList, TopKLogitsWarper)
     patch(model)
-    procs = LogitsProcessorList([MinLengthLogitsProcessor(3, eos_token_id=0)])
+    batch = torch.cat([PROMPT, PROMPT.flip(1)])
+    cases = [(dict(logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)]),
+                   repetition_penalty=1.2), "RepetitionPenaltyLogitsProcessor"),
+             (dict(stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(14)])), "MaxLengthCriteria"),
+             (dict(input_ids=batch, logits_processor=LogitsProcessorList([TopKLogitsWarper(5)])), "batch size > 1"),
+             (dict(logits_processor=[3]), "expected a list of callables"),
+             (dict(stopping_criteria=StoppingCriteriaList([EosTokenCriteria(5)])), "eos_token_id")]
+    for kwargs, reason in cases:
+        ids = kwargs.pop("input_ids", PROMPT)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            try:
+                model.generate(ids, max_new_tokens=4, **kwargs)
+            except (AttributeError, TypeError, ValueError):
+                pass  # generate's own error, after the announced fallback
+        fb = _fallback_warnings(record)
+        assert len(fb) == 1 and reason in str(fb[0].message), (reason, [str(w.message) for w in record])
+        assert stats(model) is None
+
+
+def test_streamer_batch_falls_back(model):
+    class Collect:
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    patch(model)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        model.generate(PROMPT, max_new_tokens=4, logits_processor=procs)
+        model.generate(torch.cat([PROMPT, PROMPT]), max_new_tokens=4, streamer=Collect())
     fb = _fallback_warnings(record)
-    assert len(fb) == 1 and "logits_processor" in str(fb[0].message)
+    assert len(fb) == 1 and "streamer" in str(fb[0].message)
 
 
 def test_no_warning_on_supported_call(model):

@@ -179,6 +179,32 @@ def test_patched_sequence_bias_and_forced_eos_equal_generate(smollm2):
                        forced_eos_token_id=tok.eos_token_id)
 
 
+def test_patched_custom_criteria_and_processor_equal_generate(smollm2):
+    """A stop-sequence criterion as evaluation harnesses pass one (the tail of the new tokens decoded, one bool for
+    the batch), and a custom processor reading the sequence (its last token not repeated)."""
+    from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+    model, tok = smollm2
+    ids = _chat_ids(tok, PROMPTS[1])
+
+    class StopString(StoppingCriteria):
+        def __init__(self, text):
+            self.text = text
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return all(self.text in t for t in tok.batch_decode(input_ids[:, ids.shape[1]:][:, -4:]))
+
+    class NoRepeat(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            scores[torch.arange(scores.shape[0]), input_ids[:, -1]] = float("-inf")
+            return scores
+
+    plain, _, _ = _plain_and_patched(model, tok, ids, max_new_tokens=64,
+                                     stopping_criteria=StoppingCriteriaList([StopString(" yellow")]))
+    assert tok.decode(plain[0, ids.shape[1]:]).endswith(" yellow")
+    _plain_and_patched(model, tok, ids, max_new_tokens=48, logits_processor=LogitsProcessorList([NoRepeat()]))
+
+
 # ------------------------------------------------------------------------------- the end-to-end benchmark
 
 def _bench(name):

@@ -131,6 +131,11 @@ class DecodeSettings:
     # generate's processor sums them (the single tokens first, then by prefix length as first given)
     sequence_bias: tuple = ()
     forced_eos: tuple = ()  # forced_eos_token_id: the tokens the row that picks the last new token keeps (at 0)
+    # generate's logits_processor argument (a LogitsProcessorList; batch 1): on every verify row, after the above
+    logits_processor: object = None
+    # generate's stopping_criteria argument and max_time (a StoppingCriteriaList): asked about the whole batch after
+    # every token, as generate asks (``Decoder._ask_criteria``)
+    stopping_criteria: object = None
 
     @property
     def bans(self) -> bool:
@@ -141,7 +146,8 @@ class DecodeSettings:
     @property
     def processes(self) -> bool:
         """Whether generate's logits processors change the verify rows' logits (``Decoder._process``)."""
-        return bool(self.repetition_penalty != 1.0 or self.bans or self.sequence_bias or self.forced_eos)
+        return bool(self.repetition_penalty != 1.0 or self.bans or self.sequence_bias or self.forced_eos
+                    or self.logits_processor is not None)
 
 
 class StopStrings:
@@ -227,8 +233,11 @@ class Decoder:
         # no_repeat_ngram_size, bad_words_ids, stop strings: each request's generate row (padded prompt, tokens so
         # far); and its n-grams, first n - 1 tokens -> the last tokens that followed them
         self.full = self.follow = None
-        if settings.no_repeat_ngram_size or settings.bad_words or settings.sequence_bias or settings.stop is not None:
+        if (settings.no_repeat_ngram_size or settings.bad_words or settings.sequence_bias or settings.stop is not None
+                or settings.logits_processor is not None or settings.stopping_criteria is not None):
             self.full = [row.tolist() for row in input_ids]
+        # stopping_criteria: the tokens after which generate's criteria have been asked (every request has them)
+        self.asked, self.streamed = 0, [0] * B
         if settings.no_repeat_ngram_size:
             self.follow = [{} for _ in range(B)]
             for b in range(B):
@@ -238,6 +247,8 @@ class Decoder:
         self.cache_len = [L - 1] * B  # committed slots per request (left padding included)
         self.root = input_ids[:, -1].tolist()
         self.stats = LoopStats(new_tokens=[0] * B)
+        if settings.logits_processor is not None and B > 1:
+            raise ValueError(f"settings.logits_processor: runs at batch size 1 only, got a batch of {B}")
         self.eos = set(settings.eos_token_ids)
         self.hidden = _HiddenCapture(model) if getattr(drafter, "wants_hidden", False) else None
         self.vocab_size = model_vocab_size(model)
@@ -327,7 +338,8 @@ class Decoder:
         SequenceBiasLogitsProcessor (``_bias``); RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the
         prompt without its left padding, the tokens so far, the path) scores s < 0 ? s * penalty : s / penalty;
         ForcedEOSTokenLogitsProcessor: the row that picks the last new token keeps only forced_eos, at 0; then the
-        tokens ``banned`` names at -inf."""
+        tokens ``banned`` names at -inf; then the call's own ``logits_processor`` (batch 1), each row a batch of one,
+        its sequence as input_ids, as transformers' assisted decoding calls it on each candidate position."""
         s, V = self.s, logits.shape[-1]
         p = s.repetition_penalty
         rows, banned, forced = [], [], []
@@ -362,6 +374,10 @@ class Decoder:
         if banned:
             r, c = upload_lists([[r for r, _ in banned], [c for _, c in banned]], torch.int64, logits.device)
             logits[r, c] = float("-inf")
+        if s.logits_processor is not None:  # batch 1: the root's row, then the nodes'
+            for j, path in enumerate([()] + _node_paths(trees[0]) if remaining[0] > 0 else []):
+                ids = torch.tensor([self.full[0] + list(path)], dtype=torch.int64, device=logits.device)
+                logits[j] = s.logits_processor(ids, logits[j:j + 1].float())[0]
         return logits
 
     def _drop_banned(self, b, tree):
@@ -535,9 +551,7 @@ class Decoder:
                     new = new[:i + 1]
                     self.finished[b] = True
                 elif i is not None:  # without eos it does not: the row runs on until every row has stopped
-                    self.stop_at[b] = len(self.generated[b]) + i + 1
-                    if all(n is not None for n in self.stop_at):
-                        self.limit = min(self.limit, max(self.stop_at))
+                    self._stop_at(b, len(self.generated[b]) + i + 1)
                 new = new[:max(self.limit - len(self.generated[b]), 0)]
             self.generated[b].extend(new)
             self.contexts[b].extend(new)
@@ -549,8 +563,15 @@ class Decoder:
                     self._add_ngrams(b, len(self.full[b]) - len(new))
             st.new_tokens[b] += len(new)
             keep[b] = accept_len[b] + 1 if self.remaining(b) > 0 else 0
-            if self.streamer is not None:
-                self.streamer.put(torch.tensor(new, dtype=torch.int64))
+        if s.stopping_criteria is not None:
+            self._ask_criteria()
+            keep = [k if self.remaining(b) > 0 else 0 for b, k in enumerate(keep)]
+        if self.streamer is not None:  # (batch 1) the tokens no criterion can still take back
+            g = self.generated[0]
+            upto = min(len(g), self.limit, self.asked if s.stopping_criteria is not None else len(g))
+            if upto > self.streamed[0]:
+                self.streamer.put(torch.tensor(g[self.streamed[0]:upto], dtype=torch.int64))
+                self.streamed[0] = upto
         self.drafter.update([accept_len[b] if remaining[b] > 0 else None for b in range(B)])
         if slots is not None:  # the block attached where each accepted path ends drafts the next step
             ends = [accepted[b][accept_len[b] - 1] if accept_len[b] > 0 else -1 for b in range(B)]
@@ -587,6 +608,42 @@ class Decoder:
         st.time_verify += t4 - t3
         st.time_commit += t5 - t4
         st.time_cache += t6 - t5
+
+    def _ask_criteria(self) -> None:
+        """generate's stopping criteria (``stopping_criteria``, max_time) asked as generate asks them: after its t-th
+        token, about its whole batch [B, L + t] (a row that has ended holds pad_token_id past its end), once every
+        request still running has t tokens; in order of t, each t once. A request a criterion ends after token t
+        ends there as generate's row does: with eos ids it is padded from there on (the tokens the loop has past t
+        are dropped); without, it runs on, and the call ends when every request has ended (``_stop_at``)."""
+        s, L = self.s, self.input_ids.shape[1]
+        while self.asked < self.limit:
+            t = self.asked + 1
+            if any(not self.finished[b] and len(self.generated[b]) < t for b in range(self.B)):
+                return  # a running request does not have its t-th token yet
+            if all(self.finished[b] and len(self.generated[b]) < t for b in range(self.B)):
+                return  # every row has ended: generate has stopped
+            rows = [row[:L + t] + [s.pad_token_id] * (L + t - len(row)) for row in self.full]
+            ended = s.stopping_criteria(torch.tensor(rows, dtype=torch.int64, device=self.device), None).tolist()
+            self.asked = t
+            for b, end in enumerate(ended):
+                ended_before = len(self.generated[b]) < t or (self.stop_at[b] is not None and self.stop_at[b] <= t)
+                if not end or ended_before:
+                    continue
+                if self.eos:
+                    drop = len(self.generated[b]) - t
+                    for seq in (self.generated[b], self.contexts[b], self.full[b]):
+                        del seq[len(seq) - drop:]
+                    self.stats.new_tokens[b] -= drop
+                    self.finished[b] = True
+                else:
+                    self._stop_at(b, t)
+
+    def _stop_at(self, b: int, t: int) -> None:
+        """Without eos ids, a stop string or a stopping criterion ended request b after its t-th token: generate's
+        row runs on (it holds no eos to pad with) until every row has ended, and the call ends there."""
+        self.stop_at[b] = t
+        if all(n is not None for n in self.stop_at):
+            self.limit = min(self.limit, max(self.stop_at))
 
     def _forward_with_slots(self, inp, ids, pos, mask, gate, **kw):
         """The verify forward with slot rows (ids, pos, mask, gate: the step's, after the prompt's prefix in the

@@ -9,7 +9,10 @@ itself is driven through transformers' public extension points: a ready 4D atten
 What the patched ``generate`` runs itself (everything else falls back to the original ``generate`` with one
 warning naming the reason): greedy and sampling (do_sample, temperature, top_k, top_p, min_p), batch >= 1 with
 left padding and attention_mask, max_new_tokens / max_length, eos_token_id (int or list), pad_token_id,
-streamer (batch 1), and ``seed=`` (int, or one per request) for the sampling rules.
+streamer (batch 1), and ``seed=`` (int, or one per request) for the sampling rules; generate's own logits
+processors for stop strings, minimum lengths, repetition penalties, banned / suppressed tokens, sequence biases and
+forced eos; custom ``stopping_criteria`` and ``max_time`` (asked about the whole batch after every token, as generate
+asks them) and a custom ``logits_processor`` at batch size 1 (on every verify row, as assisted decoding runs it).
 """
 
 import dataclasses
@@ -256,7 +259,7 @@ def unpatch(model):
 _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "stop_strings",
             "min_length", "min_new_tokens", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
             "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_eos_token_id", "eos_token_id",
-            "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "transformers_version",
+            "pad_token_id", "bos_token_id", "max_time", "decoder_start_token_id", "use_cache", "transformers_version",
             "_from_model_config", "_commit_hash", "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
 _NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "encoder_repetition_penalty": 1.0,
@@ -374,6 +377,60 @@ def _token_processors(gc, eos, vocab_size):
     return out, None
 
 
+# generate's own processors / stopping criteria for the generation-config fields the loop runs: a custom one of
+# the same type replaces generate's in its list (``_merge_criteria_processor_list``), which the loop does not mirror
+def _own_processor_types(gc, eos) -> set:
+    from transformers.generation import logits_process as lp
+    fields = ((lp.MinLengthLogitsProcessor, bool(gc.min_length) and bool(eos)),
+              (lp.MinNewTokensLengthLogitsProcessor, bool(gc.min_new_tokens) and bool(eos)),
+              (lp.RepetitionPenaltyLogitsProcessor, gc.repetition_penalty not in (None, 1.0)),
+              (lp.NoRepeatNGramLogitsProcessor, bool(gc.no_repeat_ngram_size)),
+              (lp.NoBadWordsLogitsProcessor, gc.bad_words_ids is not None),
+              (lp.SequenceBiasLogitsProcessor, gc.sequence_bias is not None),
+              (lp.ForcedEOSTokenLogitsProcessor, gc.forced_eos_token_id is not None),
+              (lp.SuppressTokensLogitsProcessor, gc.suppress_tokens is not None),
+              (lp.SuppressTokensAtBeginLogitsProcessor, gc.begin_suppress_tokens is not None))
+    return {cls for cls, made in fields if made}
+
+
+def _own_criteria_types(gc, eos) -> set:
+    from transformers.generation import stopping_criteria as sc
+    fields = ((sc.MaxLengthCriteria, True), (sc.MaxTimeCriteria, gc.max_time is not None),
+              (sc.StopStringCriteria, bool(gc.stop_strings)), (sc.EosTokenCriteria, bool(eos)))
+    return {cls for cls, made in fields if made}
+
+
+def _custom_lists(gc, processors, criteria, batch_size, eos):
+    """(DecodeSettings fields, None) for generate's ``logits_processor`` / ``stopping_criteria`` arguments and
+    ``max_time``, or (None, reason). The processors run on every verify row as a batch of one (the row's sequence,
+    its logits), as transformers' assisted decoding runs them on each candidate position: only at batch size 1,
+    where that is the shape generate calls them with. The criteria (and max_time's MaxTimeCriteria) are asked
+    what generate asks, in its order, on its whole batch: after every token once every running request has it."""
+    from transformers.generation.logits_process import LogitsProcessorList
+    from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
+    out = {}
+    for name, given, own, kind in (("logits_processor", processors, _own_processor_types(gc, eos),
+                                    LogitsProcessorList),
+                                   ("stopping_criteria", criteria, _own_criteria_types(gc, eos),
+                                    StoppingCriteriaList)):
+        if not _is_set(given):
+            continue
+        items = list(given) if isinstance(given, (list, tuple)) else None
+        if items is None or not all(callable(x) for x in items):
+            return None, f"{name}={given!r} (expected a list of callables)"
+        same = sorted({type(x).__name__ for x in items if type(x) in own})
+        if same:
+            return None, f"{name} holding {', '.join(same)}, which replaces generate's own of that type"
+        if name == "logits_processor" and batch_size > 1:
+            return None, "logits_processor at batch size > 1 (the loop runs it on one row at a time)"
+        if name == "stopping_criteria" and not eos and any(hasattr(x, "eos_token_id") for x in items):
+            return None, "a stopping criterion with an eos_token_id and no eos_token_id in the generation config"
+        out[name] = kind(items)
+    if gc.max_time is not None:
+        out.setdefault("stopping_criteria", StoppingCriteriaList()).append(MaxTimeCriteria(gc.max_time))
+    return out, None
+
+
 def _plan(model, state, args, kwargs):
     """Decide whether the loop can run this generate call. Returns (plan dict, None) or (None, reason)."""
     kwargs = dict(kwargs)
@@ -389,7 +446,8 @@ def _plan(model, state, args, kwargs):
     streamer = kwargs.pop("streamer", None)
     # generate reads the tokenizer only for stop_strings
     tokenizer = kwargs.pop("tokenizer", None)
-    for name in ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model",
+    processors_arg, criteria_arg = kwargs.pop("logits_processor", None), kwargs.pop("stopping_criteria", None)
+    for name in ("prefix_allowed_tokens_fn", "assistant_model",
                  "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "synced_gpus",
                  "past_key_values", "inputs_embeds", "assistant_tokenizer"):
         if _is_set(kwargs.pop(name, None)):
@@ -413,6 +471,9 @@ def _plan(model, state, args, kwargs):
     processors, reason = _token_processors(gc, _as_list(gc.eos_token_id), model_vocab_size(model))
     if reason:
         return None, reason + " (generate's own error follows)"
+    custom, reason = _custom_lists(gc, processors_arg, criteria_arg, inputs.shape[0], _as_list(gc.eos_token_id))
+    if reason:
+        return None, reason
     stop = None
     if gc.stop_strings:
         if tokenizer is None:  # generate's own error follows
@@ -475,7 +536,7 @@ def _plan(model, state, args, kwargs):
                               max_positions=position_limit(model.config), stop=stop,
                               min_tokens=_min_tokens(gc, L),
                               repetition_penalty=1.0 if penalty is None else float(penalty),
-                              no_repeat_ngram_size=ngram, **processors)
+                              no_repeat_ngram_size=ngram, **processors, **custom)
     settings.rule_params = rule_params
     if rule in SAMPLING_RULES:
         if sampling:
