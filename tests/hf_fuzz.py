@@ -380,6 +380,9 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
         opts["stopping_criteria"] = [_LastTokenIn(custom.sample(seen, min(len(seen), custom.randint(1, 4))))]
     if custom.random() < 0.12:  # a processor reading the sequence (the loop runs it at batch size 1 only)
         opts["logits_processor"] = [_Shifted(custom.randint(1, 5), custom.randint(2, 4), custom.randint(1, V - 1))]
+    copies = random.Random(f"copies {seed}")
+    if opts.get("do_sample") and copies.random() < 0.15:
+        opts["num_return_sequences"] = copies.randint(2, 3)
     kind, drafter = _drafter(rng, model, kinds)
     rule = None
     if rng.random() < 0.2:  # an explicit exact rule (greedy also under do_sample: must switch, with a warning)
@@ -469,7 +472,8 @@ def summary(results) -> dict:
                        ("repetition", ("repetition_penalty", "no_repeat_ngram_size")),
                        ("banned", ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens")),
                        ("bias", ("sequence_bias", "forced_eos_token_id")),
-                       ("custom", ("stopping_criteria", "logits_processor"))):
+                       ("custom", ("stopping_criteria", "logits_processor")),
+                       ("copies", ("num_return_sequences",))):
         out[key] = {k: sum(1 for r in results if any(n in r["options"] for n in names) and r["outcome"] == k)
                     for k in ("identical", "fallback")}
     return out

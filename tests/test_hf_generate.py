@@ -536,6 +536,29 @@ def test_streamer_gets_no_token_a_criterion_takes_back(model):
     assert sum(collect.puts[1:], []) == out[0, L:].tolist()
 
 
+def test_num_return_sequences_sample_each_prompt_several_times(model):
+    """num_return_sequences: each prompt's copies next to each other, as generate expands them, each drawing from
+    a seed of its own (``_request_seeds``): the loop's autoregressive sampling of the expanded batch with those
+    seeds, with drafts or without; the copies differ."""
+    from fastverify.hf.patch import _request_seeds
+    ids, mask = _batch([14, 6, 2], seed=7)
+    kw = dict(do_sample=True, temperature=1.2, max_new_tokens=16)
+    wide, wide_mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
+    ar, _ = _patched(model, wide, wide_mask, drafter=Drafter(), seed=_request_seeds(1234, 3, 3).tolist(), **kw)
+    assert len({tuple(r) for r in ar[:3].tolist()}) == 3  # a prompt's copies differ
+    assert torch.equal(ar[0::3], _patched(model, ids, mask, drafter=Drafter(), seed=1234, **kw)[0])  # copy 0
+    for drafter in (Drafter(), NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+        out, st = _patched(model, ids, mask, drafter=drafter, seed=1234, num_return_sequences=3, **kw)
+        assert st is not None and torch.equal(out, ar), (type(drafter).__name__, out.tolist(), ar.tolist())
+    torch.manual_seed(9)
+    a, _ = _patched(model, ids, mask, num_return_sequences=2, **kw)
+    torch.manual_seed(9)
+    b, _ = _patched(model, ids, mask, num_return_sequences=2, **kw)
+    assert a.shape[0] == 6 and torch.equal(a, b)
+    with pytest.raises(ValueError, match="one per returned sequence"):
+        _patched(model, ids, mask, num_return_sequences=2, seed=[1, 2], **kw)
+
+
 def test_sampling_seed_from_torch_global_generator(model):
     ids, mask = _batch([8])
     torch.manual_seed(5)

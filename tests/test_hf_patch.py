@@ -116,7 +116,6 @@ def test_every_rule_selectable(model):
 
 @pytest.mark.parametrize("kwargs, reason", [
     ({"num_beams": 2}, "num_beams"),
-    ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
     ({"exponential_decay_length_penalty": (2, 1.5), "eos_token_id": 3}, "exponential_decay_length_penalty"),
     ({"return_dict_in_generate": True}, "return_dict_in_generate"),
     ({"encoder_no_repeat_ngram_size": 2}, "encoder_no_repeat_ngram_size"),
@@ -163,6 +162,15 @@ def test_fallback_custom_processors_and_criteria_the_loop_cannot_mirror(model):
         fb = _fallback_warnings(record)
         assert len(fb) == 1 and reason in str(fb[0].message), (reason, [str(w.message) for w in record])
         assert stats(model) is None
+
+
+def test_num_return_sequences_without_sampling_raises_generates_error(model):
+    with pytest.raises(ValueError, match="num_return_sequences") as plain:
+        model.generate(PROMPT, max_new_tokens=4, num_return_sequences=2)
+    patch(model)
+    with pytest.raises(ValueError, match="num_return_sequences") as patched:
+        model.generate(PROMPT, max_new_tokens=4, num_return_sequences=2)
+    assert str(patched.value) == str(plain.value)
 
 
 def test_streamer_batch_falls_back(model):

@@ -9,7 +9,7 @@ itself is driven through transformers' public extension points: a ready 4D atten
 What the patched ``generate`` runs itself (everything else falls back to the original ``generate`` with one
 warning naming the reason): greedy and sampling (do_sample, temperature, top_k, top_p, min_p), batch >= 1 with
 left padding and attention_mask, max_new_tokens / max_length, eos_token_id (int or list), pad_token_id,
-streamer (batch 1), and ``seed=`` (int, or one per request) for the sampling rules; generate's own logits
+streamer (batch 1), ``seed=`` (int, or one per request) for the sampling rules, num_return_sequences (sampling); generate's own logits
 processors for stop strings, minimum lengths, repetition penalties, banned / suppressed tokens, sequence biases and
 forced eos; custom ``stopping_criteria`` and ``max_time`` (asked about the whole batch after every token, as generate
 asks them) and a custom ``logits_processor`` at batch size 1 (on every verify row, as assisted decoding runs it).
@@ -259,10 +259,10 @@ def unpatch(model):
 _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "stop_strings",
             "min_length", "min_new_tokens", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
             "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_eos_token_id", "eos_token_id",
-            "pad_token_id", "bos_token_id", "max_time", "decoder_start_token_id", "use_cache", "transformers_version",
+            "pad_token_id", "bos_token_id", "max_time", "num_return_sequences", "decoder_start_token_id", "use_cache", "transformers_version",
             "_from_model_config", "_commit_hash", "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
-_NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "encoder_repetition_penalty": 1.0,
+_NEUTRAL = {"num_beams": 1, "encoder_repetition_penalty": 1.0,
             "length_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0,
             "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
             "output_scores": False, "output_logits": False,
@@ -471,7 +471,11 @@ def _plan(model, state, args, kwargs):
     processors, reason = _token_processors(gc, _as_list(gc.eos_token_id), model_vocab_size(model))
     if reason:
         return None, reason + " (generate's own error follows)"
-    custom, reason = _custom_lists(gc, processors_arg, criteria_arg, inputs.shape[0], _as_list(gc.eos_token_id))
+    copies = gc.num_return_sequences or 1  # sampled sequences per prompt
+    if copies > 1 and not gc.do_sample:
+        return None, f"num_return_sequences={copies} without sampling (generate's own error follows)"
+    custom, reason = _custom_lists(gc, processors_arg, criteria_arg, inputs.shape[0] * copies,
+                                   _as_list(gc.eos_token_id))
     if reason:
         return None, reason
     stop = None
@@ -480,7 +484,7 @@ def _plan(model, state, args, kwargs):
             return None, "stop_strings without a tokenizer"
         stop = StopStrings(gc.stop_strings, tokenizer)
     B, L = inputs.shape
-    if streamer is not None and B > 1:
+    if streamer is not None and B * copies > 1:
         return None, "a streamer with batch size > 1"
     attn_impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if attn_impl == GQA_ATTENTION:  # another call of the loop on this model is running (gqa_attention)
@@ -503,6 +507,8 @@ def _plan(model, state, args, kwargs):
         return None, "attention_mask that is not left padding"
     if pad is None:
         pad = eos[0] if eos else 0
+    if copies > 1:  # generate's expansion: each prompt's copies next to each other
+        inputs, attention_mask = inputs.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0)
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - L
     if max_new is None or max_new <= 0:
         return None, f"max_new_tokens = {max_new} (nothing to generate)"
@@ -546,15 +552,29 @@ def _plan(model, state, args, kwargs):
         else:  # a sampling rule asked for without do_sample: greedy, as temperature 0
             settings.warp = {"temperature": 0.0}
         if seed is None:  # torch's global generator, so torch.manual_seed makes runs reproducible
-            seed_t = torch.randint(0, 2 ** 62, (B,), dtype=torch.int64)
+            seed_t = torch.randint(0, 2 ** 62, (B * copies,), dtype=torch.int64)
         else:
-            seed_t = torch.as_tensor(seed, dtype=torch.int64).reshape(-1)
-            if seed_t.numel() == 1:
-                seed_t = seed_t.expand(B).clone()
-            elif seed_t.numel() != B:
-                raise ValueError(f"seed: expected an int or {B} ints (one per request), got {seed_t.numel()}")
+            seed_t = _request_seeds(seed, B, copies)
         settings.seed = seed_t.to(inputs.device)
     return {"inputs": inputs, "attention_mask": attention_mask, "settings": settings, "streamer": streamer}, None
+
+
+def _request_seeds(seed, prompts: int, copies: int) -> torch.Tensor:
+    """``seed=`` as one seed per returned sequence (int64 [prompts * copies]): an int for every prompt, one per
+    prompt, or one per returned sequence. A prompt's copies (num_return_sequences) sample different sequences: copy j
+    of seed s draws from seed s + j * 0x9E3779B97F4A7C15 (mod 2^63; copy 0 from s itself, so one copy is the seed's
+    own sampling)."""
+    seeds = torch.as_tensor(seed, dtype=torch.int64).reshape(-1).tolist()
+    if len(seeds) == prompts * copies:
+        return torch.tensor(seeds, dtype=torch.int64)
+    if len(seeds) == 1:
+        seeds = seeds * prompts
+    if len(seeds) != prompts:
+        expected = f"an int or {prompts} ints (one per request)" + (f" or {prompts * copies} (one per returned "
+                                                                      f"sequence)" if copies > 1 else "")
+        raise ValueError(f"seed: expected {expected}, got {len(seeds)}")
+    return torch.tensor([s if j == 0 else (s + j * 0x9E3779B97F4A7C15) % 2 ** 63 for s in seeds
+                         for j in range(copies)], dtype=torch.int64)
 
 
 def _fallback(model, state, reason, args, kwargs):
