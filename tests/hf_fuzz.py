@@ -324,6 +324,21 @@ class _Shifted:
         return f"Shifted({self.shift}, {self.every}, {self.step})"
 
 
+class _AllowedBy:
+    """A prefix_allowed_tokens_fn: the tokens t with (t + the last token + batch id) % mod != rem, and where the
+    sequence is of even length only those below 2 * mod (which other processors may all ban)."""
+
+    def __init__(self, mod, rem, vocab):
+        self.mod, self.rem, self.vocab = mod, rem, vocab
+
+    def __call__(self, batch_id, sent):
+        last, n = int(sent[-1]), self.vocab if len(sent) % 2 else 2 * self.mod
+        return [t for t in range(n) if (t + last + batch_id) % self.mod != self.rem]
+
+    def __repr__(self):
+        return f"AllowedBy({self.mod}, {self.rem})"
+
+
 def _sequences(out):
     return out if isinstance(out, torch.Tensor) else out.sequences
 
@@ -380,6 +395,8 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
         opts["stopping_criteria"] = [_LastTokenIn(custom.sample(seen, min(len(seen), custom.randint(1, 4))))]
     if custom.random() < 0.12:  # a processor reading the sequence (the loop runs it at batch size 1 only)
         opts["logits_processor"] = [_Shifted(custom.randint(1, 5), custom.randint(2, 4), custom.randint(1, V - 1))]
+    if custom.random() < 0.08:  # a constraint of the batch id and the sequence (some rows left all -inf)
+        opts["prefix_allowed_tokens_fn"] = _AllowedBy(custom.randint(2, 5), custom.randint(0, 1), V)
     copies = random.Random(f"copies {seed}")
     if opts.get("do_sample") and copies.random() < 0.15:
         opts["num_return_sequences"] = copies.randint(2, 3)
@@ -388,7 +405,8 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
     if rng.random() < 0.2:  # an explicit exact rule (greedy also under do_sample: must switch, with a warning)
         rule = rng.choice(["greedy", "coupled", "speculative"])
     desc.update(seed=seed, batch=ids.shape[0], length=ids.shape[1], drafter=kind, rule=rule,
-                options={k: v if k not in ("stopping_criteria", "logits_processor") else repr(v)
+                options={k: v if k not in ("stopping_criteria", "logits_processor", "prefix_allowed_tokens_fn")
+                         else repr(v)
                          for k, v in opts.items() if k not in ("seed", "tokenizer")})
     extra = {"allow_unknown_model": True} if desc["arch"] in UNREGISTERED else {}
     if rng.random() < 0.3:  # the loop's own options: draft budget, verify backend, torch's GEMM
@@ -472,7 +490,7 @@ def summary(results) -> dict:
                        ("repetition", ("repetition_penalty", "no_repeat_ngram_size")),
                        ("banned", ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens")),
                        ("bias", ("sequence_bias", "forced_eos_token_id")),
-                       ("custom", ("stopping_criteria", "logits_processor")),
+                       ("custom", ("stopping_criteria", "logits_processor", "prefix_allowed_tokens_fn")),
                        ("copies", ("num_return_sequences",))):
         out[key] = {k: sum(1 for r in results if any(n in r["options"] for n in names) and r["outcome"] == k)
                     for k in ("identical", "fallback")}

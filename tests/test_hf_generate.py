@@ -536,6 +536,59 @@ def test_streamer_gets_no_token_a_criterion_takes_back(model):
     assert sum(collect.puts[1:], []) == out[0, L:].tolist()
 
 
+def _allowed_fn(kind):
+    """prefix_allowed_tokens_fn's of three kinds, functions of the batch id and the sequence: ``wide`` (two thirds of
+    the vocabulary), ``narrow`` (two tokens), ``seen`` (the sequence's third-last token, which no_repeat_ngram_size=1
+    bans: the processor's all -inf fallback); every call recorded."""
+    calls = []
+
+    def fn(batch_id, sent):
+        calls.append((batch_id, tuple(sent.tolist())))
+        last = int(sent[-1])
+        if kind == "wide":
+            return [t for t in range(V) if (t + last + batch_id) % 3 != 0]
+        if kind == "narrow":
+            return [(7 * last + batch_id) % V, (3 * last + 1) % V]
+        return [int(sent[-3])]
+    return fn, calls
+
+
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_greedy_prefix_allowed_tokens_fn(model, lengths):
+    """prefix_allowed_tokens_fn: every verify row constrained with its request's batch id and its own sequence, after
+    the processors before it in generate's list and before the ones after it; a row left all -inf gets the allowed
+    tokens at 0, as generate's processor does. generate's calls are among the loop's."""
+    ids, mask = _batch(lengths, seed=3)
+    free = _reference(model, ids, mask, max_new_tokens=16)
+    for kind, extra in (("wide", {}), ("narrow", {"repetition_penalty": 1.3}), ("seen", {"no_repeat_ngram_size": 1}),
+                        ("wide", {"no_repeat_ngram_size": 2, "suppress_tokens": [5, 6]})):
+        fn, calls = _allowed_fn(kind)
+        ref = _reference(model, ids, mask, max_new_tokens=16, prefix_allowed_tokens_fn=fn, **extra)
+        assert not torch.equal(ref, free)
+        for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+            mine, my_calls = _allowed_fn(kind)
+            out, st = _patched(model, ids, mask, drafter=drafter, max_new_tokens=16, prefix_allowed_tokens_fn=mine,
+                               **extra)
+            assert st is not None and torch.equal(out, ref), (kind, type(drafter).__name__, out.tolist(), ref.tolist())
+            assert set(calls) <= set(my_calls)
+
+
+def test_prefix_allowed_tokens_fn_sampling_and_errors(model):
+    """Seeded sampling under the constraint is the loop's own autoregressive sampling; an empty list is generate's
+    error; ids outside the vocabulary a ValueError naming the function."""
+    ids, mask = _batch([14, 6, 2], seed=7)
+    fn, _ = _allowed_fn("wide")
+    kw = dict(do_sample=True, temperature=0.9, max_new_tokens=16, seed=99, prefix_allowed_tokens_fn=fn)
+    ar, _ = _patched(model, ids, mask, drafter=Drafter(), **kw)
+    for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+        out, st = _patched(model, ids, mask, drafter=drafter, **kw)
+        assert torch.equal(out, ar), (type(drafter).__name__, out.tolist(), ar.tolist())
+    with pytest.raises(ValueError, match="returned an empty list for batch ID 0"):
+        _patched(model, ids, mask, max_new_tokens=4, prefix_allowed_tokens_fn=lambda b, s: [])
+    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn: expected token ids in"):
+        _patched(model, ids, mask, max_new_tokens=4, prefix_allowed_tokens_fn=lambda b, s: [V + 3])
+
+
 def test_num_return_sequences_sample_each_prompt_several_times(model):
     """num_return_sequences: each prompt's copies next to each other, as generate expands them, each drawing from
     a seed of its own (``_request_seeds``): the loop's autoregressive sampling of the expanded batch with those

@@ -181,7 +181,8 @@ def test_patched_sequence_bias_and_forced_eos_equal_generate(smollm2):
 
 def test_patched_custom_criteria_and_processor_equal_generate(smollm2):
     """A stop-sequence criterion as evaluation harnesses pass one (the tail of the new tokens decoded, one bool for
-    the batch), and a custom processor reading the sequence (its last token not repeated)."""
+    the batch), a custom processor reading the sequence (its last token not repeated), and a prefix_allowed_tokens_fn
+    constraining the answer to the prompt's tokens."""
     from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
     model, tok = smollm2
     ids = _chat_ids(tok, PROMPTS[1])
@@ -203,6 +204,11 @@ def test_patched_custom_criteria_and_processor_equal_generate(smollm2):
                                      stopping_criteria=StoppingCriteriaList([StopString(" yellow")]))
     assert tok.decode(plain[0, ids.shape[1]:]).endswith(" yellow")
     _plain_and_patched(model, tok, ids, max_new_tokens=48, logits_processor=LogitsProcessorList([NoRepeat()]))
+    # constrained decoding: only the prompt's tokens (and eos) after the answer's first three
+    vocab = sorted(set(ids[0].tolist()) | {tok.eos_token_id})
+    plain, _, _ = _plain_and_patched(model, tok, ids, max_new_tokens=40, prefix_allowed_tokens_fn=lambda b, sent: (
+        vocab if len(sent) >= ids.shape[1] + 3 else range(len(tok))))
+    assert set(plain[0, ids.shape[1] + 3:].tolist()) <= set(vocab)
 
 
 # ------------------------------------------------------------------------------- the end-to-end benchmark

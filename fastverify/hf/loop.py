@@ -136,6 +136,8 @@ class DecodeSettings:
     # generate's stopping_criteria argument and max_time (a StoppingCriteriaList): asked about the whole batch after
     # every token, as generate asks (``Decoder._ask_criteria``)
     stopping_criteria: object = None
+    # generate's prefix_allowed_tokens_fn(batch id, sequence) -> allowed token ids, on every verify row (``_constrain``)
+    prefix_allowed: object = None
 
     @property
     def bans(self) -> bool:
@@ -147,7 +149,7 @@ class DecodeSettings:
     def processes(self) -> bool:
         """Whether generate's logits processors change the verify rows' logits (``Decoder._process``)."""
         return bool(self.repetition_penalty != 1.0 or self.bans or self.sequence_bias or self.forced_eos
-                    or self.logits_processor is not None)
+                    or self.logits_processor is not None or self.prefix_allowed is not None)
 
 
 class StopStrings:
@@ -234,7 +236,8 @@ class Decoder:
         # far); and its n-grams, first n - 1 tokens -> the last tokens that followed them
         self.full = self.follow = None
         if (settings.no_repeat_ngram_size or settings.bad_words or settings.sequence_bias or settings.stop is not None
-                or settings.logits_processor is not None or settings.stopping_criteria is not None):
+                or settings.logits_processor is not None or settings.stopping_criteria is not None
+                or settings.prefix_allowed is not None):
             self.full = [row.tolist() for row in input_ids]
         # stopping_criteria: the tokens after which generate's criteria have been asked (every request has them)
         self.asked, self.streamed = 0, [0] * B
@@ -360,6 +363,8 @@ class Decoder:
                 sub[:, base] = penalized(sub[:, base], p)
                 for j, path in enumerate(paths[1:]):  # the path's tokens the sequence does not hold yet
                     rows += [(first + 1 + j, c) for c in set(path) if c < V and c not in seen]
+            if s.prefix_allowed is not None:
+                self._constrain(logits, b, first, paths)
             if s.forced_eos:
                 forced += [first + j for j, path in enumerate(paths) if self._forced(b, path)]
             if s.bans:
@@ -379,6 +384,34 @@ class Decoder:
                 ids = torch.tensor([self.full[0] + list(path)], dtype=torch.int64, device=logits.device)
                 logits[j] = s.logits_processor(ids, logits[j:j + 1].float())[0]
         return logits
+
+    def _constrain(self, logits, b, first, paths) -> None:
+        """PrefixConstrainedLogitsProcessor on request b's rows (logits[first + j] after ``paths[j]``), in place:
+        the processors before it in generate's list (``_early_bans``), then -inf on every token
+        ``prefix_allowed_tokens_fn(b, sequence)`` does not allow; a row left all -inf gets the allowed tokens at 0
+        instead, as generate's does. The row ForcedEOS replaces is left to it."""
+        fn, V = self.s.prefix_allowed, logits.shape[-1]
+        for j, path in enumerate(paths):
+            sent = torch.tensor(self.full[b] + list(path), dtype=torch.int64, device=logits.device)
+            allowed = fn(b, sent)
+            allowed = allowed.tolist() if isinstance(allowed, torch.Tensor) else list(allowed)
+            if len(allowed) == 0:  # generate's own error
+                raise ValueError(f"`prefix_allowed_tokens_fn` returned an empty list for batch ID {b}.This means "
+                                 f"that the constraint is unsatisfiable. Please check your implementationof "
+                                 f"`prefix_allowed_tokens_fn` ")
+            if not all(isinstance(t, int) and 0 <= t < V for t in allowed):
+                raise ValueError(f"prefix_allowed_tokens_fn: expected token ids in [0, {V}) for batch ID {b}, got "
+                                 f"{sorted(set(allowed))[:8]}...")
+            if self._forced(b, path):
+                continue
+            row = logits[first + j]
+            early = self._early_bans(b, path)
+            if early:
+                row[sorted(early)] = float("-inf")
+            mask = torch.full_like(row, float("-inf"))
+            mask[allowed] = 0.0
+            row = row + mask
+            logits[first + j] = mask if bool(row.amax().isneginf()) else row
 
     def _drop_banned(self, b, tree):
         """Request b's tree without the nodes whose token ``banned`` sets to -inf on their parent's row (and their
@@ -414,16 +447,23 @@ class Decoder:
           token len(generated) + len(path)).
 
         On the row ForcedEOSTokenLogitsProcessor replaces (``_forced``), only those of the processors after it:
-        SuppressTokens and SuppressTokensAtBegin. Handed to the drafter (``set_processors``): a draft model's chain
-        avoids what the target's rows ban."""
+        SuppressTokens and SuppressTokensAtBegin; likewise on every row under a ``prefix_allowed_tokens_fn``, whose
+        constraint comes between them and may allow again what the ones before it banned (``_constrain``). Handed
+        to the drafter (``set_processors``): a draft model's chain avoids what the target's rows ban."""
         s = self.s
+        ban = set(s.suppress)
+        if len(self.generated[b]) + len(path) == 0:
+            ban |= s.begin_suppress
+        if self._forced(b, path) or s.prefix_allowed is not None:
+            return ban
+        return ban | self._early_bans(b, path)
+
+    def _early_bans(self, b: int, path) -> set:
+        """``banned``'s tokens of the processors before PrefixConstrainedLogitsProcessor in generate's list: the
+        minimum length's eos, no-repeat n-grams, bad words."""
+        s, ban = self.s, set()
         k, done = s.no_repeat_ngram_size, len(self.generated[b])
         seq = self.full[b] if self.full is not None else []
-        ban = set(s.suppress)
-        if done + len(path) == 0:
-            ban |= s.begin_suppress
-        if self._forced(b, path):
-            return ban
         if done + len(path) < s.min_tokens:
             ban |= self.eos
         if k and len(seq) + len(path) >= k:

@@ -9,10 +9,11 @@ itself is driven through transformers' public extension points: a ready 4D atten
 What the patched ``generate`` runs itself (everything else falls back to the original ``generate`` with one
 warning naming the reason): greedy and sampling (do_sample, temperature, top_k, top_p, min_p), batch >= 1 with
 left padding and attention_mask, max_new_tokens / max_length, eos_token_id (int or list), pad_token_id,
-streamer (batch 1), ``seed=`` (int, or one per request) for the sampling rules, num_return_sequences (sampling); generate's own logits
-processors for stop strings, minimum lengths, repetition penalties, banned / suppressed tokens, sequence biases and
-forced eos; custom ``stopping_criteria`` and ``max_time`` (asked about the whole batch after every token, as generate
-asks them) and a custom ``logits_processor`` at batch size 1 (on every verify row, as assisted decoding runs it).
+streamer (batch 1), ``seed=`` (int, or one per request) for the sampling rules, num_return_sequences (sampling);
+generate's own logits processors for stop strings, minimum lengths, repetition penalties, banned / suppressed
+tokens, sequence biases, forced eos and ``prefix_allowed_tokens_fn``; custom ``stopping_criteria`` and ``max_time``
+(asked about the whole batch after every token, as generate asks them) and a custom ``logits_processor`` at batch
+size 1 (on every verify row, as assisted decoding runs it).
 """
 
 import dataclasses
@@ -447,7 +448,8 @@ def _plan(model, state, args, kwargs):
     # generate reads the tokenizer only for stop_strings
     tokenizer = kwargs.pop("tokenizer", None)
     processors_arg, criteria_arg = kwargs.pop("logits_processor", None), kwargs.pop("stopping_criteria", None)
-    for name in ("prefix_allowed_tokens_fn", "assistant_model",
+    prefix_allowed = kwargs.pop("prefix_allowed_tokens_fn", None)
+    for name in ("assistant_model",
                  "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "synced_gpus",
                  "past_key_values", "inputs_embeds", "assistant_tokenizer"):
         if _is_set(kwargs.pop(name, None)):
@@ -474,6 +476,10 @@ def _plan(model, state, args, kwargs):
     copies = gc.num_return_sequences or 1  # sampled sequences per prompt
     if copies > 1 and not gc.do_sample:
         return None, f"num_return_sequences={copies} without sampling (generate's own error follows)"
+    if prefix_allowed is not None:
+        if copies > 1:  # the processor's beams: its all -inf fallback reads a prompt's copies together
+            return None, "prefix_allowed_tokens_fn with num_return_sequences > 1"
+        processors["prefix_allowed"] = prefix_allowed
     custom, reason = _custom_lists(gc, processors_arg, criteria_arg, inputs.shape[0] * copies,
                                    _as_list(gc.eos_token_id))
     if reason:
