@@ -612,6 +612,74 @@ def test_num_return_sequences_sample_each_prompt_several_times(model):
         _patched(model, ids, mask, num_return_sequences=2, seed=[1, 2], **kw)
 
 
+def _assert_rows_close(mine, ref):
+    """Tuples of [B, V] score / logit rows: as many, the same -inf entries, the rest equal to float32 rounding (the
+    verify forward scores several rows at once)."""
+    assert len(mine) == len(ref)
+    for a, b in zip(mine, ref):
+        assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+        assert torch.equal(torch.isneginf(a), torch.isneginf(b))
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["batch1_eos", "batch1_processors", "batch3_no_eos"])
+def test_return_dict_with_scores_and_logits(model, case):
+    """return_dict_in_generate with output_scores / output_logits: generate's output type, each new token's
+    processed scores and raw logits (the rows that gave the tokens), as generate returns them."""
+    lengths = [13] if case.startswith("batch1") else [14, 6, 2]
+    ids, mask = _batch(lengths, seed=3)
+    L = ids.shape[1]
+    free = _reference(model, ids, mask, max_new_tokens=16)
+    kw = dict(max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    if case == "batch1_eos":
+        kw["eos_token_id"] = int(free[0, L + 9])
+    elif case == "batch1_processors":
+        kw.update(repetition_penalty=1.3, suppress_tokens=[int(free[0, L + 2])], no_repeat_ngram_size=2)
+    ref = _reference(model, ids, mask, **kw)
+    for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+        out, st = _patched(model, ids, mask, drafter=drafter, do_sample=False, **kw)
+        assert st is not None and type(out) is type(ref)
+        assert torch.equal(out.sequences, ref.sequences)
+        _assert_rows_close(out.scores, ref.scores)
+        _assert_rows_close(out.logits, ref.logits)
+    if case == "batch1_eos":
+        assert len(ref.scores) < 16  # eos ended it
+    out, _ = _patched(model, ids, mask, do_sample=False, max_new_tokens=16, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, free) and out.scores is None and out.logits is None
+
+
+def test_sampled_scores_are_the_warped_rows(model):
+    """Sampling: each step's scores are generate's warpers (temperature, top_k) on the processed row that gave the
+    token, and the loop's autoregressive sampling gives the same rows."""
+    ids, mask = _batch([13], seed=7)
+    kw = dict(do_sample=True, temperature=0.7, top_k=20, max_new_tokens=12, seed=5, return_dict_in_generate=True,
+              output_scores=True, output_logits=True)
+    ar, _ = _patched(model, ids, mask, drafter=Drafter(), **kw)
+    out, st = _patched(model, ids, mask, drafter=NGramDrafter(), **kw)
+    assert torch.equal(out.sequences, ar.sequences)
+    _assert_rows_close(out.scores, ar.scores)
+    for t, (score, logit) in enumerate(zip(out.scores, out.logits)):
+        kept = torch.topk(logit / 0.7, 20).indices
+        expected = torch.full_like(logit, float("-inf"))
+        expected[0, kept[0]] = logit[0, kept[0]] / 0.7
+        torch.testing.assert_close(score, expected)
+        assert torch.isfinite(score[0, out.sequences[0, ids.shape[1] + t]])  # the sampled token was kept
+
+
+def test_scores_at_batch_size_above_one_with_eos_fall_back(model):
+    import warnings
+    ids, mask = _batch([14, 6], seed=3)
+    patch(model)
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, eos_token_id=3,
+                           return_dict_in_generate=True, output_scores=True)
+    finally:
+        unpatch(model)
+    assert any("output_scores / output_logits at batch size > 1" in str(w.message) for w in record)
+
+
 def test_sampling_seed_from_torch_global_generator(model):
     ids, mask = _batch([8])
     torch.manual_seed(5)

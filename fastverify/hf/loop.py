@@ -136,6 +136,11 @@ class DecodeSettings:
     # generate's stopping_criteria argument and max_time (a StoppingCriteriaList): asked about the whole batch after
     # every token, as generate asks (``Decoder._ask_criteria``)
     stopping_criteria: object = None
+    # return_dict_in_generate with output_scores / output_logits: each new token's scores (its row after the
+    # processors, then ``warpers``: generate's sampling warpers, a LogitsProcessorList) / raw logits (``Decoder.scored``)
+    output_scores: bool = False
+    output_logits: bool = False
+    warpers: object = None
     # generate's prefix_allowed_tokens_fn(batch id, sequence) -> allowed token ids, on every verify row (``_constrain``)
     prefix_allowed: object = None
 
@@ -239,6 +244,8 @@ class Decoder:
                 or settings.logits_processor is not None or settings.stopping_criteria is not None
                 or settings.prefix_allowed is not None):
             self.full = [row.tolist() for row in input_ids]
+        # output_scores / output_logits: per request and step, (processed rows, raw rows) of its new tokens
+        self.rows = [[] for _ in range(B)] if settings.output_scores or settings.output_logits else None
         # stopping_criteria: the tokens after which generate's criteria have been asked (every request has them)
         self.asked, self.streamed = 0, [0] * B
         if settings.no_repeat_ngram_size:
@@ -543,6 +550,7 @@ class Decoder:
             logits = step_logits.reshape(-1, step_logits.shape[-1])  # (batch 1 without slot rows): a view, no copy
         else:
             logits = step_logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
+        raw = logits
         if s.processes:
             logits = self._process(logits.clone(), trees, inp.cu_host, remaining)
         self._sync()
@@ -593,6 +601,9 @@ class Decoder:
                 elif i is not None:  # without eos it does not: the row runs on until every row has stopped
                     self._stop_at(b, len(self.generated[b]) + i + 1)
                 new = new[:max(self.limit - len(self.generated[b]), 0)]
+            if self.rows is not None:  # the rows that gave the new tokens: the root's, then the accepted nodes'
+                at = [cu[b] + b] + [cu[b] + b + 1 + j for j in accepted[b][:len(new) - 1]]
+                self.rows[b].append((logits[at] if s.output_scores else None, raw[at] if s.output_logits else None))
             self.generated[b].extend(new)
             self.contexts[b].extend(new)
             if self.seen is not None:
@@ -817,6 +828,27 @@ class Decoder:
         if callable(getattr(self.drafter, "set_processors", None)):  # not holding this decoder past its generate
             self.drafter.set_processors()
 
+    def scored(self):
+        """(scores, logits) as generate returns them with output_scores / output_logits: a tuple with a [B, V] tensor
+        per new token (None for what was not asked): the row that gave each request's token, after the processors
+        and the sampling warpers / raw. Every request has as many tokens (one request, or rows that never end before
+        the others: generate scores the padding of an ended row, which the loop does not run)."""
+        T = max(len(g[:self.limit]) for g in self.generated)
+        out = []
+        for k in range(2):
+            per = [torch.cat([r[k] for r in rows])[:T] if rows and rows[0][k] is not None else None
+                   for rows in self.rows]
+            if per[0] is None:
+                out.append(None)
+                continue
+            if any(p.shape[0] != T for p in per):
+                raise RuntimeError("fastverify: scores of requests that ended at different lengths")
+            rows = torch.stack(per, 1).float()  # [T, B, V]
+            if k == 0 and self.s.warpers is not None:
+                rows = torch.stack([self.s.warpers(self.input_ids, r) for r in rows])  # (they read no input_ids)
+            out.append(tuple(rows.unbind(0)))
+        return tuple(out)
+
     def output(self) -> torch.Tensor:
         """[B, L + T]: the prompt (with its padding) and the emitted tokens, pad_token_id after a request ends."""
         rows = [g[:self.limit] for g in self.generated]  # a request that ran past the stop strings' end
@@ -986,9 +1018,10 @@ def _prune_nodes(tree: Tree, n: int) -> Tree:
 
 
 @torch.no_grad()
-def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, streamer=None):
+def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, streamer=None, record=None):
     """Run the loop. input_ids int64 [B, L] (left padded), attention_mask [B, L]. Returns (sequences
-    [B, L + T], LoopStats)."""
+    [B, L + T], LoopStats). record: a dict that gets "scores" and "logits" (``Decoder.scored``) where the settings
+    ask for output_scores / output_logits."""
     t0 = time.perf_counter()
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -1013,4 +1046,6 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
         streamer.end()
     dec.stats.time_total = time.perf_counter() - t0
     dec.stats.new_tokens = [min(n, dec.limit) for n in dec.stats.new_tokens]
+    if record is not None and dec.rows is not None:
+        record["scores"], record["logits"] = dec.scored()
     return dec.output(), dec.stats

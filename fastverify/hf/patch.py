@@ -13,7 +13,8 @@ streamer (batch 1), ``seed=`` (int, or one per request) for the sampling rules, 
 generate's own logits processors for stop strings, minimum lengths, repetition penalties, banned / suppressed
 tokens, sequence biases, forced eos and ``prefix_allowed_tokens_fn``; custom ``stopping_criteria`` and ``max_time``
 (asked about the whole batch after every token, as generate asks them) and a custom ``logits_processor`` at batch
-size 1 (on every verify row, as assisted decoding runs it).
+size 1 (on every verify row, as assisted decoding runs it); return_dict_in_generate with output_scores /
+output_logits (batch size 1, or no eos ids; no cache in the output).
 """
 
 import dataclasses
@@ -260,13 +261,13 @@ def unpatch(model):
 _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "stop_strings",
             "min_length", "min_new_tokens", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
             "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_eos_token_id", "eos_token_id",
-            "pad_token_id", "bos_token_id", "max_time", "num_return_sequences", "decoder_start_token_id", "use_cache", "transformers_version",
+            "pad_token_id", "bos_token_id", "max_time", "num_return_sequences", "return_dict_in_generate",
+            "output_scores", "output_logits", "decoder_start_token_id", "use_cache", "transformers_version",
             "_from_model_config", "_commit_hash", "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
 _NEUTRAL = {"num_beams": 1, "encoder_repetition_penalty": 1.0,
             "length_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0,
             "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
-            "output_scores": False, "output_logits": False,
             "output_attentions": False, "output_hidden_states": False, "return_dict_in_generate": False,
             "remove_invalid_values": False, "renormalize_logits": False, "early_stopping": False,
             "low_memory": False, "cache_implementation": "dynamic", "guidance_scale": 1.0,
@@ -476,6 +477,10 @@ def _plan(model, state, args, kwargs):
     copies = gc.num_return_sequences or 1  # sampled sequences per prompt
     if copies > 1 and not gc.do_sample:
         return None, f"num_return_sequences={copies} without sampling (generate's own error follows)"
+    scored = bool(gc.return_dict_in_generate) and bool(gc.output_scores or gc.output_logits)
+    if scored and inputs.shape[0] * copies > 1 and _as_list(gc.eos_token_id):
+        return None, ("output_scores / output_logits at batch size > 1 with eos ids (generate scores the padding of "
+                      "a row that ended, which the loop does not run)")
     if prefix_allowed is not None:
         if copies > 1:  # the processor's beams: its all -inf fallback reads a prompt's copies together
             return None, "prefix_allowed_tokens_fn with num_return_sequences > 1"
@@ -550,6 +555,10 @@ def _plan(model, state, args, kwargs):
                               repetition_penalty=1.0 if penalty is None else float(penalty),
                               no_repeat_ngram_size=ngram, **processors, **custom)
     settings.rule_params = rule_params
+    if scored:
+        settings.output_scores, settings.output_logits = bool(gc.output_scores), bool(gc.output_logits)
+        if sampling and gc.output_scores:
+            settings.warpers = _warpers(gc)
     if rule in SAMPLING_RULES:
         if sampling:
             settings.warp = {"temperature": float(gc.temperature if gc.temperature is not None else 1.0),
@@ -562,7 +571,24 @@ def _plan(model, state, args, kwargs):
         else:
             seed_t = _request_seeds(seed, B, copies)
         settings.seed = seed_t.to(inputs.device)
-    return {"inputs": inputs, "attention_mask": attention_mask, "settings": settings, "streamer": streamer}, None
+    return {"inputs": inputs, "attention_mask": attention_mask, "settings": settings, "streamer": streamer,
+            "return_dict": bool(gc.return_dict_in_generate)}, None
+
+
+def _warpers(gc):
+    """generate's sampling warpers for the generation config (the scores output_scores returns when sampling), as
+    its ``_get_logits_processor`` builds them for one sequence per beam."""
+    from transformers.generation import logits_process as lp
+    out = lp.LogitsProcessorList()
+    if gc.temperature is not None and gc.temperature != 1.0:
+        out.append(lp.TemperatureLogitsWarper(gc.temperature))
+    if gc.top_k is not None and gc.top_k != 0:
+        out.append(lp.TopKLogitsWarper(top_k=gc.top_k, min_tokens_to_keep=1))
+    if gc.top_p is not None and gc.top_p < 1.0:
+        out.append(lp.TopPLogitsWarper(top_p=gc.top_p, min_tokens_to_keep=1))
+    if gc.min_p is not None:
+        out.append(lp.MinPLogitsWarper(min_p=gc.min_p, min_tokens_to_keep=1))
+    return out
 
 
 def _request_seeds(seed, prompts: int, copies: int) -> torch.Tensor:
@@ -625,7 +651,12 @@ def _patched_generate(self, *args, **kwargs):
     if plan is None:
         return _fallback(self, state, reason, args, kwargs)
     _warn_precision(self, state, plan["settings"].rule)
+    record = {}
     sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], state.drafter, plan["settings"],
-                                   plan["streamer"])
+                                   plan["streamer"], record=record)
     state.last_stats = loop_stats
+    if plan["return_dict"]:  # generate's output (no cache: the loop's is in its own per-request layout)
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=record.get("scores"),
+                                         logits=record.get("logits"))
     return sequences
