@@ -142,12 +142,15 @@ def test_fallback_custom_processors_and_criteria_the_loop_cannot_mirror(model):
     non-callables is generate's to refuse; a criterion with an eos_token_id makes generate pad ended rows, which it
     cannot without eos ids. Each falls back, with the reason named."""
     from transformers import (EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria,
-                              RepetitionPenaltyLogitsProcessor, StoppingCriteriaList, TopKLogitsWarper)
+                              PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+                              StoppingCriteriaList, TopKLogitsWarper)
     patch(model)
     batch = torch.cat([PROMPT, PROMPT.flip(1)])
     cases = [(dict(logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)]),
                    repetition_penalty=1.2), "RepetitionPenaltyLogitsProcessor"),
              (dict(stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(14)])), "MaxLengthCriteria"),
+             (dict(logits_processor=LogitsProcessorList([PrefixConstrainedLogitsProcessor(lambda b, s: [3], 1)]),
+                   prefix_allowed_tokens_fn=lambda b, s: [4]), "PrefixConstrainedLogitsProcessor"),
              (dict(input_ids=batch, logits_processor=LogitsProcessorList([TopKLogitsWarper(5)])), "batch size > 1"),
              (dict(logits_processor=[3]), "expected a list of callables"),
              (dict(stopping_criteria=StoppingCriteriaList([EosTokenCriteria(5)])), "eos_token_id")]

@@ -247,7 +247,8 @@ class Decoder:
         # output_scores / output_logits: per request and step, (processed rows, raw rows) of its new tokens
         self.rows = [[] for _ in range(B)] if settings.output_scores or settings.output_logits else None
         # stopping_criteria: the tokens after which generate's criteria have been asked (every request has them)
-        self.asked, self.streamed = 0, [0] * B
+        self.asked = 0
+        self.streamed = 0  # a streamer (batch 1): the tokens it has received
         if settings.no_repeat_ngram_size:
             self.follow = [{} for _ in range(B)]
             for b in range(B):
@@ -402,7 +403,7 @@ class Decoder:
             sent = torch.tensor(self.full[b] + list(path), dtype=torch.int64, device=logits.device)
             allowed = fn(b, sent)
             allowed = allowed.tolist() if isinstance(allowed, torch.Tensor) else list(allowed)
-            if len(allowed) == 0:  # generate's own error
+            if len(allowed) == 0:  # generate's own error, its message as it is
                 raise ValueError(f"`prefix_allowed_tokens_fn` returned an empty list for batch ID {b}.This means "
                                  f"that the constraint is unsatisfiable. Please check your implementationof "
                                  f"`prefix_allowed_tokens_fn` ")
@@ -620,9 +621,9 @@ class Decoder:
         if self.streamer is not None:  # (batch 1) the tokens no criterion can still take back
             g = self.generated[0]
             upto = min(len(g), self.limit, self.asked if s.stopping_criteria is not None else len(g))
-            if upto > self.streamed[0]:
-                self.streamer.put(torch.tensor(g[self.streamed[0]:upto], dtype=torch.int64))
-                self.streamed[0] = upto
+            if upto > self.streamed:
+                self.streamer.put(torch.tensor(g[self.streamed:upto], dtype=torch.int64))
+                self.streamed = upto
         self.drafter.update([accept_len[b] if remaining[b] > 0 else None for b in range(B)])
         if slots is not None:  # the block attached where each accepted path ends drafts the next step
             ends = [accepted[b][accept_len[b] - 1] if accept_len[b] > 0 else -1 for b in range(B)]

@@ -268,7 +268,7 @@ _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k",
 _NEUTRAL = {"num_beams": 1, "encoder_repetition_penalty": 1.0,
             "length_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0,
             "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
-            "output_attentions": False, "output_hidden_states": False, "return_dict_in_generate": False,
+            "output_attentions": False, "output_hidden_states": False,
             "remove_invalid_values": False, "renormalize_logits": False, "early_stopping": False,
             "low_memory": False, "cache_implementation": "dynamic", "guidance_scale": 1.0,
             "is_assistant": False, "disable_compile": False, "use_mtp": False}
@@ -381,9 +381,10 @@ def _token_processors(gc, eos, vocab_size):
 
 # generate's own processors / stopping criteria for the generation-config fields the loop runs: a custom one of
 # the same type replaces generate's in its list (``_merge_criteria_processor_list``), which the loop does not mirror
-def _own_processor_types(gc, eos) -> set:
+def _own_processor_types(gc, eos, prefix_allowed) -> set:
     from transformers.generation import logits_process as lp
-    fields = ((lp.MinLengthLogitsProcessor, bool(gc.min_length) and bool(eos)),
+    fields = ((lp.PrefixConstrainedLogitsProcessor, prefix_allowed is not None),
+              (lp.MinLengthLogitsProcessor, bool(gc.min_length) and bool(eos)),
               (lp.MinNewTokensLengthLogitsProcessor, bool(gc.min_new_tokens) and bool(eos)),
               (lp.RepetitionPenaltyLogitsProcessor, gc.repetition_penalty not in (None, 1.0)),
               (lp.NoRepeatNGramLogitsProcessor, bool(gc.no_repeat_ngram_size)),
@@ -402,7 +403,7 @@ def _own_criteria_types(gc, eos) -> set:
     return {cls for cls, made in fields if made}
 
 
-def _custom_lists(gc, processors, criteria, batch_size, eos):
+def _custom_lists(gc, processors, criteria, batch_size, eos, prefix_allowed=None):
     """(DecodeSettings fields, None) for generate's ``logits_processor`` / ``stopping_criteria`` arguments and
     ``max_time``, or (None, reason). The processors run on every verify row as a batch of one (the row's sequence,
     its logits), as transformers' assisted decoding runs them on each candidate position: only at batch size 1,
@@ -411,7 +412,7 @@ def _custom_lists(gc, processors, criteria, batch_size, eos):
     from transformers.generation.logits_process import LogitsProcessorList
     from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
     out = {}
-    for name, given, own, kind in (("logits_processor", processors, _own_processor_types(gc, eos),
+    for name, given, own, kind in (("logits_processor", processors, _own_processor_types(gc, eos, prefix_allowed),
                                     LogitsProcessorList),
                                    ("stopping_criteria", criteria, _own_criteria_types(gc, eos),
                                     StoppingCriteriaList)):
@@ -486,7 +487,7 @@ def _plan(model, state, args, kwargs):
             return None, "prefix_allowed_tokens_fn with num_return_sequences > 1"
         processors["prefix_allowed"] = prefix_allowed
     custom, reason = _custom_lists(gc, processors_arg, criteria_arg, inputs.shape[0] * copies,
-                                   _as_list(gc.eos_token_id))
+                                   _as_list(gc.eos_token_id), prefix_allowed)
     if reason:
         return None, reason
     stop = None
