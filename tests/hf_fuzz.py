@@ -385,6 +385,9 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
         opts["sequence_bias"] = [[list(q), bias.choice([-20.0, -2.5, 0.75, 3.0, 12.0])] for q in sorted(seqs)]
     if bias.random() < 0.1:
         opts["forced_eos_token_id"] = bias.sample(range(V), bias.randint(1, 2))
+    decay = random.Random(f"length decay {seed}")
+    if decay.random() < 0.1 and "eos_token_id" in opts:  # (generate refuses it without eos ids)
+        opts["exponential_decay_length_penalty"] = (decay.randint(0, 6), decay.choice([0.5, 1.2, 2.0, 5.0]))
     stops = random.Random(f"stop strings {seed}")  # a stream of its own, as the weights'
     if stops.random() < 0.2:  # stop strings of one to three letters (tokens are strings of letters)
         opts["stop_strings"] = ["".join(stops.choice("abcdefgh") for _ in range(stops.randint(1, 3)))
@@ -489,7 +492,7 @@ def summary(results) -> dict:
     for key, names in (("stop_strings", ("stop_strings",)), ("min_tokens", ("min_new_tokens", "min_length")),
                        ("repetition", ("repetition_penalty", "no_repeat_ngram_size")),
                        ("banned", ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens")),
-                       ("bias", ("sequence_bias", "forced_eos_token_id")),
+                       ("bias", ("sequence_bias", "forced_eos_token_id", "exponential_decay_length_penalty")),
                        ("custom", ("stopping_criteria", "logits_processor", "prefix_allowed_tokens_fn")),
                        ("copies", ("num_return_sequences",))):
         out[key] = {k: sum(1 for r in results if any(n in r["options"] for n in names) and r["outcome"] == k)

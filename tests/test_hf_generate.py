@@ -233,6 +233,24 @@ def test_greedy_sequence_bias_and_forced_eos(model, lengths):
     assert _options_match_generate(model, ids, mask, cases) >= 4
 
 
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_greedy_exponential_decay_length_penalty(model, lengths):
+    """exponential_decay_length_penalty: generate's own processor on every verify row with the row's length, after
+    the processors before it (eos held back by a minimum length stays -inf) and before suppression."""
+    ids, mask = _batch(lengths, seed=3)
+    L = ids.shape[1]
+    free = _reference(model, ids, mask, max_new_tokens=20)
+    g = free[0, L:].tolist()
+    eos = [g[12], g[15]]  # tokens request 0 emits late: the growing bonus may pull them earlier
+    cases = [{"exponential_decay_length_penalty": (2, 1.5), "eos_token_id": eos},
+             {"exponential_decay_length_penalty": (0, 3.0), "eos_token_id": eos[0]},
+             {"exponential_decay_length_penalty": (1, 0.5), "eos_token_id": [g[2], g[4]]},
+             {"exponential_decay_length_penalty": (2, 4.0), "eos_token_id": eos, "min_new_tokens": 7},
+             {"exponential_decay_length_penalty": (1, 2.0), "eos_token_id": eos, "forced_eos_token_id": eos[0],
+              "suppress_tokens": [t for t in (eos[1], g[3], 5) if t != eos[0]][:1], "repetition_penalty": 1.2}]
+    assert _options_match_generate(model, ids, mask, cases) >= 3
+
+
 def test_drafts_a_processor_bans_are_not_verified(model):
     """no_repeat_ngram_size=1 bans every token the sequence holds: the n-gram drafter's copies from the context are
     all banned, so the loop verifies none of them (and the output is still generate's)."""
@@ -383,8 +401,9 @@ def test_seeded_sampling_with_min_new_tokens_equals_autoregressive_sampling(mode
 
 
 @pytest.mark.parametrize("processors", [{"repetition_penalty": 1.5, "no_repeat_ngram_size": 2},
-                                        {"sequence_bias": {(5,): 3.0, (7, 9): -2.0}, "forced_eos_token_id": [11, 13]}],
-                         ids=["repetition", "bias"])
+                                        {"sequence_bias": {(5,): 3.0, (7, 9): -2.0}, "forced_eos_token_id": [11, 13]},
+                                        {"exponential_decay_length_penalty": (1, 3.0), "eos_token_id": [11, 13, 17]}],
+                         ids=["repetition", "bias", "decay"])
 def test_seeded_sampling_with_processors_equals_autoregressive_sampling(model, processors):
     ids, mask = _batch([14, 6, 2], seed=7)
     kw = dict(do_sample=True, temperature=0.8, max_new_tokens=20, seed=1234, **processors)

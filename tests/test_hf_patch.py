@@ -116,7 +116,7 @@ def test_every_rule_selectable(model):
 
 @pytest.mark.parametrize("kwargs, reason", [
     ({"num_beams": 2}, "num_beams"),
-    ({"exponential_decay_length_penalty": (2, 1.5), "eos_token_id": 3}, "exponential_decay_length_penalty"),
+    ({"renormalize_logits": True}, "renormalize_logits"),
     ({"return_dict_in_generate": True, "output_attentions": True}, "output_attentions"),
     ({"encoder_no_repeat_ngram_size": 2}, "encoder_no_repeat_ngram_size"),
 ])

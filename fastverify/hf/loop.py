@@ -143,6 +143,8 @@ class DecodeSettings:
     warpers: object = None
     # generate's prefix_allowed_tokens_fn(batch id, sequence) -> allowed token ids, on every verify row (``_constrain``)
     prefix_allowed: object = None
+    # exponential_decay_length_penalty: generate's ExponentialDecayLengthPenalty (an instance), on every verify row
+    length_decay: object = None
 
     @property
     def bans(self) -> bool:
@@ -154,7 +156,8 @@ class DecodeSettings:
     def processes(self) -> bool:
         """Whether generate's logits processors change the verify rows' logits (``Decoder._process``)."""
         return bool(self.repetition_penalty != 1.0 or self.bans or self.sequence_bias or self.forced_eos
-                    or self.logits_processor is not None or self.prefix_allowed is not None)
+                    or self.logits_processor is not None or self.prefix_allowed is not None
+                    or self.length_decay is not None)
 
 
 class StopStrings:
@@ -348,12 +351,13 @@ class Decoder:
         see it: the request's tokens so far followed by the row's path of draft tokens. In generate's order:
         SequenceBiasLogitsProcessor (``_bias``); RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the
         prompt without its left padding, the tokens so far, the path) scores s < 0 ? s * penalty : s / penalty;
-        ForcedEOSTokenLogitsProcessor: the row that picks the last new token keeps only forced_eos, at 0; then the
-        tokens ``banned`` names at -inf; then the call's own ``logits_processor`` (batch 1), each row a batch of one,
+        ForcedEOSTokenLogitsProcessor: the row that picks the last new token keeps only forced_eos, at 0;
+        ExponentialDecayLengthPenalty (generate's own, called with each row's length; it reads the eos scores, those
+        the earlier processors banned at -inf); then the tokens ``banned`` names at -inf; then the call's own ``logits_processor`` (batch 1), each row a batch of one,
         its sequence as input_ids, as transformers' assisted decoding calls it on each candidate position."""
         s, V = self.s, logits.shape[-1]
         p = s.repetition_penalty
-        rows, banned, forced = [], [], []
+        rows, banned, forced, decay = [], [], [], []
         for b, tree in enumerate(trees):
             if remaining[b] <= 0:
                 continue
@@ -375,6 +379,10 @@ class Decoder:
                 self._constrain(logits, b, first, paths)
             if s.forced_eos:
                 forced += [first + j for j, path in enumerate(paths) if self._forced(b, path)]
+            if s.length_decay is not None:  # each row's length as generate's input_ids, the eos bans before it
+                done = self.input_ids.shape[1] + len(self.generated[b])
+                decay += [(first + j, done + len(path), () if self._forced(b, path) or s.prefix_allowed is not None
+                           else self._early_bans(b, path) & self.eos) for j, path in enumerate(paths)]
             if s.bans:
                 banned += [(first + j, t) for j, path in enumerate(paths) for t in self.banned(b, path) if t < V]
         if rows:
@@ -384,6 +392,13 @@ class Decoder:
             r = torch.tensor(forced, dtype=torch.int64).to(logits.device)
             logits[r] = float("-inf")
             logits[r[:, None], torch.tensor(s.forced_eos, dtype=torch.int64).to(logits.device)] = 0.0
+        for length in sorted({n for _, n, _ in decay}):  # one call per sequence length (the processor reads it)
+            at = [(r, eos) for r, n, eos in decay if n == length]
+            sub = logits[[r for r, _ in at]]
+            for i, (_, eos) in enumerate(at):
+                sub[i, sorted(eos)] = float("-inf")
+            ids = torch.zeros((len(at), length), dtype=torch.int64, device=logits.device)  # (only its length read)
+            logits[[r for r, _ in at]] = s.length_decay(ids, sub).to(logits.dtype)
         if banned:
             r, c = upload_lists([[r for r, _ in banned], [c for _, c in banned]], torch.int64, logits.device)
             logits[r, c] = float("-inf")

@@ -11,10 +11,10 @@ warning naming the reason): greedy and sampling (do_sample, temperature, top_k, 
 left padding and attention_mask, max_new_tokens / max_length, eos_token_id (int or list), pad_token_id,
 streamer (batch 1), ``seed=`` (int, or one per request) for the sampling rules, num_return_sequences (sampling);
 generate's own logits processors for stop strings, minimum lengths, repetition penalties, banned / suppressed
-tokens, sequence biases, forced eos and ``prefix_allowed_tokens_fn``; custom ``stopping_criteria`` and ``max_time``
-(asked about the whole batch after every token, as generate asks them) and a custom ``logits_processor`` at batch
-size 1 (on every verify row, as assisted decoding runs it); return_dict_in_generate with output_scores /
-output_logits (batch size 1, or no eos ids; no cache in the output).
+tokens, sequence biases, forced eos, exponential_decay_length_penalty and ``prefix_allowed_tokens_fn``; custom
+``stopping_criteria`` and ``max_time`` (asked about the whole batch after every token, as generate asks them) and a
+custom ``logits_processor`` at batch size 1 (on every verify row, as assisted decoding runs it);
+return_dict_in_generate with output_scores / output_logits (batch size 1, or no eos ids; no cache in the output).
 """
 
 import dataclasses
@@ -262,6 +262,7 @@ _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k",
             "min_length", "min_new_tokens", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
             "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_eos_token_id", "eos_token_id",
             "pad_token_id", "bos_token_id", "max_time", "num_return_sequences", "return_dict_in_generate",
+            "exponential_decay_length_penalty",
             "output_scores", "output_logits", "decoder_start_token_id", "use_cache", "transformers_version",
             "_from_model_config", "_commit_hash", "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
@@ -482,6 +483,14 @@ def _plan(model, state, args, kwargs):
     if scored and inputs.shape[0] * copies > 1 and _as_list(gc.eos_token_id):
         return None, ("output_scores / output_logits at batch size > 1 with eos ids (generate scores the padding of "
                       "a row that ended, which the loop does not run)")
+    decay = gc.exponential_decay_length_penalty
+    if decay is not None:  # generate's own processor, built as generate builds it (the padded prompt's length)
+        from transformers.generation.logits_process import ExponentialDecayLengthPenalty
+        eos = _as_list(gc.eos_token_id)
+        if not (isinstance(decay, (tuple, list)) and len(decay) == 2 and isinstance(decay[0], int)
+                and isinstance(decay[1], (int, float)) and eos):
+            return None, f"exponential_decay_length_penalty={decay!r} (generate's own error follows)"
+        processors["length_decay"] = ExponentialDecayLengthPenalty(tuple(decay), eos, inputs.shape[1])
     if prefix_allowed is not None:
         if copies > 1:  # the processor's beams: its all -inf fallback reads a prompt's copies together
             return None, "prefix_allowed_tokens_fn with num_return_sequences > 1"
