@@ -396,8 +396,10 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
     custom = random.Random(f"custom lists {seed}")
     if custom.random() < 0.12:  # a stopping criterion ending a row whose last token is one of a few
         opts["stopping_criteria"] = [_LastTokenIn(custom.sample(seen, min(len(seen), custom.randint(1, 4))))]
-    if custom.random() < 0.12:  # a processor reading the sequence (the loop runs it at batch size 1 only)
+    row_wise = False
+    if custom.random() < 0.12:  # a processor reading the sequence (at batch size > 1: declared row-wise, or not)
         opts["logits_processor"] = [_Shifted(custom.randint(1, 5), custom.randint(2, 4), custom.randint(1, V - 1))]
+        row_wise = custom.random() < 0.5
     if custom.random() < 0.08:  # a constraint of the batch id and the sequence (some rows left all -inf)
         opts["prefix_allowed_tokens_fn"] = _AllowedBy(custom.randint(2, 5), custom.randint(0, 1), V)
     copies = random.Random(f"copies {seed}")
@@ -412,6 +414,8 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
                          else repr(v)
                          for k, v in opts.items() if k not in ("seed", "tokenizer")})
     extra = {"allow_unknown_model": True} if desc["arch"] in UNREGISTERED else {}
+    if row_wise:
+        extra["row_processors"] = desc["row_processors"] = True
     if rng.random() < 0.3:  # the loop's own options: draft budget, verify backend, torch's GEMM
         extra.update(max_draft=rng.choice([0, 1, 3, 32]), backend=rng.choice(["auto", "torch"]),
                      skinny_linear=rng.random() < 0.5)

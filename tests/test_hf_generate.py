@@ -483,11 +483,12 @@ def test_greedy_custom_stopping_criteria(model, lengths, eos):
     _ended_by_criteria(model, ids, mask, lambda: _Ends(stops, batch_bool=True), **kw)
 
 
-def test_greedy_custom_logits_processor(model):
-    """generate's logits_processor argument (batch 1): run on every verify row with the row's sequence, after the
-    processors generate builds itself, as transformers' assisted decoding runs it; generate's own calls are among
-    the loop's."""
-    ids, mask = _batch([13], seed=3)
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_greedy_custom_logits_processor(model, lengths):
+    """generate's logits_processor argument (at batch size > 1 with row_processors=True): run on every verify row
+    with the row's sequence, after the processors generate builds itself, as transformers' assisted decoding runs
+    it; generate's own calls (each of its rows) are among the loop's."""
+    ids, mask = _batch(lengths, seed=3)
     free = _reference(model, ids, mask, max_new_tokens=20)
     for extra in ({}, {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}):
         unpatch(model)
@@ -498,11 +499,16 @@ def test_greedy_custom_logits_processor(model):
         assert not torch.equal(ref, free)
         for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
             mine = _Shift()
-            out, st = _patched(model, ids, mask, drafter=drafter, do_sample=False, max_new_tokens=20,
-                               logits_processor=transformers.LogitsProcessorList([mine]), **extra)
+            patch(model, drafter=drafter, row_processors=len(lengths) > 1)
+            try:
+                out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, do_sample=False, max_new_tokens=20,
+                                     logits_processor=transformers.LogitsProcessorList([mine]), **extra)
+                st = stats(model)
+            finally:
+                unpatch(model)
             assert st is not None and torch.equal(out, ref), (type(drafter).__name__, out.tolist(), ref.tolist())
-            seen = {tuple(c[0].tolist()) for c in mine.calls}
-            assert all(tuple(c[0].tolist()) in seen for c in proc.calls)
+            seen = {tuple(row.tolist()) for c in mine.calls for row in c}
+            assert all(tuple(row.tolist()) in seen for c in proc.calls for row in c if row[-1] != PAD)
 
 
 def test_seeded_sampling_with_custom_processor_and_criteria_equals_autoregressive_sampling(model):

@@ -131,7 +131,8 @@ class DecodeSettings:
     # generate's processor sums them (the single tokens first, then by prefix length as first given)
     sequence_bias: tuple = ()
     forced_eos: tuple = ()  # forced_eos_token_id: the tokens the row that picks the last new token keeps (at 0)
-    # generate's logits_processor argument (a LogitsProcessorList; batch 1): on every verify row, after the above
+    # generate's logits_processor argument (a LogitsProcessorList): on every verify row, one row at a time, after the
+    # above (batch size 1, or processors that compute each row from that row alone)
     logits_processor: object = None
     # generate's stopping_criteria argument and max_time (a StoppingCriteriaList): asked about the whole batch after
     # every token, as generate asks (``Decoder._ask_criteria``)
@@ -261,8 +262,6 @@ class Decoder:
         self.cache_len = [L - 1] * B  # committed slots per request (left padding included)
         self.root = input_ids[:, -1].tolist()
         self.stats = LoopStats(new_tokens=[0] * B)
-        if settings.logits_processor is not None and B > 1:
-            raise ValueError(f"settings.logits_processor: runs at batch size 1 only, got a batch of {B}")
         self.eos = set(settings.eos_token_ids)
         self.hidden = _HiddenCapture(model) if getattr(drafter, "wants_hidden", False) else None
         self.vocab_size = model_vocab_size(model)
@@ -351,13 +350,14 @@ class Decoder:
         see it: the request's tokens so far followed by the row's path of draft tokens. In generate's order:
         SequenceBiasLogitsProcessor (``_bias``); RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the
         prompt without its left padding, the tokens so far, the path) scores s < 0 ? s * penalty : s / penalty;
-        ForcedEOSTokenLogitsProcessor: the row that picks the last new token keeps only forced_eos, at 0;
-        ExponentialDecayLengthPenalty (generate's own, called with each row's length; it reads the eos scores, those
-        the earlier processors banned at -inf); then the tokens ``banned`` names at -inf; then the call's own ``logits_processor`` (batch 1), each row a batch of one,
-        its sequence as input_ids, as transformers' assisted decoding calls it on each candidate position."""
+        PrefixConstrainedLogitsProcessor after the bans before it (``_constrain``); ForcedEOSTokenLogitsProcessor:
+        the row that picks the last new token keeps only forced_eos, at 0; ExponentialDecayLengthPenalty (generate's
+        own, called with each row's length; it reads the eos scores, those the earlier processors ban at -inf); the
+        tokens ``banned`` names at -inf; then the call's own ``logits_processor``, each row a batch of one, its
+        sequence as input_ids, as transformers' assisted decoding calls it on each candidate position."""
         s, V = self.s, logits.shape[-1]
         p = s.repetition_penalty
-        rows, banned, forced, decay = [], [], [], []
+        rows, banned, forced, decay, custom = [], [], [], [], []
         for b, tree in enumerate(trees):
             if remaining[b] <= 0:
                 continue
@@ -377,6 +377,8 @@ class Decoder:
                     rows += [(first + 1 + j, c) for c in set(path) if c < V and c not in seen]
             if s.prefix_allowed is not None:
                 self._constrain(logits, b, first, paths)
+            if s.logits_processor is not None:
+                custom += [(first + j, self.full[b] + list(path)) for j, path in enumerate(paths)]
             if s.forced_eos:
                 forced += [first + j for j, path in enumerate(paths) if self._forced(b, path)]
             if s.length_decay is not None:  # each row's length as generate's input_ids, the eos bans before it
@@ -402,10 +404,9 @@ class Decoder:
         if banned:
             r, c = upload_lists([[r for r, _ in banned], [c for _, c in banned]], torch.int64, logits.device)
             logits[r, c] = float("-inf")
-        if s.logits_processor is not None:  # batch 1: the root's row, then the nodes'
-            for j, path in enumerate([()] + _node_paths(trees[0]) if remaining[0] > 0 else []):
-                ids = torch.tensor([self.full[0] + list(path)], dtype=torch.int64, device=logits.device)
-                logits[j] = s.logits_processor(ids, logits[j:j + 1].float())[0]
+        for r, seq in custom:  # each row a batch of one
+            ids = torch.tensor([seq], dtype=torch.int64, device=logits.device)
+            logits[r] = s.logits_processor(ids, logits[r:r + 1].float())[0]
         return logits
 
     def _constrain(self, logits, b, first, paths) -> None:

@@ -13,7 +13,8 @@ streamer (batch 1), ``seed=`` (int, or one per request) for the sampling rules, 
 generate's own logits processors for stop strings, minimum lengths, repetition penalties, banned / suppressed
 tokens, sequence biases, forced eos, exponential_decay_length_penalty and ``prefix_allowed_tokens_fn``; custom
 ``stopping_criteria`` and ``max_time`` (asked about the whole batch after every token, as generate asks them) and a
-custom ``logits_processor`` at batch size 1 (on every verify row, as assisted decoding runs it);
+custom ``logits_processor`` at batch size 1, or any with ``row_processors=True`` (on every verify row, as assisted
+decoding runs it);
 return_dict_in_generate with output_scores / output_logits (batch size 1, or no eos ids; no cache in the output).
 """
 
@@ -187,7 +188,10 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         the other rows' results unchanged bit for bit), ``pace_batch`` (default True: in a batch on the CPU under
         the greedy or coupled rule, a request that would end, at one token a step, well before the request expected
         to end last gets no draft that step; the batch runs until its last request ends, so those drafts would cost
-        rows and save no step),
+        rows and save no step), ``row_processors`` (default False: a custom ``logits_processor`` runs at batch size
+        1 only, called with one row at a time; True declares that each of its processors computes each row from
+        that row alone, without the row's batch index or state kept across calls, and the loop then runs it at any
+        batch size),
         ``allow_unknown_model`` (skip the model-type registry check).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
@@ -203,12 +207,12 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
-             "pace_batch", "allow_unknown_model")
+             "pace_batch", "row_processors", "allow_unknown_model")
     unknown = set(options) - set(RULE_PARAMS) - set(extra)
     if unknown:
         raise TypeError(f"fastverify.patch: unknown option(s) {sorted(unknown)}; expected rule parameters "
                         f"{RULE_PARAMS} or {', '.join(extra)}")
-    for name in ("skinny_linear", "pack_weights", "lean_layers", "live_rows", "pace_batch"):
+    for name in ("skinny_linear", "pack_weights", "lean_layers", "live_rows", "pace_batch", "row_processors"):
         if options.get(name, True) not in (True, False):
             raise TypeError(f"{name}: expected a bool, got {options[name]!r}")
     if rule is not None and rule not in RULES:
@@ -426,7 +430,8 @@ def _custom_lists(gc, processors, criteria, batch_size, eos, prefix_allowed=None
         if same:
             return None, f"{name} holding {', '.join(same)}, which replaces generate's own of that type"
         if name == "logits_processor" and batch_size > 1:
-            return None, "logits_processor at batch size > 1 (the loop runs it on one row at a time)"
+            return None, ("logits_processor at batch size > 1 (the loop runs it on one row at a time; patch with "
+                          "row_processors=True if each row's scores depend on that row alone)")
         if name == "stopping_criteria" and not eos and any(hasattr(x, "eos_token_id") for x in items):
             return None, "a stopping criterion with an eos_token_id and no eos_token_id in the generation config"
         out[name] = kind(items)
@@ -495,8 +500,8 @@ def _plan(model, state, args, kwargs):
         if copies > 1:  # the processor's beams: its all -inf fallback reads a prompt's copies together
             return None, "prefix_allowed_tokens_fn with num_return_sequences > 1"
         processors["prefix_allowed"] = prefix_allowed
-    custom, reason = _custom_lists(gc, processors_arg, criteria_arg, inputs.shape[0] * copies,
-                                   _as_list(gc.eos_token_id), prefix_allowed)
+    rows = 1 if state.options.get("row_processors", False) else inputs.shape[0] * copies  # as one row at a time
+    custom, reason = _custom_lists(gc, processors_arg, criteria_arg, rows, _as_list(gc.eos_token_id), prefix_allowed)
     if reason:
         return None, reason
     stop = None
