@@ -402,6 +402,11 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
         row_wise = custom.random() < 0.5
     if custom.random() < 0.08:  # a constraint of the batch id and the sequence (some rows left all -inf)
         opts["prefix_allowed_tokens_fn"] = _AllowedBy(custom.randint(2, 5), custom.randint(0, 1), V)
+    warp = random.Random(f"warpers {seed}")
+    if opts.get("do_sample") and warp.random() < 0.2:  # a warper the verify op does not have: generate's own
+        name, values = warp.choice([("typical_p", [0.5, 0.9]), ("epsilon_cutoff", [0.001, 0.05]),
+                                    ("eta_cutoff", [0.01, 0.3]), ("top_h", [0.4, 0.8])])
+        opts[name] = warp.choice(values)
     copies = random.Random(f"copies {seed}")
     if opts.get("do_sample") and copies.random() < 0.15:
         opts["num_return_sequences"] = copies.randint(2, 3)
@@ -498,7 +503,8 @@ def summary(results) -> dict:
                        ("banned", ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens")),
                        ("bias", ("sequence_bias", "forced_eos_token_id", "exponential_decay_length_penalty")),
                        ("custom", ("stopping_criteria", "logits_processor", "prefix_allowed_tokens_fn")),
-                       ("copies", ("num_return_sequences",))):
+                       ("copies", ("num_return_sequences",)),
+                       ("warpers", ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"))):
         out[key] = {k: sum(1 for r in results if any(n in r["options"] for n in names) and r["outcome"] == k)
                     for k in ("identical", "fallback")}
     return out

@@ -691,6 +691,32 @@ def test_sampled_scores_are_the_warped_rows(model):
         assert torch.isfinite(score[0, out.sequences[0, ids.shape[1] + t]])  # the sampled token was kept
 
 
+@pytest.mark.parametrize("warper", [{"typical_p": 0.4}, {"epsilon_cutoff": 0.02}, {"eta_cutoff": 0.5},
+                                    {"top_h": 0.5}, {"typical_p": 0.6, "top_k": 30, "temperature": 0.8}],
+                         ids=["typical", "epsilon", "eta", "top_h", "typical_top_k"])
+def test_sampling_with_generates_own_warpers(model, warper):
+    """typical_p / epsilon_cutoff / eta_cutoff / top_h (warpers the verify op does not have): generate's own warper
+    chain on the verify rows, sampled as they are. Seeded, the loop's autoregressive sampling with drafts or
+    without; every sampled token inside the warped support; each step's scores generate's warpers on its raw
+    logits."""
+    from fastverify.hf.patch import _generation_config, _warpers
+    ids, mask = _batch([13], seed=7)
+    L = ids.shape[1]
+    kw = dict(do_sample=True, max_new_tokens=16, seed=21, return_dict_in_generate=True, output_scores=True,
+              output_logits=True)
+    ar, _ = _patched(model, ids, mask, drafter=Drafter(), **kw, **warper)
+    plain, _ = _patched(model, ids, mask, drafter=Drafter(), **kw)
+    assert any(torch.isfinite(a).sum() < torch.isfinite(b).sum() for a, b in zip(ar.scores, plain.scores))
+    for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+        out, st = _patched(model, ids, mask, drafter=drafter, **kw, **warper)
+        assert st is not None and torch.equal(out.sequences, ar.sequences), type(drafter).__name__
+    gc, _ = _generation_config(model, None, dict(do_sample=True, **warper))  # generate's defaults too (top_k 50)
+    chain = _warpers(gc, "cpu")
+    for t, (score, logit) in enumerate(zip(ar.scores, ar.logits)):
+        assert torch.equal(score, chain(ids, logit.clone()))
+        assert torch.isfinite(score[0, ar.sequences[0, L + t]])
+
+
 def test_scores_at_batch_size_above_one_with_eos_fall_back(model):
     import warnings
     ids, mask = _batch([14, 6], seed=3)

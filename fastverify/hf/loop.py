@@ -142,6 +142,9 @@ class DecodeSettings:
     output_scores: bool = False
     output_logits: bool = False
     warpers: object = None
+    # sampling with a warper the verify op does not have (typical_p, epsilon / eta cutoff, top_h): generate's whole
+    # warper chain (a LogitsProcessorList) on the verify rows after the processors; ``warp`` is then the identity
+    warp_rows: object = None
     # generate's prefix_allowed_tokens_fn(batch id, sequence) -> allowed token ids, on every verify row (``_constrain``)
     prefix_allowed: object = None
     # exponential_decay_length_penalty: generate's ExponentialDecayLengthPenalty (an instance), on every verify row
@@ -570,6 +573,8 @@ class Decoder:
         raw = logits
         if s.processes:
             logits = self._process(logits.clone(), trees, inp.cu_host, remaining)
+        if s.warp_rows is not None:  # (row-wise warpers: they read no input_ids)
+            logits = s.warp_rows(self.input_ids, logits.float())
         self._sync()
         t3 = time.perf_counter()
 

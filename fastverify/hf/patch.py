@@ -7,7 +7,8 @@ itself is driven through transformers' public extension points: a ready 4D atten
 ``masking_utils``), explicit ``position_ids`` and a ``DynamicCache`` (see fastverify.hf.attention).
 
 What the patched ``generate`` runs itself (everything else falls back to the original ``generate`` with one
-warning naming the reason): greedy and sampling (do_sample, temperature, top_k, top_p, min_p), batch >= 1 with
+warning naming the reason): greedy and sampling (do_sample, temperature, top_k, top_p, min_p in the verify op;
+typical_p, epsilon_cutoff, eta_cutoff, top_h with generate's own warpers on the verify rows), batch >= 1 with
 left padding and attention_mask, max_new_tokens / max_length, eos_token_id (int or list), pad_token_id,
 streamer (batch 1), ``seed=`` (int, or one per request) for the sampling rules, num_return_sequences (sampling);
 generate's own logits processors for stop strings, minimum lengths, repetition penalties, banned / suppressed
@@ -267,12 +268,12 @@ _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k",
             "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_eos_token_id", "eos_token_id",
             "pad_token_id", "bos_token_id", "max_time", "num_return_sequences", "return_dict_in_generate",
             "exponential_decay_length_penalty",
-            "output_scores", "output_logits", "decoder_start_token_id", "use_cache", "transformers_version",
+            "output_scores", "output_logits", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+            "decoder_start_token_id", "use_cache", "transformers_version",
             "_from_model_config", "_commit_hash", "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
 _NEUTRAL = {"num_beams": 1, "encoder_repetition_penalty": 1.0,
-            "length_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "typical_p": 1.0,
-            "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
+            "length_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "diversity_penalty": 0.0, "num_beam_groups": 1,
             "output_attentions": False, "output_hidden_states": False,
             "remove_invalid_values": False, "renormalize_logits": False, "early_stopping": False,
             "low_memory": False, "cache_implementation": "dynamic", "guidance_scale": 1.0,
@@ -570,12 +571,15 @@ def _plan(model, state, args, kwargs):
                               repetition_penalty=1.0 if penalty is None else float(penalty),
                               no_repeat_ngram_size=ngram, **processors, **custom)
     settings.rule_params = rule_params
+    torch_warped = sampling and rule in SAMPLING_RULES and _torch_warped(gc)
     if scored:
         settings.output_scores, settings.output_logits = bool(gc.output_scores), bool(gc.output_logits)
-        if sampling and gc.output_scores:
-            settings.warpers = _warpers(gc)
+        if sampling and gc.output_scores and not torch_warped:
+            settings.warpers = _warpers(gc, inputs.device)
     if rule in SAMPLING_RULES:
-        if sampling:
+        if torch_warped:  # generate's warpers on the verify rows; the verify op samples them as they are
+            settings.warp_rows, settings.warp = _warpers(gc, inputs.device), {"temperature": 1.0}
+        elif sampling:
             settings.warp = {"temperature": float(gc.temperature if gc.temperature is not None else 1.0),
                              "top_k": int(gc.top_k or 0), "top_p": float(gc.top_p if gc.top_p is not None else 1.0),
                              "min_p": float(gc.min_p or 0.0)}
@@ -590,20 +594,37 @@ def _plan(model, state, args, kwargs):
             "return_dict": bool(gc.return_dict_in_generate)}, None
 
 
-def _warpers(gc):
-    """generate's sampling warpers for the generation config (the scores output_scores returns when sampling), as
-    its ``_get_logits_processor`` builds them for one sequence per beam."""
+def _warpers(gc, device):
+    """generate's sampling warpers for the generation config, in its order, as its ``_get_logits_processor`` builds
+    them for one sequence per beam: the scores output_scores returns when sampling, and the verify rows' warping
+    where the config asks for a warper the verify op does not have (``_torch_warped``)."""
     from transformers.generation import logits_process as lp
     out = lp.LogitsProcessorList()
     if gc.temperature is not None and gc.temperature != 1.0:
         out.append(lp.TemperatureLogitsWarper(gc.temperature))
+    if getattr(gc, "top_h", None) is not None:
+        out.append(lp.TopHLogitsWarper(top_h=gc.top_h))
     if gc.top_k is not None and gc.top_k != 0:
         out.append(lp.TopKLogitsWarper(top_k=gc.top_k, min_tokens_to_keep=1))
     if gc.top_p is not None and gc.top_p < 1.0:
         out.append(lp.TopPLogitsWarper(top_p=gc.top_p, min_tokens_to_keep=1))
     if gc.min_p is not None:
         out.append(lp.MinPLogitsWarper(min_p=gc.min_p, min_tokens_to_keep=1))
+    if gc.typical_p is not None and gc.typical_p < 1.0:
+        out.append(lp.TypicalLogitsWarper(mass=gc.typical_p, min_tokens_to_keep=1))
+    if gc.epsilon_cutoff is not None and 0.0 < gc.epsilon_cutoff < 1.0:
+        out.append(lp.EpsilonLogitsWarper(epsilon=gc.epsilon_cutoff, min_tokens_to_keep=1))
+    if gc.eta_cutoff is not None and 0.0 < gc.eta_cutoff < 1.0:
+        out.append(lp.EtaLogitsWarper(epsilon=gc.eta_cutoff, min_tokens_to_keep=1, device=device))
     return out
+
+
+def _torch_warped(gc) -> bool:
+    """Whether the config asks for a sampling warper the verify op does not have (typical_p, epsilon_cutoff,
+    eta_cutoff, top_h): then the loop warps the verify rows with generate's own warpers, the whole chain."""
+    return ((gc.typical_p is not None and gc.typical_p < 1.0) or getattr(gc, "top_h", None) is not None
+            or (gc.epsilon_cutoff is not None and 0.0 < gc.epsilon_cutoff < 1.0)
+            or (gc.eta_cutoff is not None and 0.0 < gc.eta_cutoff < 1.0))
 
 
 def _request_seeds(seed, prompts: int, copies: int) -> torch.Tensor:
