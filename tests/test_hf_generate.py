@@ -647,7 +647,7 @@ def _assert_rows_close(mine, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["batch1_eos", "batch1_processors", "batch3_no_eos"])
+@pytest.mark.parametrize("case", ["batch1_eos", "batch1_processors", "batch3_no_eos", "batch1_renormalized"])
 def test_return_dict_with_scores_and_logits(model, case):
     """return_dict_in_generate with output_scores / output_logits: generate's output type, each new token's
     processed scores and raw logits (the rows that gave the tokens), as generate returns them."""
@@ -660,6 +660,8 @@ def test_return_dict_with_scores_and_logits(model, case):
         kw["eos_token_id"] = int(free[0, L + 9])
     elif case == "batch1_processors":
         kw.update(repetition_penalty=1.3, suppress_tokens=[int(free[0, L + 2])], no_repeat_ngram_size=2)
+    elif case == "batch1_renormalized":  # the scores log-softmaxed (generate's LogitNormalization, last)
+        kw.update(renormalize_logits=True, repetition_penalty=1.3)
     ref = _reference(model, ids, mask, **kw)
     for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
         out, st = _patched(model, ids, mask, drafter=drafter, do_sample=False, **kw)

@@ -142,6 +142,7 @@ class DecodeSettings:
     output_scores: bool = False
     output_logits: bool = False
     warpers: object = None
+    renormalize: bool = False  # renormalize_logits: the scores log-softmaxed last (LogitNormalization)
     # sampling with a warper the verify op does not have (typical_p, epsilon / eta cutoff, top_h): generate's whole
     # warper chain (a LogitsProcessorList) on the verify rows after the processors; ``warp`` is then the identity
     warp_rows: object = None
@@ -868,6 +869,8 @@ class Decoder:
             rows = torch.stack(per, 1).float()  # [T, B, V]
             if k == 0 and self.s.warpers is not None:
                 rows = torch.stack([self.s.warpers(self.input_ids, r) for r in rows])  # (they read no input_ids)
+            if k == 0 and self.s.renormalize:
+                rows = rows.log_softmax(dim=-1)
             out.append(tuple(rows.unbind(0)))
         return tuple(out)
 

@@ -16,7 +16,8 @@ tokens, sequence biases, forced eos, exponential_decay_length_penalty and ``pref
 ``stopping_criteria`` and ``max_time`` (asked about the whole batch after every token, as generate asks them) and a
 custom ``logits_processor`` at batch size 1, or any with ``row_processors=True`` (on every verify row, as assisted
 decoding runs it);
-return_dict_in_generate with output_scores / output_logits (batch size 1, or no eos ids; no cache in the output).
+return_dict_in_generate with output_scores / output_logits (batch size 1, or no eos ids; no cache in the output);
+renormalize_logits (log-softmax scores; the tokens are the same).
 """
 
 import dataclasses
@@ -268,14 +269,14 @@ _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k",
             "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_eos_token_id", "eos_token_id",
             "pad_token_id", "bos_token_id", "max_time", "num_return_sequences", "return_dict_in_generate",
             "exponential_decay_length_penalty",
-            "output_scores", "output_logits", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+            "output_scores", "output_logits", "renormalize_logits", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
             "decoder_start_token_id", "use_cache", "transformers_version",
             "_from_model_config", "_commit_hash", "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
 _NEUTRAL = {"num_beams": 1, "encoder_repetition_penalty": 1.0,
             "length_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "diversity_penalty": 0.0, "num_beam_groups": 1,
             "output_attentions": False, "output_hidden_states": False,
-            "remove_invalid_values": False, "renormalize_logits": False, "early_stopping": False,
+            "remove_invalid_values": False, "early_stopping": False,
             "low_memory": False, "cache_implementation": "dynamic", "guidance_scale": 1.0,
             "is_assistant": False, "disable_compile": False, "use_mtp": False}
 # fields that only configure features the loop never uses (assistant models, compile, caches' sizes)
@@ -574,6 +575,7 @@ def _plan(model, state, args, kwargs):
     torch_warped = sampling and rule in SAMPLING_RULES and _torch_warped(gc)
     if scored:
         settings.output_scores, settings.output_logits = bool(gc.output_scores), bool(gc.output_logits)
+        settings.renormalize = bool(gc.renormalize_logits)
         if sampling and gc.output_scores and not torch_warped:
             settings.warpers = _warpers(gc, inputs.device)
     if rule in SAMPLING_RULES:
