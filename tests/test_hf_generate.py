@@ -733,6 +733,27 @@ def test_scores_at_batch_size_above_one_with_eos_fall_back(model):
     assert any("output_scores / output_logits at batch size > 1" in str(w.message) for w in record)
 
 
+def test_assistant_model_and_prompt_lookup_draft_the_call(model):
+    """generate's assisted decoding arguments: ``assistant_model`` drafts the call through a DraftModelDrafter of it
+    (num_assistant_tokens deep), ``prompt_lookup_num_tokens`` through the n-gram drafter; the output is generate's
+    (its own assisted decoding gives its greedy output). The target as its own assistant has every draft accepted."""
+    ids, mask = _batch([13], seed=3)
+    kw = dict(max_new_tokens=16, do_sample=False)
+    ref = _reference(model, ids, mask, max_new_tokens=16)
+    assert torch.equal(_reference(model, ids, mask, max_new_tokens=16, assistant_model=model), ref)
+    out, st = _patched(model, ids, mask, drafter=NGramDrafter(), assistant_model=model, num_assistant_tokens=3, **kw)
+    assert torch.equal(out, ref) and _every_draft_accepted(st) and max(d[0] for d in st.depth) == 3
+    out, st = _patched(model, ids, mask, drafter=Drafter(), prompt_lookup_num_tokens=5, **kw)
+    assert torch.equal(out, ref) and st.drafted_tokens > 0  # (the prompt repeats: drafts from the n-gram drafter)
+    wide, wide_mask = _batch([14, 6, 2], seed=3)
+    out, st = _patched(model, wide, wide_mask, assistant_model=model, **kw)  # (generate's own: batch size 1 only)
+    assert torch.equal(out, _reference(model, wide, wide_mask, max_new_tokens=16)) and _every_draft_accepted(st)
+    sampled = dict(do_sample=True, temperature=0.9, max_new_tokens=16, seed=3)
+    ar, _ = _patched(model, ids, mask, drafter=Drafter(), **sampled)
+    out, _ = _patched(model, ids, mask, assistant_model=model, **sampled)
+    assert torch.equal(out, ar)
+
+
 def test_sampling_seed_from_torch_global_generator(model):
     ids, mask = _batch([8])
     torch.manual_seed(5)

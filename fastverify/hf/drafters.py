@@ -528,7 +528,9 @@ class DraftModelDrafter(Drafter):
     depth; tree_topk: candidates per depth (1 = chain).
     """
 
-    def __init__(self, draft_model, k: int = 4, tree_topk: int = 1):
+    K = 4  # the default draft depth
+
+    def __init__(self, draft_model, k: int = K, tree_topk: int = 1):
         if k < 1:
             raise ValueError(f"k: expected >= 1, got {k}")
         if tree_topk < 1:

@@ -17,7 +17,8 @@ tokens, sequence biases, forced eos, exponential_decay_length_penalty and ``pref
 custom ``logits_processor`` at batch size 1, or any with ``row_processors=True`` (on every verify row, as assisted
 decoding runs it);
 return_dict_in_generate with output_scores / output_logits (batch size 1, or no eos ids; no cache in the output);
-renormalize_logits (log-softmax scores; the tokens are the same).
+renormalize_logits (log-softmax scores; the tokens are the same); ``assistant_model`` (a DraftModelDrafter of it
+drafts that call, num_assistant_tokens deep) and ``prompt_lookup_num_tokens`` (the n-gram drafter drafts it).
 """
 
 import dataclasses
@@ -26,7 +27,7 @@ import warnings
 import torch
 
 from fastverify.hf.attention import GQA_ATTENTION
-from fastverify.hf.drafters import Drafter, NGramDrafter
+from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter
 from fastverify.hf.linear import pack_model
 from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, StopStrings, decode, model_vocab_size
 from fastverify.hf.model_limits import position_limit, sequence_limit
@@ -269,7 +270,8 @@ _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k",
             "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_eos_token_id", "eos_token_id",
             "pad_token_id", "bos_token_id", "max_time", "num_return_sequences", "return_dict_in_generate",
             "exponential_decay_length_penalty",
-            "output_scores", "output_logits", "renormalize_logits", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+            "output_scores", "output_logits", "renormalize_logits", "prompt_lookup_num_tokens", "typical_p",
+            "epsilon_cutoff", "eta_cutoff", "top_h",
             "decoder_start_token_id", "use_cache", "transformers_version",
             "_from_model_config", "_commit_hash", "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
@@ -459,8 +461,8 @@ def _plan(model, state, args, kwargs):
     tokenizer = kwargs.pop("tokenizer", None)
     processors_arg, criteria_arg = kwargs.pop("logits_processor", None), kwargs.pop("stopping_criteria", None)
     prefix_allowed = kwargs.pop("prefix_allowed_tokens_fn", None)
-    for name in ("assistant_model",
-                 "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "synced_gpus",
+    assistant = kwargs.pop("assistant_model", None)
+    for name in ("negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "synced_gpus",
                  "past_key_values", "inputs_embeds", "assistant_tokenizer"):
         if _is_set(kwargs.pop(name, None)):
             return None, f"{name} is not supported"
@@ -498,6 +500,13 @@ def _plan(model, state, args, kwargs):
                 and isinstance(decay[1], (int, float)) and eos):
             return None, f"exponential_decay_length_penalty={decay!r} (generate's own error follows)"
         processors["length_decay"] = ExponentialDecayLengthPenalty(tuple(decay), eos, inputs.shape[1])
+    drafter = None  # this call's drafter where generate's arguments name one (assisted decoding's)
+    if assistant is not None:
+        if not (hasattr(assistant, "config") and callable(assistant)):
+            return None, f"assistant_model={type(assistant).__name__} (generate's own error follows)"
+        drafter = DraftModelDrafter(assistant, k=int(gc.num_assistant_tokens or DraftModelDrafter.K))
+    elif gc.prompt_lookup_num_tokens is not None:  # prompt lookup: the n-gram drafter
+        drafter = state.drafter if isinstance(state.drafter, NGramDrafter) else NGramDrafter()
     if prefix_allowed is not None:
         if copies > 1:  # the processor's beams: its all -inf fallback reads a prompt's copies together
             return None, "prefix_allowed_tokens_fn with num_return_sequences > 1"
@@ -593,7 +602,7 @@ def _plan(model, state, args, kwargs):
             seed_t = _request_seeds(seed, B, copies)
         settings.seed = seed_t.to(inputs.device)
     return {"inputs": inputs, "attention_mask": attention_mask, "settings": settings, "streamer": streamer,
-            "return_dict": bool(gc.return_dict_in_generate)}, None
+            "return_dict": bool(gc.return_dict_in_generate), "drafter": drafter or state.drafter}, None
 
 
 def _warpers(gc, device):
@@ -690,7 +699,7 @@ def _patched_generate(self, *args, **kwargs):
         return _fallback(self, state, reason, args, kwargs)
     _warn_precision(self, state, plan["settings"].rule)
     record = {}
-    sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], state.drafter, plan["settings"],
+    sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], plan["drafter"], plan["settings"],
                                    plan["streamer"], record=record)
     state.last_stats = loop_stats
     if plan["return_dict"]:  # generate's output (no cache: the loop's is in its own per-request layout)
