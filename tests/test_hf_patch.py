@@ -176,6 +176,26 @@ def test_num_return_sequences_without_sampling_raises_generates_error(model):
     assert str(patched.value) == str(plain.value)
 
 
+def test_cache_implementations_holding_the_same_values_run_the_loop(model):
+    """cache_implementation "static" / "offloaded" keep the keys and values generate's dynamic cache keeps (where
+    they live differs): the loop runs with its own cache, output generate's; "quantized" changes them: fallback."""
+    ref = model.generate(PROMPT, max_new_tokens=8, cache_implementation="static")
+    assert torch.equal(ref, model.generate(PROMPT, max_new_tokens=8))
+    patch(model)
+    for cache in ("static", "offloaded"):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = model.generate(PROMPT, max_new_tokens=8, cache_implementation=cache)
+        assert not _fallback_warnings(record) and stats(model) is not None and torch.equal(out, ref)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        try:
+            model.generate(PROMPT, max_new_tokens=8, cache_implementation="quantized")
+        except (ImportError, ValueError, TypeError):
+            pass  # generate's own error (its quantization backend), after the announced fallback
+    assert any("cache_implementation='quantized'" in str(w.message) for w in _fallback_warnings(record))
+
+
 def test_streamer_batch_falls_back(model):
     class Collect:
         def put(self, value):

@@ -279,7 +279,7 @@ _NEUTRAL = {"num_beams": 1, "encoder_repetition_penalty": 1.0,
             "length_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "diversity_penalty": 0.0, "num_beam_groups": 1,
             "output_attentions": False, "output_hidden_states": False,
             "remove_invalid_values": False, "early_stopping": False,
-            "low_memory": False, "cache_implementation": "dynamic", "guidance_scale": 1.0,
+            "low_memory": False, "guidance_scale": 1.0,
             "is_assistant": False, "disable_compile": False, "use_mtp": False}
 # fields that only configure features the loop never uses (assistant models, compile, caches' sizes)
 _IRRELEVANT = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
@@ -302,10 +302,19 @@ def _is_set(value) -> bool:
     return True
 
 
+# cache implementations that hold the same keys and values as the loop's own cache (a DynamicCache): where they
+# live differs, not what attention reads (quantized caches change the values; sliding-window ones what is kept)
+_SAME_CACHE = ("dynamic", "static", "offloaded", "offloaded_static")
+
+
 def _unsupported_config(gc) -> list:
     reasons = []
     for name, value in vars(gc).items():
         if name in _HANDLED or name in _IRRELEVANT or value is None:
+            continue
+        if name == "cache_implementation":
+            if value not in _SAME_CACHE:
+                reasons.append(f"{name}={value!r}")
             continue
         if name in _NEUTRAL:
             if isinstance(value, torch.Tensor) or value != _NEUTRAL[name]:
