@@ -138,7 +138,8 @@ class DecodeSettings:
     # every token, as generate asks (``Decoder._ask_criteria``)
     stopping_criteria: object = None
     # return_dict_in_generate with output_scores / output_logits: each new token's scores (its row after the
-    # processors, then ``warpers``: generate's sampling warpers, a LogitsProcessorList) / raw logits (``Decoder.scored``)
+    # processors, then ``warpers``: generate's sampling warpers, a LogitsProcessorList) / raw logits
+    # (``Decoder.scored``)
     output_scores: bool = False
     output_logits: bool = False
     warpers: object = None

@@ -15,10 +15,10 @@ generate's own logits processors for stop strings, minimum lengths, repetition p
 tokens, sequence biases, forced eos, exponential_decay_length_penalty and ``prefix_allowed_tokens_fn``; custom
 ``stopping_criteria`` and ``max_time`` (asked about the whole batch after every token, as generate asks them) and a
 custom ``logits_processor`` at batch size 1, or any with ``row_processors=True`` (on every verify row, as assisted
-decoding runs it);
-return_dict_in_generate with output_scores / output_logits (batch size 1, or no eos ids; no cache in the output);
-renormalize_logits (log-softmax scores; the tokens are the same); ``assistant_model`` (a DraftModelDrafter of it
-drafts that call, num_assistant_tokens deep) and ``prompt_lookup_num_tokens`` (the n-gram drafter drafts it).
+decoding runs it); return_dict_in_generate with output_scores / output_logits (batch size 1, or no eos ids; no
+cache in the output) and renormalize_logits; ``assistant_model`` (a DraftModelDrafter of it drafts that call,
+num_assistant_tokens deep) and ``prompt_lookup_num_tokens`` (the n-gram drafter drafts it); cache_implementation
+static / offloaded (the loop's own cache holds the same values).
 """
 
 import dataclasses
@@ -269,18 +269,16 @@ _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k",
             "min_length", "min_new_tokens", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
             "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_eos_token_id", "eos_token_id",
             "pad_token_id", "bos_token_id", "max_time", "num_return_sequences", "return_dict_in_generate",
-            "exponential_decay_length_penalty",
-            "output_scores", "output_logits", "renormalize_logits", "prompt_lookup_num_tokens", "typical_p",
-            "epsilon_cutoff", "eta_cutoff", "top_h",
-            "decoder_start_token_id", "use_cache", "transformers_version",
-            "_from_model_config", "_commit_hash", "_original_object_hash", "generation_kwargs"}
+            "exponential_decay_length_penalty", "output_scores", "output_logits", "renormalize_logits",
+            "prompt_lookup_num_tokens", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+            "decoder_start_token_id", "use_cache", "transformers_version", "_from_model_config", "_commit_hash",
+            "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
-_NEUTRAL = {"num_beams": 1, "encoder_repetition_penalty": 1.0,
-            "length_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "diversity_penalty": 0.0, "num_beam_groups": 1,
-            "output_attentions": False, "output_hidden_states": False,
-            "remove_invalid_values": False, "early_stopping": False,
-            "low_memory": False, "guidance_scale": 1.0,
-            "is_assistant": False, "disable_compile": False, "use_mtp": False}
+_NEUTRAL = {"num_beams": 1, "encoder_repetition_penalty": 1.0, "length_penalty": 1.0,
+            "encoder_no_repeat_ngram_size": 0, "diversity_penalty": 0.0, "num_beam_groups": 1,
+            "output_attentions": False, "output_hidden_states": False, "remove_invalid_values": False,
+            "early_stopping": False, "low_memory": False, "guidance_scale": 1.0, "is_assistant": False,
+            "disable_compile": False, "use_mtp": False}
 # fields that only configure features the loop never uses (assistant models, compile, caches' sizes)
 _IRRELEVANT = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
                "assistant_lookbehind", "target_lookbehind", "compile_config", "max_matching_ngram_size",
