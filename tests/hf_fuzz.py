@@ -435,14 +435,25 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
     # the patched one, need the same first call (seed 30831: a sampled fallback).
     plain = {k: v for k, v in opts.items() if k != "seed"}  # the seed is the patched generate's argument
     ref = None
-    for _ in range(1 if sampling else 4):
-        prev, ref = ref, _sequences(model.generate(ids, attention_mask=mask, pad_token_id=PAD, **plain))
-        if prev is not None and prev.shape == ref.shape and torch.equal(prev, ref):
-            break
+    try:
+        for _ in range(1 if sampling else 4):
+            prev, ref = ref, _sequences(model.generate(ids, attention_mask=mask, pad_token_id=PAD, **plain))
+            if prev is not None and prev.shape == ref.shape and torch.equal(prev, ref):
+                break
+    except (RuntimeError, ValueError) as e:  # generate's own error (a sampled row left without any token)
+        ref = e
     twin = copy.deepcopy(drafter) if sampling and rule == "speculative" else None  # drafters keep state
     patch(model, drafter=drafter, rule=rule, **extra)
     if "weights" in desc:  # how many layers the patch streams packed
         desc["packed"] = sum(hf_linear._PACKED.get(m, (None, None))[1] is not None for m in model.modules())
+    if isinstance(ref, Exception):  # the patched call must fail too (the loop names the row it cannot sample)
+        try:
+            _generate(model, ids, mask, opts)
+        except (RuntimeError, ValueError) as e:
+            unpatch(model)
+            return dict(desc, outcome="error", reason=f"{type(ref).__name__} / {type(e).__name__}: {str(e)[:80]}")
+        unpatch(model)
+        return dict(desc, outcome="NO-ERROR", detail=f"generate raised {ref!r}; the patched call returned")
     out, fallback, switched = _generate(model, ids, mask, opts)
     if fallback:
         desc["reason"] = fallback[0].split(FALLBACK + ": ", 1)[-1]
@@ -525,7 +536,7 @@ if __name__ == "__main__":
     t0 = time.perf_counter()
     results = sweep(args.cases, args.start, tuple(args.drafters))
     for r in results:
-        if r["outcome"] not in ("identical", "fallback"):
+        if r["outcome"] not in ("identical", "fallback", "error"):
             print(json.dumps(r))
     print(json.dumps(summary(results), indent=1))
     print(f"{time.perf_counter() - t0:.0f} s")
