@@ -251,6 +251,55 @@ def test_greedy_exponential_decay_length_penalty(model, lengths):
     assert _options_match_generate(model, ids, mask, cases) >= 3
 
 
+def test_greedy_remove_invalid_values(model):
+    """remove_invalid_values: NaN scores become 0 and -inf ones the dtype's smallest value, after the bans before
+    it, as generate's InfNanRemoveLogitsProcessor does: a token whose output row is NaN scores 0 everywhere, and a
+    row every bad word bans takes token 0 (without the option the loop refuses such rows: they are invalid)."""
+    import copy
+    ids, mask = _batch([14, 6, 2], seed=3)
+    L = ids.shape[1]
+    nan = copy.deepcopy(model)
+    with torch.no_grad():
+        free = _reference(nan, ids, mask, max_new_tokens=12)
+        nan.get_output_embeddings().weight[int(free[0, L + 3])] = float("nan")
+    # (an untied output projection: a NaN input embedding would reach the other rows' attention through the draft
+    # rows that hold its token, as 0 x NaN)
+    tied = nan.get_output_embeddings().weight is nan.get_input_embeddings().weight
+    cases = [(nan, {})] * (not tied) + [(model, {"bad_words_ids": [[t] for t in range(V)], "suppress_tokens": [0]}),
+             (model, {"bad_words_ids": [[t] for t in range(V)], "no_repeat_ngram_size": 2})]
+    for m, kw in cases:
+        ref = _reference(m, ids, mask, max_new_tokens=12, remove_invalid_values=True, **kw)
+        for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+            out, st = _patched(m, ids, mask, drafter=drafter, max_new_tokens=12, remove_invalid_values=True, **kw)
+            assert st is not None and torch.equal(out, ref), (kw, out.tolist(), ref.tolist())
+    assert bool((_reference(model, ids, mask, max_new_tokens=4, remove_invalid_values=True,
+                            bad_words_ids=[[t] for t in range(V)])[:, L:] == 0).all())
+
+
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_a_draft_token_with_non_finite_activations_does_not_stop_decoding(model, lengths):
+    """A token whose input embedding is NaN, which greedy decoding never feeds (a second choice, in no prompt):
+    generate is unaffected, but a draft row holding it puts NaN keys and values in the verify forward, which reach
+    the other rows' attention (0 x NaN; in the first step the prompt's rows too). The loop runs that step again
+    without drafts: generate's output."""
+    import copy
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        pytest.skip("tied embeddings: the token's output row would be NaN too, and generate would emit it")
+    ids, mask = _batch(lengths, seed=3)
+    L = ids.shape[1]
+    free = _reference(model, ids, mask, max_new_tokens=16)
+    with torch.no_grad():
+        second = model(free).logits[:, L - 1:-1].topk(2, -1).indices[..., 1].reshape(-1).tolist()
+    used = set(free.reshape(-1).tolist())
+    token = next(t for t in second if t not in used)
+    nan = copy.deepcopy(model)
+    with torch.no_grad():
+        nan.get_input_embeddings().weight[token] = float("nan")
+    assert torch.equal(_reference(nan, ids, mask, max_new_tokens=16), free)
+    out, st = _patched(nan, ids, mask, drafter=DraftModelDrafter(model, k=3, tree_topk=2), max_new_tokens=16)
+    assert torch.equal(out, free) and st.drafted_tokens > 0
+
+
 def test_drafts_a_processor_bans_are_not_verified(model):
     """no_repeat_ngram_size=1 bans every token the sequence holds: the n-gram drafter's copies from the context are
     all banned, so the loop verifies none of them (and the output is still generate's)."""

@@ -116,7 +116,7 @@ def test_every_rule_selectable(model):
 
 @pytest.mark.parametrize("kwargs, reason", [
     ({"num_beams": 2}, "num_beams"),
-    ({"remove_invalid_values": True}, "remove_invalid_values"),
+    ({"guidance_scale": 1.5}, "guidance_scale"),
     ({"return_dict_in_generate": True, "output_attentions": True}, "output_attentions"),
     ({"encoder_no_repeat_ngram_size": 2}, "encoder_no_repeat_ngram_size"),
 ])

@@ -151,6 +151,7 @@ class DecodeSettings:
     prefix_allowed: object = None
     # exponential_decay_length_penalty: generate's ExponentialDecayLengthPenalty (an instance), on every verify row
     length_decay: object = None
+    remove_invalid: bool = False  # remove_invalid_values: NaN -> 0, +-inf -> the dtype's largest / smallest value
 
     @property
     def bans(self) -> bool:
@@ -163,7 +164,14 @@ class DecodeSettings:
         """Whether generate's logits processors change the verify rows' logits (``Decoder._process``)."""
         return bool(self.repetition_penalty != 1.0 or self.bans or self.sequence_bias or self.forced_eos
                     or self.logits_processor is not None or self.prefix_allowed is not None
-                    or self.length_decay is not None)
+                    or self.length_decay is not None or self.remove_invalid)
+
+    @property
+    def bans_apart(self) -> bool:
+        """Whether the bans before PrefixConstrained / InfNanRemove in generate's list are applied where those come
+        (``Decoder._early_bans``): the constraint may allow again what they banned, and the removal turns their -inf
+        into the dtype's smallest value; ``Decoder.banned`` then names only the suppressed tokens."""
+        return self.prefix_allowed is not None or self.remove_invalid
 
 
 class StopStrings:
@@ -188,6 +196,10 @@ class StopStrings:
             if bool(self.criteria(torch.tensor([tail], dtype=torch.int64), None)[0]):
                 return i
         return None
+
+
+class InvalidLogitsError(ValueError):
+    """The model's logits are invalid (NaN, +inf, -inf everywhere) on a row the output depends on."""
 
 
 def _to_host(res):
@@ -258,6 +270,7 @@ class Decoder:
         # stopping_criteria: the tokens after which generate's criteria have been asked (every request has them)
         self.asked = 0
         self.streamed = 0  # a streamer (batch 1): the tokens it has received
+        self.plain = False  # a step run again without drafts (``step``: invalid logits with drafts)
         if settings.no_repeat_ngram_size:
             self.follow = [{} for _ in range(B)]
             for b in range(B):
@@ -356,13 +369,14 @@ class Decoder:
         SequenceBiasLogitsProcessor (``_bias``); RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the
         prompt without its left padding, the tokens so far, the path) scores s < 0 ? s * penalty : s / penalty;
         PrefixConstrainedLogitsProcessor after the bans before it (``_constrain``); ForcedEOSTokenLogitsProcessor:
-        the row that picks the last new token keeps only forced_eos, at 0; ExponentialDecayLengthPenalty (generate's
+        the row that picks the last new token keeps only forced_eos, at 0; InfNanRemoveLogitsProcessor (NaN to 0,
+        +-inf to the dtype's extremes, after the bans before it); ExponentialDecayLengthPenalty (generate's
         own, called with each row's length; it reads the eos scores, those the earlier processors ban at -inf); the
         tokens ``banned`` names at -inf; then the call's own ``logits_processor``, each row a batch of one, its
         sequence as input_ids, as transformers' assisted decoding calls it on each candidate position."""
         s, V = self.s, logits.shape[-1]
         p = s.repetition_penalty
-        rows, banned, forced, decay, custom = [], [], [], [], []
+        rows, banned, forced, decay, custom, early = [], [], [], [], [], []
         for b, tree in enumerate(trees):
             if remaining[b] <= 0:
                 continue
@@ -386,9 +400,12 @@ class Decoder:
                 custom += [(first + j, self.full[b] + list(path)) for j, path in enumerate(paths)]
             if s.forced_eos:
                 forced += [first + j for j, path in enumerate(paths) if self._forced(b, path)]
+            if s.remove_invalid and s.prefix_allowed is None:  # the bans before the removal, where they come
+                early += [(first + j, t) for j, path in enumerate(paths) if not self._forced(b, path)
+                          for t in self._early_bans(b, path) if t < V]
             if s.length_decay is not None:  # each row's length as generate's input_ids, the eos bans before it
                 done = self.input_ids.shape[1] + len(self.generated[b])
-                decay += [(first + j, done + len(path), () if self._forced(b, path) or s.prefix_allowed is not None
+                decay += [(first + j, done + len(path), () if self._forced(b, path) or s.bans_apart
                            else self._early_bans(b, path) & self.eos) for j, path in enumerate(paths)]
             if s.bans:
                 banned += [(first + j, t) for j, path in enumerate(paths) for t in self.banned(b, path) if t < V]
@@ -399,6 +416,13 @@ class Decoder:
             r = torch.tensor(forced, dtype=torch.int64).to(logits.device)
             logits[r] = float("-inf")
             logits[r[:, None], torch.tensor(s.forced_eos, dtype=torch.int64).to(logits.device)] = 0.0
+        if early:
+            r, c = upload_lists([[r for r, _ in early], [c for _, c in early]], torch.int64, logits.device)
+            logits[r, c] = float("-inf")
+        if s.remove_invalid:  # InfNanRemoveLogitsProcessor, on every row
+            info = torch.finfo(logits.dtype)
+            logits = torch.where(logits != logits, 0.0, logits)
+            logits = logits.clamp(min=info.min, max=info.max)
         for length in sorted({n for _, n, _ in decay}):  # one call per sequence length (the processor reads it)
             at = [(r, eos) for r, n, eos in decay if n == length]
             sub = logits[[r for r, _ in at]]
@@ -476,14 +500,14 @@ class Decoder:
           token len(generated) + len(path)).
 
         On the row ForcedEOSTokenLogitsProcessor replaces (``_forced``), only those of the processors after it:
-        SuppressTokens and SuppressTokensAtBegin; likewise on every row under a ``prefix_allowed_tokens_fn``, whose
-        constraint comes between them and may allow again what the ones before it banned (``_constrain``). Handed
+        SuppressTokens and SuppressTokensAtBegin; likewise on every row under a ``prefix_allowed_tokens_fn`` or
+        ``remove_invalid_values``, which come between them (``DecodeSettings.bans_apart``). Handed
         to the drafter (``set_processors``): a draft model's chain avoids what the target's rows ban."""
         s = self.s
         ban = set(s.suppress)
         if len(self.generated[b]) + len(path) == 0:
             ban |= s.begin_suppress
-        if self._forced(b, path) or s.prefix_allowed is not None:
+        if self._forced(b, path) or s.bans_apart:
             return ban
         return ban | self._early_bans(b, path)
 
@@ -531,7 +555,7 @@ class Decoder:
         t0 = time.perf_counter()
         # 1. draft: a step commits accept_len + 1 tokens, so drafting deeper than remaining - 1 is wasted.
         remaining = [self.remaining(b) for b in range(B)]
-        budget = [min(s.max_draft, max(r - 1, 0)) for r in remaining]
+        budget = [min(s.max_draft, max(r - 1, 0)) if not self.plain else 0 for r in remaining]
         if s.pace_batch and B > 1 and self.device.type == "cpu" and s.rule in DRAFT_FREE_RULES:
             budget = self._paced(budget, remaining)
         trees = self.drafter.propose(self.contexts, budget)
@@ -555,7 +579,9 @@ class Decoder:
         # 2. inputs: 4D mask over [cache | root + drafts], positions = committed length + depth.
         cache_len = self.cache_len
         slots = self.slots
-        blocks = slots.slot_attachments(trees, [r > 0 for r in remaining]) if slots is not None else None
+        blocks = None
+        if slots is not None:
+            blocks = slots.slot_attachments(trees, [r > 0 and not self.plain for r in remaining])
         if blocks is not None and s.max_positions is not None:
             blocks = _blocks_below(blocks, trees, cache_len, self.pad_len, slots.block_size, s.max_positions)
         inp = step_inputs(trees, self.root, cache_len, self.pad_len, self.dtype, self.device, blocks=blocks,
@@ -566,7 +592,7 @@ class Decoder:
         t2 = time.perf_counter()
 
         # 3. one forward over every request's root and draft nodes (in the first step, after the prompt's prefix).
-        first = self.prefix is not None
+        first, prefix = self.prefix is not None, self.prefix
         step_logits = self._step_forward(inp)  # [B, q, V]
         if inp.row_batch.shape[0] == step_logits.shape[0] * step_logits.shape[1]:  # every row a verify row, in order
             logits = step_logits.reshape(-1, step_logits.shape[-1])  # (batch 1 without slot rows): a view, no copy
@@ -594,7 +620,20 @@ class Decoder:
                      max_depth=deepest, **kw)
         accept_len, next_token, accepted = _to_host(res)
         if any(a < 0 and r > 0 for a, r in zip(accept_len, remaining)):  # NaN / inf logits somewhere
-            res = self._verify_around_invalid_rows(res, logits, trees, rule, kw, remaining)
+            try:
+                res = self._verify_around_invalid_rows(res, logits, trees, rule, kw, remaining)
+            except InvalidLogitsError:
+                if self.plain or not (any(len(t) for t in trees) or any(blocks or [])):
+                    raise
+                # a row the output needs is invalid with drafts: a draft row's non-finite keys or values may reach
+                # the other rows' attention (0 x NaN), which one-row decoding never computes (in the first step the
+                # prompt's rows too). The step again, without drafts; it raises if that row is invalid still.
+                crop_cache(self.cache, 0 if first else S)
+                self.prefix, self.plain = prefix, True
+                try:
+                    return self.step()
+                finally:
+                    self.plain = False
             accept_len, next_token, accepted = _to_host(res)
         if forced is not None and any(0 <= a < f for a, f in zip(accept_len, forced)):
             res = self._verify_below_forced(res, logits, trees, forced, rule, kw, deepest)
@@ -820,7 +859,7 @@ class Decoder:
         return _replaced(res, accept_len, accepted, next_token)
 
     def _invalid_logits_error(self, b, where):
-        raise ValueError(
+        raise InvalidLogitsError(
             f"fastverify: the model's logits for request {b} at decoding step {self.stats.steps + 1} (after "
             f"{len(self.generated[b])} new tokens) are invalid (NaN, +inf, or -inf everywhere) on {where}, which "
             f"the next token depends on. Plain greedy generate would emit an arbitrary token there (argmax of a "

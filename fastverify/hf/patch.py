@@ -16,7 +16,7 @@ tokens, sequence biases, forced eos, exponential_decay_length_penalty and ``pref
 ``stopping_criteria`` and ``max_time`` (asked about the whole batch after every token, as generate asks them) and a
 custom ``logits_processor`` at batch size 1, or any with ``row_processors=True`` (on every verify row, as assisted
 decoding runs it); return_dict_in_generate with output_scores / output_logits (batch size 1, or no eos ids; no
-cache in the output) and renormalize_logits; ``assistant_model`` (a DraftModelDrafter of it drafts that call,
+cache in the output), renormalize_logits and remove_invalid_values; ``assistant_model`` (a DraftModelDrafter of it drafts that call,
 num_assistant_tokens deep) and ``prompt_lookup_num_tokens`` (the n-gram drafter drafts it); cache_implementation
 static / offloaded (the loop's own cache holds the same values).
 """
@@ -203,7 +203,8 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     reason; that includes sequences longer than a sliding-window / chunked attention layer's reach or than where
     a dynamic / longrope RoPE changes its frequencies (see fastverify.hf.model_limits). Logits that are NaN,
     +inf or all -inf on a row the output depends on raise a ValueError naming the request and the step (plain
-    greedy ``generate`` would emit an arbitrary token there). A verify forward (several rows) rounds differently
+    greedy ``generate`` would emit an arbitrary token there), after that step has run again without drafts where
+    it had some (a draft token's non-finite activations reach the other rows' attention as 0 x NaN). A verify forward (several rows) rounds differently
     from one-row decoding: in float32 by float32 rounding (no output has differed in any measurement), in float16 /
     bfloat16 enough that near-ties may resolve the other way (as in transformers' assisted decoding); a half-
     precision model's first greedy / coupled generate warns once.
@@ -270,14 +271,13 @@ _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k",
             "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_eos_token_id", "eos_token_id",
             "pad_token_id", "bos_token_id", "max_time", "num_return_sequences", "return_dict_in_generate",
             "exponential_decay_length_penalty", "output_scores", "output_logits", "renormalize_logits",
-            "prompt_lookup_num_tokens", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
-            "decoder_start_token_id", "use_cache", "transformers_version", "_from_model_config", "_commit_hash",
-            "_original_object_hash", "generation_kwargs"}
+            "remove_invalid_values", "prompt_lookup_num_tokens", "typical_p", "epsilon_cutoff", "eta_cutoff",
+            "top_h", "decoder_start_token_id", "use_cache", "transformers_version", "_from_model_config",
+            "_commit_hash", "_original_object_hash", "generation_kwargs"}
 # fields whose default values are neutral (the field is harmless when it has this value)
 _NEUTRAL = {"num_beams": 1, "encoder_repetition_penalty": 1.0, "length_penalty": 1.0,
             "encoder_no_repeat_ngram_size": 0, "diversity_penalty": 0.0, "num_beam_groups": 1,
-            "output_attentions": False, "output_hidden_states": False, "remove_invalid_values": False,
-            "early_stopping": False, "low_memory": False, "guidance_scale": 1.0, "is_assistant": False,
+            "output_attentions": False, "output_hidden_states": False, "early_stopping": False, "low_memory": False, "guidance_scale": 1.0, "is_assistant": False,
             "disable_compile": False, "use_mtp": False}
 # fields that only configure features the loop never uses (assistant models, compile, caches' sizes)
 _IRRELEVANT = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
@@ -588,6 +588,7 @@ def _plan(model, state, args, kwargs):
                               repetition_penalty=1.0 if penalty is None else float(penalty),
                               no_repeat_ngram_size=ngram, **processors, **custom)
     settings.rule_params = rule_params
+    settings.remove_invalid = bool(gc.remove_invalid_values)
     torch_warped = sampling and rule in SAMPLING_RULES and _torch_warped(gc)
     if scored:
         settings.output_scores, settings.output_logits = bool(gc.output_scores), bool(gc.output_logits)
