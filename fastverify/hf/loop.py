@@ -367,16 +367,16 @@ class Decoder:
         in place; request b's rows are cu[b] + b, its root's, then its nodes' in order), each row as generate would
         see it: the request's tokens so far followed by the row's path of draft tokens. In generate's order:
         SequenceBiasLogitsProcessor (``_bias``); RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the
-        prompt without its left padding, the tokens so far, the path) scores s < 0 ? s * penalty : s / penalty;
-        PrefixConstrainedLogitsProcessor after the bans before it (``_constrain``); ForcedEOSTokenLogitsProcessor:
-        the row that picks the last new token keeps only forced_eos, at 0; InfNanRemoveLogitsProcessor (NaN to 0,
-        +-inf to the dtype's extremes, after the bans before it); ExponentialDecayLengthPenalty (generate's
-        own, called with each row's length; it reads the eos scores, those the earlier processors ban at -inf); the
-        tokens ``banned`` names at -inf; then the call's own ``logits_processor``, each row a batch of one, its
+        prompt without its left padding, the tokens so far, the path) scores s < 0 ? s * penalty : s / penalty; the
+        bans of NoRepeatNGram, NoBadWords and the minimum lengths at -inf (``_early_bans``);
+        PrefixConstrainedLogitsProcessor (``_constrain``); ForcedEOSTokenLogitsProcessor: the row that picks the last
+        new token keeps only forced_eos, at 0 (none of the bans before it); InfNanRemoveLogitsProcessor;
+        ExponentialDecayLengthPenalty (both generate's own, the decay called with each row's length); the suppressed
+        tokens at -inf (``_late_bans``); then the call's own ``logits_processor``, each row a batch of one, its
         sequence as input_ids, as transformers' assisted decoding calls it on each candidate position."""
         s, V = self.s, logits.shape[-1]
         p = s.repetition_penalty
-        rows, banned, forced, decay, custom, early = [], [], [], [], [], []
+        rows, early, constrained, forced, decay, late, custom = [], [], [], [], [], [], []
         for b, tree in enumerate(trees):
             if remaining[b] <= 0:
                 continue
@@ -394,55 +394,47 @@ class Decoder:
                 sub[:, base] = penalized(sub[:, base], p)
                 for j, path in enumerate(paths[1:]):  # the path's tokens the sequence does not hold yet
                     rows += [(first + 1 + j, c) for c in set(path) if c < V and c not in seen]
-            if s.prefix_allowed is not None:
-                self._constrain(logits, b, first, paths)
-            if s.logits_processor is not None:
-                custom += [(first + j, self.full[b] + list(path)) for j, path in enumerate(paths)]
-            if s.forced_eos:
-                forced += [first + j for j, path in enumerate(paths) if self._forced(b, path)]
-            if s.remove_invalid and s.prefix_allowed is None:  # the bans before the removal, where they come
+            if s.bans:  # (the row ForcedEOS replaces gets only the bans after it)
                 early += [(first + j, t) for j, path in enumerate(paths) if not self._forced(b, path)
                           for t in self._early_bans(b, path) if t < V]
-            if s.length_decay is not None:  # each row's length as generate's input_ids, the eos bans before it
+                late += [(first + j, t) for j, path in enumerate(paths) for t in self._late_bans(b, path) if t < V]
+            if s.prefix_allowed is not None:
+                constrained.append((b, first, paths))
+            if s.forced_eos:
+                forced += [first + j for j, path in enumerate(paths) if self._forced(b, path)]
+            if s.length_decay is not None:  # each row's length as generate's input_ids
                 done = self.input_ids.shape[1] + len(self.generated[b])
-                decay += [(first + j, done + len(path), () if self._forced(b, path) or s.bans_apart
-                           else self._early_bans(b, path) & self.eos) for j, path in enumerate(paths)]
-            if s.bans:
-                banned += [(first + j, t) for j, path in enumerate(paths) for t in self.banned(b, path) if t < V]
+                decay += [(first + j, done + len(path)) for j, path in enumerate(paths)]
+            if s.logits_processor is not None:
+                custom += [(first + j, self.full[b] + list(path)) for j, path in enumerate(paths)]
         if rows:
             r, c = upload_lists([[r for r, _ in rows], [c for _, c in rows]], torch.int64, logits.device)
             logits[r, c] = penalized(logits[r, c], p)
+        _ban(logits, early)
+        for b, first, paths in constrained:
+            self._constrain(logits, b, first, paths)
         if forced:
             r = torch.tensor(forced, dtype=torch.int64).to(logits.device)
             logits[r] = float("-inf")
             logits[r[:, None], torch.tensor(s.forced_eos, dtype=torch.int64).to(logits.device)] = 0.0
-        if early:
-            r, c = upload_lists([[r for r, _ in early], [c for _, c in early]], torch.int64, logits.device)
-            logits[r, c] = float("-inf")
-        if s.remove_invalid:  # InfNanRemoveLogitsProcessor, on every row
-            info = torch.finfo(logits.dtype)
-            logits = torch.where(logits != logits, 0.0, logits)
-            logits = logits.clamp(min=info.min, max=info.max)
-        for length in sorted({n for _, n, _ in decay}):  # one call per sequence length (the processor reads it)
-            at = [(r, eos) for r, n, eos in decay if n == length]
-            sub = logits[[r for r, _ in at]]
-            for i, (_, eos) in enumerate(at):
-                sub[i, sorted(eos)] = float("-inf")
+        if s.remove_invalid:  # generate's InfNanRemoveLogitsProcessor, on every row
+            from transformers.generation.logits_process import InfNanRemoveLogitsProcessor
+            logits = InfNanRemoveLogitsProcessor()(None, logits)
+        for length in sorted({n for _, n in decay}):  # one call per sequence length (the processor reads it)
+            at = [r for r, n in decay if n == length]
             ids = torch.zeros((len(at), length), dtype=torch.int64, device=logits.device)  # (only its length read)
-            logits[[r for r, _ in at]] = s.length_decay(ids, sub).to(logits.dtype)
-        if banned:
-            r, c = upload_lists([[r for r, _ in banned], [c for _, c in banned]], torch.int64, logits.device)
-            logits[r, c] = float("-inf")
+            logits[at] = s.length_decay(ids, logits[at]).to(logits.dtype)
+        _ban(logits, late)
         for r, seq in custom:  # each row a batch of one
             ids = torch.tensor([seq], dtype=torch.int64, device=logits.device)
             logits[r] = s.logits_processor(ids, logits[r:r + 1].float())[0]
         return logits
 
     def _constrain(self, logits, b, first, paths) -> None:
-        """PrefixConstrainedLogitsProcessor on request b's rows (logits[first + j] after ``paths[j]``), in place:
-        the processors before it in generate's list (``_early_bans``), then -inf on every token
-        ``prefix_allowed_tokens_fn(b, sequence)`` does not allow; a row left all -inf gets the allowed tokens at 0
-        instead, as generate's does. The row ForcedEOS replaces is left to it."""
+        """PrefixConstrainedLogitsProcessor on request b's rows (logits[first + j] after ``paths[j]``; the bans
+        before it in generate's list applied), in place: -inf on every token ``prefix_allowed_tokens_fn(b,
+        sequence)`` does not allow; a row left all -inf gets the allowed tokens at 0 instead, as generate's does. The
+        row ForcedEOS replaces is left to it."""
         fn, V = self.s.prefix_allowed, logits.shape[-1]
         for j, path in enumerate(paths):
             sent = torch.tensor(self.full[b] + list(path), dtype=torch.int64, device=logits.device)
@@ -458,9 +450,6 @@ class Decoder:
             if self._forced(b, path):
                 continue
             row = logits[first + j]
-            early = self._early_bans(b, path)
-            if early:
-                row[sorted(early)] = float("-inf")
             mask = torch.full_like(row, float("-inf"))
             mask[allowed] = 0.0
             row = row + mask
@@ -503,13 +492,16 @@ class Decoder:
         SuppressTokens and SuppressTokensAtBegin; likewise on every row under a ``prefix_allowed_tokens_fn`` or
         ``remove_invalid_values``, which come between them (``DecodeSettings.bans_apart``). Handed
         to the drafter (``set_processors``): a draft model's chain avoids what the target's rows ban."""
+        late = self._late_bans(b, path)
+        if self._forced(b, path) or self.s.bans_apart:
+            return late
+        return late | self._early_bans(b, path)
+
+    def _late_bans(self, b: int, path) -> set:
+        """``banned``'s tokens of the processors after ForcedEOS in generate's list: SuppressTokens everywhere,
+        SuppressTokensAtBegin on the row that picks the first token."""
         s = self.s
-        ban = set(s.suppress)
-        if len(self.generated[b]) + len(path) == 0:
-            ban |= s.begin_suppress
-        if self._forced(b, path) or s.bans_apart:
-            return ban
-        return ban | self._early_bans(b, path)
+        return set(s.suppress) | (s.begin_suppress if len(self.generated[b]) + len(path) == 0 else set())
 
     def _early_bans(self, b: int, path) -> set:
         """``banned``'s tokens of the processors before PrefixConstrainedLogitsProcessor in generate's list: the
@@ -1056,6 +1048,13 @@ def _forced_first(tree: Tree, f: int):
     new_index = {j: i for i, j in enumerate(keep)}
     par = [-1 if i == 0 else new_index[parents[j]] for i, j in enumerate(keep)]
     return Tree(tree.tokens[keep], torch.tensor(par, dtype=tree.parents.dtype), validate=False), len(chain)
+
+
+def _ban(logits, pairs) -> None:
+    """-inf at the (row, token) pairs, in one copy of the indices to the device."""
+    if pairs:
+        r, c = upload_lists([[r for r, _ in pairs], [c for _, c in pairs]], torch.int64, logits.device)
+        logits[r, c] = float("-inf")
 
 
 def _ends_in(seq: list, path, before: tuple) -> bool:

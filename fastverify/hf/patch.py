@@ -16,9 +16,9 @@ tokens, sequence biases, forced eos, exponential_decay_length_penalty and ``pref
 ``stopping_criteria`` and ``max_time`` (asked about the whole batch after every token, as generate asks them) and a
 custom ``logits_processor`` at batch size 1, or any with ``row_processors=True`` (on every verify row, as assisted
 decoding runs it); return_dict_in_generate with output_scores / output_logits (batch size 1, or no eos ids; no
-cache in the output), renormalize_logits and remove_invalid_values; ``assistant_model`` (a DraftModelDrafter of it drafts that call,
-num_assistant_tokens deep) and ``prompt_lookup_num_tokens`` (the n-gram drafter drafts it); cache_implementation
-static / offloaded (the loop's own cache holds the same values).
+cache in the output), renormalize_logits and remove_invalid_values; ``assistant_model`` (a DraftModelDrafter of it
+drafts that call, num_assistant_tokens deep) and ``prompt_lookup_num_tokens`` (the n-gram drafter drafts it);
+cache_implementation static / offloaded (the loop's own cache holds the same values).
 """
 
 import dataclasses
@@ -204,10 +204,10 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     a dynamic / longrope RoPE changes its frequencies (see fastverify.hf.model_limits). Logits that are NaN,
     +inf or all -inf on a row the output depends on raise a ValueError naming the request and the step (plain
     greedy ``generate`` would emit an arbitrary token there), after that step has run again without drafts where
-    it had some (a draft token's non-finite activations reach the other rows' attention as 0 x NaN). A verify forward (several rows) rounds differently
-    from one-row decoding: in float32 by float32 rounding (no output has differed in any measurement), in float16 /
-    bfloat16 enough that near-ties may resolve the other way (as in transformers' assisted decoding); a half-
-    precision model's first greedy / coupled generate warns once.
+    it had some (a draft token's non-finite activations reach the other rows' attention as 0 x NaN). A verify
+    forward (several rows) rounds differently from one-row decoding: in float32 by float32 rounding (no output has
+    differed in any measurement), in float16 / bfloat16 enough that near-ties may resolve the other way (as in
+    transformers' assisted decoding); a half-precision model's first greedy / coupled generate warns once.
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
@@ -277,8 +277,8 @@ _HANDLED = {"max_length", "max_new_tokens", "do_sample", "temperature", "top_k",
 # fields whose default values are neutral (the field is harmless when it has this value)
 _NEUTRAL = {"num_beams": 1, "encoder_repetition_penalty": 1.0, "length_penalty": 1.0,
             "encoder_no_repeat_ngram_size": 0, "diversity_penalty": 0.0, "num_beam_groups": 1,
-            "output_attentions": False, "output_hidden_states": False, "early_stopping": False, "low_memory": False, "guidance_scale": 1.0, "is_assistant": False,
-            "disable_compile": False, "use_mtp": False}
+            "output_attentions": False, "output_hidden_states": False, "early_stopping": False, "low_memory": False,
+            "guidance_scale": 1.0, "is_assistant": False, "disable_compile": False, "use_mtp": False}
 # fields that only configure features the loop never uses (assistant models, compile, caches' sizes)
 _IRRELEVANT = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
                "assistant_lookbehind", "target_lookbehind", "compile_config", "max_matching_ngram_size",
@@ -489,20 +489,20 @@ def _plan(model, state, args, kwargs):
     ngram = gc.no_repeat_ngram_size if gc.no_repeat_ngram_size is not None and gc.no_repeat_ngram_size > 0 else 0
     if not isinstance(ngram, int):  # generate runs no processor for a size <= 0
         return None, f"no_repeat_ngram_size={ngram!r} (generate's own error follows)"
-    processors, reason = _token_processors(gc, _as_list(gc.eos_token_id), model_vocab_size(model))
+    eos = _as_list(gc.eos_token_id)
+    processors, reason = _token_processors(gc, eos, model_vocab_size(model))
     if reason:
         return None, reason + " (generate's own error follows)"
     copies = gc.num_return_sequences or 1  # sampled sequences per prompt
     if copies > 1 and not gc.do_sample:
         return None, f"num_return_sequences={copies} without sampling (generate's own error follows)"
     scored = bool(gc.return_dict_in_generate) and bool(gc.output_scores or gc.output_logits)
-    if scored and inputs.shape[0] * copies > 1 and _as_list(gc.eos_token_id):
+    if scored and inputs.shape[0] * copies > 1 and eos:
         return None, ("output_scores / output_logits at batch size > 1 with eos ids (generate scores the padding of "
                       "a row that ended, which the loop does not run)")
     decay = gc.exponential_decay_length_penalty
     if decay is not None:  # generate's own processor, built as generate builds it (the padded prompt's length)
         from transformers.generation.logits_process import ExponentialDecayLengthPenalty
-        eos = _as_list(gc.eos_token_id)
         if not (isinstance(decay, (tuple, list)) and len(decay) == 2 and isinstance(decay[0], int)
                 and isinstance(decay[1], (int, float)) and eos):
             return None, f"exponential_decay_length_penalty={decay!r} (generate's own error follows)"
@@ -519,7 +519,7 @@ def _plan(model, state, args, kwargs):
             return None, "prefix_allowed_tokens_fn with num_return_sequences > 1"
         processors["prefix_allowed"] = prefix_allowed
     rows = 1 if state.options.get("row_processors", False) else inputs.shape[0] * copies  # as one row at a time
-    custom, reason = _custom_lists(gc, processors_arg, criteria_arg, rows, _as_list(gc.eos_token_id), prefix_allowed)
+    custom, reason = _custom_lists(gc, processors_arg, criteria_arg, rows, eos, prefix_allowed)
     if reason:
         return None, reason
     stop = None
@@ -536,7 +536,6 @@ def _plan(model, state, args, kwargs):
     if attn_impl not in state.spec.attn_implementations:
         return None, (f"attention implementation {attn_impl!r} (the loop needs one that takes 4D masks: "
                       f"{state.spec.attn_implementations})")
-    eos = _as_list(gc.eos_token_id)
     pad = gc.pad_token_id
     pad = int(pad[0] if isinstance(pad, (list, tuple)) else pad) if pad is not None else None
     if attention_mask is None:
