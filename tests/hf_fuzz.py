@@ -38,6 +38,7 @@ from fastverify.eagle import EagleLayer
 from fastverify.heads import ProposalHeads
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, unpatch
 from fastverify.hf import linear as hf_linear
+from fastverify.hf.loop import InvalidLogitsError
 from fastverify.hf.bpd import HeadsDrafter
 from fastverify.hf.eagle import EagleDrafter
 from fastverify.hf.slots import BlockSlotDrafter, PTPSlotDrafter
@@ -454,7 +455,11 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
             return dict(desc, outcome="error", reason=f"{type(ref).__name__} / {type(e).__name__}: {str(e)[:80]}")
         unpatch(model)
         return dict(desc, outcome="NO-ERROR", detail=f"generate raised {ref!r}; the patched call returned")
-    out, fallback, switched = _generate(model, ids, mask, opts)
+    try:
+        out, fallback, switched = _generate(model, ids, mask, opts)
+    except InvalidLogitsError as e:  # a defect: generate returned (a row all -inf: it takes token 0)
+        unpatch(model)
+        return dict(desc, outcome="REFUSED", detail=str(e)[:200])
     if fallback:
         desc["reason"] = fallback[0].split(FALLBACK + ": ", 1)[-1]
     if sampling:
