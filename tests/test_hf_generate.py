@@ -560,6 +560,38 @@ def test_greedy_custom_logits_processor(model, lengths):
             assert all(tuple(row.tolist()) in seen for c in proc.calls for row in c if row[-1] != PAD)
 
 
+class _BanAll(transformers.LogitsProcessor):
+    """Bans every token on every fourth length: generate's argmax takes token 0 on such a row."""
+
+    def __call__(self, input_ids, scores):
+        return torch.full_like(scores, float("-inf")) if input_ids.shape[1] % 4 == 0 else scores
+
+
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
+def test_a_row_the_processors_ban_entirely_takes_token_0_as_generate_does(model, lengths):
+    """A processor leaving a row -inf everywhere (the model's own logits finite): greedy generate emits token 0
+    there, and so does the loop, whatever the drafts; sampling from such a row raises in both."""
+    ids, mask = _batch(lengths, seed=5)
+    kw = dict(pad_token_id=PAD, max_new_tokens=20)
+    unpatch(model)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False,
+                             logits_processor=transformers.LogitsProcessorList([_BanAll()]), **kw)
+    assert (ref[:, ids.shape[1]:] == 0).sum() >= 4 * len(lengths)
+    for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+        patch(model, drafter=drafter, row_processors=len(lengths) > 1)
+        try:
+            out = model.generate(ids, attention_mask=mask, do_sample=False,
+                                 logits_processor=transformers.LogitsProcessorList([_BanAll()]), **kw)
+            st = stats(model)
+            with pytest.raises(ValueError, match="invalid"):
+                model.generate(ids, attention_mask=mask, do_sample=True, seed=1,
+                               logits_processor=transformers.LogitsProcessorList([_BanAll()]), **kw)
+        finally:
+            unpatch(model)
+        assert st is not None and torch.equal(out, ref), (type(drafter).__name__, out.tolist(), ref.tolist())
+
+
 def test_seeded_sampling_with_custom_processor_and_criteria_equals_autoregressive_sampling(model):
     """Sampling (coupled rule) with a custom logits processor (batch 1) and stopping criterion (batch 3): the loop's
     own autoregressive sampling, with drafts or without."""

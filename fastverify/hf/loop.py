@@ -202,6 +202,19 @@ class InvalidLogitsError(ValueError):
     """The model's logits are invalid (NaN, +inf, -inf everywhere) on a row the output depends on."""
 
 
+def _banned_rows_to_zero(logits, raw):
+    """Greedy rows that the processors left -inf everywhere while the model's own row is finite (a custom processor or
+    a prefix constraint banning every token that forced eos or a length penalty leaves): generate's argmax takes
+    token 0 there, so these rows get 0 at token 0 (a copy; ``logits`` itself, no copy, when there are none). NaN
+    rows and the model's own invalid rows stay invalid."""
+    blocked = (logits == float("-inf")).all(-1) & torch.isfinite(raw).all(-1)
+    if not bool(blocked.any()):
+        return logits
+    judged = logits.clone()
+    judged[blocked.nonzero()[:, 0], 0] = 0
+    return judged
+
+
 def _to_host(res):
     """(accept_len, next_token, accepted) of a VerifyOutput as Python lists, in one device-to-host copy."""
     B, D = res.accepted.shape
@@ -611,9 +624,16 @@ class Decoder:
         res = verify(logits, draft_tokens, cu_nodes, parents, rule=rule, backend=s.backend, validate=False,
                      max_depth=deepest, **kw)
         accept_len, next_token, accepted = _to_host(res)
+        judged = logits  # the rows verify judges: the processed ones, but for rows the processors banned entirely
+        if any(a < 0 and r > 0 for a, r in zip(accept_len, remaining)) and rule == "greedy" and s.processes:
+            judged = _banned_rows_to_zero(logits, raw)
+            if judged is not logits:
+                res = verify(judged, draft_tokens, cu_nodes, parents, rule=rule, backend=s.backend, validate=False,
+                             max_depth=deepest, **kw)
+                accept_len, next_token, accepted = _to_host(res)
         if any(a < 0 and r > 0 for a, r in zip(accept_len, remaining)):  # NaN / inf logits somewhere
             try:
-                res = self._verify_around_invalid_rows(res, logits, trees, rule, kw, remaining)
+                res = self._verify_around_invalid_rows(res, judged, trees, rule, kw, remaining)
             except InvalidLogitsError:
                 if self.plain or not (any(len(t) for t in trees) or any(blocks or [])):
                     raise
@@ -628,7 +648,7 @@ class Decoder:
                     self.plain = False
             accept_len, next_token, accepted = _to_host(res)
         if forced is not None and any(0 <= a < f for a, f in zip(accept_len, forced)):
-            res = self._verify_below_forced(res, logits, trees, forced, rule, kw, deepest)
+            res = self._verify_below_forced(res, judged, trees, forced, rule, kw, deepest)
             accept_len, next_token, accepted = _to_host(res)
         t4 = time.perf_counter()
 
