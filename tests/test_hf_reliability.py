@@ -64,6 +64,10 @@ def _windowed(arch, window):
         cfg = transformers.Qwen3Config(**COMMON, head_dim=16, use_sliding_window=True, sliding_window=window,
                                        max_window_layers=0)
         return _finish(transformers.Qwen3ForCausalLM(cfg)), {}
+    if arch == "qwen2_mixed":  # the second layer a sliding one, the first full
+        cfg = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=window, max_window_layers=1)
+        assert cfg.layer_types == ["full_attention", "sliding_attention"]
+        return _finish(transformers.Qwen2ForCausalLM(cfg)), {}
     if arch == "gemma2":
         cfg = transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=window)
         return _finish(transformers.Gemma2ForCausalLM(cfg)), {"allow_unknown_model": True}
@@ -72,22 +76,77 @@ def _windowed(arch, window):
         return _finish(transformers.Gemma3ForCausalLM(cfg)), {"allow_unknown_model": True}
     if arch == "mistral":
         return _finish(transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=window))), {}
+    if arch == "phi3":
+        return _finish(transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON, sliding_window=window))), {}
     raise ValueError(arch)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3_text", "mistral"])
+WINDOWED = ["qwen3", "qwen2_mixed", "gemma2", "gemma3_text", "mistral", "phi3"]
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
 @pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
-def test_sliding_window_shorter_than_sequence_falls_back(arch, B, drafter):
-    model, extra = _windowed(arch, 16)
-    ids, mask = _prompts(B)
+def test_sliding_window_shorter_than_sequence_is_masked_by_the_loop(arch, B, drafter):
+    """Prompts of 30 tokens and 20 new ones through windows of 6 and 16: the loop masks each sliding layer's window
+    itself (the prompt's rows in the first step, and every draft row on its own path), exact against generate,
+    whose cache keeps only the window; an n-gram drafter on repetitive prompts, and the model drafting for itself.
+    At least one window changes generate's output, so the comparison tells masked from unmasked."""
+    changed = []
+    for window in (6, 16):
+        model, extra = _windowed(arch, window)
+        ids, mask = _prompts(B)
+        ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=20, do_sample=False)
+        d = NGramDrafter() if drafter == "ngram" else DraftModelDrafter(model, k=3, tree_topk=2)
+        patch(model, drafter=d, **extra)
+        out, messages = _run(model, ids, mask, max_new_tokens=20, do_sample=False)
+        assert not _fallbacks(messages), messages
+        st = stats(model)
+        assert st.steps >= 1 and st.drafted_tokens > 0
+        assert torch.equal(out, ref), (window, out.tolist(), ref.tolist())
+        unpatch(model)
+        full, _ = _windowed(arch, 256)
+        changed.append(not torch.equal(full.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=20,
+                                                     do_sample=False), ref))
+    assert any(changed)
+
+
+def test_sliding_window_sampling_equals_autoregressive_sampling():
+    """Seeded sampling through a window: the coupled rule's output equals the loop's own one-token-a-step sampling
+    with the same seed (drafts change nothing)."""
+    model, _ = _windowed("qwen3", 8)
+    ids, mask = _prompts(2)
+    kw = dict(max_new_tokens=16, do_sample=True, temperature=0.9, seed=11)
+    patch(model, drafter=Drafter())
+    ref, _ = _run(model, ids, mask, **kw)
+    patch(model, drafter=DraftModelDrafter(model, k=3))
+    out, messages = _run(model, ids, mask, **kw)
+    assert not _fallbacks(messages) and stats(model).drafted_tokens > 0
+    assert torch.equal(out, ref)
+
+
+def test_window_the_loop_does_not_mask_falls_back():
+    """A window of a model type the loop does not know how to mask (here a Llama config given a sliding_window,
+    which Llama's layers ignore) still bounds the sequence: beyond it, the original generate with a warning."""
+    from fastverify.hf.model_limits import loop_window, sequence_limit
+    model = _llama()
+    model.config.sliding_window = 16
+    assert loop_window(model.config) is None and sequence_limit(model.config) == (16, "sliding_window=16")
+    ids, mask = _prompts(1)
     ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=20, do_sample=False)
-    d = NGramDrafter() if drafter == "ngram" else DraftModelDrafter(model, k=3)
-    patch(model, drafter=d, **extra)
+    patch(model)
     out, messages = _run(model, ids, mask, max_new_tokens=20, do_sample=False)
     assert torch.equal(out, ref)
     fb = _fallbacks(messages)
     assert len(fb) == 1 and "sliding" in fb[0] and "16" in fb[0], messages
+
+
+def test_bidirectional_gemma3_falls_back():
+    """Gemma 3 with use_bidirectional_attention: generate's masks are not causal, the loop's are; it refuses."""
+    cfg = transformers.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=16, use_bidirectional_attention=True)
+    from fastverify.hf.model_limits import sequence_limit
+    limit, what = sequence_limit(cfg)
+    assert limit == 0 and "bidirectional" in what
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3_text", "mistral"])

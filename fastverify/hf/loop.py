@@ -120,6 +120,9 @@ class DecodeSettings:
     live_rows: bool = True  # a batch on the CPU: padding rows skip the output projection and the lean layers' work
     pace_batch: bool = True  # a batch on the CPU: no drafts for a request well ahead of the one that ends last
     max_positions: int = None  # a position-dependent RoPE's bound: a forward's rows stay below it minus one
+    # the model's sliding-window layers, masked by the loop (fastverify.hf.model_limits.loop_window): (window, the
+    # layer types its forward takes a dict of masks by, or None: one mask for every layer), or None
+    window: tuple = None
     stop: object = None  # stop strings: a StopStrings, asked after every committed token (eos-like end)
     min_tokens: int = 0  # min_new_tokens / min_length: eos is not a candidate before a request has this many tokens
     repetition_penalty: float = 1.0  # generate's RepetitionPenaltyLogitsProcessor on every verify row
@@ -349,6 +352,7 @@ class Decoder:
             live_index = inp.row_batch * q + inp.row_local
         if live_index is not None:
             live.index, live.total = live_index, ids.shape[0] * ids.shape[1]
+        mask = self._attention_masks(mask, pos)
         try:
             if self.slots is None:
                 out = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, **kw)
@@ -361,6 +365,27 @@ class Decoder:
         if self.hidden is not None and self.hidden.value is not None:
             self.hidden.value = self.hidden.value[:, -q:]
         return logits
+
+    def _attention_masks(self, mask, pos):
+        """The forward's attention_mask: ``mask`` [B, 1, Q, K] (its last Q columns the forward's own rows, the K - Q
+        before them cache slots), and where the model has sliding-window layers that this forward reaches past, the
+        same with every key ``window`` or more positions behind its query masked too: transformers' sliding mask
+        (key k kept for query q iff q - k < window), on the tokens' positions (a draft row's ancestors are the
+        tokens before it, so a row sees what one-row decoding of its path sees). One mask for a model whose every
+        layer is a sliding one, else a dict of masks by layer type."""
+        if self.s.window is None:
+            return mask
+        window, kinds = self.s.window
+        B, Q = pos.shape
+        S = mask.shape[-1] - Q
+        if max(c - p for c, p in zip(self.cache_len, self.pad_len)) + Q < window:  # every distance below it
+            return mask
+        slots = torch.arange(S, device=self.device)[None] - torch.tensor(self.pad_len, device=self.device)[:, None]
+        behind = pos[:, :, None] - torch.cat([slots, pos], 1)[:, None, :] >= window  # [B, Q, K]
+        windowed = mask.masked_fill(behind[:, None], torch.finfo(mask.dtype).min)
+        if kinds is None:
+            return windowed
+        return {kind: windowed if kind == "sliding_attention" else mask for kind in kinds}
 
     def _paced(self, budget, remaining):
         """Static batching: the batch steps until its last request ends, so a draft only pays where it brings that

@@ -10,6 +10,10 @@ something else, and both only from some sequence length on:
   shortest reach, the window excludes nothing and full attention is exact (transformers' sliding mask keeps key
   k for query q iff q - k < window; the distance never exceeds length - 1). Read per layer type from
   ``layer_types`` where the config has one, else from the config's window attributes.
+
+  Past that length the loop masks the window itself where it knows how the model takes its masks
+  (``loop_window``: model types whose forward takes one 4D mask per layer type, transformers'
+  ``causal_mask_mapping``, and those whose every layer is a ``sliding_window`` one); those windows set no limit.
 - **Position-dependent RoPE.** ``dynamic`` (NTK) and ``longrope`` recompute their frequencies from the largest
   position in each forward once it passes ``original_max_position_embeddings``. A verify forward holds draft
   positions ahead of the committed ones, so past that length it would rotate the committed tokens differently
@@ -23,13 +27,18 @@ the forward (transformers' dynamic RoPE also keeps frequencies grown by an earli
 spans fewer positions than the bound).
 """
 
-__all__ = ["sequence_limit", "position_limit"]
+__all__ = ["sequence_limit", "position_limit", "loop_window"]
 
 # layer types of limited reach -> the config attribute holding the reach, in tokens
 _LIMITED_LAYER_TYPES = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
 # window attributes read when a config has no layer_types
 _WINDOW_ATTRS = ("sliding_window", "attention_chunk_size", "window_size")
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+# model types whose sliding-window layers the loop masks itself, by how their forward takes masks: "layer_types",
+# a dict with one 4D mask per layer type (transformers' causal_mask_mapping, taken as it is); "every_layer", one 4D
+# mask for all layers (configs without layer_types whose every layer attends within ``sliding_window``)
+_LOOP_WINDOWS = {"qwen2": "layer_types", "qwen3": "layer_types", "gemma2": "layer_types",
+                 "gemma3_text": "layer_types", "mistral": "every_layer", "phi3": "every_layer"}
 
 
 def _text_config(config):
@@ -44,13 +53,36 @@ def _positive_int(value):
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def loop_window(config):
+    """(window, layer types) where the loop masks the model's sliding-window layers itself: its forward takes a dict
+    of masks keyed by the config's layer types (a tuple of them), or one mask for every layer (None); else None: no
+    such layer, or a model type the loop does not know to take its masks either way (``_LOOP_WINDOWS``; its
+    windows then limit the sequence)."""
+    config = _text_config(config)
+    how = _LOOP_WINDOWS.get(getattr(config, "model_type", None))
+    window = getattr(config, "sliding_window", None)
+    if how is None or not _positive_int(window):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if how == "layer_types":
+        if not layer_types or "sliding_attention" not in layer_types:
+            return None
+        return window, tuple(sorted(set(layer_types)))
+    if layer_types or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window, None
+
+
 def _attention_limits(config, extra_attr):
     """[(reach in tokens, what it is)], or a str: the reason the loop cannot drive this attention."""
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention (use_bidirectional_attention=True: the loop's masks are causal)"
     limits = []
+    windowed = loop_window(config) is not None  # the loop masks sliding_window itself: no limit from it
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         for kind in sorted(set(layer_types)):
-            if kind == "full_attention":
+            if kind == "full_attention" or (kind == "sliding_attention" and windowed):
                 continue
             attr = _LIMITED_LAYER_TYPES.get(kind)
             if attr is None:
@@ -62,7 +94,7 @@ def _attention_limits(config, extra_attr):
     else:
         for attr in _WINDOW_ATTRS:
             reach = getattr(config, attr, None)
-            if attr == "sliding_window" and getattr(config, "use_sliding_window", True) is False:
+            if attr == "sliding_window" and (windowed or getattr(config, "use_sliding_window", True) is False):
                 reach = None
             if reach is not None:
                 if not _positive_int(reach):

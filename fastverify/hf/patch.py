@@ -30,7 +30,7 @@ from fastverify.hf.attention import GQA_ATTENTION
 from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter
 from fastverify.hf.linear import pack_model
 from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, StopStrings, decode, model_vocab_size
-from fastverify.hf.model_limits import position_limit, sequence_limit
+from fastverify.hf.model_limits import loop_window, position_limit, sequence_limit
 
 __all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
            "SUPPORTED_TRANSFORMERS"]
@@ -200,11 +200,13 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     the whole model) and loads patched.
 
     What the patched generate does not run falls back to the original generate with one warning naming the
-    reason; that includes sequences longer than a sliding-window / chunked attention layer's reach or than where
-    a dynamic / longrope RoPE changes its frequencies (see fastverify.hf.model_limits). Logits that are NaN,
-    +inf or all -inf on a row the output depends on raise a ValueError naming the request and the step (plain
-    greedy ``generate`` would emit an arbitrary token there), after that step has run again without drafts where
-    it had some (a draft token's non-finite activations reach the other rows' attention as 0 x NaN). A verify
+    reason; that includes sequences longer than a chunked attention layer's reach, than a sliding-window one's
+    where the loop does not mask the window itself (it does for Qwen2, Qwen3, Gemma 2 / 3, Mistral and Phi-3) or
+    than where a dynamic / longrope RoPE changes its frequencies (see fastverify.hf.model_limits). The model's
+    logits NaN, +inf or all -inf on a row the output depends on raise a ValueError naming the request and the step
+    (plain greedy ``generate`` would emit an arbitrary token there), after that step has run again without drafts
+    where it had some (a draft token's non-finite activations reach the other rows' attention as 0 x NaN); a
+    greedy row that the processors leave all -inf gives token 0, as ``generate``'s argmax does. A verify
     forward (several rows) rounds differently from one-row decoding: in float32 by float32 rounding (no output has
     differed in any measurement), in float16 / bfloat16 enough that near-ties may resolve the other way (as in
     transformers' assisted decoding); a half-precision model's first greedy / coupled generate warns once.
@@ -582,7 +584,8 @@ def _plan(model, state, args, kwargs):
                               lean_layers=bool(state.options.get("lean_layers", True)),
                               live_rows=bool(state.options.get("live_rows", True)),
                               pace_batch=bool(state.options.get("pace_batch", True)),
-                              max_positions=position_limit(model.config), stop=stop,
+                              max_positions=position_limit(model.config), window=loop_window(model.config),
+                              stop=stop,
                               min_tokens=_min_tokens(gc, L),
                               repetition_penalty=1.0 if penalty is None else float(penalty),
                               no_repeat_ngram_size=ngram, **processors, **custom)
