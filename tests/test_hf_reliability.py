@@ -78,10 +78,31 @@ def _windowed(arch, window):
         return _finish(transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=window))), {}
     if arch == "phi3":
         return _finish(transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON, sliding_window=window))), {}
+    # unregistered types whose forward takes a mask per layer type; two layers, the first a sliding one
+    if arch == "cohere2":
+        cfg = transformers.Cohere2Config(**COMMON, sliding_window=window, sliding_window_pattern=2)
+        return _finish(transformers.Cohere2ForCausalLM(cfg)), {"allow_unknown_model": True}
+    if arch == "ministral":
+        cfg = transformers.MinistralConfig(**COMMON, head_dim=16, sliding_window=window,
+                                           layer_types=["sliding_attention", "full_attention"])
+        return _finish(transformers.MinistralForCausalLM(cfg)), {"allow_unknown_model": True}
+    if arch == "olmo3":
+        cfg = transformers.Olmo3Config(**COMMON, sliding_window=window,
+                                       layer_types=["sliding_attention", "full_attention"])
+        return _finish(transformers.Olmo3ForCausalLM(cfg)), {"allow_unknown_model": True}
+    if arch == "smollm3":
+        cfg = transformers.SmolLM3Config(**COMMON, sliding_window=window, use_sliding_window=True,
+                                         layer_types=["sliding_attention", "full_attention"])
+        return _finish(transformers.SmolLM3ForCausalLM(cfg)), {"allow_unknown_model": True}
+    if arch == "gpt_oss":  # attention sinks, a mixture of experts
+        cfg = transformers.GptOssConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                        sliding_window=window)
+        return _finish(transformers.GptOssForCausalLM(cfg)), {"allow_unknown_model": True}
     raise ValueError(arch)
 
 
-WINDOWED = ["qwen3", "qwen2_mixed", "gemma2", "gemma3_text", "mistral", "phi3"]
+WINDOWED = ["qwen3", "qwen2_mixed", "gemma2", "gemma3_text", "mistral", "phi3", "cohere2", "ministral", "olmo3",
+            "smollm3", "gpt_oss"]
 
 
 @pytest.mark.parametrize("arch", WINDOWED)

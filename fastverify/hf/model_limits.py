@@ -38,7 +38,9 @@ _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 # a dict with one 4D mask per layer type (transformers' causal_mask_mapping, taken as it is); "every_layer", one 4D
 # mask for all layers (configs without layer_types whose every layer attends within ``sliding_window``)
 _LOOP_WINDOWS = {"qwen2": "layer_types", "qwen3": "layer_types", "gemma2": "layer_types",
-                 "gemma3_text": "layer_types", "mistral": "every_layer", "phi3": "every_layer"}
+                 "gemma3_text": "layer_types", "cohere2": "layer_types", "ministral": "layer_types",
+                 "olmo3": "layer_types", "smollm3": "layer_types", "gpt_oss": "layer_types",
+                 "mistral": "every_layer", "phi3": "every_layer"}
 
 
 def _text_config(config):

@@ -201,8 +201,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
 
     What the patched generate does not run falls back to the original generate with one warning naming the
     reason; that includes sequences longer than a chunked attention layer's reach, than a sliding-window one's
-    where the loop does not mask the window itself (it does for Qwen2, Qwen3, Gemma 2 / 3, Mistral and Phi-3) or
-    than where a dynamic / longrope RoPE changes its frequencies (see fastverify.hf.model_limits). The model's
+    where the loop does not mask the window itself (``model_limits.loop_window``: it does for Qwen2, Qwen3,
+    Gemma 2 / 3, Mistral, Phi-3 and others) or than where a dynamic / longrope RoPE changes its frequencies (see
+    fastverify.hf.model_limits). The model's
     logits NaN, +inf or all -inf on a row the output depends on raise a ValueError naming the request and the step
     (plain greedy ``generate`` would emit an arbitrary token there), after that step has run again without drafts
     where it had some (a draft token's non-finite activations reach the other rows' attention as 0 x NaN); a
