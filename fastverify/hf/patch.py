@@ -558,11 +558,6 @@ def _plan(model, state, args, kwargs):
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - L
     if max_new is None or max_new <= 0:
         return None, f"max_new_tokens = {max_new} (nothing to generate)"
-    forced = set(processors.get("forced_eos", ()))  # the last new token's row keeps these, less the suppressed ones
-    suppressed = (processors.get("suppress", set())
-                  | (processors.get("begin_suppress", set()) if max_new == 1 else set()))
-    if forced and forced <= suppressed:  # every score -inf on that row (generate takes token 0 there)
-        return None, "forced_eos_token_id all suppressed on the last new token's row"
     limit, what = sequence_limit(model.config, state.spec.sliding_window_attr)
     if limit == 0:
         return None, f"the model's {what}"
