@@ -70,34 +70,34 @@ def _windowed(arch, window):
         return _finish(transformers.Qwen2ForCausalLM(cfg)), {}
     if arch == "gemma2":
         cfg = transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=window)
-        return _finish(transformers.Gemma2ForCausalLM(cfg)), {"allow_unknown_model": True}
+        return _finish(transformers.Gemma2ForCausalLM(cfg)), {}
     if arch == "gemma3_text":
         cfg = transformers.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=window)
-        return _finish(transformers.Gemma3ForCausalLM(cfg)), {"allow_unknown_model": True}
+        return _finish(transformers.Gemma3ForCausalLM(cfg)), {}
     if arch == "mistral":
         return _finish(transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=window))), {}
     if arch == "phi3":
         return _finish(transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON, sliding_window=window))), {}
-    # unregistered types whose forward takes a mask per layer type; two layers, the first a sliding one
+    # types whose forward takes a mask per layer type; two layers, the first a sliding one
     if arch == "cohere2":
         cfg = transformers.Cohere2Config(**COMMON, sliding_window=window, sliding_window_pattern=2)
-        return _finish(transformers.Cohere2ForCausalLM(cfg)), {"allow_unknown_model": True}
+        return _finish(transformers.Cohere2ForCausalLM(cfg)), {}
     if arch == "ministral":
         cfg = transformers.MinistralConfig(**COMMON, head_dim=16, sliding_window=window,
                                            layer_types=["sliding_attention", "full_attention"])
-        return _finish(transformers.MinistralForCausalLM(cfg)), {"allow_unknown_model": True}
+        return _finish(transformers.MinistralForCausalLM(cfg)), {}
     if arch == "olmo3":
         cfg = transformers.Olmo3Config(**COMMON, sliding_window=window,
                                        layer_types=["sliding_attention", "full_attention"])
-        return _finish(transformers.Olmo3ForCausalLM(cfg)), {"allow_unknown_model": True}
+        return _finish(transformers.Olmo3ForCausalLM(cfg)), {}
     if arch == "smollm3":
         cfg = transformers.SmolLM3Config(**COMMON, sliding_window=window, use_sliding_window=True,
                                          layer_types=["sliding_attention", "full_attention"])
-        return _finish(transformers.SmolLM3ForCausalLM(cfg)), {"allow_unknown_model": True}
+        return _finish(transformers.SmolLM3ForCausalLM(cfg)), {}
     if arch == "gpt_oss":  # attention sinks, a mixture of experts
         cfg = transformers.GptOssConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                                         sliding_window=window)
-        return _finish(transformers.GptOssForCausalLM(cfg)), {"allow_unknown_model": True}
+        return _finish(transformers.GptOssForCausalLM(cfg)), {}
     raise ValueError(arch)
 
 
@@ -280,7 +280,7 @@ def test_unknown_layer_type_falls_back():
 
 def test_unknown_model_refusal_names_windows():
     torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**COMMON, head_dim=16))
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=V, hidden_size=64, n_layer=2, n_head=4))
     with pytest.raises(ValueError, match="sliding-window"):
         patch(model)
 
@@ -538,20 +538,20 @@ def test_processor_values_generate_refuses_fall_back_to_its_error():
     assert torch.equal(out, ref) and not _fallbacks(messages)
 
 
-def test_forced_eos_every_token_suppressed_falls_back():
+def test_forced_eos_every_token_suppressed_gives_token_0():
     """forced_eos_token_id whose tokens begin_suppress_tokens all bans on the only new token: every score is -inf
-    on that row (generate's greedy argmax then picks token 0); the loop, which refuses an invalid row, falls back.
-    With a second new token the forced row is not the first one, and the loop runs."""
+    on that row, and generate's greedy argmax picks token 0; so does the loop (a row the processors leave all -inf,
+    the model's own row finite). With a second new token the forced row is not the first one."""
     model = _llama()
     ids, mask = _prompts(1)
     kw = {"forced_eos_token_id": [7, 9], "begin_suppress_tokens": [7, 9]}
-    ref = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=1, **kw)
-    patch(model)
-    out, messages = _run(model, ids, mask, max_new_tokens=1, **kw)
-    assert torch.equal(out, ref) and any("forced_eos_token_id" in m for m in _fallbacks(messages))
-    ref = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=3, **kw)
-    out, messages = _run(model, ids, mask, max_new_tokens=3, **kw)
-    assert torch.equal(out, ref) and not _fallbacks(messages)
+    for new in (1, 3):
+        ref = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=new, **kw)
+        patch(model)
+        out, messages = _run(model, ids, mask, max_new_tokens=new, **kw)
+        assert torch.equal(out, ref) and not _fallbacks(messages) and stats(model).steps >= 1
+    assert int(ref[0, -1]) in (7, 9) and int(_llama().generate(ids, attention_mask=mask, pad_token_id=PAD,
+                                                               max_new_tokens=1, **kw)[0, -1]) == 0
 
 
 # ------------------------------------------------------------------------------------ 10. stop_strings

@@ -40,7 +40,11 @@ _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 _LOOP_WINDOWS = {"qwen2": "layer_types", "qwen3": "layer_types", "gemma2": "layer_types",
                  "gemma3_text": "layer_types", "cohere2": "layer_types", "ministral": "layer_types",
                  "olmo3": "layer_types", "smollm3": "layer_types", "gpt_oss": "layer_types",
-                 "mistral": "every_layer", "phi3": "every_layer"}
+                 "qwen2_moe": "layer_types", "exaone4": "layer_types", "mistral": "every_layer",
+                 "phi3": "every_layer", "mixtral": "every_layer", "starcoder2": "every_layer",
+                 "qwen3_moe": "every_layer"}
+# model types whose attention bias is ALiBi, built from a 2D attention mask (Falcon: where config.alibi is set)
+_ALIBI_TYPES = ("bloom", "mpt")
 
 
 def _text_config(config):
@@ -79,6 +83,8 @@ def _attention_limits(config, extra_attr):
     """[(reach in tokens, what it is)], or a str: the reason the loop cannot drive this attention."""
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention (use_bidirectional_attention=True: the loop's masks are causal)"
+    if getattr(config, "model_type", None) in _ALIBI_TYPES or getattr(config, "alibi", False) is True:
+        return "ALiBi attention bias (built from a 2D attention mask; the loop hands the model a 4D one)"
     limits = []
     windowed = loop_window(config) is not None  # the loop masks sliding_window itself: no limit from it
     layer_types = getattr(config, "layer_types", None)

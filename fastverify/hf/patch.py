@@ -68,11 +68,14 @@ def register_model_type(spec: ModelSpec) -> None:
     MODEL_REGISTRY[spec.model_type] = spec
 
 
-for _spec in (
-    ModelSpec("llama"), ModelSpec("qwen2"), ModelSpec("qwen3"), ModelSpec("mistral"), ModelSpec("gpt2"),
-    ModelSpec("gemma"), ModelSpec("phi3"), ModelSpec("olmo2"), ModelSpec("granite"),
-):
-    register_model_type(_spec)
+# each tested on a tiny random model (tests/test_hf_model_types.py: greedy equal to generate, batch 1 and 3, eager and
+# sdpa); the first nine also in the fuzz sweep (tests/hf_fuzz.py), with gemma2 and gemma3_text
+for _type in ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "olmo2", "granite",
+              "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "stablelm", "starcoder2",
+              "gpt_neox", "falcon", "opt", "gptj", "codegen", "gpt_bigcode", "cohere", "cohere2", "olmo", "olmo3",
+              "olmoe", "glm", "glm4", "helium", "granitemoe", "nemotron", "persimmon", "exaone4", "arcee",
+              "apertus", "seed_oss", "ministral", "smollm3", "gpt_oss"):
+    register_model_type(ModelSpec(_type))
 
 
 def _check_transformers_version():

@@ -1,0 +1,129 @@
+"""Every model type in fastverify.hf.MODEL_REGISTRY, on a tiny random model: greedy through the loop equals the
+model's own generate, at batch size 1 and 3 (left padded), with the n-gram drafter and the model drafting for
+itself, under eager and sdpa attention; sliding windows the loop masks itself; ALiBi models fall back."""
+
+import warnings
+
+import pytest
+import torch
+
+from fastverify.hf import MODEL_REGISTRY, DraftModelDrafter, NGramDrafter, patch, stats, unpatch
+
+from conftest import left_padded
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V = 512
+PAD = 1
+# small sizes under every name the configs use for them (a config ignores the names it does not have)
+SIZES = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, head_dim=16, n_embd=64, n_layer=2, n_head=4,
+             n_positions=256, ffn_dim=128, word_embed_proj_dim=64, num_local_experts=4, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, n_inner=128,
+             rotary_dim=8, initializer_range=0.08)
+
+
+def tiny(model_type, attn="sdpa", **config):
+    """A random tiny causal LM of ``model_type`` (config keyword arguments set at construction, e.g. a window)."""
+    cfg = transformers.AutoConfig.for_model(model_type, **config)
+    for k, v in SIZES.items():
+        if hasattr(cfg, k):
+            try:
+                setattr(cfg, k, v)
+            except AttributeError:  # a derived property (Falcon's head_dim)
+                pass
+    for k in ("pad_token_id", "bos_token_id"):
+        if hasattr(cfg, k):
+            setattr(cfg, k, 0)
+    if hasattr(cfg, "eos_token_id"):
+        cfg.eos_token_id = None
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def _prompts(B):
+    """B left-padded repetitive prompts of 30, 27, 24 tokens (the n-gram drafter finds its drafts in them)."""
+    g = torch.Generator().manual_seed(0)
+    motifs = [torch.randint(3, V, (4,), generator=g).tolist() for _ in range(B)]
+    return left_padded([(motifs[b] * 30)[:30 - 3 * b] for b in range(B)], PAD)
+
+
+def _loop_equals_generate(model, ids, mask, drafters, max_new_tokens=16):
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=max_new_tokens,
+                             do_sample=False)
+    for drafter in drafters:
+        patch(model, drafter=drafter)
+        try:
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=max_new_tokens,
+                                     do_sample=False)
+            st = stats(model)
+        finally:
+            unpatch(model)
+        fallbacks = [str(w.message) for w in record if "falling back" in str(w.message)]
+        assert not fallbacks and st is not None and st.drafted_tokens > 0, fallbacks
+        assert torch.equal(out, ref), (type(drafter).__name__, out.tolist(), ref.tolist())
+    return ref
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_REGISTRY))
+def test_registered_type_matches_generate(model_type):
+    if model_type == "gpt2":
+        pytest.skip("covered by test_hf_generate (n_positions and the GPT-2 names)")
+    for attn in ("eager", "sdpa"):
+        try:
+            model = tiny(model_type, attn)
+        except ValueError as e:  # Gemma 2 and gpt-oss: eager only
+            assert attn == "sdpa" and "does not support an attention implementation" in str(e)
+            continue
+        for B in (1, 3):
+            ids, mask = _prompts(B)
+            drafters = [NGramDrafter()] + ([DraftModelDrafter(model, k=3, tree_topk=2)] if attn == "eager" else [])
+            _loop_equals_generate(model, ids, mask, drafters)
+
+
+# model types whose every layer slides when sliding_window is set, and types with a sliding layer type
+WINDOWS = {"mixtral": {"sliding_window": 6}, "starcoder2": {"sliding_window": 6},
+           "qwen3_moe": {"use_sliding_window": True, "sliding_window": 6},
+           "qwen2_moe": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+           "exaone4": {"sliding_window": 6, "sliding_window_pattern": 2}}
+
+
+@pytest.mark.parametrize("model_type", sorted(WINDOWS))
+def test_window_masked_by_the_loop(model_type):
+    """A window of 6 tokens under prompts of 24-30: the loop masks it (no fallback), exact; the window changes
+    generate's output, so the comparison tells masked from unmasked."""
+    from fastverify.hf.model_limits import loop_window
+    model = tiny(model_type, **WINDOWS[model_type])
+    assert loop_window(model.config) is not None
+    ids, mask = _prompts(3)
+    ref = _loop_equals_generate(model, ids, mask, [NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)])
+    wide = tiny(model_type, **dict(WINDOWS[model_type], sliding_window=256))
+    with torch.no_grad():
+        assert not torch.equal(wide.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16,
+                                             do_sample=False), ref)
+
+
+@pytest.mark.parametrize("model_type, config", [("bloom", {}), ("mpt", {}), ("falcon", {"alibi": True})])
+def test_alibi_falls_back(model_type, config):
+    """ALiBi models build their position bias from a 2D attention mask: the loop's 4D one does not fit, so the
+    patched generate falls back (allow_unknown_model or not registered), with the original's output."""
+    model = tiny(model_type, "eager", **config)
+    ids, mask = _prompts(2)
+    kw = dict(attention_mask=mask, pad_token_id=PAD, max_new_tokens=8, do_sample=False, use_cache=True)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    patch(model, allow_unknown_model=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = model.generate(ids, **kw)
+    fallbacks = [str(w.message) for w in record if "falling back" in str(w.message)]
+    assert len(fallbacks) == 1 and "ALiBi" in fallbacks[0] and torch.equal(out, ref)
