@@ -52,7 +52,9 @@ SWITCH = "does not sample"
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "olmo2", "granite", "gemma2",
          "gemma3_text")
-UNREGISTERED = ("gemma2", "gemma3_text")  # patched with allow_unknown_model=True
+# the sweep's default draws from ARCHS (a seed's case stays the same); ``--archs all`` draws from every registered
+# type, the others built generically (``_generic_config``)
+EAGER_ONLY = ("gemma2", "gpt_oss")  # no sdpa path in transformers
 ROPE_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "granite", "phi3")
 
 
@@ -79,11 +81,32 @@ def _window(rng: random.Random):
     return rng.choice([None, rng.randint(4, 24), rng.randint(24, 80)])
 
 
-def build_model(rng: random.Random):
-    """A random tiny causal LM; returns (model, description dict)."""
+def _generic_config(arch, common, window):
+    """A tiny config of a registered type without a branch of its own in ``build_model``: the common sizes under
+    every name its config has for them, and the window where it has a sliding_window."""
+    import transformers
+    names = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+             "num_hidden_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
+             "num_key_value_heads": "num_key_value_heads", "max_position_embeddings": "max_position_embeddings",
+             "tie_word_embeddings": "tie_word_embeddings", "initializer_range": "initializer_range",
+             "pad_token_id": "pad_token_id", "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id"}
+    base = transformers.AutoConfig.for_model(arch)
+    kw = {k: common[v] for k, v in names.items() if hasattr(base, k)}
+    kw.update({k: v for k, v in dict(head_dim=16, n_embd=64, n_layer=2, n_head=4, n_positions=128, ffn_dim=96,
+                                     word_embed_proj_dim=64, num_local_experts=4, num_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=32,
+                                     shared_expert_intermediate_size=64, n_inner=96, rotary_dim=8).items()
+               if hasattr(base, k) and not isinstance(getattr(type(base), k, None), property)})
+    if hasattr(base, "sliding_window"):
+        kw.update(sliding_window=window or 4096, use_sliding_window=window is not None)
+    return transformers.AutoConfig.for_model(arch, **kw)
+
+
+def build_model(rng: random.Random, archs=ARCHS):
+    """A random tiny causal LM of a type drawn from ``archs``; returns (model, description dict)."""
     import transformers
 
-    arch = rng.choice(ARCHS)
+    arch = rng.choice(archs)
     max_pos = rng.choice([24, 48, 96, 128])
     head_dim = 16
     tied = rng.random() < 0.5
@@ -125,10 +148,13 @@ def build_model(rng: random.Random):
         window = None
     elif arch == "gemma2":
         cfg = transformers.Gemma2Config(**common, head_dim=head_dim, sliding_window=window or 4096)
-    else:
+    elif arch == "gemma3_text":
         cfg = transformers.Gemma3TextConfig(**common, head_dim=head_dim, sliding_window=window or 4096)
+    else:
+        cfg = _generic_config(arch, common, window)
+        window = window if hasattr(cfg, "sliding_window") else None
     desc["window"] = window
-    impl = "eager" if arch == "gemma2" else rng.choice(["eager", "sdpa"])  # gemma2 has no sdpa path
+    impl = "eager" if arch in EAGER_ONLY else rng.choice(["eager", "sdpa"])
     desc["attn"] = impl
     torch.manual_seed(rng.randint(0, 2 ** 31))
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
@@ -219,7 +245,7 @@ def _slot_drafter(rng: random.Random, model, ptp: bool = False):
     else:
         d = BlockSlotDrafter(D, num_slots=rng.randint(1, 4), method=rng.choice(["gad", "lud"]),
                              attach=rng.choice(["path", "last"]), tree_topk=rng.choice([1, 2]))
-    d.init_adapters(model, rank=rng.choice([1, 4]))
+    d.init_adapters(model, rank=rng.choice([1, 4]), targets=_adapter_targets(model))
     g = torch.Generator().manual_seed(rng.randint(0, 2 ** 31))
     with torch.no_grad():
         for a in d.adapters.values():
@@ -228,6 +254,15 @@ def _slot_drafter(rng: random.Random, model, ptp: bool = False):
     if getattr(d, "aux", None) is not None:
         _randomise(rng, d.aux)
     return d
+
+
+def _adapter_targets(model):
+    """The default LoRA targets where the model has them, else every nn.Linear but the output projection (the
+    projections of types named otherwise: GPT-NeoX's query_key_value, OPT's fc1, ...)."""
+    from fastverify.lora import DEFAULT_TARGETS
+    head = model.get_output_embeddings()
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is torch.nn.Linear and m is not head}
+    return None if names & set(DEFAULT_TARGETS) else tuple(sorted(names))
 
 
 def _heads_drafter(rng: random.Random, model):
@@ -353,12 +388,12 @@ def _generate(model, ids, mask, opts):
 
 
 @torch.no_grad()
-def run_case(seed: int, kinds=DRAFTERS) -> dict:
+def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
     """One random case. Returns a dict: the case's description and ``outcome``: "identical" (the loop ran and
     matched), "fallback" (it fell back with a warning and matched) or "DIFFERENT" / "NO-WARNING" (a defect),
     plus ``reason`` for fallbacks and ``detail`` for defects."""
     rng = random.Random(seed)
-    model, desc = build_model(rng)
+    model, desc = build_model(rng, archs)
     weights = random.Random(f"weights {seed}")  # a stream of its own: a seed's other draws are unchanged by it
     if weights.random() < 0.35:  # weights that pack, as a GGUF model's do
         desc["weights"] = quantise_weights(weights, model)
@@ -419,7 +454,7 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
                 options={k: v if k not in ("stopping_criteria", "logits_processor", "prefix_allowed_tokens_fn")
                          else repr(v)
                          for k, v in opts.items() if k not in ("seed", "tokenizer")})
-    extra = {"allow_unknown_model": True} if desc["arch"] in UNREGISTERED else {}
+    extra = {}
     if row_wise:
         extra["row_processors"] = desc["row_processors"] = True
     if rng.random() < 0.3:  # the loop's own options: draft budget, verify backend, torch's GEMM
@@ -490,10 +525,10 @@ def run_case(seed: int, kinds=DRAFTERS) -> dict:
     return dict(desc, outcome="fallback" if fallback else "identical")
 
 
-def sweep(cases: int, start: int = 0, kinds=DRAFTERS):
-    """Run ``cases`` cases with seeds start .. start + cases - 1 (drafters drawn from ``kinds``); returns the list
-    of results."""
-    return [run_case(seed, kinds) for seed in range(start, start + cases)]
+def sweep(cases: int, start: int = 0, kinds=DRAFTERS, archs=ARCHS):
+    """Run ``cases`` cases with seeds start .. start + cases - 1 (drafters drawn from ``kinds``, model types from
+    ``archs``); returns the list of results."""
+    return [run_case(seed, kinds, archs) for seed in range(start, start + cases)]
 
 
 def summary(results) -> dict:
@@ -542,10 +577,15 @@ if __name__ == "__main__":
     ap.add_argument("--start", type=int, default=0, help="the first case's seed (case i runs seed start + i)")
     ap.add_argument("--drafters", nargs="+", choices=sorted(set(DRAFTERS)), default=DRAFTERS,
                     help="the drafter kinds to draw from (default: all)")
+    ap.add_argument("--archs", nargs="+", default=list(ARCHS),
+                    help="the model types to draw from (default: the fuzz's own list; 'all': every registered type)")
     args = ap.parse_args()
+    if args.archs == ["all"]:
+        from fastverify.hf import MODEL_REGISTRY
+        args.archs = sorted(MODEL_REGISTRY)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    results = sweep(args.cases, args.start, tuple(args.drafters))
+    results = sweep(args.cases, args.start, tuple(args.drafters), tuple(args.archs))
     for r in results:
         if r["outcome"] not in ("identical", "fallback", "error"):
             print(json.dumps(r))

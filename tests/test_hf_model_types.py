@@ -127,3 +127,34 @@ def test_alibi_falls_back(model_type, config):
         out = model.generate(ids, **kw)
     fallbacks = [str(w.message) for w in record if "falling back" in str(w.message)]
     assert len(fallbacks) == 1 and "ALiBi" in fallbacks[0] and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("model_type", ["opt", "gptj", "gpt_bigcode"])
+def test_slot_rows_stay_inside_a_position_table(model_type):
+    """Models whose positions index a table of max_position_embeddings rows: a slot drafter's placeholder rows,
+    which stand past the draft, are dropped where they would read outside the table (a sequence that just fits)."""
+    from fastverify.hf.model_limits import position_limit
+    from fastverify.hf.slots import BlockSlotDrafter
+    model = tiny(model_type)
+    model.config.max_position_embeddings = 256  # the table the model was built with
+    assert position_limit(model.config) == 256
+    ids, mask = _prompts(2)
+    ids, mask = torch.cat([ids] * 8, 1)[:, :240], torch.cat([mask] * 8, 1)[:, :240]  # 240 + 16 = the table
+    mask[:, :] = 1
+    drafter = BlockSlotDrafter(model.config.hidden_size, num_slots=4, method="lud")
+    head = model.get_output_embeddings()
+    drafter.init_adapters(model, rank=4, targets={n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                                                  if type(m) is torch.nn.Linear and m is not head})
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for a in drafter.adapters.values():
+            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 0.1)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16, do_sample=False)
+    patch(model, drafter=drafter)
+    try:
+        out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16, do_sample=False)
+        assert stats(model) is not None
+    finally:
+        unpatch(model)
+    assert torch.equal(out, ref)

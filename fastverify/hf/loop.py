@@ -119,7 +119,9 @@ class DecodeSettings:
     lean_layers: bool = True  # Llama-style decoder layers run fastverify.hf.layers' forward (same ops, fewer calls)
     live_rows: bool = True  # a batch on the CPU: padding rows skip the output projection and the lean layers' work
     pace_batch: bool = True  # a batch on the CPU: no drafts for a request well ahead of the one that ends last
-    max_positions: int = None  # a position-dependent RoPE's bound: a forward's rows stay below it minus one
+    # a position-dependent RoPE's bound, or a table of position embeddings' size: a forward's rows stay below it
+    # minus one (model_limits.position_limit)
+    max_positions: int = None
     # the model's sliding-window layers, masked by the loop (fastverify.hf.model_limits.loop_window): (window, the
     # layer types its forward takes a dict of masks by, or None: one mask for every layer), or None
     window: tuple = None

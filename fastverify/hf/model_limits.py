@@ -21,8 +21,8 @@ something else, and both only from some sequence length on:
 
 ``sequence_limit`` turns these into the longest sequence the loop may decode, or a reason it cannot run at all
 (an attention type it does not know). The patched ``generate`` falls back, with a warning, beyond that.
-``position_limit`` is the RoPE part alone: rows that are not verified (a slot drafter's placeholder rows stand
-after the draft) must still keep the forward's span below it, since the frequencies follow the largest position in
+``position_limit`` is the RoPE part alone, with the size of a table of position embeddings: rows that are not
+verified (a slot drafter's placeholder rows stand after the draft) must still keep the forward's span below it, since the frequencies follow the largest position in
 the forward (transformers' dynamic RoPE also keeps frequencies grown by an earlier, longer forward until a forward
 spans fewer positions than the bound).
 """
@@ -43,6 +43,9 @@ _LOOP_WINDOWS = {"qwen2": "layer_types", "qwen3": "layer_types", "gemma2": "laye
                  "qwen2_moe": "layer_types", "exaone4": "layer_types", "mistral": "every_layer",
                  "phi3": "every_layer", "mixtral": "every_layer", "starcoder2": "every_layer",
                  "qwen3_moe": "every_layer"}
+# model types whose positions index a table of max_position_embeddings rows (learned or sinusoidal): a slot row past
+# it would read outside the table
+_POSITION_TABLES = ("gpt2", "opt", "gpt_bigcode", "gptj", "codegen")
 # model types whose attention bias is ALiBi, built from a 2D attention mask (Falcon: where config.alibi is set)
 _ALIBI_TYPES = ("bloom", "mpt")
 
@@ -155,7 +158,11 @@ def sequence_limit(config, extra_attr=None):
 
 
 def position_limit(config):
-    """The number of positions a forward may span without changing the model's RoPE frequencies (every row of
-    it at a position below this), or None where the RoPE does not depend on the positions in the forward."""
-    limits = _rope_limits(_text_config(config))
-    return min(limits)[0] if limits else None
+    """The number of positions a forward may span without changing the model's RoPE frequencies or leaving its
+    table of position embeddings (every row of it at a position below this), or None where neither bounds it."""
+    config = _text_config(config)
+    limits = [limit for limit, _ in _rope_limits(config)]
+    table = getattr(config, "max_position_embeddings", None)
+    if getattr(config, "model_type", None) in _POSITION_TABLES and _positive_int(table):
+        limits.append(table)
+    return min(limits) if limits else None
