@@ -99,6 +99,8 @@ def _generic_config(arch, common, window):
                if hasattr(base, k) and not isinstance(getattr(type(base), k, None), property)})
     if hasattr(base, "sliding_window"):
         kw.update(sliding_window=window or 4096, use_sliding_window=window is not None)
+    if arch in ("opt", "gpt_bigcode", "gptj", "codegen"):  # a table of positions: the sequences must fit in it
+        kw["max_position_embeddings"] = 128
     return transformers.AutoConfig.for_model(arch, **kw)
 
 
@@ -313,7 +315,7 @@ DRAFTERS = ("ngram", "ngram", "self", "none", "slots", "heads", "eagle", "ptp")
 def _drafter(rng: random.Random, model, kinds=DRAFTERS):
     kind = rng.choice(kinds)
     if kind in ("slots", "ptp"):
-        if model.config.model_type == "gpt2":  # no nn.Linear projections (Conv1D): nothing to adapt
+        if _adapter_targets(model) == ():  # no nn.Linear projections (GPT-2's Conv1D, FalconLinear): nothing to adapt
             kind = "ngram"
         else:
             return kind, _slot_drafter(rng, model, ptp=kind == "ptp")
