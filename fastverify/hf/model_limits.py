@@ -21,10 +21,11 @@ something else, and both only from some sequence length on:
 
 ``sequence_limit`` turns these into the longest sequence the loop may decode, or a reason it cannot run at all
 (an attention type it does not know). The patched ``generate`` falls back, with a warning, beyond that.
-``position_limit`` is the RoPE part alone, with the size of a table of position embeddings: rows that are not
-verified (a slot drafter's placeholder rows stand after the draft) must still keep the forward's span below it, since the frequencies follow the largest position in
-the forward (transformers' dynamic RoPE also keeps frequencies grown by an earlier, longer forward until a forward
-spans fewer positions than the bound).
+``position_limit`` is the RoPE part alone, with the size of a table of position embeddings (GPT-2, OPT, ...): rows
+that are not verified (a slot drafter's placeholder rows stand after the draft) must still keep the forward's span
+below it, since the frequencies follow the largest position in the forward (transformers' dynamic RoPE also keeps
+frequencies grown by an earlier, longer forward until a forward spans fewer positions than the bound) and a table
+has no row past its end.
 """
 
 __all__ = ["sequence_limit", "position_limit", "loop_window"]

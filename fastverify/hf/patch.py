@@ -69,7 +69,7 @@ def register_model_type(spec: ModelSpec) -> None:
 
 
 # each tested on a tiny random model (tests/test_hf_model_types.py: greedy equal to generate, batch 1 and 3, eager and
-# sdpa); the first nine also in the fuzz sweep (tests/hf_fuzz.py), with gemma2 and gemma3_text
+# sdpa) and in the fuzz sweep (tests/hf_fuzz.py: the first eleven by default, every one with --archs all)
 for _type in ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "olmo2", "granite",
               "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "stablelm", "starcoder2",
               "gpt_neox", "falcon", "opt", "gptj", "codegen", "gpt_bigcode", "cohere", "cohere2", "olmo", "olmo3",
@@ -206,11 +206,11 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     reason; that includes sequences longer than a chunked attention layer's reach, than a sliding-window one's
     where the loop does not mask the window itself (``model_limits.loop_window``: it does for Qwen2, Qwen3,
     Gemma 2 / 3, Mistral, Phi-3 and others) or than where a dynamic / longrope RoPE changes its frequencies (see
-    fastverify.hf.model_limits). The model's
-    logits NaN, +inf or all -inf on a row the output depends on raise a ValueError naming the request and the step
-    (plain greedy ``generate`` would emit an arbitrary token there), after that step has run again without drafts
-    where it had some (a draft token's non-finite activations reach the other rows' attention as 0 x NaN); a
-    greedy row that the processors leave all -inf gives token 0, as ``generate``'s argmax does. A verify
+    fastverify.hf.model_limits). The model's logits NaN, +inf or all -inf on a row the output depends on raise a
+    ValueError naming the request and the step (plain greedy ``generate`` would emit an arbitrary token there),
+    after that step has run again without drafts where it had some (a draft token's non-finite activations reach
+    the other rows' attention as 0 x NaN); a greedy row that the processors leave all -inf gives token 0, as
+    ``generate``'s argmax does. A verify
     forward (several rows) rounds differently from one-row decoding: in float32 by float32 rounding (no output has
     differed in any measurement), in float16 / bfloat16 enough that near-ties may resolve the other way (as in
     transformers' assisted decoding); a half-precision model's first greedy / coupled generate warns once.
