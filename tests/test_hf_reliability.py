@@ -520,8 +520,8 @@ def test_lossy_rules_documented():
 
 def test_processor_values_generate_refuses_fall_back_to_its_error():
     """Values generate's own processors refuse (a bad word or a biased / forced token outside the vocabulary, an
-    empty list, a non-float penalty or bias, a fractional n-gram size) reach generate, whose error names them; the loop runs none of them. A size
-    <= 0 is no processor there, and none here."""
+    empty list, a non-float penalty or bias, a fractional n-gram size) reach generate, whose error names them; the
+    loop runs none of them. A size <= 0 is no processor there, and none here."""
     model = _llama()
     ids, mask = _prompts(1)
     patch(model)
