@@ -1,5 +1,6 @@
-"""Random generate calls on random tiny models of every registered architecture: patched ``generate`` must give
-exactly the unpatched output, or fall back with a warning (and then, too, give that output).
+"""Random generate calls on random tiny models of registered architectures (eleven families with configs of their
+own by default; ``--archs all``: every registered type, the others built generically): patched ``generate`` must
+give exactly the unpatched output, or fall back with a warning (and then, too, give that output).
 
 One case = a random config (architecture; sliding windows, chunk sizes, RoPE scaling type, tied or untied
 embeddings, attention implementation; in about a third of the cases every linear layer's weight as a GGUF file's
@@ -25,6 +26,7 @@ Checked:
 in the test suite and the full sweep on demand (``FASTVERIFY_FUZZ_CASES``). Also runnable as a script:
 
     python tests/hf_fuzz.py --cases 600          # prints one line per failing case and a summary
+    python tests/hf_fuzz.py --cases 600 --archs all --start 500000
 """
 
 import copy
