@@ -1,5 +1,5 @@
-"""The fuzz sweep of tests/hf_fuzz.py: random tiny models of every registered architecture (and two unregistered
-ones under allow_unknown_model), random batches, generate options and drafters; patched output must equal the
+"""The fuzz sweep of tests/hf_fuzz.py: random tiny models of registered architectures (its eleven families, and a
+slice over every registered type), random batches, generate options and drafters; patched output must equal the
 unpatched output, or the call must fall back with a warning.
 
 A bounded, seeded slice runs with the suite (FUZZ_SLICE cases, about 20 s); the full sweep by
@@ -43,6 +43,16 @@ def test_fuzz_model_drafters_identical_or_fallback():
     assert not defects, "\n".join(json.dumps(r) for r in defects)
     drafters = {r["drafter"] for r in results if r["outcome"] == "identical"}
     assert {"heads", "eagle", "slots"} <= drafters, drafters
+
+
+def test_fuzz_every_registered_type():
+    """A slice drawing from every registered type (``--archs all``: the types without a config of their own in the
+    fuzz built generically), so that each family the registry admits meets random generate calls."""
+    from fastverify.hf import MODEL_REGISTRY
+    results = hf_fuzz.sweep(60, start=500_000, archs=tuple(sorted(MODEL_REGISTRY)))
+    defects = [r for r in results if r["outcome"] not in ("identical", "fallback", "error")]
+    assert not defects, "\n".join(json.dumps(r) for r in defects)
+    assert len({r["arch"] for r in results if r["outcome"] == "identical"}) >= 25
 
 
 def test_fuzz_case_is_reproducible():
