@@ -538,6 +538,31 @@ def test_processor_values_generate_refuses_fall_back_to_its_error():
     assert torch.equal(out, ref) and not _fallbacks(messages)
 
 
+def test_sampling_values_generate_refuses_fall_back_to_its_error():
+    """Sampling with a value generate's warpers refuse (temperature 0, which the verify op would have taken for
+    greedy decoding; top_p, top_k or min_p out of range) reaches generate, whose error names it. top_p 0, which
+    generate takes (its one token to keep, the most probable), runs in the loop: the greedy output; top_p above 1,
+    which generate ignores, too."""
+    model = _llama()
+    ids, mask = _prompts(2)
+    patch(model)
+    for kw in ({"temperature": 0.0}, {"temperature": -0.5}, {"top_p": -0.5}, {"top_k": -3}, {"min_p": 2.0}):
+        with pytest.raises(ValueError):  # generate's own
+            _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, do_sample=True, **kw)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError):
+                model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, do_sample=True, **kw)
+        assert any("warper" in str(w.message) for w in record if "falling back" in str(w.message)), kw
+    ref = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=8, do_sample=False)
+    for seed in (1, 2):
+        out, messages = _run(model, ids, mask, max_new_tokens=8, do_sample=True, top_p=0.0, seed=seed)
+        assert torch.equal(out, ref) and not _fallbacks(messages) and stats(model).steps >= 1
+    ref, _ = _run(model, ids, mask, max_new_tokens=8, do_sample=True, top_p=1.0, seed=3)
+    out, messages = _run(model, ids, mask, max_new_tokens=8, do_sample=True, top_p=1.5, seed=3)
+    assert torch.equal(out, ref) and not _fallbacks(messages)
+
+
 def test_forced_eos_every_token_suppressed_gives_token_0():
     """forced_eos_token_id whose tokens begin_suppress_tokens all bans on the only new token: every score is -inf
     on that row, and generate's greedy argmax picks token 0; so does the loop (a row the processors leave all -inf,

@@ -502,6 +502,11 @@ def _plan(model, state, args, kwargs):
     copies = gc.num_return_sequences or 1  # sampled sequences per prompt
     if copies > 1 and not gc.do_sample:
         return None, f"num_return_sequences={copies} without sampling (generate's own error follows)"
+    if gc.do_sample:  # values generate's warpers refuse (temperature 0 when sampling, ...): its error, not greedy
+        try:
+            _warpers(gc, inputs.device)
+        except ValueError as e:
+            return None, f"a sampling warper's value: {str(e)[:80]} (generate's own error follows)"
     scored = bool(gc.return_dict_in_generate) and bool(gc.output_scores or gc.output_logits)
     if scored and inputs.shape[0] * copies > 1 and eos:
         return None, ("output_scores / output_logits at batch size > 1 with eos ids (generate scores the padding of "
@@ -600,8 +605,11 @@ def _plan(model, state, args, kwargs):
         if torch_warped:  # generate's warpers on the verify rows; the verify op samples them as they are
             settings.warp_rows, settings.warp = _warpers(gc, inputs.device), {"temperature": 1.0}
         elif sampling:
+            # as generate builds its warpers: top_p >= 1 none; top_p 0 keeps its one token to keep, the most
+            # probable (as top_k 1)
+            top_p = float(gc.top_p if gc.top_p is not None else 1.0)
             settings.warp = {"temperature": float(gc.temperature if gc.temperature is not None else 1.0),
-                             "top_k": int(gc.top_k or 0), "top_p": float(gc.top_p if gc.top_p is not None else 1.0),
+                             "top_k": 1 if top_p == 0 else int(gc.top_k or 0), "top_p": top_p if 0 < top_p < 1 else 1.0,
                              "min_p": float(gc.min_p or 0.0)}
         else:  # a sampling rule asked for without do_sample: greedy, as temperature 0
             settings.warp = {"temperature": 0.0}
