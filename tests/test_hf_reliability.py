@@ -563,6 +563,37 @@ def test_sampling_values_generate_refuses_fall_back_to_its_error():
     assert torch.equal(out, ref) and not _fallbacks(messages)
 
 
+def test_pad_token_outside_the_vocabulary():
+    """pad_token_id outside the vocabulary (-1, or past it) runs as in generate, which never feeds it to the model
+    while no row has ended: the loop's rows of a request that reached max_new_tokens before the others feed the
+    request's last token instead (they are never read)."""
+    model = _llama()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([_prompts(1, L=24)[0], torch.randint(3, V, (2, 24), generator=g)])  # one row drafts well
+    mask = torch.ones_like(ids)
+    for pad in (-1, V + 7):
+        ref = _llama().generate(ids, attention_mask=mask, pad_token_id=pad, max_new_tokens=16, do_sample=False)
+        patch(model, pace_batch=False)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = model.generate(ids, attention_mask=mask, pad_token_id=pad, max_new_tokens=16, do_sample=False)
+        st = stats(model)
+        assert torch.equal(out, ref) and not _fallbacks([str(w.message) for w in record])
+        # the repetitive row ended before the others, which ran on with its rows in the batch
+        assert any(a[0] is None for a in st.accepted), st.accepted
+
+
+def test_input_ids_outside_the_vocabulary_raise_naming_them():
+    model = _llama()
+    ids, mask = _prompts(2)
+    patch(model)
+    for bad in (V, V + 100, -1):
+        ids_bad = ids.clone()
+        ids_bad[1, -2] = bad
+        with pytest.raises(ValueError, match=rf"input_ids: token ids must lie in \[0, {V}\).*got {bad} at \[1, "):
+            model.generate(ids_bad, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4)
+
+
 def test_forced_eos_every_token_suppressed_gives_token_0():
     """forced_eos_token_id whose tokens begin_suppress_tokens all bans on the only new token: every score is -inf
     on that row, and generate's greedy argmax picks token 0; so does the loop (a row the processors leave all -inf,

@@ -732,7 +732,8 @@ class Decoder:
                                  if self.remaining(b) > 0 and ends[b] in blocks[b] else None for b in range(B)])
         if self.hidden is not None:  # drafters that read the target: the row that gave each next token
             self._hand_hidden(inp, accepted, accept_len)
-        self.root = [self.contexts[b][-1] if self.remaining(b) > 0 else s.pad_token_id for b in range(B)]
+        # (an ended request's rows still run, never read: its last token, a valid id where pad_token_id may not be)
+        self.root = [self.contexts[b][-1] for b in range(B)]
         t5 = time.perf_counter()
 
         # 6. cache: slot S + (0, 1 + accepted...) -> cache_len[b] + (0, 1, ...); then crop to the longest.

@@ -457,6 +457,22 @@ def _custom_lists(gc, processors, criteria, batch_size, eos, prefix_allowed=None
     return out, None
 
 
+def _check_token_ids(model, inputs):
+    """input_ids outside the model's input embedding (generate's own error is an IndexError from the embedding,
+    or none where a fused kernel reads past it): a ValueError naming the argument, the range and the first id."""
+    if inputs.is_floating_point() or inputs.is_complex():
+        return  # generate's own error names the dtype
+    emb = model.get_input_embeddings()
+    rows = getattr(emb, "num_embeddings", None) or getattr(getattr(emb, "weight", None), "shape", (None,))[0]
+    if rows is None or inputs.numel() == 0:
+        return
+    bad = (inputs < 0) | (inputs >= rows)
+    if bool(bad.any()):
+        b, i = bad.nonzero()[0].tolist()
+        raise ValueError(f"input_ids: token ids must lie in [0, {rows}) (the model's input embedding rows); got "
+                         f"{int(inputs[b, i])} at [{b}, {i}]")
+
+
 def _plan(model, state, args, kwargs):
     """Decide whether the loop can run this generate call. Returns (plan dict, None) or (None, reason)."""
     kwargs = dict(kwargs)
@@ -481,6 +497,7 @@ def _plan(model, state, args, kwargs):
             return None, f"{name} is not supported"
     if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.shape[1] == 0:
         return None, "input_ids must be a non-empty [batch, length] tensor"
+    _check_token_ids(model, inputs)
     gc, model_kwargs = _generation_config(model, generation_config, kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None and k not in ("use_cache",)}
