@@ -410,6 +410,25 @@ def test_fallback_honours_the_seed():
     assert torch.equal(torch.rand(3), a)
 
 
+def test_seed_of_another_type_raises_naming_it():
+    """seed= takes an int, a list of ints or an integer tensor (numpy integers too); anything else is a ValueError
+    naming the argument, whether the call samples or not (it crashed in torch.as_tensor, or truncated floats)."""
+    import numpy as np
+    model = _llama()
+    ids, mask = _prompts(2)
+    patch(model)
+    for bad in ("x", 1.5, [1, 2.5], True, [], torch.tensor([1.0, 2.0]), None.__class__):
+        for sample in (True, False):
+            with pytest.raises(ValueError, match="seed: expected"):
+                model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=3, do_sample=sample,
+                               seed=bad)
+    ref, _ = _run(model, ids, mask, max_new_tokens=6, do_sample=True, seed=[4, 9])
+    for same in (np.int64(4), [np.int32(4), 9], torch.tensor([4, 9])):
+        seeds = [same, 9] if isinstance(same, np.integer) else same
+        out, _ = _run(model, ids, mask, max_new_tokens=6, do_sample=True, seed=seeds)
+        assert torch.equal(out, ref)
+
+
 # ------------------------------------------------------------------------------------ 4. tensor arguments
 
 def test_tensor_arguments_fall_back_instead_of_crashing():

@@ -22,6 +22,7 @@ cache_implementation static / offloaded (the loop's own cache holds the same val
 """
 
 import dataclasses
+import operator
 import warnings
 
 import torch
@@ -477,6 +478,8 @@ def _plan(model, state, args, kwargs):
     """Decide whether the loop can run this generate call. Returns (plan dict, None) or (None, reason)."""
     kwargs = dict(kwargs)
     seed = kwargs.pop("seed", None)
+    if seed is not None:
+        _seed_list(seed)  # a clear error for a seed of another type, whatever the call decodes
     inputs = args[0] if args else kwargs.pop("inputs", None)
     if len(args) > 2:
         return None, "positional arguments beyond inputs and generation_config"
@@ -672,12 +675,27 @@ def _torch_warped(gc) -> bool:
             or (gc.eta_cutoff is not None and 0.0 < gc.eta_cutoff < 1.0))
 
 
+def _seed_list(seed) -> list:
+    """``seed=`` as a list of Python ints: an int, a list / tuple of ints or an integer tensor; else a ValueError."""
+    if isinstance(seed, torch.Tensor):
+        if seed.is_floating_point() or seed.is_complex() or seed.dtype == torch.bool:
+            raise ValueError(f"seed: expected an integer tensor, got dtype {seed.dtype}")
+        return seed.reshape(-1).tolist()
+    items = list(seed) if isinstance(seed, (list, tuple)) else [seed]
+    try:
+        if not items or any(isinstance(s, bool) for s in items):
+            raise TypeError
+        return [operator.index(s) for s in items]  # ints, numpy's integers
+    except TypeError:
+        raise ValueError(f"seed: expected an int, a list of ints or an integer tensor, got {seed!r}") from None
+
+
 def _request_seeds(seed, prompts: int, copies: int) -> torch.Tensor:
     """``seed=`` as one seed per returned sequence (int64 [prompts * copies]): an int for every prompt, one per
     prompt, or one per returned sequence. A prompt's copies (num_return_sequences) sample different sequences: copy j
     of seed s draws from seed s + j * 0x9E3779B97F4A7C15 (mod 2^63; copy 0 from s itself, so one copy is the seed's
     own sampling)."""
-    seeds = torch.as_tensor(seed, dtype=torch.int64).reshape(-1).tolist()
+    seeds = _seed_list(seed)
     if len(seeds) == prompts * copies:
         return torch.tensor(seeds, dtype=torch.int64)
     if len(seeds) == 1:
@@ -696,7 +714,7 @@ def _fallback(model, state, reason, args, kwargs):
     loop's own seeded sampling (another random stream). Per-request seeds cannot be honoured: the first one
     seeds the whole batch, and the warning says so."""
     seed = kwargs.pop("seed", None)
-    seeds = None if seed is None else torch.as_tensor(seed, dtype=torch.int64).reshape(-1).tolist()
+    seeds = None if seed is None else _seed_list(seed)
     if seeds:
         reason += f"; seed {seeds[0]} seeds torch's generators for the original generate"
         if len(set(seeds)) > 1:
