@@ -459,8 +459,8 @@ def _custom_lists(gc, processors, criteria, batch_size, eos, prefix_allowed=None
 
 
 def _check_token_ids(model, inputs):
-    """input_ids outside the model's input embedding (generate's own error is an IndexError from the embedding,
-    or none where a fused kernel reads past it): a ValueError naming the argument, the range and the first id."""
+    """input_ids outside the model's input embedding (generate's own error is the embedding's IndexError): a
+    ValueError naming the argument, the range and the first such id."""
     if inputs.is_floating_point() or inputs.is_complex():
         return  # generate's own error names the dtype
     emb = model.get_input_embeddings()
