@@ -48,8 +48,7 @@ def test_fuzz_model_drafters_identical_or_fallback():
 def test_fuzz_every_registered_type():
     """A slice drawing from every registered type (``--archs all``: the types without a config of their own in the
     fuzz built generically), so that each family the registry admits meets random generate calls."""
-    from fastverify.hf import MODEL_REGISTRY
-    results = hf_fuzz.sweep(60, start=500_000, archs=tuple(sorted(MODEL_REGISTRY)))
+    results = hf_fuzz.sweep(60, start=500_000, archs=hf_fuzz.registered_archs())
     defects = [r for r in results if r["outcome"] not in ("identical", "fallback", "error")]
     assert not defects, "\n".join(json.dumps(r) for r in defects)
     assert len({r["arch"] for r in results if r["outcome"] == "identical"}) >= 25

@@ -78,6 +78,8 @@ def _loop_equals_generate(model, ids, mask, drafters, max_new_tokens=16):
 def test_registered_type_matches_generate(model_type):
     if model_type == "gpt2":
         pytest.skip("covered by test_hf_generate (n_positions and the GPT-2 names)")
+    if model_type == "gemma3":
+        pytest.skip("an image-text model: test_gemma3_image_text_model_on_text_prompts")
     for attn in ("eager", "sdpa"):
         try:
             model = tiny(model_type, attn)
@@ -158,3 +160,48 @@ def test_slot_rows_stay_inside_a_position_table(model_type):
     finally:
         unpatch(model)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("window", [6, 512])
+def test_gemma3_image_text_model_on_text_prompts(window):
+    """Gemma3ForConditionalGeneration (model type gemma3) on text prompts: the loop drives its language model,
+    sliding windows masked as for gemma3_text (a window of 6 under 24-30-token prompts); a call with images falls
+    back (pixel_values is a model input the loop does not take)."""
+    model = _gemma3(window)
+    for B in (1, 3):
+        ids, mask = _prompts(B)
+        ref = _loop_equals_generate(model, ids, mask, [NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)])
+    if window == 6:  # the window changes the output: the comparison tells masked from unmasked
+        with torch.no_grad():
+            assert not torch.equal(_gemma3(512).generate(ids, attention_mask=mask, pad_token_id=PAD,
+                                                         max_new_tokens=16, do_sample=False), ref)
+    patch(model)
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            try:
+                model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=2,
+                               pixel_values=torch.zeros(1, 3, 28, 28))
+            except Exception:  # the original generate's own check of this made-up image input
+                pass
+    finally:
+        unpatch(model)
+    assert any("pixel_values" in str(w.message) for w in record if "falling back" in str(w.message))
+
+
+def _gemma3(window):
+    text = transformers.Gemma3TextConfig(**{k: SIZES[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                                  "num_hidden_layers", "num_attention_heads",
+                                                                  "num_key_value_heads", "head_dim",
+                                                                  "max_position_embeddings")},
+                                         sliding_window=window, pad_token_id=0)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=V - 1, boi_token_index=V - 2, eoi_token_index=V - 3)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    return model

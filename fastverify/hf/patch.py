@@ -70,12 +70,14 @@ def register_model_type(spec: ModelSpec) -> None:
 
 
 # each tested on a tiny random model (tests/test_hf_model_types.py: greedy equal to generate, batch 1 and 3, eager and
-# sdpa) and in the fuzz sweep (tests/hf_fuzz.py: the first eleven by default, every one with --archs all)
+# sdpa) and in the fuzz sweep (tests/hf_fuzz.py: the first eleven by default, every one with --archs all). gemma3:
+# Gemma 3's image-text model (what AutoModelForCausalLM loads for the larger Gemma 3 checkpoints) on text prompts;
+# a call with images passes model inputs the loop does not take (pixel_values), so it falls back
 for _type in ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "olmo2", "granite",
               "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "stablelm", "starcoder2",
               "gpt_neox", "falcon", "opt", "gptj", "codegen", "gpt_bigcode", "cohere", "cohere2", "olmo", "olmo3",
               "olmoe", "glm", "glm4", "helium", "granitemoe", "nemotron", "persimmon", "exaone4", "arcee",
-              "apertus", "seed_oss", "ministral", "smollm3", "gpt_oss"):
+              "apertus", "seed_oss", "ministral", "smollm3", "gpt_oss", "gemma3"):
     register_model_type(ModelSpec(_type))
 
 
