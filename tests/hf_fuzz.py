@@ -56,7 +56,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "olmo2",
          "gemma3_text")
 # the sweep's default draws from ARCHS (a seed's case stays the same); ``--archs all`` draws from every registered
 # type, the others built generically (``_generic_config``)
-EAGER_ONLY = ("gemma2", "gpt_oss")  # no sdpa path in transformers
+EAGER_ONLY = ("gemma2", "gpt_oss", "vaultgemma")  # no sdpa path in transformers
 ROPE_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "granite", "phi3")
 
 
@@ -110,6 +110,8 @@ def _generic_config(arch, common, window):
         kw.update(sliding_window=window or 4096, use_sliding_window=window is not None)
     if arch in ("opt", "gpt_bigcode", "gptj", "codegen"):  # a table of positions: the sequences must fit in it
         kw["max_position_embeddings"] = 128
+    if arch == "diffllama" and kw.get("num_key_value_heads", 2) % 2:  # its differential attention splits KV heads
+        kw["num_key_value_heads"] = 2
     return transformers.AutoConfig.for_model(arch, **kw)
 
 

@@ -77,7 +77,9 @@ for _type in ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "ol
               "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "stablelm", "starcoder2",
               "gpt_neox", "falcon", "opt", "gptj", "codegen", "gpt_bigcode", "cohere", "cohere2", "olmo", "olmo3",
               "olmoe", "glm", "glm4", "helium", "granitemoe", "nemotron", "persimmon", "exaone4", "arcee",
-              "apertus", "seed_oss", "ministral", "smollm3", "gpt_oss", "gemma3"):
+              "apertus", "seed_oss", "ministral", "smollm3", "gpt_oss", "ministral3", "glm4_moe", "hunyuan_v1_dense",
+              "ernie4_5", "ernie4_5_moe", "internlm3", "vaultgemma", "phimoe", "jetmoe", "granitemoeshared", "bitnet",
+              "doge", "diffllama", "gemma3"):
     register_model_type(ModelSpec(_type))
 
 
