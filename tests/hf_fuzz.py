@@ -94,13 +94,8 @@ def _generic_config(arch, common, window):
     """A tiny config of a registered type without a branch of its own in ``build_model``: the common sizes under
     every name its config has for them, and the window where it has a sliding_window."""
     import transformers
-    names = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-             "num_hidden_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
-             "num_key_value_heads": "num_key_value_heads", "max_position_embeddings": "max_position_embeddings",
-             "tie_word_embeddings": "tie_word_embeddings", "initializer_range": "initializer_range",
-             "pad_token_id": "pad_token_id", "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id"}
     base = transformers.AutoConfig.for_model(arch)
-    kw = {k: common[v] for k, v in names.items() if hasattr(base, k)}
+    kw = {k: v for k, v in common.items() if hasattr(base, k)}
     kw.update({k: v for k, v in dict(head_dim=16, n_embd=64, n_layer=2, n_head=4, n_positions=128, ffn_dim=96,
                                      word_embed_proj_dim=64, num_local_experts=4, num_experts=4,
                                      num_experts_per_tok=2, moe_intermediate_size=32,

@@ -378,7 +378,7 @@ class Decoder:
         if self.s.window is None:
             return mask
         window, kinds = self.s.window
-        B, Q = pos.shape
+        Q = pos.shape[1]
         S = mask.shape[-1] - Q
         if max(c - p for c, p in zip(self.cache_len, self.pad_len)) + Q < window:  # every distance below it
             return mask

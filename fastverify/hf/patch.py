@@ -215,10 +215,10 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     ValueError naming the request and the step (plain greedy ``generate`` would emit an arbitrary token there),
     after that step has run again without drafts where it had some (a draft token's non-finite activations reach
     the other rows' attention as 0 x NaN); a greedy row that the processors leave all -inf gives token 0, as
-    ``generate``'s argmax does. A verify
-    forward (several rows) rounds differently from one-row decoding: in float32 by float32 rounding (no output has
-    differed in any measurement), in float16 / bfloat16 enough that near-ties may resolve the other way (as in
-    transformers' assisted decoding); a half-precision model's first greedy / coupled generate warns once.
+    ``generate``'s argmax does. A verify forward (several rows) rounds differently from one-row decoding: in
+    float32 by float32 rounding (no greedy output has differed in any measurement), in float16 / bfloat16 enough
+    that near-ties may resolve the other way (as in transformers' assisted decoding); a half-precision model's first
+    greedy / coupled generate warns once.
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
@@ -526,9 +526,10 @@ def _plan(model, state, args, kwargs):
     copies = gc.num_return_sequences or 1  # sampled sequences per prompt
     if copies > 1 and not gc.do_sample:
         return None, f"num_return_sequences={copies} without sampling (generate's own error follows)"
+    warpers = None  # generate's sampling warpers, built once: their constructors check the values as generate's do
     if gc.do_sample:  # values generate's warpers refuse (temperature 0 when sampling, ...): its error, not greedy
         try:
-            _warpers(gc, inputs.device)
+            warpers = _warpers(gc, inputs.device)
         except ValueError as e:
             return None, f"a sampling warper's value: {str(e)[:80]} (generate's own error follows)"
     scored = bool(gc.return_dict_in_generate) and bool(gc.output_scores or gc.output_logits)
@@ -619,15 +620,17 @@ def _plan(model, state, args, kwargs):
                               no_repeat_ngram_size=ngram, **processors, **custom)
     settings.rule_params = rule_params
     settings.remove_invalid = bool(gc.remove_invalid_values)
-    torch_warped = sampling and rule in SAMPLING_RULES and _torch_warped(gc)
+    # a warper the verify op does not have: the loop warps the verify rows with generate's whole chain
+    torch_warped = (sampling and rule in SAMPLING_RULES
+                    and any(isinstance(w, _torch_only_warpers()) for w in warpers))
     if scored:
         settings.output_scores, settings.output_logits = bool(gc.output_scores), bool(gc.output_logits)
         settings.renormalize = bool(gc.renormalize_logits)
         if sampling and gc.output_scores and not torch_warped:
-            settings.warpers = _warpers(gc, inputs.device)
+            settings.warpers = warpers
     if rule in SAMPLING_RULES:
         if torch_warped:  # generate's warpers on the verify rows; the verify op samples them as they are
-            settings.warp_rows, settings.warp = _warpers(gc, inputs.device), {"temperature": 1.0}
+            settings.warp_rows, settings.warp = warpers, {"temperature": 1.0}
         elif sampling:
             # as generate builds its warpers: top_p >= 1 none; top_p 0 keeps its one token to keep, the most
             # probable (as top_k 1)
@@ -649,7 +652,7 @@ def _plan(model, state, args, kwargs):
 def _warpers(gc, device):
     """generate's sampling warpers for the generation config, in its order, as its ``_get_logits_processor`` builds
     them for one sequence per beam: the scores output_scores returns when sampling, and the verify rows' warping
-    where the config asks for a warper the verify op does not have (``_torch_warped``)."""
+    where the config asks for a warper the verify op does not have (``_torch_only_warpers``)."""
     from transformers.generation import logits_process as lp
     out = lp.LogitsProcessorList()
     if gc.temperature is not None and gc.temperature != 1.0:
@@ -671,12 +674,10 @@ def _warpers(gc, device):
     return out
 
 
-def _torch_warped(gc) -> bool:
-    """Whether the config asks for a sampling warper the verify op does not have (typical_p, epsilon_cutoff,
-    eta_cutoff, top_h): then the loop warps the verify rows with generate's own warpers, the whole chain."""
-    return ((gc.typical_p is not None and gc.typical_p < 1.0) or getattr(gc, "top_h", None) is not None
-            or (gc.epsilon_cutoff is not None and 0.0 < gc.epsilon_cutoff < 1.0)
-            or (gc.eta_cutoff is not None and 0.0 < gc.eta_cutoff < 1.0))
+def _torch_only_warpers() -> tuple:
+    """The warper classes of ``_warpers`` the verify op does not have (typical_p, epsilon_cutoff, eta_cutoff, top_h)."""
+    from transformers.generation import logits_process as lp
+    return (lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper, lp.TopHLogitsWarper)
 
 
 def _seed_list(seed) -> list:
