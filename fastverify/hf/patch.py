@@ -32,6 +32,7 @@ from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter
 from fastverify.hf.linear import pack_model
 from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, StopStrings, decode, model_vocab_size
 from fastverify.hf.model_limits import loop_window, position_limit, sequence_limit
+from fastverify.hf.probe import check_model
 
 __all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
            "SUPPORTED_TRANSFORMERS"]
@@ -104,6 +105,10 @@ class _PatchState:
     instance_generate: object
     last_stats: object = None
     warned_precision: bool = False
+    # a type outside the registry (allow_unknown_model): fastverify.hf.probe's verdict, None until its first call
+    # the loop runs, then "" (passed) or the reason it failed
+    unregistered: bool = False
+    check: str = None
 
 
 class PatchedGenerate:
@@ -203,7 +208,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         1 only, called with one row at a time; True declares that each of its processors computes each row from
         that row alone, without the row's batch index or state kept across calls, and the loop then runs it at any
         batch size),
-        ``allow_unknown_model`` (skip the model-type registry check).
+        ``allow_unknown_model`` (a model type outside the registry: before the first call the loop runs, it decodes
+        a small probe batch and compares it with the original generate, fastverify.hf.probe; a type that fails
+        falls back to the original generate, with the reason, on every call).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
 
@@ -255,7 +262,8 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     had = "generate" in model.__dict__
     state = _PatchState(spec=spec, drafter=drafter if drafter is not None else NGramDrafter(), rule=rule,
                         options=dict(options), had_instance_generate=had,
-                        instance_generate=model.__dict__.get("generate"))
+                        instance_generate=model.__dict__.get("generate"),
+                        unregistered=model_type not in MODEL_REGISTRY)
     model.__dict__[_STATE_ATTR] = state
     model.__dict__["generate"] = PatchedGenerate(model)
     if options.get("skinny_linear", True) and options.get("pack_weights", True):
@@ -754,6 +762,12 @@ def _patched_generate(self, *args, **kwargs):
     plan, reason = _plan(self, state, args, kwargs)
     if plan is None:
         return _fallback(self, state, reason, args, kwargs)
+    if state.unregistered:
+        if state.check is None:
+            state.check = check_model(self, _original_generate(self, state), plan["settings"]) or ""
+        if state.check:
+            return _fallback(self, state, f"model type {self.config.model_type!r} is not registered and failed the "
+                                          f"loop's check of it (fastverify.hf.probe): {state.check}", args, kwargs)
     _warn_precision(self, state, plan["settings"].rule)
     record = {}
     sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], plan["drafter"], plan["settings"],

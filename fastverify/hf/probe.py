@@ -1,0 +1,138 @@
+"""The check a model type outside the registry passes before the patched ``generate`` drives it
+(``patch(model, allow_unknown_model=True)``).
+
+A registered type was checked by the tests (greedy through the loop equal to its own ``generate``); an unknown one
+may compute something else under the loop's contract (one 4D mask for the whole forward, explicit position_ids, a
+``DynamicCache`` cropped after a rejected draft): an encoder used as a language model, whose attention is
+bidirectional (BERT-like models without ``is_decoder``), a cache whose state a crop cannot undo, an attention that
+ignores the 4D mask or a forward that refuses it. So before the first call the loop runs, it decodes a small batch
+with ``ProbeDrafter``, whose trees hold the model's own next tokens and wrong ones beside and after them (rows the
+cache must drop, siblings the mask must keep apart), and compares the result with the original ``generate`` on
+that batch: the tokens, and each new token's logits to within the model dtype's rounding (``TOLERANCE``). The
+verdict holds for the patch (the model's type and weights do not change under it); a type that fails falls back to
+the original ``generate`` on every call, the reason in its warning.
+"""
+
+import torch
+
+from fastverify.hf.drafters import Drafter, empty_tree
+from fastverify.hf.loop import DecodeSettings, decode, model_vocab_size
+from fastverify.tree import Tree
+
+__all__ = ["check_model", "ProbeDrafter", "TOLERANCE"]
+
+# the largest difference between the loop's logits and generate's that counts as rounding, relative to the row's
+# largest |logit| (at least 1): a verify forward's rows round differently from one-row decoding
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+PROMPTS = (9, 6)  # the probe batch's prompt lengths (left padded)
+NEW_TOKENS = 7  # steps of 3, 1 and 3 tokens (``ProbeDrafter``)
+# the settings of the call that the probe decodes with too: how the loop computes, and the model's own limits
+_KEPT = ("backend", "skinny_linear", "pack_weights", "lean_layers", "live_rows", "max_positions", "window")
+
+
+class ProbeDrafter(Drafter):
+    """Drafts from a known continuation ``reference`` (B lists of the tokens the model generates after each prompt,
+    whose lengths ``prompt_lengths`` holds). On even steps a request's tree is [next, wrong sibling of next,
+    the one after next, a wrong token after that] (parents [-1, -1, 0, 2]): two nodes accepted, a sibling and a
+    deeper node rejected; on odd steps a single wrong token. A request whose output has left the reference (a tie
+    resolved the other way) gets the same shapes with tokens that are simply wrong."""
+
+    def __init__(self, reference, prompt_lengths, vocab_size: int):
+        self.reference, self.prompt_lengths, self.V = reference, prompt_lengths, vocab_size
+        self.steps = 0
+
+    def reset(self, batch_size: int) -> None:
+        super().reset(batch_size)
+        self.steps = 0
+
+    def _token(self, b: int, i: int) -> int:
+        ref = self.reference[b]
+        return ref[i] if i < len(ref) else 0
+
+    def _wrong(self, token: int, shift: int) -> int:
+        return (token + shift) % self.V
+
+    def propose(self, contexts, budget):
+        trees = []
+        for b, (ctx, bud) in enumerate(zip(contexts, budget)):
+            done = len(ctx) - self.prompt_lengths[b]  # tokens committed so far
+            nxt, after = self._token(b, done), self._token(b, done + 1)
+            if self.V < 2 or bud <= 0:
+                trees.append(empty_tree())
+            elif self.steps % 2 == 0:
+                toks = [nxt, self._wrong(nxt, 1), after, self._wrong(self._token(b, done + 2), 2)]
+                par = [-1, -1, 0, 2]
+                keep = [0, 2, 1, 3][:bud]  # within the budget, the chain first
+                index = {j: i for i, j in enumerate(sorted(keep))}
+                trees.append(Tree([toks[j] for j in sorted(keep)],
+                                  [index[par[j]] if par[j] >= 0 else -1 for j in sorted(keep)]))
+            else:
+                trees.append(Tree([self._wrong(nxt, 1)], [-1]))
+        self.steps += 1
+        return trees
+
+
+def _probe_batch(model, device):
+    """Two left-padded prompts of random tokens (a fixed generator), their attention mask and lengths."""
+    emb = model.get_input_embeddings()
+    rows = getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
+    high = max(1, min(rows, model_vocab_size(model)))
+    g = torch.Generator().manual_seed(0)
+    L = max(PROMPTS)
+    ids = torch.zeros((len(PROMPTS), L), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(PROMPTS):
+        ids[b, L - n:] = torch.randint(0, high, (n,), generator=g)
+        mask[b, L - n:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _differs(loop_logits, ref_logits, loop_tokens, ref_tokens, tol: float):
+    """Why the loop's output is not generate's (None when it is): per request, the logits of every new token up to
+    the first token where they differ, within ``tol`` of each other relative to the row's scale, and that token a
+    tie within ``tol`` (a near-tie may resolve the other way); beyond it the two decode different sequences."""
+    for b in range(len(ref_tokens)):
+        for t, (got, want) in enumerate(zip(loop_tokens[b], ref_tokens[b])):
+            a, r = loop_logits[t][b].float(), ref_logits[t][b].float()
+            scale = max(1.0, float(r.abs().max()))
+            err = float((a - r).abs().max()) / scale
+            if not err <= tol:  # (NaN included)
+                return (f"request {b}'s logits for new token {t} differ from generate's by {err:.3g} of the row's "
+                        f"scale (expected <= {tol:g})")
+            if got != want:
+                if float(r.max() - r[got]) / scale > tol:
+                    return f"request {b}'s new token {t} is {got} where generate gives {want}"
+                break  # a tie resolved the other way: the sequences differ from here on
+    return None
+
+
+def check_model(model, original_generate, settings: DecodeSettings):
+    """Decode the probe batch through the loop and with ``original_generate``; None when the loop's output is
+    generate's (to rounding), else the reason it is not (an exception in either counts). ``settings``: the call's,
+    whose computation options and model limits the probe keeps."""
+    from transformers import GenerationConfig
+    device = model.get_input_embeddings().weight.device
+    ids, mask = _probe_batch(model, device)
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()  # transformers' defaults: no eos, no processors of the model's
+    try:
+        with torch.no_grad():
+            ref = original_generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                    num_beams=1, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    except Exception as e:  # noqa: BLE001 - any failure of the reference means no verdict for the loop
+        return f"the original generate raised on the check's batch ({type(e).__name__}: {str(e)[:120]})"
+    finally:
+        model.generation_config = saved
+    ref_tokens = ref.sequences[:, ids.shape[1]:].tolist()
+    probe = DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=[], pad_token_id=0, output_logits=True,
+                           pace_batch=False, **{k: getattr(settings, k) for k in _KEPT})
+    drafter = ProbeDrafter(ref_tokens, list(PROMPTS), model_vocab_size(model))
+    record = {}
+    try:
+        with torch.no_grad():
+            out, _ = decode(model, ids, mask, drafter, probe, record=record)
+    except Exception as e:  # noqa: BLE001 - a forward that refuses the loop's inputs
+        return f"the loop raised {type(e).__name__}: {str(e)[:120]}"
+    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    return _differs(record["logits"], ref.logits, out[:, ids.shape[1]:].tolist(), ref_tokens,
+                    TOLERANCE.get(dtype, 5e-2))

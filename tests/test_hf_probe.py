@@ -1,0 +1,107 @@
+"""patch(model, allow_unknown_model=True): a model type outside the registry is checked by fastverify.hf.probe
+before the first call the loop runs. A causal LM that honours the loop's contract passes and decodes in the loop;
+an encoder used as a language model (bidirectional attention), a decoder whose positions come from its cache's
+length, and a model whose forward refuses the loop's inputs fall back to the original generate, with the reason."""
+
+import sys
+import warnings
+
+import pytest
+import torch
+
+from fastverify.hf import MODEL_REGISTRY, patch, stats, unpatch
+from fastverify.hf import probe
+from fastverify.hf.probe import ProbeDrafter, _differs
+
+from test_hf_model_types import PAD, _prompts, tiny
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _generate(model, ids, mask, **kw):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12, do_sample=False,
+                                 **kw)
+    return out, [str(w.message) for w in record if "falling back" in str(w.message)]
+
+
+def test_unregistered_causal_lm_passes_and_runs_in_the_loop(monkeypatch):
+    """Llama taken out of the registry: the check passes once (its verdict kept for the patch), and the loop's output
+    is generate's."""
+    monkeypatch.delitem(MODEL_REGISTRY, "llama")
+    calls = []
+    check = probe.check_model
+    monkeypatch.setattr(sys.modules["fastverify.hf.patch"], "check_model", lambda *a: calls.append(1) or check(*a))
+    model = tiny("llama")
+    ids, mask = _prompts(3)
+    ref, _ = _generate(model, ids, mask)
+    patch(model, allow_unknown_model=True)
+    try:
+        for _ in range(2):
+            out, fallbacks = _generate(model, ids, mask)
+            assert not fallbacks and stats(model) is not None and torch.equal(out, ref)
+    finally:
+        unpatch(model)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("bert", "logits for new token"),  # bidirectional attention (is_decoder unset)
+    ("trocr", "logits for new token"),  # positions from the cache's length, not position_ids
+    ("openai-gpt", "the loop raised"),  # its attention refuses the 4D mask
+])
+def test_unregistered_model_that_fails_falls_back(model_type, reason):
+    model = tiny(model_type, "eager")
+    ids, mask = _prompts(2)
+    ref, _ = _generate(model, ids, mask)
+    patch(model, allow_unknown_model=True)
+    try:
+        for _ in range(2):  # the verdict stands for every call
+            out, fallbacks = _generate(model, ids, mask)
+            assert torch.equal(out, ref)
+            assert len(fallbacks) == 1 and "failed the loop's check" in fallbacks[0] and reason in fallbacks[0]
+    finally:
+        unpatch(model)
+
+
+def test_registered_types_are_not_checked(monkeypatch):
+    monkeypatch.setattr(sys.modules["fastverify.hf.patch"], "check_model", lambda *a: pytest.fail("a registered type was checked"))
+    model = tiny("llama")
+    ids, mask = _prompts(1)
+    patch(model)
+    try:
+        _, fallbacks = _generate(model, ids, mask)
+    finally:
+        unpatch(model)
+    assert not fallbacks
+
+
+def test_probe_drafter_trees():
+    """Even steps: the next two tokens as a chain with a wrong sibling and a wrong node below; odd steps: one wrong
+    token; within the budget, the chain first."""
+    d = ProbeDrafter([[5, 6, 7, 8, 9], [1, 2, 3]], [4, 2], vocab_size=10)
+    d.reset(2)
+    trees = d.propose([[0] * 4, [0] * 2], [4, 2])
+    assert trees[0].tokens.tolist() == [5, 6, 6, 9] and trees[0].parents.tolist() == [-1, -1, 0, 2]
+    assert trees[1].tokens.tolist() == [1, 2] and trees[1].parents.tolist() == [-1, 0]
+    trees = d.propose([[0] * 7, [0] * 5], [3, 0])
+    assert trees[0].tokens.tolist() == [9] and len(trees[1]) == 0
+    d = ProbeDrafter([[0, 0]], [3], vocab_size=1)  # no wrong token exists: no draft
+    d.reset(1)
+    assert len(d.propose([[0] * 3], [4])[0]) == 0
+
+
+def test_differs_allows_rounding_and_near_ties_only():
+    ref = [torch.tensor([[1.0, 3.0, 2.0]]), torch.tensor([[0.0, 5.0, 5.0]])]
+    near = [r + 1e-6 for r in ref]
+    assert _differs(near, ref, [[1, 1]], [[1, 1]], 1e-3) is None
+    assert _differs(near, ref, [[1, 2]], [[1, 1]], 1e-3) is None  # a tie at token 1 resolved the other way
+    assert "new token 0 is 2" in _differs(near, ref, [[2, 1]], [[1, 1]], 1e-3)  # not a tie
+    far = [ref[0] + torch.tensor([[0.0, 0.1, 0.0]]), ref[1]]
+    assert "differ from generate's by 0.0333" in _differs(far, ref, [[1, 1]], [[1, 1]], 1e-3)
+    nan = [ref[0], torch.tensor([[0.0, float("nan"), 5.0]])]
+    assert "new token 1" in _differs(nan, ref, [[1, 1]], [[1, 1]], 1e-3)
