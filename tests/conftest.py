@@ -246,3 +246,24 @@ def assert_greedy_exact(model, drafter, input_ids, **generate_kwargs):
     got, st = patched_generate(model, drafter, input_ids, do_sample=False, **generate_kwargs)
     assert torch.equal(got, ref)
     return st
+
+
+# Tiny configs of model types whose sizes go by names of their own (tests/test_hf_model_types.py and the fuzz's
+# generic configs, tests/hf_fuzz.py, beside their common small sizes): construction keyword arguments by type
+TYPE_CONFIGS = {
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256,
+                 attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1),
+    "longcat_flash": dict(num_layers=2, ffn_hidden_size=128, expert_ffn_hidden_size=32, n_routed_experts=4,
+                          zero_expert_num=2, moe_topk=2),
+}
+
+
+def latent_sizes(head_dim: int, heads: int) -> dict:
+    """Multi-head latent attention's sizes (DeepSeek-V2 / V3 and their kin: configs with a kv_lora_rank) for a tiny
+    config of ``heads`` query heads of ``head_dim``: one key / value head per query head, the rotary part of a head
+    as wide as head_dim (the rotary embedding's width), low-rank queries and keys / values, four routed experts."""
+    return dict(num_key_value_heads=heads, qk_rope_head_dim=head_dim, qk_nope_head_dim=head_dim,
+                qk_head_dim=2 * head_dim, v_head_dim=head_dim, kv_lora_rank=16, q_lora_rank=32, n_routed_experts=4,
+                n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)

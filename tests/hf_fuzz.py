@@ -45,7 +45,7 @@ from fastverify.hf.bpd import HeadsDrafter
 from fastverify.hf.eagle import EagleDrafter
 from fastverify.hf.slots import BlockSlotDrafter, PTPSlotDrafter
 
-from conftest import gguf_blocks, left_padded, letter_tokenizer
+from conftest import TYPE_CONFIGS, gguf_blocks, latent_sizes, left_padded, letter_tokenizer
 
 V = 384
 PAD = 1
@@ -107,6 +107,9 @@ def _generic_config(arch, common, window):
         kw["max_position_embeddings"] = 128
     if arch == "diffllama" and kw.get("num_key_value_heads", 2) % 2:  # its differential attention splits KV heads
         kw["num_key_value_heads"] = 2
+    if hasattr(base, "kv_lora_rank"):  # latent attention
+        kw.update(latent_sizes(16, common["num_attention_heads"]))
+    kw.update(TYPE_CONFIGS.get(arch, {}))
     return transformers.AutoConfig.for_model(arch, **kw)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from fastverify.hf import MODEL_REGISTRY, DraftModelDrafter, NGramDrafter, patch, stats, unpatch
 
-from conftest import left_padded
+from conftest import TYPE_CONFIGS, latent_sizes, left_padded
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,8 +27,10 @@ SIZES = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_lay
 
 def tiny(model_type, attn="sdpa", **config):
     """A random tiny causal LM of ``model_type`` (config keyword arguments set at construction, e.g. a window)."""
-    cfg = transformers.AutoConfig.for_model(model_type, **config)
-    for k, v in SIZES.items():
+    cfg = transformers.AutoConfig.for_model(model_type, **dict(TYPE_CONFIGS.get(model_type, {}), **config))
+    sizes = dict(SIZES, **latent_sizes(SIZES["head_dim"], SIZES["num_attention_heads"])) if hasattr(
+        cfg, "kv_lora_rank") else SIZES
+    for k, v in sizes.items():
         if hasattr(cfg, k):
             try:
                 setattr(cfg, k, v)
@@ -92,11 +94,25 @@ def test_registered_type_matches_generate(model_type):
             _loop_equals_generate(model, ids, mask, drafters)
 
 
+def _sdpa_or_eager(model_type, **config):
+    """``tiny`` under sdpa attention, or eager where transformers has no sdpa path for the type."""
+    try:
+        return tiny(model_type, **config)
+    except ValueError as e:
+        assert "does not support an attention implementation" in str(e)
+        return tiny(model_type, "eager", **config)
+
+
 # model types whose every layer slides when sliding_window is set, and types with a sliding layer type
 WINDOWS = {"mixtral": {"sliding_window": 6}, "starcoder2": {"sliding_window": 6},
            "qwen3_moe": {"use_sliding_window": True, "sliding_window": 6},
            "qwen2_moe": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
-           "exaone4": {"sliding_window": 6, "sliding_window_pattern": 2}}
+           "exaone4": {"sliding_window": 6, "sliding_window_pattern": 2},
+           **{t: {"sliding_window": 6} for t in ("afmoe", "cohere2_moe", "cwm", "exaone_moe", "granite_swa",
+                                                 "granitemoe_swa", "kolibri1", "mimo_v2_flash",
+                                                 "modernbert-decoder")},
+           "flint": {"sliding_window": 6, "num_hidden_layers": 2,  # (its first layers are full ones)
+                     "layer_types": ["sliding_attention", "full_attention"]}}
 
 
 @pytest.mark.parametrize("model_type", sorted(WINDOWS))
@@ -104,11 +120,11 @@ def test_window_masked_by_the_loop(model_type):
     """A window of 6 tokens under prompts of 24-30: the loop masks it (no fallback), exact; the window changes
     generate's output, so the comparison tells masked from unmasked."""
     from fastverify.hf.model_limits import loop_window
-    model = tiny(model_type, **WINDOWS[model_type])
+    model = _sdpa_or_eager(model_type, **WINDOWS[model_type])
     assert loop_window(model.config) is not None
     ids, mask = _prompts(3)
     ref = _loop_equals_generate(model, ids, mask, [NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)])
-    wide = tiny(model_type, **dict(WINDOWS[model_type], sliding_window=256))
+    wide = _sdpa_or_eager(model_type, **dict(WINDOWS[model_type], sliding_window=256))
     with torch.no_grad():
         assert not torch.equal(wide.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16,
                                              do_sample=False), ref)
@@ -131,7 +147,7 @@ def test_alibi_falls_back(model_type, config):
     assert len(fallbacks) == 1 and "ALiBi" in fallbacks[0] and torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("model_type", ["opt", "gptj", "gpt_bigcode"])
+@pytest.mark.parametrize("model_type", ["opt", "gptj", "gpt_bigcode", "biogpt", "ctrl"])
 def test_slot_rows_stay_inside_a_position_table(model_type):
     """Models whose positions index a table of max_position_embeddings rows: a slot drafter's placeholder rows,
     which stand past the draft, are dropped where they would read outside the table (a sequence that just fits)."""

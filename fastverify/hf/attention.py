@@ -358,7 +358,8 @@ def masked_rows(query, kv_heads: int, kv_len: int, kv_dtype, attention_mask, dro
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' ``sdpa`` attention, except on the CPU with a mask:
 
-    - float32 and at most ``MASKED_ATTENTION_ROWS`` query rows (the loop's verify forwards; ``masked_rows``):
+    - float32, at most ``MASKED_ATTENTION_ROWS`` query rows (the loop's verify forwards; ``masked_rows``) and values
+      as wide as the keys (latent attention's are not):
       ``fastverify::masked_attention`` (csrc/attention.h), SDPA's softmax(q k^T * scale + mask) v to float32
       rounding, each key / value head read once for all of its grouped query heads; on SmolLM2-135M's shapes (9
       query heads on 3 key / value heads, D = 64, 400 cached tokens, 2-core Intel Xeon) 19 against 38 us per call
@@ -370,8 +371,9 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
       (tests/test_hf_attention.py).
 
     Anything else goes to transformers' own function."""
-    if masked_rows(query, key.shape[1], key.shape[2], key.dtype if key.dtype == value.dtype else None,
-                   attention_mask, dropout, kwargs):
+    if value.shape[-1] == key.shape[-1] and masked_rows(query, key.shape[1], key.shape[2],
+                                                        key.dtype if key.dtype == value.dtype else None,
+                                                        attention_mask, dropout, kwargs):
         out = _masked_attention_op()(query, key, value, attention_mask,
                                      query.shape[-1] ** -0.5 if scaling is None else scaling, True)
         return out.transpose(1, 2).contiguous(), None

@@ -41,12 +41,16 @@ _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 _LOOP_WINDOWS = {"qwen2": "layer_types", "qwen3": "layer_types", "gemma2": "layer_types",
                  "gemma3_text": "layer_types", "cohere2": "layer_types", "ministral": "layer_types",
                  "olmo3": "layer_types", "smollm3": "layer_types", "gpt_oss": "layer_types",
-                 "qwen2_moe": "layer_types", "exaone4": "layer_types", "mistral": "every_layer",
+                 "qwen2_moe": "layer_types", "exaone4": "layer_types", "afmoe": "layer_types",
+                 "cohere2_moe": "layer_types", "cwm": "layer_types", "exaone_moe": "layer_types",
+                 "flint": "layer_types", "granite_swa": "layer_types", "granitemoe_swa": "layer_types",
+                 "kolibri1": "layer_types", "mimo_v2_flash": "layer_types", "modernbert-decoder": "layer_types",
+                 "mistral": "every_layer",
                  "phi3": "every_layer", "mixtral": "every_layer", "starcoder2": "every_layer",
                  "qwen3_moe": "every_layer"}
 # model types whose positions index a table of max_position_embeddings rows (learned or sinusoidal): a slot row past
 # it would read outside the table
-_POSITION_TABLES = ("gpt2", "opt", "gpt_bigcode", "gptj", "codegen")
+_POSITION_TABLES = ("gpt2", "opt", "gpt_bigcode", "gptj", "codegen", "biogpt", "ctrl")
 # model types whose attention bias is ALiBi, built from a 2D attention mask (Falcon: where config.alibi is set)
 _ALIBI_TYPES = ("bloom", "mpt")
 

@@ -80,7 +80,12 @@ for _type in ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "ol
               "olmoe", "glm", "glm4", "helium", "granitemoe", "nemotron", "persimmon", "exaone4", "arcee",
               "apertus", "seed_oss", "ministral", "smollm3", "gpt_oss", "ministral3", "glm4_moe", "hunyuan_v1_dense",
               "ernie4_5", "ernie4_5_moe", "internlm3", "vaultgemma", "phimoe", "jetmoe", "granitemoeshared", "bitnet",
-              "doge", "diffllama", "gemma3"):
+              "doge", "diffllama", "gemma3", "deepseek_v2", "deepseek_v3", "minicpm3", "longcat_flash", "dots1",
+              "dbrx", "glm4_moe_lite", "youtu", "sarvam_mla", "afmoe", "apertus1p5_text", "aria_text", "biogpt",
+              "cohere2_moe", "ctrl", "cwm", "exaone", "exaone_moe", "flex_olmo", "flint",
+              "gpt_neox_japanese", "granite_swa", "granitemoe_swa", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
+              "iquestcoder", "jais2", "kolibri1", "laguna", "llama4_text", "mellum", "mimo_v2_flash", "minimax_m2",
+              "nanochat", "sarvam_moe", "solar_open", "xglm", "modernbert-decoder"):
     register_model_type(ModelSpec(_type))
 
 
