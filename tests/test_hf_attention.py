@@ -72,6 +72,19 @@ def test_gqa_sdpa_leaves_masks_it_does_not_take_to_sdpa():
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("q", [1, 4, 17])
+def test_gqa_sdpa_values_narrower_than_keys(q):
+    """Latent attention (DeepSeek-V2 / V3): values of another width than the keys go to SDPA, bit for bit (the
+    masked_attention kernel takes one width)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    query, key, value, mask = _inputs(1, 4, 1, q, 30, 32)
+    value = value[..., :16].contiguous()
+    module = _Attn(1)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.2)
+    got, _ = _gqa_sdpa(module, query, key, value, mask, scaling=0.2)
+    assert got.shape == (1, q, 4, 16) and torch.equal(got, want)
+
+
 def test_gqa_attention_switches_and_restores():
     model = tiny_llama()
     model.config._attn_implementation = "sdpa"
