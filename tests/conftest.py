@@ -253,7 +253,8 @@ def assert_greedy_exact(model, drafter, input_ids, **generate_kwargs):
 TYPE_CONFIGS = {
     "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256,
                  attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-                 ffn_config={"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
+                 ffn_config={"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+                 tie_word_embeddings=False),  # (its config refuses tied embeddings)
     "dots1": dict(n_routed_experts=4, n_shared_experts=1),
     "longcat_flash": dict(num_layers=2, ffn_hidden_size=128, expert_ffn_hidden_size=32, n_routed_experts=4,
                           zero_expert_num=2, moe_topk=2),

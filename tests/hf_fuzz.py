@@ -41,6 +41,7 @@ from fastverify.heads import ProposalHeads
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, unpatch
 from fastverify.hf import linear as hf_linear
 from fastverify.hf.loop import InvalidLogitsError
+from fastverify.hf.model_limits import _POSITION_TABLES
 from fastverify.hf.bpd import HeadsDrafter
 from fastverify.hf.eagle import EagleDrafter
 from fastverify.hf.slots import BlockSlotDrafter, PTPSlotDrafter
@@ -56,7 +57,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "olmo2",
          "gemma3_text")
 # the sweep's default draws from ARCHS (a seed's case stays the same); ``--archs all`` draws from every registered
 # type, the others built generically (``_generic_config``)
-EAGER_ONLY = ("gemma2", "gpt_oss", "vaultgemma")  # no sdpa path in transformers
+EAGER_ONLY = ("gemma2", "gpt_oss", "vaultgemma")  # no sdpa path in transformers (others found when built)
 ROPE_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "granite", "phi3")
 
 
@@ -103,7 +104,7 @@ def _generic_config(arch, common, window):
                if hasattr(base, k) and not isinstance(getattr(type(base), k, None), property)})
     if hasattr(base, "sliding_window"):
         kw.update(sliding_window=window or 4096, use_sliding_window=window is not None)
-    if arch in ("opt", "gpt_bigcode", "gptj", "codegen"):  # a table of positions: the sequences must fit in it
+    if arch in _POSITION_TABLES:  # a table of positions: the sequences must fit in it
         kw["max_position_embeddings"] = 128
     if arch == "diffllama" and kw.get("num_key_value_heads", 2) % 2:  # its differential attention splits KV heads
         kw["num_key_value_heads"] = 2
@@ -166,9 +167,17 @@ def build_model(rng: random.Random, archs=ARCHS):
         window = window if hasattr(cfg, "sliding_window") else None
     desc["window"] = window
     impl = "eager" if arch in EAGER_ONLY else rng.choice(["eager", "sdpa"])
+    seed = rng.randint(0, 2 ** 31)
+    torch.manual_seed(seed)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
+    except ValueError as e:  # a type without an sdpa path in transformers, not in EAGER_ONLY
+        if impl != "sdpa" or "does not support an attention implementation" not in str(e):
+            raise
+        impl = "eager"
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
     desc["attn"] = impl
-    torch.manual_seed(rng.randint(0, 2 ** 31))
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
     model.generation_config.pad_token_id = None
     model.generation_config.eos_token_id = None
     model.generation_config.bos_token_id = None
