@@ -975,6 +975,17 @@ def model_vocab_size(model) -> int:
     return min(v for v in sizes if isinstance(v, int))
 
 
+def embedding_rows(model):
+    """The rows of the model's input embedding (the token ids its forward takes), or None where it does not say."""
+    emb = model.get_input_embeddings()
+    return getattr(emb, "num_embeddings", None) or getattr(getattr(emb, "weight", None), "shape", (None,))[0]
+
+
+def model_dtype(model) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 where it has none)."""
+    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+
+
 def check_drafts(drafter, trees, batch_size: int, vocab_size: int) -> None:
     """Check a drafter's proposals at the loop's boundary: B trees of token ids in [0, vocab_size) whose parents
     precede their children. The trees are small and read on the host anyway (step_inputs), so the checks cost

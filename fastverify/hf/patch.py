@@ -30,7 +30,8 @@ import torch
 from fastverify.hf.attention import GQA_ATTENTION
 from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter
 from fastverify.hf.linear import pack_model
-from fastverify.hf.loop import SAMPLING_RULES, DecodeSettings, StopStrings, decode, model_vocab_size
+from fastverify.hf.loop import (SAMPLING_RULES, DecodeSettings, StopStrings, decode, embedding_rows, model_dtype,
+                                 model_vocab_size)
 from fastverify.hf.model_limits import loop_window, position_limit, sequence_limit
 from fastverify.hf.probe import check_model
 
@@ -480,8 +481,7 @@ def _check_token_ids(model, inputs):
     ValueError naming the argument, the range and the first such id."""
     if inputs.is_floating_point() or inputs.is_complex():
         return  # generate's own error names the dtype
-    emb = model.get_input_embeddings()
-    rows = getattr(emb, "num_embeddings", None) or getattr(getattr(emb, "weight", None), "shape", (None,))[0]
+    rows = embedding_rows(model)
     if rows is None or inputs.numel() == 0:
         return
     bad = (inputs < 0) | (inputs >= rows)
@@ -750,7 +750,7 @@ def _fallback(model, state, reason, args, kwargs):
 
 def _warn_precision(model, state, rule):
     """Once per patch: a half-precision model's greedy / coupled output is generate's only up to rounding."""
-    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    dtype = model_dtype(model)
     if state.warned_precision or rule not in ("greedy", "coupled") or dtype not in (torch.float16, torch.bfloat16):
         return
     state.warned_precision = True

@@ -22,7 +22,7 @@ the stronger claim: its tests run sequences past its windows and to the end of i
 import torch
 
 from fastverify.hf.drafters import Drafter, empty_tree
-from fastverify.hf.loop import DecodeSettings, decode, model_vocab_size
+from fastverify.hf.loop import DecodeSettings, decode, embedding_rows, model_dtype, model_vocab_size
 from fastverify.tree import Tree
 
 __all__ = ["check_model", "ProbeDrafter", "TOLERANCE"]
@@ -68,10 +68,9 @@ class ProbeDrafter(Drafter):
             elif self.steps % 2 == 0:
                 toks = [nxt, self._wrong(nxt, 1), after, self._wrong(self._token(b, done + 2), 2)]
                 par = [-1, -1, 0, 2]
-                keep = [0, 2, 1, 3][:bud]  # within the budget, the chain first
-                index = {j: i for i, j in enumerate(sorted(keep))}
-                trees.append(Tree([toks[j] for j in sorted(keep)],
-                                  [index[par[j]] if par[j] >= 0 else -1 for j in sorted(keep)]))
+                keep = sorted([0, 2, 1, 3][:bud])  # within the budget, the chain first
+                index = {j: i for i, j in enumerate(keep)}
+                trees.append(Tree([toks[j] for j in keep], [index[par[j]] if par[j] >= 0 else -1 for j in keep]))
             else:
                 trees.append(Tree([self._wrong(nxt, 1)], [-1]))
         self.steps += 1
@@ -79,10 +78,9 @@ class ProbeDrafter(Drafter):
 
 
 def _probe_batch(model, device):
-    """Two left-padded prompts of random tokens (a fixed generator), their attention mask and lengths."""
-    emb = model.get_input_embeddings()
-    rows = getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
-    high = max(1, min(rows, model_vocab_size(model)))
+    """Two left-padded prompts of random tokens (a fixed generator) of ``PROMPTS``' lengths, and their attention
+    mask."""
+    high = max(1, min(n for n in (embedding_rows(model), model_vocab_size(model)) if n is not None))
     g = torch.Generator().manual_seed(0)
     L = max(PROMPTS)
     ids = torch.zeros((len(PROMPTS), L), dtype=torch.int64)
@@ -139,6 +137,5 @@ def check_model(model, original_generate, settings: DecodeSettings):
             out, _ = decode(model, ids, mask, drafter, probe, record=record)
     except Exception as e:  # noqa: BLE001 - a forward that refuses the loop's inputs
         return f"the loop raised {type(e).__name__}: {str(e)[:120]}"
-    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
     return _differs(record["logits"], ref.logits, out[:, ids.shape[1]:].tolist(), ref_tokens,
-                    TOLERANCE.get(dtype, 5e-2))
+                    TOLERANCE.get(model_dtype(model), 5e-2))
