@@ -5,7 +5,8 @@ give exactly the unpatched output, or fall back with a warning (and then, too, g
 One case = a random config (architecture; sliding windows, chunk sizes, RoPE scaling type, tied or untied
 embeddings, attention implementation; in about a third of the cases every linear layer's weight as a GGUF file's
 blocks hold it, so that the loop streams it packed), a random batch (1-4 requests, left padding, random prompt
-lengths, repetitive or random prompts), random ``generate`` options (greedy or sampling, max_new_tokens /
+lengths, repetitive or random prompts; in about one case in seven repeated to 40-100 tokens, which the loop
+prefills in chunks), random ``generate`` options (greedy or sampling, max_new_tokens /
 max_length, eos, stop strings, min_new_tokens / min_length, repetition penalty, no_repeat_ngram_size, bad words,
 suppressed tokens, sequence biases, forced eos tokens, options the loop does not run), a random drafter (n-gram,
 the target itself as a draft model, none, GAD / LUD / PTP slots with random active adapters, which also checks
@@ -223,6 +224,17 @@ def build_batch(rng: random.Random):
     return left_padded(prompts, PAD)
 
 
+def lengthen_batch(rng: random.Random, ids, mask):
+    """The batch's prompts repeated to 40-100 tokens each: longer than one forward of the skinny kernels takes at
+    any batch size (``loop.MAX_ROWS`` rows), so that the loop runs the prompt ahead of the first step in chunks."""
+    prompts = []
+    for row, real in zip(ids.tolist(), mask.bool().tolist()):
+        tokens = [t for t, r in zip(row, real) if r]
+        n = rng.randint(40, 100)
+        prompts.append((tokens * (n // len(tokens) + 1))[:n])
+    return left_padded(prompts, PAD)
+
+
 def build_options(rng: random.Random, ids):
     """Random generate keyword arguments (besides input_ids / attention_mask / pad_token_id)."""
     opts = {}
@@ -418,6 +430,9 @@ def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
     if weights.random() < 0.35:  # weights that pack, as a GGUF model's do
         desc["weights"] = quantise_weights(weights, model)
     ids, mask = build_batch(rng)
+    longer = random.Random(f"long prompts {seed}")  # a stream of its own
+    if longer.random() < 0.15:
+        ids, mask = lengthen_batch(longer, ids, mask)
     opts = build_options(rng, ids)
     held = random.Random(f"min tokens {seed}")  # eos held back for the first tokens; a stream of its own
     if held.random() < 0.2:

@@ -92,6 +92,29 @@ def test_greedy_matches_generate(model, lengths):
         assert st.new_tokens == [24] * len(lengths)
 
 
+@pytest.mark.parametrize("lengths", [[150], [70, 33, 9]], ids=["batch1", "batch3"])
+def test_long_prompts_prefill_in_chunks(model, lengths):
+    """A prompt longer than the skinny kernels take (``loop.MAX_ROWS`` rows of a forward, shared by the batch) runs
+    ahead of the first step in forwards of at most that many rows (``Decoder._prefill_chunks``): the output is
+    generate's, and those forwards did run (more forwards than steps)."""
+    from fastverify.hf import loop
+    ids, mask = _batch(lengths)
+    assert ids.shape[0] * ids.shape[1] > loop.MAX_ROWS
+    ref = _reference(model, ids, mask, max_new_tokens=24)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+            forwards.clear()
+            out, st = _patched(model, ids, mask, drafter=drafter, do_sample=False, max_new_tokens=24)
+            assert torch.equal(out, ref), (type(drafter).__name__, out.tolist(), ref.tolist())
+            assert st.drafted_tokens > 0
+            if isinstance(drafter, NGramDrafter):  # (the draft model's forwards count too)
+                assert len(forwards) > st.steps
+    finally:
+        hook.remove()
+
+
 def test_cache_handed_over_under_the_forwards_own_name(model):
     """The loop and the draft-model drafter pass the cache as the forward names it (``cache`` in newer
     transformers, ``past_key_values`` before), so no deprecation warning is raised on every step."""

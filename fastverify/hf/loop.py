@@ -2,8 +2,9 @@
 
 One call of ``decode`` = one ``generate``: the prompt's last token is the first root, and the rest of the prompt
 (its prefix) goes into the first step's forward, ahead of that root and its draft (one forward, as transformers'
-prefill is; the first step's drafts are verified in it too). Then ``Decoder.step`` repeats until every request has
-hit eos or max_new_tokens:
+prefill is; the first step's drafts are verified in it too; on the CPU a prefix longer than the skinny kernels take
+runs its first part in forwards of their size ahead of it: ``Decoder._prefill_chunks``). Then ``Decoder.step``
+repeats until every request has hit eos or max_new_tokens:
 
   1. draft      the drafter proposes a Tree per request (possibly empty), pruned to the tokens still allowed;
   2. forward    ONE forward over [root, draft nodes...] per request, padded across the batch, with
@@ -29,7 +30,7 @@ from fastverify.hf.attention import (cache_kwargs, crop_cache, forward_takes, gq
                                      step_inputs, upload_lists)
 from fastverify.hf.drafters import empty_tree, penalized
 from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
-from fastverify.hf.linear import skinny_linears
+from fastverify.hf.linear import MAX_ROWS, skinny_linears
 from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
 from fastverify.tree import Tree
@@ -44,6 +45,10 @@ DRAFT_FREE_RULES = ("greedy", "coupled")
 # Decoder._paced: a request that would end within this share of the steps the slowest request needs gets no draft.
 # At batch 4 on Spec-Bench (three mixed batches, 128 new tokens, 2-core Intel Xeon): n-gram fastverify 9-14% faster.
 PACE_MARGIN = 0.8
+# Decoder._prefill_chunks: on the CPU, with the skinny kernels on, a prompt longer than they take (MAX_ROWS rows of a
+# forward) runs ahead of the first step in forwards of at most that many rows, each through the kernels, instead of
+# one forward through torch's GEMM; below this many tokens per request a chunk costs more in calls than it saves.
+MIN_PREFILL_CHUNK = 16
 
 
 @dataclass
@@ -334,8 +339,10 @@ class Decoder:
         live = self.live if self.slots is None else None
         live_index = None
         if self.prefix is not None:
+            start = self._prefill_chunks(q)  # the prefix's columns now in the cache
             p_ids, p_mask, p_pos, p_real = self.prefix
             self.prefix = None
+            p_ids, p_mask, p_pos, p_real = p_ids[:, start:], p_mask[:, :, start:], p_pos[:, start:], p_real[:, start:]
             P = p_ids.shape[1]
             if live is not None:  # the prompts' real tokens and the step's verify rows of [B, P + q]
                 T = P + q
@@ -367,6 +374,40 @@ class Decoder:
         if self.hidden is not None and self.hidden.value is not None:
             self.hidden.value = self.hidden.value[:, -q:]
         return logits
+
+    def _prefill_chunks(self, q: int) -> int:
+        """Before the first step's forward (``q`` rows per request after the prompt's prefix): where the loop's
+        layers run the skinny kernels (the CPU, skinny_linear or lean_layers on) and the prefix and the step's rows
+        would make a forward of more than ``MAX_ROWS`` rows, which the kernels leave to torch's GEMM, the prefix's
+        first columns run in forwards of at most ``MAX_ROWS`` rows each, every one through the kernels, their keys
+        and values into the cache, their logits unused; the rest of the prefix goes into the step's forward as
+        before. Each chunk's rows see what they would see in one forward (the prefix mask's rows, its keys up to the
+        chunk's end). On SmolLM2-135M (packed weights, 2 threads) a 769-token prompt's first forward took 0.73 s
+        instead of 1.16 s (benchmarks/RESULTS.md). Returns the number of prefix columns run (0: none)."""
+        s = self.s
+        p_ids, p_mask, p_pos, p_real = self.prefix
+        B, P = p_ids.shape
+        chunk = MAX_ROWS // B
+        if (self.device.type != "cpu" or not (s.skinny_linear or s.lean_layers) or chunk < MIN_PREFILL_CHUNK
+                or B * (P + q) <= MAX_ROWS):
+            return 0
+        end = max(P - max(chunk - q, 0), 0)  # the prefix's last chunk - q columns stay with the step's rows
+        kw = {"logits_to_keep": 1} if forward_takes(self.model, "logits_to_keep") else {}
+        live = self.live if self.slots is None else None  # as in the step's forward
+        for a in range(0, end, chunk):
+            b = min(a + chunk, end)
+            if live is not None:  # the prompts' real tokens of [B, b - a]
+                flat = torch.arange(B, device=self.device)[:, None] * (b - a) + torch.arange(b - a, device=self.device)
+                index = flat[p_real[:, a:b]]
+                if index.shape[0] < B * (b - a):
+                    live.index, live.total = index, B * (b - a)
+            try:
+                self._forward(input_ids=p_ids[:, a:b], attention_mask=self._attention_masks(p_mask[:, :, a:b, :b],
+                              p_pos[:, a:b]), position_ids=p_pos[:, a:b], **kw)
+            finally:
+                if live is not None:
+                    live.index = None
+        return end
 
     def _attention_masks(self, mask, pos):
         """The forward's attention_mask: ``mask`` [B, 1, Q, K] (its last Q columns the forward's own rows, the K - Q
