@@ -221,3 +221,31 @@ def _gemma3(window):
     model.generation_config.pad_token_id = None
     model.generation_config.eos_token_id = None
     return model
+
+
+def test_gpt_neo_local_layers_within_their_window():
+    """GPT-Neo's local layers mask a key by its row in the cache, not by its position, so a verify forward's tree rows
+    (past their positions) would see fewer keys than one-row decoding once a sequence passes ``window_size``. The
+    loop bounds a sequence by that window: up to it, drafted trees and all, the output is generate's; a call that
+    would pass it falls back with a warning that names it (and without that bound the loop's output differs)."""
+    model = tiny("gpt_neo", "eager", window_size=12)
+    ids, mask = left_padded([[5, 9, 5, 9, 5, 9], [7, 3, 7, 3, 7], [4, 4]], PAD)
+    kw = dict(attention_mask=mask, pad_token_id=PAD, do_sample=False)
+    for new in (6, 20):  # 6 + 6 = the window; 6 + 20 past it
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=new, **kw)
+        for drafter in (NGramDrafter(), DraftModelDrafter(model, k=4, tree_topk=3)):
+            patch(model, drafter=drafter)
+            try:
+                with warnings.catch_warnings(record=True) as record:
+                    warnings.simplefilter("always")
+                    out = model.generate(ids, max_new_tokens=new, **kw)
+                st = stats(model)
+            finally:
+                unpatch(model)
+            fallbacks = [str(w.message) for w in record if "falling back" in str(w.message)]
+            assert torch.equal(out, ref), (new, type(drafter).__name__)
+            if new == 6:
+                assert not fallbacks and st is not None and st.drafted_tokens > 0
+            else:
+                assert len(fallbacks) == 1 and "window_size=12" in fallbacks[0], fallbacks

@@ -12,11 +12,13 @@ that batch: the tokens, and each new token's logits to within the model dtype's 
 verdict holds for the patch (the model's type and weights do not change under it); a type that fails falls back to
 the original ``generate`` on every call, the reason in its warning.
 
-The probe's sequences are short (16 tokens at most). What only longer ones show escapes it: a mask built from
-the cache's row count rather than from positions (GPT-Neo's local layers mask by row index, and a verify forward's
-tree rows stand past their positions, so near its window such a model attends to fewer keys in the loop), a table
-of position embeddings the loop does not know the size of (``model_limits.position_limit``). Registering a type is
-the stronger claim: its tests run sequences past its windows and to the end of its tables.
+The probe's sequences are short (16 tokens at most). What only longer ones show escapes it: a window under a
+config name the loop does not read (``model_limits.sequence_limit`` bounds a sequence by the ones it does), above
+all one masked by the key's row in the cache rather than its position (a verify forward's tree rows stand past
+their positions, so past such a window the model attends to fewer keys in the loop: GPT-Neo's local layers, safe
+because their ``window_size`` bounds the sequence), a table of position embeddings the loop does not know the size
+of (``model_limits.position_limit``). Registering a type is the stronger claim: its tests run sequences past its
+windows and to the end of its tables.
 """
 
 import torch
