@@ -56,22 +56,11 @@ __device__ __forceinline__ bool mask_visible(const int32_t* packed, const int32_
   return (word >> (j % 32)) & 1u;
 }
 
-__global__ void _tree_mask_bool_kernel(const int32_t* __restrict__ packed, const int32_t* __restrict__ prefix_len,
-                                       int B, int n, int W, int P, bool* __restrict__ out) {
-  const int L = P + n;
-  const int64_t total = static_cast<int64_t>(B) * n * L;
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int col = static_cast<int>(idx % L);
-    const int i = static_cast<int>((idx / L) % n);
-    const int b = static_cast<int>(idx / (static_cast<int64_t>(L) * n));
-    out[idx] = mask_visible(packed, prefix_len, n, W, P, b, i, col);
-  }
-}
-
+// One mask element per thread: ``shown`` where mask_visible, else ``hidden`` (bool true / false, or an additive mask's
+// 0 / -inf in its dtype).
 template <typename T>
-__global__ void _tree_mask_additive_kernel(const int32_t* __restrict__ packed, const int32_t* __restrict__ prefix_len,
-                                           int B, int n, int W, int P, T zero, T neg_inf, T* __restrict__ out) {
+__global__ void _tree_mask_kernel(const int32_t* __restrict__ packed, const int32_t* __restrict__ prefix_len, int B,
+                                  int n, int W, int P, T shown, T hidden, T* __restrict__ out) {
   const int L = P + n;
   const int64_t total = static_cast<int64_t>(B) * n * L;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
@@ -79,7 +68,7 @@ __global__ void _tree_mask_additive_kernel(const int32_t* __restrict__ packed, c
     const int col = static_cast<int>(idx % L);
     const int i = static_cast<int>((idx / L) % n);
     const int b = static_cast<int>(idx / (static_cast<int64_t>(L) * n));
-    out[idx] = mask_visible(packed, prefix_len, n, W, P, b, i, col) ? zero : neg_inf;
+    out[idx] = mask_visible(packed, prefix_len, n, W, P, b, i, col) ? shown : hidden;
   }
 }
 
@@ -211,9 +200,9 @@ at::Tensor tree_mask_bool_cuda(const at::Tensor& parents, const at::Tensor& cu_n
   const int64_t total = out.numel();
   if (total == 0) return out;
   auto pre = prefix_len.contiguous();
-  _tree_mask_bool_kernel<<<grid_for(total, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  _tree_mask_kernel<bool><<<grid_for(total, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       packed.data_ptr<int32_t>(), pre.data_ptr<int32_t>(), B, static_cast<int>(n), static_cast<int>(packed.size(2)),
-      static_cast<int>(P), out.data_ptr<bool>());
+      static_cast<int>(P), true, false, out.data_ptr<bool>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
@@ -237,9 +226,9 @@ at::Tensor tree_mask_additive_cuda(const at::Tensor& parents, const at::Tensor& 
   const int W = static_cast<int>(packed.size(2));
   const float inf = INFINITY;
 #define FV_LAUNCH_ADDITIVE(T, ZERO, NEG_INF)                                                                      \
-  _tree_mask_additive_kernel<T><<<grid, kThreads, 0, stream>>>(packed.data_ptr<int32_t>(), pre.data_ptr<int32_t>(), \
-                                                               B, static_cast<int>(n), W, static_cast<int>(P), ZERO,  \
-                                                               NEG_INF, reinterpret_cast<T*>(out.data_ptr()))
+  _tree_mask_kernel<T><<<grid, kThreads, 0, stream>>>(packed.data_ptr<int32_t>(), pre.data_ptr<int32_t>(), B,       \
+                                                      static_cast<int>(n), W, static_cast<int>(P), ZERO, NEG_INF,    \
+                                                      reinterpret_cast<T*>(out.data_ptr()))
   switch (dtype) {
     case at::kFloat: FV_LAUNCH_ADDITIVE(float, 0.0f, -inf); break;
     case at::kDouble: FV_LAUNCH_ADDITIVE(double, 0.0, -static_cast<double>(inf)); break;
