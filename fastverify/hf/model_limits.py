@@ -50,7 +50,7 @@ _LOOP_WINDOWS = {"qwen2": "layer_types", "qwen3": "layer_types", "gemma2": "laye
                  "qwen3_moe": "every_layer"}
 # model types whose positions index a table of max_position_embeddings rows (learned or sinusoidal): a slot row past
 # it would read outside the table
-_POSITION_TABLES = ("gpt2", "opt", "gpt_bigcode", "gptj", "codegen", "biogpt", "ctrl")
+_POSITION_TABLES = ("gpt2", "opt", "gpt_bigcode", "gptj", "codegen", "biogpt", "ctrl", "gpt_neo")
 # model types whose attention bias is ALiBi, built from a 2D attention mask (Falcon: where config.alibi is set)
 _ALIBI_TYPES = ("bloom", "mpt")
 

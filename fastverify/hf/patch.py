@@ -86,7 +86,7 @@ for _type in ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "ol
               "cohere2_moe", "ctrl", "cwm", "exaone", "exaone_moe", "flex_olmo", "flint",
               "gpt_neox_japanese", "granite_swa", "granitemoe_swa", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
               "iquestcoder", "jais2", "kolibri1", "laguna", "llama4_text", "mellum", "mimo_v2_flash", "minimax_m2",
-              "nanochat", "sarvam_moe", "solar_open", "xglm", "modernbert-decoder", "gpt_neo"):
+              "nanochat", "sarvam_moe", "solar_open", "xglm", "modernbert-decoder"):
     register_model_type(ModelSpec(_type))
 
 
