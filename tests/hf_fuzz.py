@@ -5,8 +5,8 @@ give exactly the unpatched output, or fall back with a warning (and then, too, g
 One case = a random config (architecture; sliding windows, chunk sizes, RoPE scaling type, tied or untied
 embeddings, attention implementation; in about a third of the cases every linear layer's weight as a GGUF file's
 blocks hold it, so that the loop streams it packed), a random batch (1-4 requests, left padding, random prompt
-lengths, repetitive or random prompts; in about one case in seven repeated to 40-100 tokens, which the loop
-prefills in chunks), random ``generate`` options (greedy or sampling, max_new_tokens /
+lengths, repetitive or random prompts; in about one case in seven repeated to 40-100 tokens within the position
+table, which the loop prefills in chunks), random ``generate`` options (greedy or sampling, max_new_tokens /
 max_length, eos, stop strings, min_new_tokens / min_length, repetition penalty, no_repeat_ngram_size, bad words,
 suppressed tokens, sequence biases, forced eos tokens, options the loop does not run), a random drafter (n-gram,
 the target itself as a draft model, none, GAD / LUD / PTP slots with random active adapters, which also checks
@@ -224,13 +224,15 @@ def build_batch(rng: random.Random):
     return left_padded(prompts, PAD)
 
 
-def lengthen_batch(rng: random.Random, ids, mask):
-    """The batch's prompts repeated to 40-100 tokens each: longer than one forward of the skinny kernels takes at
-    any batch size (``loop.MAX_ROWS`` rows), so that the loop runs the prompt ahead of the first step in chunks."""
+def lengthen_batch(rng: random.Random, ids, mask, limit: int):
+    """The batch's prompts repeated to 40-100 tokens each, but at most ``limit`` - 4 (the model's table of positions:
+    past it a tiny model's logits can be anything, and a sampled call of generate's own can then fail on its own
+    draws): at batch size 2 and more, longer than one forward of the skinny kernels takes (``loop.MAX_ROWS`` rows),
+    so that the loop runs the prompt ahead of the first step in chunks."""
     prompts = []
     for row, real in zip(ids.tolist(), mask.bool().tolist()):
         tokens = [t for t, r in zip(row, real) if r]
-        n = rng.randint(40, 100)
+        n = max(len(tokens), min(rng.randint(40, 100), limit - 4))
         prompts.append((tokens * (n // len(tokens) + 1))[:n])
     return left_padded(prompts, PAD)
 
@@ -432,7 +434,7 @@ def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
     ids, mask = build_batch(rng)
     longer = random.Random(f"long prompts {seed}")  # a stream of its own
     if longer.random() < 0.15:
-        ids, mask = lengthen_batch(longer, ids, mask)
+        ids, mask = lengthen_batch(longer, ids, mask, desc["max_pos"])
     opts = build_options(rng, ids)
     held = random.Random(f"min tokens {seed}")  # eos held back for the first tokens; a stream of its own
     if held.random() < 0.2:
@@ -530,6 +532,21 @@ def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
     except InvalidLogitsError as e:  # a defect: generate returned (a row all -inf: it takes token 0)
         unpatch(model)
         return dict(desc, outcome="REFUSED", detail=str(e)[:200])
+    except (RuntimeError, ValueError) as e:
+        # a sampled call draws from its seed, the reference from torch's stream: its own draws can reach a row
+        # with no token to sample (past a tiny model's table of positions, say) where the reference's did not. Then
+        # the seed must reproduce the same error (seed 155069: a fallback, generate's own sampler)
+        if not sampling:
+            raise
+        try:
+            _generate(model, ids, mask, opts)
+        except (RuntimeError, ValueError) as again:
+            unpatch(model)
+            if str(again) == str(e):
+                return dict(desc, outcome="error", reason=f"seeded call / {type(e).__name__}: {str(e)[:80]}")
+            return dict(desc, outcome="NOT-REPRODUCED", detail=f"{e!r}, then {again!r}")
+        unpatch(model)
+        return dict(desc, outcome="NOT-REPRODUCED", detail=f"{e!r}, then no error")
     if fallback:
         desc["reason"] = fallback[0].split(FALLBACK + ": ", 1)[-1]
     if sampling:
