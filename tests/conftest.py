@@ -256,7 +256,7 @@ TYPE_CONFIGS = {
                  ffn_config={"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
                  tie_word_embeddings=False),  # (its config refuses tied embeddings)
     "dots1": dict(n_routed_experts=4, n_shared_experts=1),
-    "gpt_neo": dict(num_layers=2, attention_types=[[["global", "local"], 1]]),  # (a layer type per layer)
+    "gpt_neo": dict(num_layers=2, attention_types=[[["global", "local"], 1]]),  # (one attention type per layer)
     "longcat_flash": dict(num_layers=2, ffn_hidden_size=128, expert_ffn_hidden_size=32, n_routed_experts=4,
                           zero_expert_num=2, moe_topk=2),
 }
