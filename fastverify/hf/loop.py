@@ -346,9 +346,7 @@ class Decoder:
             P = p_ids.shape[1]
             if live is not None:  # the prompts' real tokens and the step's verify rows of [B, P + q]
                 T = P + q
-                flat = torch.arange(B, device=self.device)[:, None] * T
-                live_index = torch.cat([(flat + torch.arange(P, device=self.device))[p_real],
-                                        inp.row_batch * T + P + inp.row_local])
+                live_index = torch.cat([_real_rows(p_real, T), inp.row_batch * T + P + inp.row_local])
                 live_index = live_index if live_index.shape[0] < B * T else None
             unseen = torch.full((B, 1, P, q), torch.finfo(p_mask.dtype).min, dtype=p_mask.dtype, device=self.device)
             ids, pos = torch.cat([p_ids, ids], 1), torch.cat([p_pos, pos], 1)
@@ -397,8 +395,7 @@ class Decoder:
         for a in range(0, end, chunk):
             b = min(a + chunk, end)
             if live is not None:  # the prompts' real tokens of [B, b - a]
-                flat = torch.arange(B, device=self.device)[:, None] * (b - a) + torch.arange(b - a, device=self.device)
-                index = flat[p_real[:, a:b]]
+                index = _real_rows(p_real[:, a:b], b - a)
                 if index.shape[0] < B * (b - a):
                     live.index, live.total = index, B * (b - a)
             try:
@@ -1117,6 +1114,13 @@ class _HiddenCapture:
 
     def close(self):
         self.handle.remove()
+
+
+def _real_rows(real: torch.Tensor, width: int) -> torch.Tensor:
+    """The flat indices, in a forward's [B, width] rows, of the True entries of ``real`` [B, n] (its first n
+    columns: a prompt's real tokens, not its left padding)."""
+    B, n = real.shape
+    return (torch.arange(B, device=real.device)[:, None] * width + torch.arange(n, device=real.device))[real]
 
 
 def _replaced(res, accept_len, accepted, next_token):
