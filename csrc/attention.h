@@ -10,13 +10,18 @@
 //                                           score 16 lane sums over D then reduce16's fold (scores_avx512); else
 //                                           skinny_rows (linear.h)
 //   p = softmax(scores * scale + mask)      per row: the maximum, exp(s - max) (torch's expf, sampling.h), the sum
-//                                           (8 lane sums on AVX2, in key order on the scalar path), times 1 / sum
+//                                           (on AVX2 8 lane sums, the r-th non-zero weight in lane r mod 8; in key
+//                                           order on the scalar path), times 1 / sum
 //   out [R, D] = p V                        V's rows streamed once per tile of query rows; per output element the sum
 //                                           in key order (pv)
 //
 // with R = G * n (n query rows per head). Results agree with SDPA to float32 rounding, not bit for bit (another
 // order of sums). On each path a query row's result depends on nothing but its own q, mask row and the keys and
-// values: every score, softmax and output element is computed in the same order whatever the other rows.
+// values: every score, softmax and output element is computed in the same order whatever the other rows. More: it
+// depends on the keys it sees alone, in their order, not on the masked keys between or after them (their weights
+// are 0: a sum adds nothing for them, the AVX2 sum's lanes count the non-zero weights only, and pv's p * v + acc is
+// acc for them), so a verify forward's draft row gives what the one-row forward of the same token gives once its
+// path is committed, bit for bit: the loop's drafts change which forwards run, never a row's logits.
 #pragma once
 
 #include <algorithm>
@@ -45,8 +50,65 @@ inline void softmax_row_scalar(float* s, const float* mask, int64_t S, float sca
 }
 
 #if defined(FV_SAMPLING_AVX2)
+// The lanes of the row's sum (softmax_row_avx2): the r-th non-zero weight of the row, in key order, is added to lane
+// r mod 8. A masked key's weight is exactly 0, and so is one that underflows; leaving the zeros out of the lane
+// count makes the sum a function of the non-zero weights in order alone, so a query row's softmax does not depend on
+// how many masked keys lie between or after its visible ones (a verify forward's sibling draft rows, the rows after
+// its own): the row's result equals the one-row forward's bit for bit (tests/test_masked_attention.py).
+struct RankLanes {
+  // per 8-bit mask of non-zero lanes: their lane indices in order, then the index of a zero lane (any; all zeros)
+  alignas(32) int32_t compress[256][8];
+  // per count k: lane i takes lane (i + k) mod 8 (add_by_rank's frame moved on by k ranks)
+  alignas(32) int32_t rotate[8][8];
+  RankLanes() {
+    for (int m = 0; m < 256; ++m) {
+      int k = 0, zero = 0;
+      for (int j = 0; j < 8; ++j) {
+        if (m >> j & 1) compress[m][k++] = j;
+        else zero = j;
+      }
+      for (; k < 8; ++k) compress[m][k] = zero;
+    }
+    for (int k = 0; k < 8; ++k)
+      for (int i = 0; i < 8; ++i) rotate[k][i] = (i + k) & 7;
+  }
+};
+
+inline const RankLanes& rank_lanes() {
+  static const RankLanes lanes;
+  return lanes;
+}
+
+// Adds the 8 weights e (zeros where masked) by rank. acc is kept in a moving frame: its lane i holds rank lane
+// (count + i) mod 8, so 8 non-zero weights add as they are; fewer are packed to the low lanes (compress), added,
+// and the frame moves on by their number (rotate). rank_lane_sum folds the lanes back in rank order.
+FV_AVX2_FN inline void add_by_rank(__m256 e, __m256& acc, uint32_t& count) {
+  const int m = _mm256_movemask_ps(_mm256_cmp_ps(e, _mm256_setzero_ps(), _CMP_NEQ_UQ));
+  if (m == 0xFF) {
+    acc = _mm256_add_ps(acc, e);
+    count += 8;
+    return;
+  }
+  if (m == 0) return;
+  const RankLanes& t = rank_lanes();
+  const int k = __builtin_popcount(static_cast<unsigned>(m));
+  acc = _mm256_add_ps(acc, _mm256_permutevar8x32_ps(
+                               e, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.compress[m]))));
+  acc = _mm256_permutevar8x32_ps(acc, _mm256_load_si256(reinterpret_cast<const __m256i*>(t.rotate[k])));
+  count += static_cast<uint32_t>(k);
+}
+
+// The sum of add_by_rank's lanes, rank lane l = frame lane (l - count) mod 8, folded in a fixed order.
+FV_AVX2_FN inline float rank_lane_sum(__m256 acc, uint32_t count) {
+  alignas(32) float f[8];
+  _mm256_store_ps(f, acc);
+  float l[8];
+  for (int i = 0; i < 8; ++i) l[i] = f[(i - static_cast<int>(count & 7)) & 7];
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
 // The same on 8 lanes (exp: torch's expf, sampling::exp8; the tail through weight_exp, the same function); the sum
-// in 8 lane sums, then the tail, folded in a fixed order.
+// by rank of the non-zero weights (add_by_rank), its 8 lanes folded in a fixed order.
 FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, float scale) {
   const int64_t S8 = S & ~int64_t(7);
   const __m256 sc = _mm256_set1_ps(scale);
@@ -64,16 +126,18 @@ FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, 
   }
   const __m256 m = _mm256_set1_ps(mx);
   __m256 acc = _mm256_setzero_ps();
+  uint32_t count = 0;
   for (int64_t j = 0; j < S8; j += 8) {
     const __m256 e = sampling::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
     _mm256_storeu_ps(s + j, e);
-    acc = _mm256_add_ps(acc, e);
+    add_by_rank(e, acc, count);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  float sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-  for (int64_t j = S8; j < S; ++j) sum += (s[j] = sampling::weight_exp(s[j] - mx));
-  const float inv = 1.f / sum;
+  if (S8 < S) {
+    alignas(32) float tail[8] = {};
+    for (int64_t j = S8; j < S; ++j) tail[j - S8] = s[j] = sampling::weight_exp(s[j] - mx);
+    add_by_rank(_mm256_load_ps(tail), acc, count);
+  }
+  const float inv = 1.f / rank_lane_sum(acc, count);
   const __m256 inv8 = _mm256_set1_ps(inv);
   for (int64_t j = 0; j < S8; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv8));
   for (int64_t j = S8; j < S; ++j) s[j] *= inv;

@@ -893,6 +893,68 @@ def test_sampling_batch_invariance():
         assert torch.equal(alone[0, n:], both[b, ids.shape[1]:])
 
 
+def _logits_equal(mine, ref, rows=None):
+    """generate's per-step logits (tuples of [B, V]) the same bit for bit; rows: mine's batch rows to compare."""
+    return len(mine) == len(ref) and all(torch.equal(a if rows is None else a[rows], b) for a, b in zip(mine, ref))
+
+
+@pytest.mark.parametrize("lengths", [[13], [14, 6, 2], [150], [70, 33, 9]],
+                         ids=["batch1", "batch3", "long", "long_batch3"])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_drafts_change_no_bit_of_the_logits(model, lengths, sample):
+    """On the CPU the loop's forwards run row-invariant kernels: the linear layers' skinny kernels and
+    masked_attention, whose rows depend on the keys they see alone (csrc/attention.h). So a drafted step's rows are
+    the logits an undrafted step computes for the same token, bit for bit: drafted and undrafted decoding return
+    the same logits, prompt chunks included (long). GPT-2's Conv1D layers are not nn.Linear: they run torch's GEMM,
+    whose rounding depends on the number of rows, so there only to float32 rounding."""
+    ids, mask = _batch(lengths, seed=3)
+    kw = dict(max_new_tokens=16, return_dict_in_generate=True, output_logits=True, do_sample=sample)
+    if sample:
+        kw.update(temperature=0.8, top_k=50, seed=2024)
+    ref, st = _patched(model, ids, mask, drafter=Drafter(), **kw)
+    assert st.drafted_tokens == 0
+    for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
+        out, st = _patched(model, ids, mask, drafter=drafter, **kw)
+        assert st.drafted_tokens > 0 and torch.equal(out.sequences, ref.sequences)
+        if model.config.model_type == "gpt2":
+            _assert_rows_close(out.logits, ref.logits)
+        else:
+            assert _logits_equal(out.logits, ref.logits), type(drafter).__name__
+
+
+@pytest.mark.parametrize("lengths", [[14, 6, 2], [70, 33, 9]], ids=["batch3", "long_batch3"])
+def test_a_request_s_logits_do_not_depend_on_its_batch(model, lengths):
+    """The same row-invariance across a batch: a request decoded alone gives, bit for bit, the logits it gets in a
+    left-padded batch (its padding keys have weight 0 and are left out of every sum; each row's linear layers are
+    its own)."""
+    if model.config.model_type == "gpt2":
+        pytest.skip("GPT-2's Conv1D layers run torch's GEMM (test_drafts_change_no_bit_of_the_logits)")
+    ids, mask = _batch(lengths, seed=3)
+    kw = dict(max_new_tokens=16, return_dict_in_generate=True, output_logits=True, do_sample=False)
+    both, _ = _patched(model, ids, mask, drafter=NGramDrafter(), **kw)
+    for b in range(len(lengths)):
+        n = int(mask[b].sum())
+        alone, _ = _patched(model, ids[b:b + 1, -n:], mask[b:b + 1, -n:], drafter=NGramDrafter(), **kw)
+        assert torch.equal(alone.sequences[0, n:], both.sequences[b, ids.shape[1]:])
+        assert _logits_equal(both.logits, alone.logits, rows=slice(b, b + 1)), b
+
+
+def test_a_large_batch_drafts_within_the_kernels_rows():
+    """Nine requests drafting chains of 16 would make a forward of 153 rows, which torch's GEMM would take: the loop
+    caps each request's draft at (MAX_ROWS - B) // B nodes (``Decoder.row_cap``), so the forward stays within the
+    kernels' 128 rows and the logits are the undrafted ones bit for bit; the long prompts run in chunks of
+    MAX_ROWS // 9 = 14 tokens per request."""
+    from fastverify.hf.linear import MAX_ROWS
+    model = _tiny("llama")
+    ids, mask = _batch([12, 5, 9, 14, 3, 8, 11, 6, 40], seed=13)
+    kw = dict(max_new_tokens=40, return_dict_in_generate=True, output_logits=True, do_sample=False)
+    ref, _ = _patched(model, ids, mask, drafter=Drafter(), **kw)
+    out, st = _patched(model, ids, mask, drafter=DraftModelDrafter(model, k=16, tree_topk=1), **kw)
+    assert torch.equal(out.sequences, ref.sequences) and _logits_equal(out.logits, ref.logits)
+    cap = (MAX_ROWS - 9) // 9
+    assert max(d for depths in st.depth for d in depths if d is not None) == cap  # self-drafting fills the cap
+
+
 class _Budgets(NGramDrafter):
     """An n-gram drafter that records the budget the loop gives each request."""
 

@@ -73,6 +73,45 @@ def test_cpp_rows_do_not_depend_on_the_batch(D):
 
 
 @cpp
+@pytest.mark.parametrize("D", [64, 24])
+@pytest.mark.parametrize("masked", [MIN, float("-inf")], ids=["finfo_min", "-inf"])
+def test_cpp_row_depends_on_the_keys_it_sees_alone(D, masked):
+    """A query row's result is a function of the keys it sees, in their order, bit for bit: masked keys between or
+    after them (a verify forward's sibling and later draft rows) change nothing, so a draft row gives what the
+    one-row forward over the committed path gives. Here each row against its visible keys gathered into a cache of
+    their own."""
+    g = torch.Generator().manual_seed(17)
+    for S in (1, 7, 8, 9, 33, 300):
+        q, k, v = torch.randn(1, 6, 5, D, generator=g), torch.randn(1, 2, S, D, generator=g) * 2, \
+            torch.randn(1, 2, S, D, generator=g)
+        visible = torch.rand(5, S, generator=g) < torch.tensor([1.0, 0.9, 0.5, 0.1, 0.02])[:, None]
+        visible[:, 0] = True
+        visible[4, max(1, S // 2):] = False  # a row whose keys end halfway (the rows after its own are masked)
+        mask = torch.zeros(1, 1, 5, S).masked_fill(~visible, masked)
+        together = masked_attention(q, k, v, mask, backend="cpp")
+        for i in range(5):
+            keep = visible[i].nonzero().flatten()
+            alone = masked_attention(q[:, :, i:i + 1], k[:, :, keep], v[:, :, keep], None, backend="cpp")
+            assert torch.equal(alone, together[:, :, i:i + 1]), (S, i)
+            zeros = torch.zeros(1, 1, 1, keep.numel())  # an all-visible mask: the same as none
+            assert torch.equal(masked_attention(q[:, :, i:i + 1], k[:, :, keep], v[:, :, keep], zeros,
+                                                backend="cpp"), alone)
+
+
+@cpp
+def test_cpp_long_rows_in_passes_of_bounded_scratch():
+    """Many query rows over many keys run in passes of rows whose scores fit 1 MB (csrc/cpu/attention.cpp): the same
+    bits as each row alone, and SDPA's result to float32 rounding."""
+    q, k, v, mask = _case(1, 2, 3, 70, 1400, 64, seed=29)
+    got = masked_attention(q, k, v, mask, backend="cpp")
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                               rtol=1e-5, atol=3e-6)
+    for i in (0, 61, 69):
+        assert torch.equal(masked_attention(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], backend="cpp"),
+                           got[:, :, i:i + 1])
+
+
+@cpp
 def test_cpp_edge_rows():
     q, k, v, mask = _case(1, 2, 2, 3, 21, 16, seed=3)
     mask[0, 0, 1] = MIN  # a row that sees nothing (finfo.min everywhere): SDPA's uniform average

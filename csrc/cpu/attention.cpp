@@ -75,30 +75,35 @@ at::Tensor masked_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t tasks = B * Hkv;
   // one thread for small calls (a decoding step's: waking the pool costs more than the work)
   const int64_t grain = R * S * D * 2 >= (int64_t(1) << 18) ? 1 : tasks;
+  // query rows per head in one pass: all n, unless the scores [G * rows, S] would pass 1 MB (a long prompt's chunk
+  // over many keys); a row's result does not depend on the others, so the tiling changes no bit
+  const int64_t tile = std::clamp<int64_t>((int64_t(1) << 18) / (G * S), 1, n);
+  const int64_t RT = G * tile;
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qrows(R * D), scores(R * S), orows(R * D);
-    std::vector<const float*> mrows(mp ? R : 0);
+    std::vector<float> qrows(RT * D), scores(RT * S), orows(RT * D);
+    std::vector<const float*> mrows(mp ? RT : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hkv, h = t % Hkv;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t hq = h * G + g, r = g * n + i;
-          const float* src = qp + b * q_b + hq * q_h + i * q_i;
-          if (q_d == 1) std::copy(src, src + D, qrows.data() + r * D);
-          else for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d * q_d];
-          if (mp) mrows[r] = mp + b * m_b + hq * m_h + i * m_i;
-        }
+      const int64_t s0 = start[b];
       const float* kh = kp + b * k_b + h * k_h;
       const float* vh = vp + b * v_b + h * v_h;
-      const int64_t s0 = start[b];
-      if (mp)
-        for (auto& row : mrows) row += s0;
-      fastverify::attention::group(qrows.data(), R, D, kh + s0 * D, vh + s0 * D, S - s0,
-                                   mp ? mrows.data() : nullptr, sc, scores.data(), orows.data());
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < n; ++i)
-          std::copy(orows.data() + (g * n + i) * D, orows.data() + (g * n + i + 1) * D,
-                    op + ((b * Hq + h * G + g) * n + i) * D);
+      for (int64_t i0 = 0; i0 < n; i0 += tile) {
+        const int64_t m = std::min(tile, n - i0);  // rows per head in this pass; row (g, i) at g * m + i - i0
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = i0; i < i0 + m; ++i) {
+            const int64_t hq = h * G + g, r = g * m + i - i0;
+            const float* src = qp + b * q_b + hq * q_h + i * q_i;
+            if (q_d == 1) std::copy(src, src + D, qrows.data() + r * D);
+            else for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d * q_d];
+            if (mp) mrows[r] = mp + b * m_b + hq * m_h + i * m_i + s0;
+          }
+        fastverify::attention::group(qrows.data(), G * m, D, kh + s0 * D, vh + s0 * D, S - s0,
+                                     mp ? mrows.data() : nullptr, sc, scores.data(), orows.data());
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = i0; i < i0 + m; ++i)
+            std::copy(orows.data() + (g * m + i - i0) * D, orows.data() + (g * m + i - i0 + 1) * D,
+                      op + ((b * Hq + h * G + g) * n + i) * D);
+      }
     }
   });
   return out;

@@ -45,11 +45,6 @@ DRAFT_FREE_RULES = ("greedy", "coupled")
 # Decoder._paced: a request that would end within this share of the steps the slowest request needs gets no draft.
 # At batch 4 on Spec-Bench (three mixed batches, 128 new tokens, 2-core Intel Xeon): n-gram fastverify 9-14% faster.
 PACE_MARGIN = 0.8
-# Decoder._prefill_chunks: on the CPU, with the skinny kernels on, a prompt longer than they take (MAX_ROWS rows of a
-# forward) runs ahead of the first step in forwards of at most that many rows, each through the kernels, instead of
-# one forward through torch's GEMM; below this many tokens per request a chunk costs more in calls than it saves.
-MIN_PREFILL_CHUNK = 16
-
 
 @dataclass
 class LoopStats:
@@ -294,6 +289,13 @@ class Decoder:
         self.asked = 0
         self.streamed = 0  # a streamer (batch 1): the tokens it has received
         self.plain = False  # a step run again without drafts (``step``: invalid logits with drafts)
+        # Where the loop's layers run the skinny kernels (the CPU, skinny_linear or lean_layers on), a request drafts
+        # at most row_cap nodes, so that a step's forward keeps to MAX_ROWS rows (B roots and their drafts) and every
+        # row of it goes through the kernels, whose rows are row-invariant: a row's logits do not depend on the rows
+        # beside it (masked_attention, csrc/attention.h; the skinny linears), so drafts and batch-mates change no
+        # bit of any request's logits (tests/test_hf_generate.py). Past it, torch's GEMM would take the forward.
+        self.row_cap = (max(MAX_ROWS - B, 0) // B if self.device.type == "cpu"
+                        and (settings.skinny_linear or settings.lean_layers) else None)
         if settings.no_repeat_ngram_size:
             self.follow = [{} for _ in range(B)]
             for b in range(B):
@@ -381,12 +383,14 @@ class Decoder:
         and values into the cache, their logits unused; the rest of the prefix goes into the step's forward as
         before. Each chunk's rows see what they would see in one forward (the prefix mask's rows, its keys up to the
         chunk's end). On SmolLM2-135M (packed weights, 2 threads) a 769-token prompt's first forward took 0.73 s
-        instead of 1.16 s (benchmarks/RESULTS.md). Returns the number of prefix columns run (0: none)."""
+        instead of 1.16 s (benchmarks/RESULTS.md). Chunks go down to one token per request (a batch of 128): every
+        forward then runs the kernels, whose rows are row-invariant (``row_cap``). Returns the number of prefix
+        columns run (0: none)."""
         s = self.s
         p_ids, p_mask, p_pos, p_real = self.prefix
         B, P = p_ids.shape
         chunk = MAX_ROWS // B
-        if (self.device.type != "cpu" or not (s.skinny_linear or s.lean_layers) or chunk < MIN_PREFILL_CHUNK
+        if (self.device.type != "cpu" or not (s.skinny_linear or s.lean_layers) or chunk == 0
                 or B * (P + q) <= MAX_ROWS):
             return 0
         end = max(P - max(chunk - q, 0), 0)  # the prefix's last chunk - q columns stay with the step's rows
@@ -626,6 +630,8 @@ class Decoder:
         # 1. draft: a step commits accept_len + 1 tokens, so drafting deeper than remaining - 1 is wasted.
         remaining = [self.remaining(b) for b in range(B)]
         budget = [min(s.max_draft, max(r - 1, 0)) if not self.plain else 0 for r in remaining]
+        if self.row_cap is not None:
+            budget = [min(bud, self.row_cap) for bud in budget]
         if s.pace_batch and B > 1 and self.device.type == "cpu" and s.rule in DRAFT_FREE_RULES:
             budget = self._paced(budget, remaining)
         trees = self.drafter.propose(self.contexts, budget)
