@@ -200,7 +200,8 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         runs, the model's float32 CPU ``nn.Linear`` layers compute inputs of at most
         ``fastverify.hf.linear.MAX_ROWS`` (128) rows with ``fastverify.skinny_linear``, which streams the weight
         once; see fastverify.hf.linear; with it or lean_layers, a longer prompt runs in forwards of at most that
-        many rows ahead of the first step),
+        many rows ahead of the first step, and a request drafts at most (128 - B) // B nodes, so that every forward
+        runs the kernels, whose rows are row-invariant: drafts and batch-mates change no bit of a request's logits),
         ``pack_weights`` (default True: with skinny_linear, a layer whose float32 weight is exactly 4- or 8-bit
         block-quantised values, as a model dequantised from a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors, streams a
         packed copy of it: the same result bit for bit, a fifth of the bytes; packed here, once per weight, and
