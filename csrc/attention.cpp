@@ -4,8 +4,9 @@
 //   masked_attention(q float32 [B, Hq, n, D], k float32 [B, Hkv, S, D], v float32 [B, Hkv, S, D],
 //                    mask float32 [B, 1 or Hq, n, S] or None, scale) -> float32 [B, Hq, n, D]
 //       softmax(q k^T * scale + mask) v, query head h reading key / value head h / (Hq / Hkv): torch's
-//       scaled_dot_product_attention with an additive mask and enable_gqa, for a few query rows (a verify
-//       forward's), to float32 rounding. k and v may be views of a longer cache (rows of D contiguous values).
+//       scaled_dot_product_attention with an additive mask and enable_gqa, for the query rows of a verify forward
+//       or a prompt's chunk, to float32 rounding; each row's result a function of the keys it sees alone (masked
+//       keys change no bit; csrc/attention.h). k and v may be views of a longer cache (rows of D contiguous values).
 //       skip_masked_prefix: per batch row, the keys [0, 16 * floor(f / 16)) are not read, f the first key that
 //       any of its query rows sees (mask above -1e30; none skipped if a row sees no key): a left-padded prompt's
 //       padding. Their weight would be 0, so the result is the same bit for bit, unless they hold NaN or inf

@@ -9,8 +9,10 @@ tensors ``backend="auto"`` runs the Triton kernel (the reference where Triton is
 raises as for any op without a CUDA kernel.
 
 Masked attention (``masked_attention``): scaled_dot_product_attention with an additive mask and grouped-query
-heads for the few query rows of a verify forward, on the CPU (csrc/attention.h): what the patched loop's
-attention runs there (fastverify.hf.attention). Backends: torch (SDPA itself, the spec) and cpp.
+heads for the query rows of a verify forward or a prompt's chunk, on the CPU (csrc/attention.h): what the patched
+loop's attention runs there (fastverify.hf.attention). On the cpp backend a query row's result is a function of the
+keys it sees alone, in their order, bit for bit (masked keys between or after them change nothing), which is what
+makes the loop's drafted rows its undrafted rows. Backends: torch (SDPA itself, the spec) and cpp.
 """
 
 import math
