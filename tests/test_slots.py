@@ -184,6 +184,29 @@ def test_greedy_exact_with_a_slot_drafter(arch, method, attach, B):
     assert st.drafted_tokens > 0 and set(model.state_dict()) == keys and not gated_lora_layers(model)
 
 
+@pytest.mark.parametrize("method", ["gad", "lud"])
+def test_slot_blocks_keep_a_batch_within_the_kernels_rows(method):
+    """Eight requests with blocks of 6 slot rows along their paths would make forwards of over 128 rows (torch's
+    GEMM, whose rounding depends on the rows): the loop keeps the blocks that fit a request's MAX_ROWS // B rows
+    (``Decoder.row_cap``), so every forward runs the row-invariant kernels and the logits are the undrafted loop's,
+    bit for bit."""
+    model = _tiny("llama", attn="sdpa")
+    g = torch.Generator().manual_seed(8)
+    ids, mask = left_padded([(torch.randint(3, V, (4,), generator=g).tolist() * 20)[:20 - b] for b in range(8)], PAD)
+    kw = dict(attention_mask=mask, pad_token_id=PAD, max_new_tokens=16, do_sample=False,
+              return_dict_in_generate=True, output_logits=True)
+    outs = []
+    for drafter in (Drafter(), _drafter(model, method, "path", slots=6)):
+        patch(model, drafter=drafter)
+        try:
+            outs.append((model.generate(ids, **kw), stats(model)))
+        finally:
+            unpatch(model)
+    (ref, _), (out, st) = outs
+    assert st.drafted_tokens > 0 and torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+
+
 def test_slot_drafter_drafts_what_its_block_predicts():
     """The proposal is the argmax chain of the block observed at the previous step, with the second-best token
     of each slot as a sibling leaf when tree_topk = 2; a request without a block proposes nothing."""
@@ -424,7 +447,6 @@ def test_ptp_slots_keep_seeded_sampling_and_greedy_exact(aux_mode, options, B):
     autoregressive sampling with the same seed; greedy output equals generate (also merged with the n-gram
     drafter and / or proposal heads on the verify forward's hidden state, and with inverse-CDF drafts and sibling
     leaves)."""
-    from fastverify.hf import Drafter
     model = _tiny("llama", attn="sdpa")
     ids = torch.tensor([[11, 12, 13, 14] * 4] * B)
     kw = dict(max_new_tokens=16, pad_token_id=PAD)
