@@ -248,6 +248,24 @@ def assert_greedy_exact(model, drafter, input_ids, **generate_kwargs):
     return st
 
 
+def logits_equal(mine, ref, rows=None) -> bool:
+    """generate's per-step logits (tuples of [B, V]) the same bit for bit; rows: mine's batch rows to compare."""
+    return len(mine) == len(ref) and all(torch.equal(a if rows is None else a[rows], b) for a, b in zip(mine, ref))
+
+
+def assert_drafts_change_no_bit(model, drafter, input_ids, **generate_kwargs):
+    """The loop's row-invariance on the CPU: patched ``generate`` with ``drafter`` returns the undrafted loop's
+    (``Drafter()``) tokens and every step's logits, bit for bit; returns the drafted call's stats (it drafted)."""
+    from fastverify.hf import Drafter
+
+    kw = dict(generate_kwargs, return_dict_in_generate=True, output_logits=True)
+    plain, _ = patched_generate(model, Drafter(), input_ids, **kw)
+    drafted, st = patched_generate(model, drafter, input_ids, **kw)
+    assert st.drafted_tokens > 0 and torch.equal(drafted.sequences, plain.sequences)
+    assert logits_equal(drafted.logits, plain.logits)
+    return st
+
+
 # Tiny configs of model types whose sizes go by names of their own (tests/test_hf_model_types.py and the fuzz's
 # generic configs, tests/hf_fuzz.py, beside their common small sizes): construction keyword arguments by type
 TYPE_CONFIGS = {

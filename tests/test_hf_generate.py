@@ -13,7 +13,7 @@ import torch
 import fastverify
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, stats, unpatch
 
-from conftest import left_padded, letter_tokenizer
+from conftest import assert_drafts_change_no_bit, left_padded, letter_tokenizer, logits_equal
 
 transformers = pytest.importorskip("transformers")
 
@@ -893,11 +893,6 @@ def test_sampling_batch_invariance():
         assert torch.equal(alone[0, n:], both[b, ids.shape[1]:])
 
 
-def _logits_equal(mine, ref, rows=None):
-    """generate's per-step logits (tuples of [B, V]) the same bit for bit; rows: mine's batch rows to compare."""
-    return len(mine) == len(ref) and all(torch.equal(a if rows is None else a[rows], b) for a, b in zip(mine, ref))
-
-
 @pytest.mark.parametrize("lengths", [[13], [14, 6, 2], [150], [70, 33, 9]],
                          ids=["batch1", "batch3", "long", "long_batch3"])
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
@@ -919,7 +914,7 @@ def test_drafts_change_no_bit_of_the_logits(model, lengths, sample):
         if model.config.model_type == "gpt2":
             _assert_rows_close(out.logits, ref.logits)
         else:
-            assert _logits_equal(out.logits, ref.logits), type(drafter).__name__
+            assert logits_equal(out.logits, ref.logits), type(drafter).__name__
 
 
 @pytest.mark.parametrize("lengths", [[14, 6, 2], [70, 33, 9]], ids=["batch3", "long_batch3"])
@@ -936,7 +931,7 @@ def test_a_request_s_logits_do_not_depend_on_its_batch(model, lengths):
         n = int(mask[b].sum())
         alone, _ = _patched(model, ids[b:b + 1, -n:], mask[b:b + 1, -n:], drafter=NGramDrafter(), **kw)
         assert torch.equal(alone.sequences[0, n:], both.sequences[b, ids.shape[1]:])
-        assert _logits_equal(both.logits, alone.logits, rows=slice(b, b + 1)), b
+        assert logits_equal(both.logits, alone.logits, rows=slice(b, b + 1)), b
 
 
 def test_a_large_batch_drafts_within_the_kernels_rows():
@@ -947,10 +942,8 @@ def test_a_large_batch_drafts_within_the_kernels_rows():
     from fastverify.hf.linear import MAX_ROWS
     model = _tiny("llama")
     ids, mask = _batch([12, 5, 9, 14, 3, 8, 11, 6, 40], seed=13)
-    kw = dict(max_new_tokens=40, return_dict_in_generate=True, output_logits=True, do_sample=False)
-    ref, _ = _patched(model, ids, mask, drafter=Drafter(), **kw)
-    out, st = _patched(model, ids, mask, drafter=DraftModelDrafter(model, k=16, tree_topk=1), **kw)
-    assert torch.equal(out.sequences, ref.sequences) and _logits_equal(out.logits, ref.logits)
+    st = assert_drafts_change_no_bit(model, DraftModelDrafter(model, k=16, tree_topk=1), ids, attention_mask=mask,
+                                     pad_token_id=PAD, max_new_tokens=40, do_sample=False)
     cap = (MAX_ROWS - 9) // 9
     assert max(d for depths in st.depth for d in depths if d is not None) == cap  # self-drafting fills the cap
 

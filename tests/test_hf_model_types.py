@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 
-from fastverify.hf import MODEL_REGISTRY, DraftModelDrafter, Drafter, NGramDrafter, patch, stats, unpatch
+from fastverify.hf import MODEL_REGISTRY, DraftModelDrafter, NGramDrafter, patch, stats, unpatch
 
-from conftest import TYPE_CONFIGS, latent_sizes, left_padded
+from conftest import TYPE_CONFIGS, assert_drafts_change_no_bit, latent_sizes, left_padded
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,18 +110,8 @@ def test_dense_types_draft_without_changing_a_bit(model_type):
     model = tiny(model_type)
     for B in (1, 3):
         ids, mask = _prompts(B)
-        kw = dict(attention_mask=mask, pad_token_id=PAD, max_new_tokens=12, do_sample=False,
-                  return_dict_in_generate=True, output_logits=True)
-        outs = []
-        for drafter in (Drafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
-            patch(model, drafter=drafter)
-            try:
-                outs.append((model.generate(ids, **kw), stats(model)))
-            finally:
-                unpatch(model)
-        (plain, _), (drafted, st) = outs
-        assert st.drafted_tokens > 0 and torch.equal(plain.sequences, drafted.sequences)
-        assert all(torch.equal(a, b) for a, b in zip(plain.logits, drafted.logits)), B
+        assert_drafts_change_no_bit(model, DraftModelDrafter(model, k=3, tree_topk=2), ids, attention_mask=mask,
+                                    pad_token_id=PAD, max_new_tokens=12, do_sample=False)
 
 
 def _sdpa_or_eager(model_type, **config):

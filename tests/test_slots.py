@@ -14,7 +14,7 @@ from fastverify.hf.slots import BlockSlotDrafter, first_path
 from fastverify.lora import GatedLoRALinear, add_gated_lora, gated_lora_layers, remove_gated_lora, slot_gate
 from fastverify.tree import Tree
 
-from conftest import left_padded
+from conftest import assert_drafts_change_no_bit, left_padded
 
 transformers = pytest.importorskip("transformers")
 
@@ -193,18 +193,8 @@ def test_slot_blocks_keep_a_batch_within_the_kernels_rows(method):
     model = _tiny("llama", attn="sdpa")
     g = torch.Generator().manual_seed(8)
     ids, mask = left_padded([(torch.randint(3, V, (4,), generator=g).tolist() * 20)[:20 - b] for b in range(8)], PAD)
-    kw = dict(attention_mask=mask, pad_token_id=PAD, max_new_tokens=16, do_sample=False,
-              return_dict_in_generate=True, output_logits=True)
-    outs = []
-    for drafter in (Drafter(), _drafter(model, method, "path", slots=6)):
-        patch(model, drafter=drafter)
-        try:
-            outs.append((model.generate(ids, **kw), stats(model)))
-        finally:
-            unpatch(model)
-    (ref, _), (out, st) = outs
-    assert st.drafted_tokens > 0 and torch.equal(out.sequences, ref.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    assert_drafts_change_no_bit(model, _drafter(model, method, "path", slots=6), ids, attention_mask=mask,
+                                pad_token_id=PAD, max_new_tokens=16, do_sample=False)
 
 
 def test_slot_drafter_drafts_what_its_block_predicts():

@@ -289,13 +289,13 @@ class Decoder:
         self.asked = 0
         self.streamed = 0  # a streamer (batch 1): the tokens it has received
         self.plain = False  # a step run again without drafts (``step``: invalid logits with drafts)
-        # Where the loop's layers run the skinny kernels (the CPU, skinny_linear or lean_layers on), a request drafts
-        # at most row_cap nodes and keeps the slot blocks that fit beside them (the first ones: the root's, then
-        # along the path), so that a step's forward keeps to MAX_ROWS rows (B requests of at most MAX_ROWS // B rows:
-        # root, drafts, slot rows) and every row of it goes through the kernels, whose rows are row-invariant: a row's logits do not depend on the rows
-        # beside it (masked_attention, csrc/attention.h; the skinny linears), so drafts and batch-mates change no
+        # Where the loop's layers run the skinny kernels (the CPU, skinny_linear or lean_layers on), a request has
+        # MAX_ROWS // B rows of a step's forward: its root and at most row_cap draft nodes, then the slot blocks that
+        # fit beside them (the first ones: the root's, then along the path). So the forward keeps to MAX_ROWS rows and
+        # every row of it goes through the kernels, whose rows are row-invariant: a row's logits do not depend on the
+        # rows beside it (masked_attention, csrc/attention.h; the skinny linears), so drafts and batch-mates change no
         # bit of any request's logits (tests/test_hf_generate.py). Past it, torch's GEMM would take the forward.
-        self.row_cap = (max(MAX_ROWS - B, 0) // B if self.device.type == "cpu"
+        self.row_cap = (max(MAX_ROWS // B - 1, 0) if self.device.type == "cpu"
                         and (settings.skinny_linear or settings.lean_layers) else None)
         if settings.no_repeat_ngram_size:
             self.follow = [{} for _ in range(B)]
@@ -661,9 +661,9 @@ class Decoder:
             blocks = slots.slot_attachments(trees, [r > 0 and not self.plain for r in remaining])
         if blocks is not None and s.max_positions is not None:
             blocks = _blocks_below(blocks, trees, cache_len, self.pad_len, slots.block_size, s.max_positions)
-        if blocks is not None and self.row_cap is not None:  # a request's rows within the kernels' share of them
-            room = MAX_ROWS // B - 1
-            blocks = [attach[:max(room - len(tree), 0) // slots.block_size] for attach, tree in zip(blocks, trees)]
+        if blocks is not None and self.row_cap is not None:  # a request's rows within its share (row_cap)
+            blocks = [attach[:max(self.row_cap - len(tree), 0) // slots.block_size]
+                      for attach, tree in zip(blocks, trees)]
         inp = step_inputs(trees, self.root, cache_len, self.pad_len, self.dtype, self.device, blocks=blocks,
                           block_size=slots.block_size if slots is not None else 0,
                           bidirectional=slots is not None and slots.bidirectional)
