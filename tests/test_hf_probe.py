@@ -49,6 +49,37 @@ def test_unregistered_causal_lm_passes_and_runs_in_the_loop(monkeypatch):
     assert calls == [1]
 
 
+def test_verdict_is_per_dtype_and_device(monkeypatch):
+    """A verdict holds for the dtype (and device and options) it was made under: the model cast to float64 is checked
+    again, and a check that fails there falls back there only; cast back, the float32 verdict stands unchecked."""
+    monkeypatch.delitem(MODEL_REGISTRY, "llama")
+    calls = []
+    check = probe.check_model
+
+    def checked(model, *a):
+        calls.append(model.dtype)
+        return "refused in float64" if model.dtype == torch.float64 else check(model, *a)
+
+    monkeypatch.setattr(sys.modules["fastverify.hf.patch"], "check_model", checked)
+    model = tiny("llama")
+    ids, mask = _prompts(2)
+    ref, _ = _generate(model, ids, mask)
+    patch(model, allow_unknown_model=True)
+    try:
+        out, fallbacks = _generate(model, ids, mask)
+        assert not fallbacks and torch.equal(out, ref)
+        model.double()
+        out, fallbacks = _generate(model, ids, mask)
+        assert len(fallbacks) == 1 and "refused in float64" in fallbacks[0]
+        model.float()
+        for _ in range(2):
+            out, fallbacks = _generate(model, ids, mask)
+            assert not fallbacks and torch.equal(out, ref)
+    finally:
+        unpatch(model)
+    assert calls == [torch.float32, torch.float64]
+
+
 @pytest.mark.parametrize("model_type, reason", [
     ("bert", "logits for new token"),  # bidirectional attention (is_decoder unset)
     ("trocr", "logits for new token"),  # positions from the cache's length, not position_ids

@@ -33,7 +33,7 @@ from fastverify.hf.linear import pack_model
 from fastverify.hf.loop import (SAMPLING_RULES, DecodeSettings, StopStrings, decode, embedding_rows, model_dtype,
                                  model_vocab_size)
 from fastverify.hf.model_limits import loop_window, position_limit, sequence_limit
-from fastverify.hf.probe import check_model
+from fastverify.hf.probe import check_key, check_model
 
 __all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
            "SUPPORTED_TRANSFORMERS"]
@@ -111,10 +111,11 @@ class _PatchState:
     instance_generate: object
     last_stats: object = None
     warned_precision: bool = False
-    # a type outside the registry (allow_unknown_model): fastverify.hf.probe's verdict, None until its first call
-    # the loop runs, then "" (passed) or the reason it failed
+    # a type outside the registry (allow_unknown_model): fastverify.hf.probe's verdicts, "" (passed) or the reason
+    # it failed, per what the check ran under (``probe.check_key``: the model's dtype and device, the call's
+    # computation options); one is made at the first call the loop runs under each
     unregistered: bool = False
-    check: str = None
+    checks: dict = dataclasses.field(default_factory=dict)
 
 
 class PatchedGenerate:
@@ -217,8 +218,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         that row alone, without the row's batch index or state kept across calls, and the loop then runs it at any
         batch size),
         ``allow_unknown_model`` (a model type outside the registry: before the first call the loop runs, it decodes
-        a small probe batch and compares it with the original generate, fastverify.hf.probe; a type that fails
-        falls back to the original generate, with the reason, on every call).
+        a small probe batch and compares it with the original generate, fastverify.hf.probe, again after the model
+        is cast or moved or a call changes how the loop computes; a type that fails falls back to the original
+        generate, with the reason, on every such call).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
 
@@ -770,11 +772,13 @@ def _patched_generate(self, *args, **kwargs):
     if plan is None:
         return _fallback(self, state, reason, args, kwargs)
     if state.unregistered:
-        if state.check is None:
-            state.check = check_model(self, _original_generate(self, state), plan["settings"]) or ""
-        if state.check:
+        key = check_key(self, plan["settings"])
+        if key not in state.checks:
+            state.checks[key] = check_model(self, _original_generate(self, state), plan["settings"]) or ""
+        if state.checks[key]:
             return _fallback(self, state, f"model type {self.config.model_type!r} is not registered and failed the "
-                                          f"loop's check of it (fastverify.hf.probe): {state.check}", args, kwargs)
+                                          f"loop's check of it (fastverify.hf.probe): {state.checks[key]}", args,
+                             kwargs)
     _warn_precision(self, state, plan["settings"].rule)
     record = {}
     sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], plan["drafter"], plan["settings"],

@@ -8,9 +8,11 @@ bidirectional (BERT-like models without ``is_decoder``), a cache whose state a c
 ignores the 4D mask or a forward that refuses it. So before the first call the loop runs, it decodes a small batch
 with ``ProbeDrafter``, whose trees hold the model's own next tokens and wrong ones beside and after them (rows the
 cache must drop, siblings the mask must keep apart), and compares the result with the original ``generate`` on
-that batch: the tokens, and each new token's logits to within the model dtype's rounding (``TOLERANCE``). The
-verdict holds for the patch (the model's type and weights do not change under it); a type that fails falls back to
-the original ``generate`` on every call, the reason in its warning.
+that batch: the tokens, and each new token's logits to within the model dtype's rounding (``TOLERANCE``). A
+verdict holds for the patch under what it was made with (``check_key``: the model's dtype and device and the call's
+computation options, which choose the loop's kernels and paths); a model moved or cast, or a call with other
+options, is checked again. A type that fails falls back to the original ``generate`` on every such call, the reason
+in its warning.
 
 The probe's sequences are short (16 tokens at most). What only longer ones show escapes it: a window under a
 config name the loop does not read (``model_limits.sequence_limit`` bounds a sequence by the ones it does), above
@@ -27,7 +29,7 @@ from fastverify.hf.drafters import Drafter, empty_tree
 from fastverify.hf.loop import DecodeSettings, decode, embedding_rows, model_dtype, model_vocab_size
 from fastverify.tree import Tree
 
-__all__ = ["check_model", "ProbeDrafter", "TOLERANCE"]
+__all__ = ["check_key", "check_model", "ProbeDrafter", "TOLERANCE"]
 
 # the largest difference between the loop's logits and generate's that counts as rounding, relative to the row's
 # largest |logit| (at least 1): a verify forward's rows round differently from one-row decoding
@@ -36,6 +38,12 @@ PROMPTS = (9, 6)  # the probe batch's prompt lengths (left padded)
 NEW_TOKENS = 7  # steps of 3, 1 and 3 tokens (``ProbeDrafter``)
 # the settings of the call that the probe decodes with too: how the loop computes, and the model's own limits
 _KEPT = ("backend", "skinny_linear", "pack_weights", "lean_layers", "live_rows", "max_positions", "window")
+
+
+def check_key(model, settings: DecodeSettings):
+    """What a verdict of ``check_model`` holds for: the model's dtype and device, and the call's ``_KEPT`` settings."""
+    return (model_dtype(model), model.get_input_embeddings().weight.device,
+            tuple(repr(getattr(settings, k)) for k in _KEPT))
 
 
 class ProbeDrafter(Drafter):
