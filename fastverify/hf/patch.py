@@ -773,12 +773,12 @@ def _patched_generate(self, *args, **kwargs):
         return _fallback(self, state, reason, args, kwargs)
     if state.unregistered:
         key = check_key(self, plan["settings"])
-        if key not in state.checks:
-            state.checks[key] = check_model(self, _original_generate(self, state), plan["settings"]) or ""
-        if state.checks[key]:
+        checks = state.__dict__.setdefault("checks", {})  # a model pickled with an earlier state has none
+        if key not in checks:
+            checks[key] = check_model(self, _original_generate(self, state), plan["settings"]) or ""
+        if checks[key]:
             return _fallback(self, state, f"model type {self.config.model_type!r} is not registered and failed the "
-                                          f"loop's check of it (fastverify.hf.probe): {state.checks[key]}", args,
-                             kwargs)
+                                          f"loop's check of it (fastverify.hf.probe): {checks[key]}", args, kwargs)
     _warn_precision(self, state, plan["settings"].rule)
     record = {}
     sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], plan["drafter"], plan["settings"],
