@@ -75,8 +75,8 @@ def test_verdict_is_per_dtype_and_device(monkeypatch):
         for _ in range(2):
             out, fallbacks = _generate(model, ids, mask)
             assert not fallbacks and torch.equal(out, ref)
-        state = next(v for v in model.__dict__.values() if hasattr(v, "unregistered"))
-        del state.checks  # the state of a model pickled before verdicts were kept per setup: checked afresh
+        # the state of a model pickled before verdicts were kept per setup: checked afresh
+        del model.__dict__[sys.modules["fastverify.hf.patch"]._STATE_ATTR].checks
         out, fallbacks = _generate(model, ids, mask)
         assert not fallbacks and torch.equal(out, ref)
     finally:

@@ -42,8 +42,7 @@ _KEPT = ("backend", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
 
 def check_key(model, settings: DecodeSettings):
     """What a verdict of ``check_model`` holds for: the model's dtype and device, and the call's ``_KEPT`` settings."""
-    return (model_dtype(model), model.get_input_embeddings().weight.device,
-            tuple(repr(getattr(settings, k)) for k in _KEPT))
+    return (model_dtype(model), model.get_input_embeddings().weight.device, tuple(getattr(settings, k) for k in _KEPT))
 
 
 class ProbeDrafter(Drafter):
