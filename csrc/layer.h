@@ -1,5 +1,6 @@
-// What the decoder layer ops (csrc/cpu/layer.cpp, csrc/layer.cpp) share: the registered ops they call through the
-// dispatcher (so that each step is the op the Python forward calls, the same bits), and the MLP's gate.
+// What the dense decoder layer ops (csrc/layer.cpp) call: the registered ops through the dispatcher (so that each
+// step is the op the Python forward calls, the same bits), and the MLP's gate. (The packed ops' CPU kernels,
+// csrc/cpu/layer.cpp, run the same arithmetic on raw rows: csrc/cpu/kernels.h.)
 #pragma once
 
 #include <ATen/ATen.h>

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/kernels.h"
 #include "linear.h"
 
 namespace {
@@ -67,37 +68,18 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
 
 at::Tensor skinny_linear_packed_cpu(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                                     int64_t bits, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: expected 4 or 8, got ", bits);
-  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && d.device().is_cpu() && m.device().is_cpu(),
-              "x, q, d, m: expected CPU tensors");
+  TORCH_CHECK(x.device().is_cpu(), "x: expected a CPU tensor, got one on ", x.device());
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x: expected float32, got ", x.scalar_type());
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2, "q: expected a uint8 tensor [N, K * bits / 8], got ",
-              q.scalar_type(), " ", q.sizes());
   TORCH_CHECK(x.dim() >= 1, "x: expected [..., K], got a 0-d tensor");
-  const int64_t N = q.size(0), K = x.size(-1);
-  TORCH_CHECK(K % 32 == 0 && q.size(1) * 8 == K * bits, "q: expected shape [N, K * bits / 8] = [", N, ", ",
-              K * bits / 8, "] for x's K = ", K, " (a multiple of 32), got ", q.sizes());
-  for (const auto& [t, name] : {std::pair{&d, "d"}, {&m, "m"}})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N && t->size(1) == K / 32, name,
-                ": expected float32 [N, K / 32] = [", N, ", ", K / 32, "], got ", t->scalar_type(), " ", t->sizes());
-  at::Tensor b;
-  const float* bias_ptr = checked_bias(bias, N, b);
-  const std::vector<int64_t> out_shape = output_shape(x, N);
+  const int64_t K = x.size(-1);
+  const fastverify::cpu::PackedLinear w = fastverify::cpu::packed_linear(q, d, m, bits, bias, K);
+  const std::vector<int64_t> out_shape = output_shape(x, w.N);
   at::Tensor y = at::empty(out_shape, x.options());
   if (y.numel() == 0) return y;
-  if (K == 0) return bias_ptr ? y.copy_(b.expand(out_shape)) : y.zero_();
+  if (K == 0) return w.bias ? y.copy_(w.b.expand(out_shape)) : y.zero_();
   const int64_t M = x.numel() / K;
-  const at::Tensor xc = x.reshape({M, K}).contiguous(), qc = q.contiguous(), dc = d.contiguous(),
-                   mc = m.contiguous();
-  const fastverify::linear::Packed p{qc.data_ptr<uint8_t>(), dc.data_ptr<float>(), mc.data_ptr<float>(),
-                                     static_cast<int>(bits), K};
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + 3) / 4;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * K));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    fastverify::linear::skinny_rows_packed(xp, p, bias_ptr, yp, M, N, 4 * b0, std::min(N, 4 * b1));
-  });
+  const at::Tensor xc = x.reshape({M, K}).contiguous();
+  fastverify::cpu::packed_rows(xc.data_ptr<float>(), M, w, y.data_ptr<float>());
   return y;
 }
 
@@ -225,6 +207,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> pack_blocks_cpu(const at
 }
 
 }  // namespace
+
+namespace fastverify::cpu {
+
+PackedLinear packed_linear(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m, int64_t bits,
+                           const std::optional<at::Tensor>& bias, int64_t K) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: expected 4 or 8, got ", bits);
+  TORCH_CHECK(q.device().is_cpu() && d.device().is_cpu() && m.device().is_cpu(), "q, d, m: expected CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2, "q: expected a uint8 tensor [N, K * bits / 8], got ",
+              q.scalar_type(), " ", q.sizes());
+  const int64_t N = q.size(0);
+  TORCH_CHECK(K % 32 == 0 && q.size(1) * 8 == K * bits, "q: expected shape [N, K * bits / 8] = [", N, ", ",
+              K * bits / 8, "] for x's K = ", K, " (a multiple of 32), got ", q.sizes());
+  for (const auto& [t, name] : {std::pair{&d, "d"}, {&m, "m"}})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N && t->size(1) == K / 32, name,
+                ": expected float32 [N, K / 32] = [", N, ", ", K / 32, "], got ", t->scalar_type(), " ", t->sizes());
+  PackedLinear w{{}, N, nullptr, q.contiguous(), d.contiguous(), m.contiguous(), {}};
+  w.bias = checked_bias(bias, N, w.b);
+  w.p = {w.q.data_ptr<uint8_t>(), w.d.data_ptr<float>(), w.m.data_ptr<float>(), static_cast<int>(bits), K};
+  return w;
+}
+
+void packed_rows(const float* x, int64_t M, const PackedLinear& w, float* y) {
+  const int64_t N = w.N, K = w.p.K;
+  if (M == 0 || N == 0) return;
+  // Blocks of 4 weight rows; a thread's share is at least ~64K weights so that small layers stay on one thread.
+  const int64_t blocks = (N + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * std::max<int64_t>(K, 1)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    fastverify::linear::skinny_rows_packed(x, w.p, w.bias, y, M, N, 4 * b0, std::min(N, 4 * b1));
+  });
+}
+
+}  // namespace fastverify::cpu
 
 TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
   m.impl("skinny_linear", &skinny_linear_cpu);

@@ -9,6 +9,8 @@
 
 #include <cmath>
 
+#include "cpu/kernels.h"
+
 namespace {
 
 // Rows per task: below ~64K elements one thread does the whole call (a decode step's few rows).
@@ -25,30 +27,35 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps: expected a finite number >= 0, got ", eps);
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor y = at::empty_like(xc);
-  if (xc.numel() == 0) return y;
-  const int64_t rows = xc.numel() / D;
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();  // first the squares, then (row by row, after the sums) the result
-  at::parallel_for(0, rows, grain_rows(D), [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0 * D; i < r1 * D; ++i) yp[i] = xp[i] * xp[i];
+  if (xc.numel() > 0) fastverify::cpu::rms_rows(xc.data_ptr<float>(), xc.numel() / D, D, wc.data_ptr<float>(), eps,
+                                                y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+namespace fastverify::cpu {
+
+void rms_rows(const float* x, int64_t rows, int64_t D, const float* weight, double eps, float* y) {
+  if (rows == 0 || D == 0) return;
+  at::parallel_for(0, rows, grain_rows(D), [&](int64_t r0, int64_t r1) {  // y: first the squares
+    for (int64_t i = r0 * D; i < r1 * D; ++i) y[i] = x[i] * x[i];
   });
-  const at::Tensor ss = at::sum(y, {-1}, /*keepdim=*/true);  // torch's reduction, torch's order
+  const at::Tensor ss = at::sum(at::from_blob(y, {rows, D}, at::kFloat), {-1});  // torch's reduction, its order
   const float* sum = ss.data_ptr<float>();
   const float count = static_cast<float>(D), e = static_cast<float>(eps);
   at::parallel_for(0, rows, grain_rows(D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float mean = sum[r] / count;
       const float r_inv = 1.0f / std::sqrt(mean + e);
-      const float* xr = xp + r * D;
-      float* yr = yp + r * D;
-      for (int64_t k = 0; k < D; ++k) yr[k] = wp[k] * (xr[k] * r_inv);
+      const float* xr = x + r * D;
+      float* yr = y + r * D;
+      for (int64_t k = 0; k < D; ++k) yr[k] = weight[k] * (xr[k] * r_inv);
     }
   });
-  return y;
 }
 
-}  // namespace
+}  // namespace fastverify::cpu
 
 TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu/kernels.h"
+
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
@@ -38,7 +40,7 @@ at::Tensor rotary_embedding_cpu(const at::Tensor& x, const at::Tensor& cos, cons
     cs[i] = cv.size(i) == 1 ? 0 : cv.stride(i);
     ss[i] = sv.size(i) == 1 ? 0 : sv.stride(i);
   }
-  const int64_t H = x.size(1), n = x.size(2), half = D / 2, rows = x.size(0) * H * n;
+  const int64_t H = x.size(1), n = x.size(2), rows = x.size(0) * H * n;
   const float* xp = xv.data_ptr<float>();
   const float* cp = cv.data_ptr<float>();
   const float* sp = sv.data_ptr<float>();
@@ -50,21 +52,29 @@ at::Tensor rotary_embedding_cpu(const at::Tensor& x, const at::Tensor& cos, cons
       const float* xr = xp + b * xs[0] + h * xs[1] + i * xs[2];
       const float* c = cp + b * cs[0] + h * cs[1] + i * cs[2];
       const float* s = sp + b * ss[0] + h * ss[1] + i * ss[2];
-      float* yr = yp + r * D;
-      for (int64_t d = 0; d < half; ++d) {
-        const float a = xr[d] * c[d], rot = -xr[d + half] * s[d];
-        yr[d] = a + rot;
-      }
-      for (int64_t d = half; d < D; ++d) {
-        const float a = xr[d] * c[d], rot = xr[d - half] * s[d];
-        yr[d] = a + rot;
-      }
+      fastverify::cpu::rotate_row(xr, c, s, D, yp + r * D);
     }
   });
   return y;
 }
 
 }  // namespace
+
+namespace fastverify::cpu {
+
+void rotate_row(const float* x, const float* cos, const float* sin, int64_t D, float* y) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = x[d] * cos[d], rot = -x[d + half] * sin[d];
+    y[d] = a + rot;
+  }
+  for (int64_t d = half; d < D; ++d) {
+    const float a = x[d] * cos[d], rot = x[d - half] * sin[d];
+    y[d] = a + rot;
+  }
+}
+
+}  // namespace fastverify::cpu
 
 TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding_cpu);

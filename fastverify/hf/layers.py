@@ -18,9 +18,9 @@ eligible decoder layer runs ``_forward`` instead of its own forward (rebound on 
 - where every projection streams packed (a GGUF model's float32 weights on the CPU; a plain SiLU) and the rows are
   few, the steps before the attention (norm, q / k / v, Qwen3's q / k norms, rotary embedding) and after it (output
   projection, residual, norm, gate / up, SiLU x up, down, residual) as one C++ call each
-  (``fastverify::decoder_pre_attention`` / ``decoder_post_attention``, csrc/layer.cpp: the same registered and
-  ATen ops on the same tensors, so the same bits; a batch's live rows alone, as below), which leaves the cache's
-  append and the attention to Python;
+  (``fastverify::decoder_pre_attention`` / ``decoder_post_attention``, csrc/layer.cpp: the arithmetic of the same
+  registered and ATen ops, so the same bits, run on raw rows in one workspace, csrc/cpu/layer.cpp; a batch's live
+  rows alone, as below), which leaves the cache's append and the attention to Python;
   where every projection runs its own ``nn.Linear`` forward (on a GPU, whose host pays a Python call and a kernel
   launch per op), the same two halves on the unpacked weights as ``decoder_pre_attention_dense`` /
   ``decoder_post_attention_dense`` (a composite for every device: ATen ops, and on float32 CPU tensors the norm,

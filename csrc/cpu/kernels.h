@@ -1,0 +1,38 @@
+// What the CPU ops share with each other beyond their schemas: the checked packed projection of
+// skinny_linear_packed, the rows of rms_norm and the row of rotary_embedding, each defined beside its own op
+// (csrc/cpu/linear.cpp, norm.cpp, rotary.cpp) and called by the decoder layer ops (csrc/cpu/layer.cpp) on raw rows,
+// so that a layer's steps are those ops' own arithmetic without a dispatcher call or a tensor per step.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "linear.h"
+
+namespace fastverify::cpu {
+
+// A packed projection [N, K] (fastverify.ops.linear.PackedWeight: q, d, m, bits) and its bias, checked as
+// skinny_linear_packed checks them; holds contiguous copies of what it points to.
+struct PackedLinear {
+  linear::Packed p;
+  int64_t N;
+  const float* bias;
+  at::Tensor q, d, m, b;
+};
+PackedLinear packed_linear(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m, int64_t bits,
+                           const std::optional<at::Tensor>& bias, int64_t K);
+
+// y [M, N] = x [M, K] W^T (+ bias), skinny_linear_packed's result bit for bit; the columns split across threads.
+void packed_rows(const float* x, int64_t M, const PackedLinear& w, float* y);
+
+// rms_norm's result for rows [rows, D] of x into y (may not alias x): torch's sum of squares (at::sum), then the
+// elementwise steps of csrc/cpu/norm.cpp.
+void rms_rows(const float* x, int64_t rows, int64_t D, const float* weight, double eps, float* y);
+
+// rotary_embedding's result for one row of D values (D even): y = x cos + rotate_half(x) sin, each product
+// rounded before the sum.
+void rotate_row(const float* x, const float* cos, const float* sin, int64_t D, float* y);
+
+}  // namespace fastverify::cpu
