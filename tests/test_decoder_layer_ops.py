@@ -202,6 +202,43 @@ def test_decoder_ops_bad_input_names_the_argument():
     args[7] = args[7][:-1]  # gate / up stacked: an even number of rows
     with pytest.raises(RuntimeError, match="gate_up_q: expected"):
         ops.decoder_post_attention(h, torch.randn(1, 2, 64), *args)
+    attn = torch.randn(1, 2, L["n_q"] * L["D"], generator=g)
+    with pytest.raises(RuntimeError, match="attn: expected a float32 CPU tensor"):
+        ops.decoder_post_attention(h, attn.double(), *post_args(L))
+    args = list(post_args(L))
+    args[5] = args[5][:-1]  # the post-attention norm's weight
+    with pytest.raises(RuntimeError, match=r"norm_weight: expected \[E = 64\]"):
+        ops.decoder_post_attention(h, attn, *args)
+    args = list(post_args(L))
+    args[12:15] = (L["o"].q, L["o"].d, L["o"].m)  # a down projection from the attention's width, not I
+    with pytest.raises(RuntimeError, match=r"down_q: expected shape \[N, K \* bits / 8\] = \[64, 48\] for x's K = 96"):
+        ops.decoder_post_attention(h, attn, *args)
+    with pytest.raises(RuntimeError, match="norm_weight's eps: expected a finite number"):
+        ops.decoder_pre_attention(h, L["w1"], float("nan"), *pre_args(L)[2:], cos, sin, L["n_q"], L["n_kv"])
+    with pytest.raises(RuntimeError, match="cos, sin: expected a shape that broadcasts"):
+        ops.decoder_pre_attention(h, *pre_args(L), cos.expand(1, 5, 2, L["D"]), sin.expand(1, 5, 2, L["D"]),
+                                  L["n_q"], L["n_kv"])
+
+
+@needs_ops
+def test_decoder_ops_take_strided_inputs():
+    """A transposed h and the attention's output as SDPA leaves it ([B, n_q, S, D] transposed to [B, S, n_q, D]),
+    and cos / sin broadcast over the batch: the results of their contiguous copies, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    L = layer(g, bias=True)
+    B, S = 2, 3
+    h = torch.randn(S, B, L["E"], generator=g).transpose(0, 1)
+    cos, sin = rotary_tables(1, S, L["D"], g)
+    got = ops.decoder_pre_attention(h, *pre_args(L), cos, sin, L["n_q"], L["n_kv"])
+    want = ops.decoder_pre_attention(h.contiguous(), *pre_args(L), cos.expand(B, -1, -1, -1).contiguous(),
+                                     sin.expand(B, -1, -1, -1).contiguous(), L["n_q"], L["n_kv"])
+    for a, b in zip(got, want):
+        assert torch.equal(float_bits(a), float_bits(b))
+    attn = torch.randn(B, L["n_q"], S, L["D"], generator=g).transpose(1, 2)
+    got = ops.decoder_post_attention(h, attn, *post_args(L))
+    assert torch.equal(float_bits(got), float_bits(ops.decoder_post_attention(h.contiguous(), attn.contiguous(),
+                                                                              *post_args(L))))
+    assert torch.equal(float_bits(got), float_bits(python_post(h.contiguous(), attn, L)))
 
 
 def dense_layer(g, dtype, E=64, D=16, n_q=4, n_kv=2, inter=96, bias=False):

@@ -14,7 +14,8 @@
 namespace fastverify::cpu {
 
 // A packed projection [N, K] (fastverify.ops.linear.PackedWeight: q, d, m, bits) and its bias, checked as
-// skinny_linear_packed checks them; holds contiguous copies of what it points to.
+// skinny_linear_packed checks them, the messages naming the arguments with ``name`` before them ("o_": o_q, o_bias,
+// ...); holds contiguous copies of what it points to.
 struct PackedLinear {
   linear::Packed p;
   int64_t N;
@@ -22,7 +23,7 @@ struct PackedLinear {
   at::Tensor q, d, m, b;
 };
 PackedLinear packed_linear(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m, int64_t bits,
-                           const std::optional<at::Tensor>& bias, int64_t K);
+                           const std::optional<at::Tensor>& bias, int64_t K, const char* name);
 
 // y [M, N] = x [M, K] W^T (+ bias), skinny_linear_packed's result bit for bit; the columns split across threads.
 void packed_rows(const float* x, int64_t M, const PackedLinear& w, float* y);

@@ -104,7 +104,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_cpu(
   for (int i = 0; i < 3; ++i)
     TORCH_CHECK(cos.size(i) == 1 || cos.size(i) == want[i], "cos, sin: expected a shape that broadcasts to [", B,
                 ", ", nqk, ", ", S, ", ", D, "] (q and k's heads), got ", cos.sizes());
-  const PackedLinear w = packed_linear(qkv_q, qkv_d, qkv_m, qkv_bits, qkv_bias, E);
+  const PackedLinear w = packed_linear(qkv_q, qkv_d, qkv_m, qkv_bits, qkv_bias, E, "qkv_");
   TORCH_CHECK(w.N == heads * D, "qkv_q: expected ", heads * D, " output rows ((n_q + 2 n_kv) x head dimension ", D,
               "), got ", qkv_q.sizes());
   at::Tensor keep_w, keep_q, keep_k;
@@ -185,9 +185,10 @@ at::Tensor decoder_post_attention_cpu(const at::Tensor& h, const at::Tensor& att
   const int64_t I = gate_up_q.size(0) / 2;
   int64_t A = 1;  // the attention's width per row
   for (int64_t i = 2; i < attn.dim(); ++i) A *= attn.size(i);
-  const PackedLinear o = packed_linear(o_q, o_d, o_m, o_bits, o_bias, A);
-  const PackedLinear gu = packed_linear(gate_up_q, gate_up_d, gate_up_m, gate_up_bits, gate_up_bias, E);
-  const PackedLinear dn = packed_linear(down_q, down_d, down_m, down_bits, down_bias, I);
+  const PackedLinear o = packed_linear(o_q, o_d, o_m, o_bits, o_bias, A, "o_");
+  const PackedLinear gu =
+      packed_linear(gate_up_q, gate_up_d, gate_up_m, gate_up_bits, gate_up_bias, E, "gate_up_");
+  const PackedLinear dn = packed_linear(down_q, down_d, down_m, down_bits, down_bias, I, "down_");
   TORCH_CHECK(o.N == E, "o_q: expected ", E, " output rows (h's E), got ", o_q.sizes());
   TORCH_CHECK(dn.N == E, "down_q: expected ", E, " output rows (h's E), got ", down_q.sizes());
   at::Tensor keep_w;

@@ -16,10 +16,11 @@
 namespace {
 
 // The bias as a float32 pointer (nullptr when there is none), checked: a CPU float32 tensor [N]; b holds it.
-const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& b) {
+const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& b,
+                          const char* name = "") {
   if (!bias.has_value()) return nullptr;
   b = bias->contiguous();
-  TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kFloat && b.dim() == 1 && b.size(0) == N,
+  TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kFloat && b.dim() == 1 && b.size(0) == N, name,
               "bias: expected a CPU float32 tensor of shape [", N, "], got ", b.scalar_type(), " ", b.sizes(), " on ",
               b.device());
   return b.data_ptr<float>();
@@ -72,7 +73,7 @@ at::Tensor skinny_linear_packed_cpu(const at::Tensor& x, const at::Tensor& q, co
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x: expected float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, "x: expected [..., K], got a 0-d tensor");
   const int64_t K = x.size(-1);
-  const fastverify::cpu::PackedLinear w = fastverify::cpu::packed_linear(q, d, m, bits, bias, K);
+  const fastverify::cpu::PackedLinear w = fastverify::cpu::packed_linear(q, d, m, bits, bias, K, "");
   const std::vector<int64_t> out_shape = output_shape(x, w.N);
   at::Tensor y = at::empty(out_shape, x.options());
   if (y.numel() == 0) return y;
@@ -211,19 +212,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> pack_blocks_cpu(const at
 namespace fastverify::cpu {
 
 PackedLinear packed_linear(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m, int64_t bits,
-                           const std::optional<at::Tensor>& bias, int64_t K) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: expected 4 or 8, got ", bits);
-  TORCH_CHECK(q.device().is_cpu() && d.device().is_cpu() && m.device().is_cpu(), "q, d, m: expected CPU tensors");
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2, "q: expected a uint8 tensor [N, K * bits / 8], got ",
+                           const std::optional<at::Tensor>& bias, int64_t K, const char* name) {
+  TORCH_CHECK(bits == 4 || bits == 8, name, "bits: expected 4 or 8, got ", bits);
+  TORCH_CHECK(q.device().is_cpu() && d.device().is_cpu() && m.device().is_cpu(), name, "q, ", name, "d, ", name,
+              "m: expected CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2, name, "q: expected a uint8 tensor [N, K * bits / 8], got ",
               q.scalar_type(), " ", q.sizes());
   const int64_t N = q.size(0);
-  TORCH_CHECK(K % 32 == 0 && q.size(1) * 8 == K * bits, "q: expected shape [N, K * bits / 8] = [", N, ", ",
+  TORCH_CHECK(K % 32 == 0 && q.size(1) * 8 == K * bits, name, "q: expected shape [N, K * bits / 8] = [", N, ", ",
               K * bits / 8, "] for x's K = ", K, " (a multiple of 32), got ", q.sizes());
-  for (const auto& [t, name] : {std::pair{&d, "d"}, {&m, "m"}})
+  for (const auto& [t, what] : {std::pair{&d, "d"}, {&m, "m"}})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == N && t->size(1) == K / 32, name,
-                ": expected float32 [N, K / 32] = [", N, ", ", K / 32, "], got ", t->scalar_type(), " ", t->sizes());
+                what, ": expected float32 [N, K / 32] = [", N, ", ", K / 32, "], got ", t->scalar_type(), " ",
+                t->sizes());
   PackedLinear w{{}, N, nullptr, q.contiguous(), d.contiguous(), m.contiguous(), {}};
-  w.bias = checked_bias(bias, N, w.b);
+  w.bias = checked_bias(bias, N, w.b, name);
   w.p = {w.q.data_ptr<uint8_t>(), w.d.data_ptr<float>(), w.m.data_ptr<float>(), static_cast<int>(bits), K};
   return w;
 }
