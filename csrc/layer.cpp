@@ -18,6 +18,14 @@
 //       out as zeros (q / k / v, and h'), as the Python forward's index_select / scatter_rows give them.
 //   q_norm_weight, q_norm_eps, k_norm_weight, k_norm_eps (both pre-attention ops; the weights [D] or None, both or
 //       neither): Qwen3's RMSNorm of each q head and each k head over its D dimensions, before the rotation.
+//   decoder_stack(h, weights, ints, floats, cos, sin, k_caches, v_caches (mutated), start, mask, index) -> h'
+//       L decoder layers in a row, each decoder_pre_attention, append_attention of its q, k, v into k_caches[l] /
+//       v_caches[l] at row start (scale and mask as there), then decoder_post_attention: one call for a step's whole
+//       stack (fastverify/hf/layers.py `_Stack`), bit for bit the layers' own calls. Per layer l, 20 entries of
+//       weights: norm_weight, qkv_q, qkv_d, qkv_m, qkv_bias, q_norm_weight, k_norm_weight, o_q, o_d, o_m, o_bias,
+//       post-attention norm_weight, gate_up_q, gate_up_d, gate_up_m, gate_up_bias, down_q, down_d, down_m,
+//       down_bias (None where absent); 6 of ints: qkv_bits, o_bits, gate_up_bits, down_bits, n_q, n_kv; 5 of
+//       floats: eps, q_norm_eps, k_norm_eps, the post-attention eps, the attention's scale. CPU only.
 //
 //   decoder_pre_attention_dense(h [B, S, E], norm_weight, eps, qkv_weight [W_q, W_k, W_v], qkv_bias [b_q, b_k,
 //                               b_v] (each None or a tensor), cos [B or 1, 1, S, D], sin (as cos), sin_rolled
@@ -58,6 +66,8 @@ TORCH_LIBRARY_FRAGMENT(fastverify, m) {
         "Tensor? o_bias, Tensor norm_weight, float eps, Tensor gate_up_q, Tensor gate_up_d, Tensor gate_up_m, "
         "int gate_up_bits, Tensor? gate_up_bias, Tensor down_q, Tensor down_d, Tensor down_m, int down_bits, "
         "Tensor? down_bias, Tensor? index=None) -> Tensor");
+  m.def("decoder_stack(Tensor h, Tensor?[] weights, int[] ints, float[] floats, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int start, Tensor mask, Tensor? index=None) -> Tensor");
   m.def("decoder_pre_attention_dense(Tensor h, Tensor norm_weight, float eps, Tensor[] qkv_weight, Tensor?[] qkv_bias, "
         "Tensor cos, Tensor sin, Tensor sin_rolled, int n_q, int n_kv, int skinny_rows=0, Tensor? q_norm_weight=None, "
         "float q_norm_eps=0.0, Tensor? k_norm_weight=None, float k_norm_eps=0.0) -> (Tensor, Tensor)");

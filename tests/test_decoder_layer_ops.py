@@ -391,3 +391,59 @@ def test_dense_decoder_ops_bad_input_names_the_argument():
     args[4] = args[4][:1]
     with pytest.raises(RuntimeError, match=r"gate_up_weight: expected \[W_gate, W_up\]"):
         ops.decoder_post_attention_dense(h, torch.randn(1, 2, 64), *args)
+
+
+def stack_entries(L, heads=None, scale=0.25):
+    """One layer's entries of decoder_stack's weights, ints and floats (csrc/layer.cpp)."""
+    wq, eq, wk, ek = heads or (None, 0.0, None, 0.0)
+    qkv, o, gu, dn = L["qkv"], L["o"], L["gate_up"], L["down"]
+    weights = [L["w1"], qkv.q, qkv.d, qkv.m, L["qkv_b"], wq, wk, o.q, o.d, o.m, L["o_b"], L["w2"], gu.q, gu.d, gu.m,
+               L["gate_up_b"], dn.q, dn.d, dn.m, L["down_b"]]
+    return weights, [qkv.bits, o.bits, gu.bits, dn.bits, L["n_q"], L["n_kv"]], [L["eps"], eq, ek, L["eps"], scale]
+
+
+@needs_ops
+@pytest.mark.parametrize("bias,heads,live", [(False, False, False), (True, False, False), (False, True, False),
+                                             (True, False, True), (False, True, True)])
+def test_decoder_stack_is_the_layers_calls_bit_for_bit(bias, heads, live):
+    """decoder_stack over three layers: each layer's decoder_pre_attention, append_attention into its caches and
+    decoder_post_attention in turn, the outputs and the caches bit for bit."""
+    g = torch.Generator().manual_seed(40 + 4 * bias + 2 * heads + live)
+    B, S, C, start = 2, 3, 12, 5
+    layers = [layer(g, bias=bias) for _ in range(3)]
+    norms = [head_norms(L, g) if heads else None for L in layers]
+    E, D, n_q, n_kv = (layers[0][k] for k in ("E", "D", "n_q", "n_kv"))
+    h = torch.randn(B, S, E, generator=g)
+    cos, sin = rotary_tables(B, S, D, g)
+    caches = [(torch.randn(B, n_kv, C, D, generator=g), torch.randn(B, n_kv, C, D, generator=g)) for _ in layers]
+    mask = torch.zeros(B, 1, S, start + S)
+    mask[0, :, :, :2] = float("-inf")  # a left-padded row
+    mask[:, :, 0, start + 1:] = float("-inf")
+    index = torch.tensor([0, 1, 2, 4]) if live else None
+    want_caches = [(k.clone(), v.clone()) for k, v in caches]
+    x = h
+    for L, hn, (kc, vc) in zip(layers, norms, want_caches):
+        qk, v = ops.decoder_pre_attention(x, *pre_args(L), cos, sin, n_q, n_kv, index, *(hn or ()))
+        attn = ops.append_attention(qk[:, :n_q], qk[:, n_q:], v, kc, vc, start, mask, 0.25)
+        x = ops.decoder_post_attention(x, attn, *post_args(L), index)
+    entries = [stack_entries(L, hn) for L, hn in zip(layers, norms)]
+    args = ([w for e in entries for w in e[0]], [i for e in entries for i in e[1]], [f for e in entries for f in e[2]])
+    got = ops.decoder_stack(h, *args, cos, sin, [k for k, _ in caches], [v for _, v in caches], start, mask, index)
+    assert torch.equal(float_bits(got), float_bits(x))
+    for (k, v), (wk, wv) in zip(caches, want_caches):
+        assert torch.equal(float_bits(k), float_bits(wk)) and torch.equal(float_bits(v), float_bits(wv))
+    with pytest.raises(RuntimeError, match="weights, ints, floats: expected 20, 6 and 5 entries per layer"):
+        ops.decoder_stack(h, args[0][:-1], *args[1:], cos, sin, [k for k, _ in caches], [v for _, v in caches],
+                          start, mask, index)
+    with pytest.raises(RuntimeError, match="v_caches: expected one per layer"):
+        ops.decoder_stack(h, *args, cos, sin, [k for k, _ in caches], [v for _, v in caches][:2], start, mask, index)
+    weights = list(args[0])
+    weights[20 + 17] = None
+    with pytest.raises(RuntimeError, match="weights: entry 37 \\(layer 1's down_d\\) is None"):
+        ops.decoder_stack(h, weights, *args[1:], cos, sin, [k for k, _ in caches], [v for _, v in caches], start,
+                          mask, index)
+    with pytest.raises(RuntimeError, match="start: expected 0 <= start and start \\+ n <= C"):
+        ops.decoder_stack(h, *args, cos, sin, [k for k, _ in caches], [v for _, v in caches], C - 1,
+                          torch.zeros(B, 1, S, C - 1 + S), index)
+    torch.library.opcheck(ops.decoder_stack.default, (h, *args, cos, sin, [k for k, _ in caches],
+                                                      [v for _, v in caches], start, mask, index))

@@ -230,6 +230,52 @@ def test_patched_generate_with_lean_layers_is_greedy_exact_and_samples_the_same_
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_generate_runs_the_layers_as_one_stack(family):
+    """On the loop's cache, every decoding step's layers run as one decoder_stack call (the first step's prompt
+    fills the cache through the layers' own calls), greedy output exact; a forward hook on a layer keeps the
+    layers' own calls (the hook sees its layer's output) and the same output."""
+    from conftest import assert_greedy_exact, patched_generate, repetitive
+
+    if hf_layers._stack_op is None or not skinny_available():
+        pytest.skip("fastverify._C without the decoder layer ops or the skinny kernels")
+    model = tiny(family, quantised=True, seed=9)
+    ids = torch.tensor([repetitive(30, 96, seed=10)])
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with prof:
+        out, stats = patched_generate(model, fastverify.NGramDrafter(), ids, max_new_tokens=12)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("fastverify::decoder_stack", 0) == stats.steps - 1 > 0
+    assert_greedy_exact(model, fastverify.NGramDrafter(), ids, max_new_tokens=12)
+    seen = []
+    handle = model.model.layers[1].register_forward_hook(lambda m, args, output: seen.append(output))
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    try:
+        with prof:
+            hooked, stats = patched_generate(model, fastverify.NGramDrafter(), ids, max_new_tokens=12)
+    finally:
+        handle.remove()
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("fastverify::decoder_stack", 0) == 0 and len(seen) == stats.steps
+    assert torch.equal(hooked, out)
+
+
+def test_a_layer_called_out_of_the_stacks_order_raises():
+    """After the stack ran a forward's layers, a later layer is handed the stack's result in order; anything else
+    (a model forward that changes the hidden state between layers) is an error, never a layer run twice."""
+    model = tiny("llama", quantised=True)
+    with skinny_linears(model), gqa_attention(model), lean_layers(model):
+        stack = model.model.layers[0]._fastverify[0].stack
+        assert stack is not None and model.model.layers[1]._fastverify[0].stack is stack
+        out = torch.zeros(1, 2, 64)
+        stack.passing.next, stack.passing.out = 1, out
+        assert stack.hands_on(1, out) and stack.passing.out is None  # the last layer: done
+        stack.passing.next, stack.passing.out = 1, out
+        with pytest.raises(RuntimeError, match="decoder layer 1 was called after the decoder stack ran"):
+            stack.hands_on(1, out.clone())
+        assert not stack.hands_on(1, out)  # reset by the error
+
+
 def test_hooked_and_other_layers_keep_their_own_forward():
     model = tiny("llama")
     handle = model.model.layers[0].mlp.register_forward_hook(lambda *args: None)

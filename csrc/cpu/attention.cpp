@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "cpu/kernels.h"
 
 namespace {
 
@@ -131,6 +132,12 @@ at::Tensor append_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
 }
 
 }  // namespace
+
+at::Tensor fastverify::cpu::append_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             at::Tensor& k_cache, at::Tensor& v_cache, int64_t start,
+                                             const at::Tensor& mask, double scale) {
+  return append_attention_cpu(q, k, v, k_cache, v_cache, start, mask, scale);
+}
 
 TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
   m.impl("masked_attention", &masked_attention_cpu);

@@ -1,7 +1,8 @@
 // What the CPU ops share with each other beyond their schemas: the checked packed projection of
-// skinny_linear_packed, the rows of rms_norm and the row of rotary_embedding, each defined beside its own op
-// (csrc/cpu/linear.cpp, norm.cpp, rotary.cpp) and called by the decoder layer ops (csrc/cpu/layer.cpp) on raw rows,
-// so that a layer's steps are those ops' own arithmetic without a dispatcher call or a tensor per step.
+// skinny_linear_packed, the rows of rms_norm, the row of rotary_embedding and append_attention, each defined beside
+// its own op (csrc/cpu/linear.cpp, norm.cpp, rotary.cpp, attention.cpp) and called by the decoder layer ops
+// (csrc/cpu/layer.cpp) on raw rows, so that a layer's steps are those ops' own arithmetic without a dispatcher call
+// or a tensor per step.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -35,5 +36,10 @@ void rms_rows(const float* x, int64_t rows, int64_t D, const float* weight, doub
 // rotary_embedding's result for one row of D values (D even): y = x cos + rotate_half(x) sin, each product
 // rounded before the sum.
 void rotate_row(const float* x, const float* cos, const float* sin, int64_t D, float* y);
+
+// append_attention's result: k / v written to rows [start, start + n) of the caches, q's attention over their rows
+// [0, start + n), [B, n, Hq, D].
+at::Tensor append_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                            at::Tensor& v_cache, int64_t start, const at::Tensor& mask, double scale);
 
 }  // namespace fastverify::cpu

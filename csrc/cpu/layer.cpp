@@ -227,9 +227,51 @@ at::Tensor decoder_post_attention_cpu(const at::Tensor& h, const at::Tensor& att
   return out;
 }
 
+// Per layer: the entries of decoder_stack's weights, ints and floats (csrc/layer.cpp).
+constexpr int64_t kWeights = 20, kInts = 6, kFloats = 5;
+
+at::Tensor decoder_stack_cpu(const at::Tensor& h, const c10::List<OptTensor>& weights, at::IntArrayRef ints,
+                             at::ArrayRef<double> floats, const at::Tensor& cos, const at::Tensor& sin,
+                             at::TensorList k_caches, at::TensorList v_caches, int64_t start, const at::Tensor& mask,
+                             const OptTensor& index) {
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L, "v_caches: expected one per layer (", L,
+              " as k_caches), got ", v_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeights * L && static_cast<int64_t>(ints.size()) == kInts * L &&
+                  static_cast<int64_t>(floats.size()) == kFloats * L,
+              "weights, ints, floats: expected ", kWeights, ", ", kInts, " and ", kFloats, " entries per layer (", L,
+              " layers: k_caches), got ", weights.size(), ", ", ints.size(), " and ", floats.size());
+  auto required = [&](int64_t i, const char* name) -> at::Tensor {
+    const OptTensor w = weights.get(i);
+    TORCH_CHECK(w.has_value(), "weights: entry ", i, " (layer ", i / kWeights, "'s ", name, ") is None");
+    return *w;
+  };
+  at::Tensor x = h;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t w = kWeights * l;
+    const int64_t* n = ints.data() + kInts * l;
+    const double* f = floats.data() + kFloats * l;
+    const auto [qk, v] = decoder_pre_attention_cpu(
+        x, required(w, "norm_weight"), f[0], required(w + 1, "qkv_q"), required(w + 2, "qkv_d"),
+        required(w + 3, "qkv_m"), n[0], weights.get(w + 4), cos, sin, n[4], n[5], index, weights.get(w + 5), f[1],
+        weights.get(w + 6), f[2]);
+    at::Tensor kc = k_caches[l], vc = v_caches[l];
+    const at::Tensor attn = fastverify::cpu::append_attention(qk.narrow(1, 0, n[4]), qk.narrow(1, n[4], n[5]), v, kc,
+                                                              vc, start, mask, f[4]);
+    x = decoder_post_attention_cpu(x, attn, required(w + 7, "o_q"), required(w + 8, "o_d"), required(w + 9, "o_m"),
+                                   n[1], weights.get(w + 10), required(w + 11, "post-attention norm_weight"), f[3],
+                                   required(w + 12, "gate_up_q"), required(w + 13, "gate_up_d"),
+                                   required(w + 14, "gate_up_m"), n[2], weights.get(w + 15),
+                                   required(w + 16, "down_q"), required(w + 17, "down_d"), required(w + 18, "down_m"),
+                                   n[3], weights.get(w + 19), index);
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
   m.impl("decoder_pre_attention", &decoder_pre_attention_cpu);
   m.impl("decoder_post_attention", &decoder_post_attention_cpu);
+  m.impl("decoder_stack", &decoder_stack_cpu);
 }

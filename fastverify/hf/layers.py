@@ -49,6 +49,7 @@ with heads + n-gram (17%).
 
 import contextlib
 import sys
+import threading
 import types
 
 import torch
@@ -146,6 +147,7 @@ _pre_op, _post_op = _ext.compiled_op("decoder_pre_attention"), _ext.compiled_op(
 _dense_pre_op = _ext.compiled_op("decoder_pre_attention_dense")
 _dense_post_op = _ext.compiled_op("decoder_post_attention_dense")
 _append_op = _ext.compiled_op("append_attention")
+_stack_op = _ext.compiled_op("decoder_stack")
 
 if _rms_op is not None:
     @torch.library.register_fake("fastverify::rms_norm")
@@ -179,6 +181,11 @@ if _pre_op is not None:
         return _pre_attention_fakes(h, cos, n_q, n_kv, True)
 
     torch.library.register_fake("fastverify::decoder_post_attention")(_post_attention_fake)
+
+if _stack_op is not None:
+    @torch.library.register_fake("fastverify::decoder_stack")
+    def _decoder_stack_fake(h, weights, ints, floats, cos, sin, k_caches, v_caches, start, mask, index=None):
+        return torch.empty_like(h, memory_format=torch.contiguous_format)
 
 if _dense_pre_op is not None:
     @torch.library.register_fake("fastverify::decoder_pre_attention_dense")
@@ -240,6 +247,22 @@ class _Plan:
         self.head_args = tuple(x for w, eps in self.head_norms for x in (w, eps)) if self.head_norms else ()
         self.fused = self._fused_args(a, m) if pack else None
         self.dense = self._dense_args(a, m) if self.fused is None else None
+        self.stack = None  # the ``_Stack`` this layer belongs to, if any (set by ``lean_layers``)
+
+    def stack_entries(self):
+        """This layer's entries of ``decoder_stack``'s weights, ints and floats (csrc/layer.cpp), or None unless it
+        runs the packed ops and the loop's append_attention."""
+        if self.fused is None or self.append_attention is None:
+            return None
+        (w1, eps1, qkv_q, qkv_d, qkv_m, qkv_bits, qkv_bias), post = self.fused
+        o_q, o_d, o_m, o_bits, o_bias, w2, eps2, gu_q, gu_d, gu_m, gu_bits, gu_bias, dn_q, dn_d, dn_m, dn_bits, \
+            dn_bias = post
+        wq, eq, wk, ek = self.head_args or (None, 0.0, None, 0.0)
+        scale = self.head_dim ** -0.5 if self.scaling is None else self.scaling
+        weights = [w1, qkv_q, qkv_d, qkv_m, qkv_bias, wq, wk, o_q, o_d, o_m, o_bias, w2, gu_q, gu_d, gu_m, gu_bias,
+                   dn_q, dn_d, dn_m, dn_bias]
+        return (weights, [qkv_bits, o_bits, gu_bits, dn_bits, self.nq, self.nk],
+                [float(eps1), float(eq), float(ek), float(eps2), float(scale)])
 
     def _fused_args(self, a, m):
         """The packed weights of ``decoder_pre_attention`` / ``decoder_post_attention`` (csrc/layer.cpp), or None
@@ -355,17 +378,107 @@ def _attend(plan, q, k, v, cache, attention_mask, kwargs):
     return out
 
 
+class _Stack:
+    """Every decoder layer of a model in one ``fastverify::decoder_stack`` call (csrc/layer.cpp): the layers' packed
+    ops and their append_attention, bit for bit, without a Python call, a module call and three op calls per layer
+    (SmolLM2-135M: ~1.5 ms of a 9 ms one-row step on a 2-core AMD EPYC VM). transformers' model forward still calls
+    each layer: the first runs the stack where the forward qualifies (where ``_forward`` would run each layer's
+    packed ops and append_attention), and each later one then hands on what it is given, the stack's result (per
+    thread: the layer next to do so and that tensor). Where the forward does not qualify, every layer runs its own
+    ``_forward``."""
+
+    def __init__(self, plans):
+        self.plans = plans
+        entries = [p.stack_entries() for p in plans]
+        self.weights = [w for e in entries for w in e[0]]
+        self.ints = [i for e in entries for i in e[1]]
+        self.floats = [f for e in entries for f in e[2]]
+        self.passing = threading.local()
+
+    @staticmethod
+    def build(layers):
+        """The stack of ``layers`` (the model's decoder layers in their order, each with its ``_fastverify``), or
+        None: every one must take the packed ops and append_attention as layer i of the cache, with the same heads,
+        under one mask (no sliding window, one attention type) and without hooks (which would see the stack's
+        result, not their layer's)."""
+        if _stack_op is None or not layers:
+            return None
+        plans = [layer._fastverify[0] for layer in layers]
+        first, kind = plans[0], getattr(layers[0], "attention_type", None)
+        if any(p.layer_idx != i or p.stack_entries() is None or p.extra.get("sliding_window")
+               or (p.nq, p.nk, p.head_dim) != (first.nq, first.nk, first.head_dim)
+               or getattr(layer, "attention_type", None) != kind
+               or any(not _capturing(h) for h in layer._forward_hooks.values()) or layer._forward_pre_hooks
+               for i, (p, layer) in enumerate(zip(plans, layers))):
+            return None
+        return _Stack(plans)
+
+    def run(self, h, attention_mask, cache, cos, sin, index, kwargs):
+        """The stack's output for the first layer's input h, or None where this forward does not qualify."""
+        plan, passing = self.plans[0], self.passing
+        passing.out = None
+        if h.dim() != 3 or cos.dim() != 4 or torch.is_grad_enabled() or not _fusable(h, cos, plan, index):
+            return None
+        layers = getattr(cache, "layers", None)
+        if (layers is None or len(layers) < len(self.plans) or getattr(cache, "offloading", False)
+                or any(p.attn.training for p in self.plans)):
+            return None
+        layers = layers[:len(self.plans)]
+        B, n = h.shape[0], h.shape[1]
+        buffered, start = _buffered_layer_class(), -1
+        for c in layers:
+            at = c.room(n, (B, plan.nk)) if type(c) is buffered else -1
+            if at < 0 or (start >= 0 and at != start) or not c._kbuf.dtype == c._vbuf.dtype == torch.float32:
+                return None
+            start = at
+        query = h.new_empty(1).expand(B, plan.nq, n, plan.head_dim)  # the shape the layers' q will have
+        if not masked_rows(query, plan.nk, start + n, torch.float32, attention_mask, 0.0, kwargs):
+            return None
+        out = _stack_op(h, self.weights, self.ints, self.floats, cos, sin, [c._kbuf for c in layers],
+                        [c._vbuf for c in layers], start, attention_mask, index)
+        for c in layers:
+            c._klen = c._vlen = start + n
+        if len(self.plans) > 1:
+            passing.next, passing.out = 1, out
+        return out
+
+    def hands_on(self, layer_idx, hidden_states) -> bool:
+        """Whether the layer ``layer_idx`` (> 0) hands on ``hidden_states``: the stack ran this forward (and this
+        must then be its result, reaching the layers in their order)."""
+        passing = self.passing
+        out = getattr(passing, "out", None)
+        if out is None:
+            return False
+        if layer_idx != passing.next or hidden_states is not out:
+            passing.out = None
+            raise RuntimeError(f"fastverify: decoder layer {layer_idx} was called after the decoder stack ran "
+                               f"every layer, out of order or on another tensor than its result (expected layer "
+                               f"{passing.next} on it): the model's forward is not the one fastverify.hf.layers "
+                               f"knows (patch with lean_layers=False)")
+        passing.next += 1
+        if passing.next == len(self.plans):
+            passing.out = None
+        return True
+
+
 def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
              position_embeddings=None, **kwargs):
     """The decoder layer's forward (transformers' Llama / Mistral / Qwen2 / Qwen3), op for op;
     ``self._fastverify``: its ``_Plan``, the shared ``_Rotary`` and the caller's ``LiveRows`` (or None)."""
     plan, rotary, live = self._fastverify
+    stack = plan.stack
+    if stack is not None and plan.layer_idx > 0 and stack.hands_on(plan.layer_idx, hidden_states):
+        return hidden_states
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)
     shape = hidden_states.shape[:-1]
     index = live.index if live is not None and shape.numel() == live.total else None
     cos, sin, sin_rolled = rotary(*position_embeddings)
+    if stack is not None and plan.layer_idx == 0:
+        out = stack.run(hidden_states, attention_mask, cache, cos, sin, index, kwargs)
+        if out is not None:
+            return out
     ops = None  # the steps around the attention from C++ (csrc/layer.cpp): the same ops, the same bits
     if hidden_states.dim() == 3 and cos.dim() == 4 and not torch.is_grad_enabled():
         if plan.fused is not None and _fusable(hidden_states, cos, plan, index):
@@ -402,6 +515,18 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, cache=
     gu = plan.project(plan.gate_up, plan.gate_up_bias, plan.gate_up_mods, x)
     h = h + plan.down_proj(plan.act(gu[..., :plan.inter]) * gu[..., plan.inter:])
     return h if index is None else scatter_rows(h, index, live.total).view(*shape, -1)
+
+
+def _decoder_layers(model, lean):
+    """The model's decoder layers in the order its forward calls them (the ModuleList holding the lean layers, cut
+    to ``config.num_hidden_layers``), if every one of them is lean; else []."""
+    if not lean:
+        return []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and module[0] is lean[0]:
+            layers = list(module)[:getattr(getattr(lean[0].self_attn, "config", None), "num_hidden_layers", None)]
+            return layers if len(layers) == len(lean) and all(a is b for a, b in zip(layers, lean)) else []
+    return []
 
 
 @torch.no_grad()
@@ -445,6 +570,9 @@ def lean_layers(model, pack: bool = True, max_rows: int = MAX_ROWS, live: LiveRo
             if not _VERDICT[cls]:
                 del layer.forward, layer._fastverify
                 done.pop()
+        stack = _Stack.build(_decoder_layers(model, done))
+        for layer in done:
+            layer._fastverify[0].stack = stack
         yield len(done)
     finally:
         for layer in done:
