@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from fastverify.hf import MODEL_REGISTRY, patch, stats, unpatch
+from fastverify.hf import MODEL_REGISTRY, Drafter, NGramDrafter, patch, stats, unpatch
 from fastverify.hf import probe
 from fastverify.hf.probe import ProbeDrafter, _differs
 
@@ -140,3 +140,55 @@ def test_differs_allows_rounding_and_near_ties_only():
     assert "differ from generate's by 0.0333" in _differs(far, ref, [[1, 1]], [[1, 1]], 1e-3)
     nan = [ref[0], torch.tensor([[0.0, float("nan"), 5.0]])]
     assert "new token 1" in _differs(nan, ref, [[1, 1]], [[1, 1]], 1e-3)
+
+
+def _sample(model, ids, mask, drafter, **kw):
+    """A seeded sampled patched generate with ``drafter``: (output, its stats, the warnings' messages)."""
+    patch(model, drafter=drafter)
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16, do_sample=True,
+                                     temperature=1.3, seed=7, **kw)
+        return out, stats(model), [str(w.message) for w in record]
+    finally:
+        unpatch(model)
+
+
+def test_sampling_drafts_where_the_loop_is_row_invariant():
+    """Llama through the loop's kernels: its rows are the same bits beside draft rows, so sampled calls draft."""
+    from fastverify.hf.loop import DecodeSettings
+    model = tiny("llama")
+    assert probe.check_rows(model, DecodeSettings(max_new_tokens=1, eos_token_ids=[], pad_token_id=0)) is None
+    ids, mask = _prompts(2)
+    out, st, messages = _sample(model, ids, mask, NGramDrafter())
+    assert st.drafted_tokens > 0 and not any("without drafts" in m for m in messages)
+    ref, _, _ = _sample(model, ids, mask, Drafter())
+    assert torch.equal(out, ref)
+
+
+def test_sampling_without_drafts_where_the_loop_is_not_row_invariant(monkeypatch):
+    """Gemma 2's attention runs eager (torch's matmul over the query rows), so a row's logits round differently
+    beside draft rows: sampled calls decode without drafts, with a warning, and draw what undrafted decoding draws;
+    greedy calls still draft. The verdict is kept for the patch: one check."""
+    calls = []
+    check = probe.check_rows
+    monkeypatch.setattr(sys.modules["fastverify.hf.patch"], "check_rows", lambda *a: calls.append(1) or check(*a))
+    model = tiny("gemma2", attn="eager")
+    ids, mask = _prompts(2)
+    out, st, messages = _sample(model, ids, mask, NGramDrafter())
+    assert st.drafted_tokens == 0
+    assert any("sampling without drafts: this model's verify forward is not row-invariant" in m for m in messages)
+    ref, _, _ = _sample(model, ids, mask, Drafter())
+    assert torch.equal(out, ref)
+    patch(model, drafter=NGramDrafter())
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16, do_sample=True, seed=7)
+            model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16, do_sample=False)
+        assert stats(model).drafted_tokens > 0  # greedy drafts
+    finally:
+        unpatch(model)
+    assert calls == [1, 1]  # the first sampled call of each patch

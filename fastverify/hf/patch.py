@@ -33,7 +33,7 @@ from fastverify.hf.linear import pack_model
 from fastverify.hf.loop import (SAMPLING_RULES, DecodeSettings, StopStrings, decode, embedding_rows, model_dtype,
                                  model_vocab_size)
 from fastverify.hf.model_limits import loop_window, position_limit, sequence_limit
-from fastverify.hf.probe import check_key, check_model
+from fastverify.hf.probe import check_key, check_model, check_rows
 
 __all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
            "SUPPORTED_TRANSFORMERS"]
@@ -116,6 +116,8 @@ class _PatchState:
     # computation options); one is made at the first call the loop runs under each
     unregistered: bool = False
     checks: dict = dataclasses.field(default_factory=dict)
+    # fastverify.hf.probe.check_rows's verdicts for sampled calls, keyed as ``checks`` (``_sample_row_invariant``)
+    row_checks: dict = dataclasses.field(default_factory=dict)
 
 
 class PatchedGenerate:
@@ -223,6 +225,11 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         generate, with the reason, on every such call).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
+
+    Seeded sampling (the coupled rule) draws what undrafted decoding draws, draw for draw, where the loop's
+    forwards are row-invariant; the first sampled call under each dtype, device and options checks that on a probe
+    batch (fastverify.hf.probe.check_rows), and where it does not hold sampled calls decode without drafts, with a
+    warning.
 
     What the patched generate does not run falls back to the original generate with one warning naming the
     reason; that includes sequences longer than a chunked attention layer's reach, than a sliding-window one's
@@ -766,6 +773,25 @@ def _warn_precision(model, state, rule):
                   f"output has differed in any measurement (warned once per patch)", UserWarning, stacklevel=4)
 
 
+def _sample_row_invariant(model, state, plan):
+    """Seeded sampling under the coupled rule draws each token as undrafted decoding would, draw for draw, where the
+    loop's forwards are row-invariant (a sampled row's logits the same bits beside draft rows: README, "Exactness").
+    Checked once per setup (``probe.check_rows``, kept as the probe's verdicts are); where they are not, this call
+    samples without drafts (its draws those of the seeded stream), with a warning."""
+    settings = plan["settings"]
+    if settings.rule != "coupled" or settings.warp.get("temperature", 0.0) <= 0 or type(plan["drafter"]) is Drafter:
+        return
+    key = check_key(model, settings)
+    verdicts = state.__dict__.setdefault("row_checks", {})  # a model pickled with an earlier state has none
+    if key not in verdicts:
+        verdicts[key] = check_rows(model, settings) or ""
+    if verdicts[key]:
+        warnings.warn(f"fastverify: sampling without drafts: this model's verify forward is not row-invariant "
+                      f"({verdicts[key]}), so a drafted step could draw another token than the seeded stream's "
+                      f"(fastverify.hf.probe.check_rows)", UserWarning, stacklevel=4)
+        plan["drafter"] = Drafter()
+
+
 def _patched_generate(self, *args, **kwargs):
     state = self.__dict__[_STATE_ATTR]
     plan, reason = _plan(self, state, args, kwargs)
@@ -780,6 +806,7 @@ def _patched_generate(self, *args, **kwargs):
             return _fallback(self, state, f"model type {self.config.model_type!r} is not registered and failed the "
                                           f"loop's check of it (fastverify.hf.probe): {checks[key]}", args, kwargs)
     _warn_precision(self, state, plan["settings"].rule)
+    _sample_row_invariant(self, state, plan)
     record = {}
     sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], plan["drafter"], plan["settings"],
                                    plan["streamer"], record=record)

@@ -29,7 +29,7 @@ from fastverify.hf.drafters import Drafter, empty_tree
 from fastverify.hf.loop import DecodeSettings, decode, embedding_rows, model_dtype, model_vocab_size
 from fastverify.tree import Tree
 
-__all__ = ["check_key", "check_model", "ProbeDrafter", "TOLERANCE"]
+__all__ = ["check_key", "check_model", "check_rows", "ProbeDrafter", "TOLERANCE"]
 
 # the largest difference between the loop's logits and generate's that counts as rounding, relative to the row's
 # largest |logit| (at least 1): a verify forward's rows round differently from one-row decoding
@@ -148,3 +148,31 @@ def check_model(model, original_generate, settings: DecodeSettings):
         return f"the loop raised {type(e).__name__}: {str(e)[:120]}"
     return _differs(record["logits"], ref.logits, out[:, ids.shape[1]:].tolist(), ref_tokens,
                     TOLERANCE.get(model_dtype(model), 5e-2))
+
+
+def check_rows(model, settings: DecodeSettings):
+    """Whether the loop's forwards on ``model`` are row-invariant, as seeded sampling with drafts needs (a sampled
+    row's logits the bits of undrafted decoding's, so that each draw is the seeded stream's): decode the probe batch
+    through the loop without drafts, then with ``ProbeDrafter``'s trees on those tokens, and compare every new
+    token's logits bit for bit. None when they are the same, else the reason. Rows round differently beside draft
+    rows where a layer's arithmetic depends on the number of rows: attention that runs eager (torch's matmul over the
+    query rows), mixture-of-experts layers, GPT-2's ``Conv1D`` (README: "Exactness")."""
+    device = model.get_input_embeddings().weight.device
+    ids, mask = _probe_batch(model, device)
+    probe = DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=[], pad_token_id=0, output_logits=True,
+                           pace_batch=False, **{k: getattr(settings, k) for k in _KEPT})
+    plain, drafted = {}, {}
+    try:
+        with torch.no_grad():
+            out, _ = decode(model, ids, mask, Drafter(), probe, record=plain)
+            tokens = out[:, ids.shape[1]:].tolist()
+            decode(model, ids, mask, ProbeDrafter(tokens, list(PROMPTS), model_vocab_size(model)), probe,
+                   record=drafted)
+    except Exception as e:  # noqa: BLE001 - a forward that refuses the loop's inputs
+        return f"the loop raised {type(e).__name__}: {str(e)[:120]}"
+    for t, (a, b) in enumerate(zip(plain["logits"], drafted["logits"])):
+        if not torch.equal(a, b):
+            err = float((a.float() - b.float()).abs().max())
+            return (f"with draft rows beside them, the logits of new token {t} differ from undrafted decoding's by "
+                    f"up to {err:.3g}")
+    return None
