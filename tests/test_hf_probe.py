@@ -192,3 +192,11 @@ def test_sampling_without_drafts_where_the_loop_is_not_row_invariant(monkeypatch
     finally:
         unpatch(model)
     assert calls == [1, 1]  # the first sampled call of each patch
+    patch(model, drafter=NGramDrafter(), invariant_sampling=False)  # drafting anyway, unchecked
+    try:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16, do_sample=True, seed=7)
+        assert stats(model).drafted_tokens > 0
+    finally:
+        unpatch(model)
+    assert calls == [1, 1]

@@ -222,7 +222,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         ``allow_unknown_model`` (a model type outside the registry: before the first call the loop runs, it decodes
         a small probe batch and compares it with the original generate, fastverify.hf.probe, again after the model
         is cast or moved or a call changes how the loop computes; a type that fails falls back to the original
-        generate, with the reason, on every such call).
+        generate, with the reason, on every such call), ``invariant_sampling`` (default True: seeded sampling draws
+        what undrafted decoding draws, checked as below; False: sampled calls draft on any model, the tokens'
+        distribution the same, a draw possibly another at a float near-tie where the forward is not row-invariant).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
 
@@ -246,12 +248,13 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
-             "pace_batch", "row_processors", "allow_unknown_model")
+             "pace_batch", "row_processors", "allow_unknown_model", "invariant_sampling")
     unknown = set(options) - set(RULE_PARAMS) - set(extra)
     if unknown:
         raise TypeError(f"fastverify.patch: unknown option(s) {sorted(unknown)}; expected rule parameters "
                         f"{RULE_PARAMS} or {', '.join(extra)}")
-    for name in ("skinny_linear", "pack_weights", "lean_layers", "live_rows", "pace_batch", "row_processors"):
+    for name in ("skinny_linear", "pack_weights", "lean_layers", "live_rows", "pace_batch", "row_processors",
+                 "invariant_sampling"):
         if options.get(name, True) not in (True, False):
             raise TypeError(f"{name}: expected a bool, got {options[name]!r}")
     if rule is not None and rule not in RULES:
@@ -779,7 +782,8 @@ def _sample_row_invariant(model, state, plan):
     Checked once per setup (``probe.check_rows``, kept as the probe's verdicts are); where they are not, this call
     samples without drafts (its draws those of the seeded stream), with a warning."""
     settings = plan["settings"]
-    if settings.rule != "coupled" or settings.warp.get("temperature", 0.0) <= 0 or type(plan["drafter"]) is Drafter:
+    if (settings.rule != "coupled" or settings.warp.get("temperature", 0.0) <= 0 or type(plan["drafter"]) is Drafter
+            or not state.options.get("invariant_sampling", True)):
         return
     key = check_key(model, settings)
     verdicts = state.__dict__.setdefault("row_checks", {})  # a model pickled with an earlier state has none
@@ -788,7 +792,8 @@ def _sample_row_invariant(model, state, plan):
     if verdicts[key]:
         warnings.warn(f"fastverify: sampling without drafts: this model's verify forward is not row-invariant "
                       f"({verdicts[key]}), so a drafted step could draw another token than the seeded stream's "
-                      f"(fastverify.hf.probe.check_rows)", UserWarning, stacklevel=4)
+                      f"(fastverify.hf.probe.check_rows; patch with invariant_sampling=False to draft anyway: the same "
+                      f"distribution, a draw possibly another at a near-tie)", UserWarning, stacklevel=4)
         plan["drafter"] = Drafter()
 
 
