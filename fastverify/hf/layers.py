@@ -387,9 +387,8 @@ class _Stack:
     thread: the layer next to do so and that tensor). Where the forward does not qualify, every layer runs its own
     ``_forward``."""
 
-    def __init__(self, plans):
+    def __init__(self, plans, entries):
         self.plans = plans
-        entries = [p.stack_entries() for p in plans]
         self.weights = [w for e in entries for w in e[0]]
         self.ints = [i for e in entries for i in e[1]]
         self.floats = [f for e in entries for f in e[2]]
@@ -404,14 +403,15 @@ class _Stack:
         if _stack_op is None or not layers:
             return None
         plans = [layer._fastverify[0] for layer in layers]
+        entries = [p.stack_entries() for p in plans]
         first, kind = plans[0], getattr(layers[0], "attention_type", None)
-        if any(p.layer_idx != i or p.stack_entries() is None or p.extra.get("sliding_window")
+        if any(p.layer_idx != i or e is None or p.extra.get("sliding_window")
                or (p.nq, p.nk, p.head_dim) != (first.nq, first.nk, first.head_dim)
                or getattr(layer, "attention_type", None) != kind
                or any(not _capturing(h) for h in layer._forward_hooks.values()) or layer._forward_pre_hooks
-               for i, (p, layer) in enumerate(zip(plans, layers))):
+               for i, (p, e, layer) in enumerate(zip(plans, entries, layers))):
             return None
-        return _Stack(plans)
+        return _Stack(plans, entries)
 
     def run(self, h, attention_mask, cache, cos, sin, index, kwargs):
         """The stack's output for the first layer's input h, or None where this forward does not qualify."""

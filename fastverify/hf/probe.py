@@ -100,6 +100,13 @@ def _probe_batch(model, device):
     return ids.to(device), mask.to(device)
 
 
+def _probe_settings(settings: DecodeSettings) -> DecodeSettings:
+    """The probe batch's decoding: ``NEW_TOKENS`` greedy tokens without eos, their logits recorded, under the call's
+    ``_KEPT`` settings."""
+    return DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=[], pad_token_id=0, output_logits=True,
+                          pace_batch=False, **{k: getattr(settings, k) for k in _KEPT})
+
+
 def _differs(loop_logits, ref_logits, loop_tokens, ref_tokens, tol: float):
     """Why the loop's output is not generate's (None when it is): per request, the logits of every new token up to
     the first token where they differ, within ``tol`` of each other relative to the row's scale, and that token a
@@ -137,8 +144,7 @@ def check_model(model, original_generate, settings: DecodeSettings):
     finally:
         model.generation_config = saved
     ref_tokens = ref.sequences[:, ids.shape[1]:].tolist()
-    probe = DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=[], pad_token_id=0, output_logits=True,
-                           pace_batch=False, **{k: getattr(settings, k) for k in _KEPT})
+    probe = _probe_settings(settings)
     drafter = ProbeDrafter(ref_tokens, list(PROMPTS), model_vocab_size(model))
     record = {}
     try:
@@ -159,8 +165,7 @@ def check_rows(model, settings: DecodeSettings):
     query rows), mixture-of-experts layers, GPT-2's ``Conv1D`` (README: "Exactness")."""
     device = model.get_input_embeddings().weight.device
     ids, mask = _probe_batch(model, device)
-    probe = DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=[], pad_token_id=0, output_logits=True,
-                           pace_batch=False, **{k: getattr(settings, k) for k in _KEPT})
+    probe = _probe_settings(settings)
     plain, drafted = {}, {}
     try:
         with torch.no_grad():
