@@ -1,5 +1,5 @@
 // What the CPU ops share with each other beyond their schemas: the checked packed projection of
-// skinny_linear_packed, the rows of rms_norm, the row of rotary_embedding and append_attention, each defined beside
+// skinny_linear_packed, the rows of rms_norm, the checked tables and rows of rotary_embedding and append_attention, each defined beside
 // its own op (csrc/cpu/linear.cpp, norm.cpp, rotary.cpp, attention.cpp) and called by the decoder layer ops
 // (csrc/cpu/layer.cpp) on raw rows, so that a layer's steps are those ops' own arithmetic without a dispatcher call
 // or a tensor per step.
@@ -33,9 +33,25 @@ void packed_rows(const float* x, int64_t M, const PackedLinear& w, float* y);
 // elementwise steps of csrc/cpu/norm.cpp.
 void rms_rows(const float* x, int64_t rows, int64_t D, const float* weight, double eps, float* y);
 
-// rotary_embedding's result for one row of D values (D even): y = x cos + rotate_half(x) sin, each product
-// rounded before the sum.
-void rotate_row(const float* x, const float* cos, const float* sin, int64_t D, float* y);
+// rotary_embedding's tables: cos / sin [A or 1, H or 1, n or 1, D] for rows [A, H, n] of D values each, checked
+// (4-D float32 CPU tensors of one shape that broadcasts to [A, H, n, D]; D < 0: cos's last dimension, which must
+// be even; ``rows`` names the rows in the messages) and read with each row's D values contiguous (copies where
+// the last dimension is strided).
+class RotaryTables {
+ public:
+  RotaryTables(const at::Tensor& cos, const at::Tensor& sin, int64_t A, int64_t H, int64_t n, int64_t D,
+               const char* rows);
+  int64_t dim() const { return D_; }
+  // rotary_embedding's result for row (a, h, i) of x's D values: y = x cos + rotate_half(x) sin, each product
+  // rounded before the sum.
+  void rotate(const float* x, int64_t a, int64_t h, int64_t i, float* y) const;
+
+ private:
+  at::Tensor cos_, sin_;  // what c_ / s_ point into
+  const float* c_;
+  const float* s_;
+  int64_t D_, cs_[3], ss_[3];
+};
 
 // append_attention's result: k / v written to rows [start, start + n) of the caches, q's attention over their rows
 // [0, start + n), [B, n, Hq, D].

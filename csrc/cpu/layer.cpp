@@ -93,17 +93,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_cpu(
   TORCH_CHECK(q_norm_weight.has_value() == k_norm_weight.has_value(),
               "q_norm_weight, k_norm_weight: expected both or neither");
   const int64_t B = h.size(0), S = h.size(1), E = h.size(2), nqk = n_q + n_kv, heads = n_q + 2 * n_kv;
-  for (const auto& [t, name] : {std::pair{&cos, "cos"}, {&sin, "sin"}})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4, name, ": expected a "
-                "float32 CPU tensor [B or 1, 1, S, D], got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
-  TORCH_CHECK(sin.sizes() == cos.sizes(), "cos, sin: expected the same shape, got ", cos.sizes(), " and ",
-              sin.sizes());
-  const int64_t D = cos.size(3);
-  TORCH_CHECK(D % 2 == 0, "cos: expected an even last dimension (the rotated pairs), got ", D);
-  const int64_t want[3] = {B, nqk, S};
-  for (int i = 0; i < 3; ++i)
-    TORCH_CHECK(cos.size(i) == 1 || cos.size(i) == want[i], "cos, sin: expected a shape that broadcasts to [", B,
-                ", ", nqk, ", ", S, ", ", D, "] (q and k's heads), got ", cos.sizes());
+  const fastverify::cpu::RotaryTables tables(cos, sin, B, nqk, S, -1, "q and k's heads'");
+  const int64_t D = tables.dim();
   const PackedLinear w = packed_linear(qkv_q, qkv_d, qkv_m, qkv_bits, qkv_bias, E, "qkv_");
   TORCH_CHECK(w.N == heads * D, "qkv_q: expected ", heads * D, " output rows ((n_q + 2 n_kv) x head dimension ", D,
               "), got ", qkv_q.sizes());
@@ -145,23 +136,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_cpu(
     if (!wq) return qkv_p + (t * heads + j) * D;
     return j < n_q ? normed + (t * n_q + j) * D : normed + T * n_q * D + (t * n_kv + j - n_q) * D;
   };
-  const at::Tensor cv = cos.stride(3) == 1 ? cos : cos.contiguous();
-  const at::Tensor sv = sin.stride(3) == 1 ? sin : sin.contiguous();
-  int64_t cs[3], ss[3];
-  for (int i = 0; i < 3; ++i) {
-    cs[i] = cv.size(i) == 1 ? 0 : cv.stride(i);
-    ss[i] = sv.size(i) == 1 ? 0 : sv.stride(i);
-  }
-  const float* cp = cv.data_ptr<float>();
-  const float* sp = sv.data_ptr<float>();
   at::Tensor qk = at::empty({B, nqk, S, D}, h.options());
   float* qk_p = qk.data_ptr<float>();
   at::parallel_for(0, B * nqk * S, std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(D, 1)),
                    [&](int64_t r0, int64_t r1) {
                      for (int64_t r = r0; r < r1; ++r) {
                        const int64_t b = r / (nqk * S), j = (r / S) % nqk, i = r % S;
-                       fastverify::cpu::rotate_row(head(b * S + i, j), cp + b * cs[0] + j * cs[1] + i * cs[2],
-                                                   sp + b * ss[0] + j * ss[1] + i * ss[2], D, qk_p + r * D);
+                       tables.rotate(head(b * S + i, j), b, j, i, qk_p + r * D);
                      }
                    });
   return {qk, qkv.transpose(1, 2).slice(1, nqk)};

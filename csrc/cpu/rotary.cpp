@@ -18,41 +18,23 @@
 namespace {
 
 at::Tensor rotary_embedding_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&cos, "cos"}, {&sin, "sin"}})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4, name,
-                ": expected a 4-D float32 CPU tensor, got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 4, "x: expected a 4-D float32 CPU "
+              "tensor, got ", x.scalar_type(), " ", x.sizes(), " on ", x.device());
   const int64_t D = x.size(3);
   TORCH_CHECK(D % 2 == 0, "x: expected an even last dimension (the rotated pairs), got ", D);
-  TORCH_CHECK(sin.sizes() == cos.sizes(), "cos, sin: expected the same shape, got ", cos.sizes(), " and ",
-              sin.sizes());
-  for (int64_t i = 0; i < 4; ++i)
-    TORCH_CHECK(cos.size(i) == x.size(i) || (i < 3 && cos.size(i) == 1), "cos, sin: expected a shape that "
-                "broadcasts to x's ", x.sizes(), " (dimensions 0-2 of size 1 or x's, the last x's), got ", cos.sizes());
+  const int64_t A = x.size(0), H = x.size(1), n = x.size(2), rows = A * H * n;
+  const fastverify::cpu::RotaryTables tables(cos, sin, A, H, n, D, "x's");
   at::Tensor y = at::empty(x.sizes(), x.options());
   if (y.numel() == 0) return y;
-  // each row's D values contiguous (a view of q / k keeps them so); cos / sin broadcast: stride 0 where size 1
-  const at::Tensor xv = x.stride(3) == 1 ? x : x.contiguous();
-  const at::Tensor cv = cos.stride(3) == 1 ? cos : cos.contiguous();
-  const at::Tensor sv = sin.stride(3) == 1 ? sin : sin.contiguous();
-  int64_t xs[3], cs[3], ss[3];
-  for (int i = 0; i < 3; ++i) {
-    xs[i] = xv.stride(i);
-    cs[i] = cv.size(i) == 1 ? 0 : cv.stride(i);
-    ss[i] = sv.size(i) == 1 ? 0 : sv.stride(i);
-  }
-  const int64_t H = x.size(1), n = x.size(2), rows = x.size(0) * H * n;
+  const at::Tensor xv = x.stride(3) == 1 ? x : x.contiguous();  // each row's D values contiguous
+  const int64_t xs[3] = {xv.stride(0), xv.stride(1), xv.stride(2)};
   const float* xp = xv.data_ptr<float>();
-  const float* cp = cv.data_ptr<float>();
-  const float* sp = sv.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / D);
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / (H * n), h = (r / n) % H, i = r % n;
-      const float* xr = xp + b * xs[0] + h * xs[1] + i * xs[2];
-      const float* c = cp + b * cs[0] + h * cs[1] + i * cs[2];
-      const float* s = sp + b * ss[0] + h * ss[1] + i * ss[2];
-      fastverify::cpu::rotate_row(xr, c, s, D, yp + r * D);
+      const int64_t a = r / (H * n), h = (r / n) % H, i = r % n;
+      tables.rotate(xp + a * xs[0] + h * xs[1] + i * xs[2], a, h, i, yp + r * D);
     }
   });
   return y;
@@ -62,15 +44,45 @@ at::Tensor rotary_embedding_cpu(const at::Tensor& x, const at::Tensor& cos, cons
 
 namespace fastverify::cpu {
 
-void rotate_row(const float* x, const float* cos, const float* sin, int64_t D, float* y) {
-  const int64_t half = D / 2;
-  for (int64_t d = 0; d < half; ++d) {
-    const float a = x[d] * cos[d], rot = -x[d + half] * sin[d];
-    y[d] = a + rot;
+RotaryTables::RotaryTables(const at::Tensor& cos, const at::Tensor& sin, int64_t A, int64_t H, int64_t n,
+                           int64_t D, const char* rows) {
+  for (const auto& [t, name] : {std::pair{&cos, "cos"}, {&sin, "sin"}})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4, name, ": expected a 4-D "
+                "float32 CPU tensor (the tables of ", rows, " rows), got ", t->scalar_type(), " ", t->sizes(), " on ",
+                t->device());
+  TORCH_CHECK(sin.sizes() == cos.sizes(), "cos, sin: expected the same shape, got ", cos.sizes(), " and ",
+              sin.sizes());
+  if (D < 0) {
+    D = cos.size(3);
+    TORCH_CHECK(D % 2 == 0, "cos: expected an even last dimension (the rotated pairs), got ", D);
   }
-  for (int64_t d = half; d < D; ++d) {
-    const float a = x[d] * cos[d], rot = x[d - half] * sin[d];
-    y[d] = a + rot;
+  const int64_t want[4] = {A, H, n, D};
+  for (int i = 0; i < 4; ++i)
+    TORCH_CHECK(cos.size(i) == want[i] || (i < 3 && cos.size(i) == 1), "cos, sin: expected a shape that "
+                "broadcasts to [", A, ", ", H, ", ", n, ", ", D, "] (", rows, " rows: dimensions 0-2 of size 1 or "
+                "theirs, the last theirs), got ", cos.sizes());
+  cos_ = cos.stride(3) == 1 ? cos : cos.contiguous();
+  sin_ = sin.stride(3) == 1 ? sin : sin.contiguous();
+  c_ = cos_.data_ptr<float>();
+  s_ = sin_.data_ptr<float>();
+  D_ = D;
+  for (int i = 0; i < 3; ++i) {  // broadcast: stride 0 where of size 1
+    cs_[i] = cos_.size(i) == 1 ? 0 : cos_.stride(i);
+    ss_[i] = sin_.size(i) == 1 ? 0 : sin_.stride(i);
+  }
+}
+
+void RotaryTables::rotate(const float* x, int64_t a, int64_t h, int64_t i, float* y) const {
+  const float* cos = c_ + a * cs_[0] + h * cs_[1] + i * cs_[2];
+  const float* sin = s_ + a * ss_[0] + h * ss_[1] + i * ss_[2];
+  const int64_t half = D_ / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    const float p = x[d] * cos[d], rot = -x[d + half] * sin[d];
+    y[d] = p + rot;
+  }
+  for (int64_t d = half; d < D_; ++d) {
+    const float p = x[d] * cos[d], rot = x[d - half] * sin[d];
+    y[d] = p + rot;
   }
 }
 
