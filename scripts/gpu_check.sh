@@ -2,8 +2,8 @@
 # On a machine with one NVIDIA GPU (run so far on an H100 SXM 80GB): build fastverify._C with its CUDA kernels in
 # place, run every CUDA and Triton test on the GPU, time the GPU backends and run the end-to-end benchmark there.
 #
-#   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [heads] [gad] [lud] [ptp] [e2e] [e2e8] [tune] [parts]
-#                             [dry]
+#   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [heads] [gad] [lud] [ptp] [e2e] [e2e8] [tune]
+#                             [sampling] [parts] [dry]
 #                                                                            (default: build test bench)
 #
 #   build  pip install -e . with the CUDA kernels (16 jobs; 46-80 s on the H100 machine). A later step that finds
@@ -29,6 +29,13 @@
 #          bpd+ngram:node_cost=0.11", the drafters' GPU node cost (fastverify.hf.drafters.GPU_NODE_COST, which a
 #          drafter without an explicit node_cost takes on a GPU) against their CPU fits, TUNE_PASSES passes
 #          (default 1). Needs the carried model.
+#   sampling  seeded sampling on the GPU both ways (benchmarks/e2e_sampling.py, SAMPLING_PER_CATEGORY questions per
+#          category, default 1, 128 tokens; SAMPLING_METHODS, default "generate ar ngram bpd+ngram"): as patched by
+#          default, where the first sampled call's row check (fastverify.hf.probe.check_rows) is expected to find
+#          the GPU's rows not row-invariant and the sampled calls then decode undrafted (1.00 tokens per step,
+#          identical to ar), and with invariant_sampling=false (drafted; identical to ar unless a near-tie parts
+#          them) -> sampling_default.log / .json, sampling_off.log / .json. Needs the carried model. Not yet run
+#          on a GPU; ~13 questions x 4 methods twice, estimated 3-5 min.
 #   heads  train proposal heads for SmolLM2 on the GPU (python -m fastverify.train heads --device cuda): greedy
 #          self-distillation data from the carried prompts ($CARRY/prompts/prompts.jsonl.gz, written here by
 #          `scripts/gpu_model_pack.sh prompts`; Spec-Bench-overlapping prompts dropped against the carried
@@ -370,6 +377,26 @@ if has tune; then
     grep -E "^\||per category|identical|Error" "$OUT/drafters.log" | cut -c1-400
   else
     echo "tune: skipped"
+  fi
+fi
+
+if has sampling; then
+  if e2e_prepare; then
+    dev=cuda; one=(--per-category "${SAMPLING_PER_CATEGORY:-1}")
+    [ -n "$DRY" ] && dev=cpu && one=(--per-category 1 --max-new-tokens 8 --threads 1)
+    # shellcheck disable=SC2206  # SAMPLING_METHODS is a word list
+    one+=(--methods ${SAMPLING_METHODS:-generate ar ngram bpd+ngram})
+    for way in default off; do
+      opt=()
+      [ $way = off ] && opt=(--patch-option invariant_sampling=false)
+      start=$(date +%s)
+      $PY benchmarks/e2e_sampling.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
+        ${opt[@]+"${opt[@]}"} --out "$OUT/sampling_$way.json" >"$OUT/sampling_$way.log" 2>&1
+      echo "sampling ($way): rc=$? in $(( $(date +%s) - start )) s"
+      grep -E "^\||questions|Error" "$OUT/sampling_$way.log" | cut -c1-400
+    done
+  else
+    echo "sampling: skipped"
   fi
 fi
 
