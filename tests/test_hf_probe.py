@@ -168,6 +168,37 @@ def test_sampling_drafts_where_the_loop_is_row_invariant():
     assert torch.equal(out, ref)
 
 
+def test_a_verdict_holds_for_the_attention_implementation_it_was_made_under(monkeypatch):
+    """A model switched to another attention implementation while patched is checked again there: Llama with sdpa
+    runs the loop's kernels and samples with drafts; switched to eager (torch's matmul over the query rows), its
+    first sampled call checks the rows again and decodes without drafts; switched back, the sdpa verdict stands
+    unchecked. Every call draws what undrafted decoding draws."""
+    calls = []
+    check = probe.check_rows
+    monkeypatch.setattr(sys.modules["fastverify.hf.patch"], "check_rows", lambda *a: calls.append(1) or check(*a))
+    model = tiny("llama")
+    ids, mask = _prompts(2)
+    ref = {}
+    for attention in ("sdpa", "eager"):
+        model.set_attn_implementation(attention)
+        ref[attention], _, _ = _sample(model, ids, mask, Drafter())
+    patch(model, drafter=NGramDrafter())
+    try:
+        for attention, drafted in (("sdpa", True), ("eager", False), ("sdpa", True)):
+            model.set_attn_implementation(attention)
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                with torch.no_grad():
+                    out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16,
+                                         do_sample=True, temperature=1.3, seed=7)
+            undrafted = any("sampling without drafts" in str(w.message) for w in record)
+            assert (stats(model).drafted_tokens > 0) == drafted and undrafted == (not drafted)
+            assert torch.equal(out, ref[attention])
+    finally:
+        unpatch(model)
+    assert calls == [1, 1]
+
+
 def test_sampling_without_drafts_where_the_loop_is_not_row_invariant(monkeypatch):
     """Gemma 2's attention runs eager (torch's matmul over the query rows), so a row's logits round differently
     beside draft rows: sampled calls decode without drafts, with a warning, and draw what undrafted decoding draws;

@@ -112,8 +112,8 @@ class _PatchState:
     last_stats: object = None
     warned_precision: bool = False
     # a type outside the registry (allow_unknown_model): fastverify.hf.probe's verdicts, "" (passed) or the reason
-    # it failed, per what the check ran under (``probe.check_key``: the model's dtype and device, the call's
-    # computation options); one is made at the first call the loop runs under each
+    # it failed, per what the check ran under (``probe.check_key``: the model's dtype, device and attention
+    # implementation, the call's computation options); one is made at the first call the loop runs under each
     unregistered: bool = False
     checks: dict = dataclasses.field(default_factory=dict)
     # fastverify.hf.probe.check_rows's verdicts for sampled calls, keyed as ``checks`` (``_sample_row_invariant``)
@@ -229,9 +229,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     the whole model) and loads patched.
 
     Seeded sampling (the coupled rule) draws what undrafted decoding draws, draw for draw, where the loop's
-    forwards are row-invariant; the first sampled call under each dtype, device and options checks that on a probe
-    batch (fastverify.hf.probe.check_rows), and where it does not hold sampled calls decode without drafts, with a
-    warning.
+    forwards are row-invariant; the first sampled call under each dtype, device, attention implementation and
+    options checks that on a probe batch (fastverify.hf.probe.check_rows), and where it does not hold sampled calls
+    decode without drafts, with a warning.
 
     What the patched generate does not run falls back to the original generate with one warning naming the
     reason; that includes sequences longer than a chunked attention layer's reach, than a sliding-window one's

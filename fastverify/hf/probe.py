@@ -9,9 +9,9 @@ ignores the 4D mask or a forward that refuses it. So before the first call the l
 with ``ProbeDrafter``, whose trees hold the model's own next tokens and wrong ones beside and after them (rows the
 cache must drop, siblings the mask must keep apart), and compares the result with the original ``generate`` on
 that batch: the tokens, and each new token's logits to within the model dtype's rounding (``TOLERANCE``). A
-verdict holds for the patch under what it was made with (``check_key``: the model's dtype and device and the call's
-computation options, which choose the loop's kernels and paths); a model moved or cast, or a call with other
-options, is checked again. A type that fails falls back to the original ``generate`` on every such call, the reason
+verdict holds for the patch under what it was made with (``check_key``: the model's dtype, device and attention
+implementation and the call's computation options, which choose the loop's kernels and paths); a model moved, cast
+or switched to another attention, or a call with other options, is checked again. A type that fails falls back to the original ``generate`` on every such call, the reason
 in its warning.
 
 The probe's sequences are short (16 tokens at most). What only longer ones show escapes it: a window under a
@@ -41,8 +41,14 @@ _KEPT = ("backend", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
 
 
 def check_key(model, settings: DecodeSettings):
-    """What a verdict of ``check_model`` holds for: the model's dtype and device, and the call's ``_KEPT`` settings."""
-    return (model_dtype(model), model.get_input_embeddings().weight.device, tuple(getattr(settings, k) for k in _KEPT))
+    """What a verdict of ``check_model`` or ``check_rows`` holds for: the model's dtype, device and attention
+    implementation (its config's and its text config's: a model switched to another one between calls is checked
+    again), and the call's ``_KEPT`` settings."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    attention = tuple(getattr(c, "_attn_implementation", None) for c in (config, text))
+    return (model_dtype(model), model.get_input_embeddings().weight.device, attention,
+            tuple(getattr(settings, k) for k in _KEPT))
 
 
 class ProbeDrafter(Drafter):
