@@ -19,20 +19,22 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def tiny(family, dtype=torch.float32, quantised=False, seed=0, vocab=96):
+def tiny(family, dtype=torch.float32, quantised=False, seed=0, vocab=96, window=None, window_layers=0):
     """A 2-layer random model of ``family`` (Qwen2: biased q / k / v; Qwen3: q / k norms); ``quantised``: every
-    linear layer's weight as a GGUF file's (Q4_1 blocks, the output head Q8_0), so that the layers pack."""
+    linear layer's weight as a GGUF file's (Q4_1 blocks, the output head Q8_0), so that the layers pack;
+    ``window``: a sliding window (Mistral: every layer's; Qwen2 / Qwen3: the layers from ``window_layers`` on)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.08)
+    sliding = dict(use_sliding_window=window is not None, sliding_window=window, max_window_layers=window_layers)
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif family == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=window))
     elif family == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, **sliding))
     else:  # q_norm / k_norm over each head's 16 dimensions
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16, **sliding))
     model = model.eval().requires_grad_(False)
     model.generation_config.pad_token_id = None
     model.generation_config.eos_token_id = None
@@ -258,6 +260,35 @@ def test_patched_generate_runs_the_layers_as_one_stack(family):
     counts = {e.key: e.count for e in prof.key_averages()}
     assert counts.get("fastverify::decoder_stack", 0) == 0 and len(seen) == stats.steps
     assert torch.equal(hooked, out)
+
+
+@pytest.mark.parametrize("family, window_layers", [("mistral", 0), ("qwen2", 0), ("qwen3", 0), ("qwen2", 1)])
+def test_the_stack_under_a_sliding_window(family, window_layers):
+    """A window of 6 under 30-token prompts and 16 new tokens: where every layer slides over the same window (one
+    mask, the loop's, holding it), every decoding step's layers run as one stack; where only some do (Qwen2's
+    second layer: a mask per layer type), the layers keep their own calls. Either way tokens and every step's
+    logits are those of the layers' own calls, bit for bit, and greedy output is generate's."""
+    from conftest import assert_greedy_exact, logits_equal, patched_generate, repetitive
+
+    if hf_layers._stack_op is None or not skinny_available():
+        pytest.skip("fastverify._C without the decoder layer ops or the skinny kernels")
+    model = tiny(family, quantised=True, seed=15, window=6, window_layers=window_layers)
+    ids = torch.tensor([repetitive(30, 96, seed=16), repetitive(30, 96, seed=17)])
+    kw = dict(max_new_tokens=16, return_dict_in_generate=True, output_logits=True)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with prof:
+        got, stats = patched_generate(model, fastverify.NGramDrafter(), ids, **kw)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("fastverify::decoder_stack", 0) == (stats.steps - 1 if window_layers == 0 else 0)
+    assert stats.steps > 2 and stats.drafted_tokens > 0
+    stack_op = hf_layers._stack_op
+    hf_layers._stack_op = None  # every layer its own calls
+    try:
+        want, _ = patched_generate(model, fastverify.NGramDrafter(), ids, **kw)
+    finally:
+        hf_layers._stack_op = stack_op
+    assert torch.equal(got.sequences, want.sequences) and logits_equal(got.logits, want.logits)
+    assert_greedy_exact(model, fastverify.NGramDrafter(), ids, max_new_tokens=16)
 
 
 def test_a_layer_called_out_of_the_stacks_order_raises():

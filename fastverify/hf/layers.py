@@ -398,14 +398,16 @@ class _Stack:
     def build(layers):
         """The stack of ``layers`` (the model's decoder layers in their order, each with its ``_fastverify``), or
         None: every one must take the packed ops and append_attention as layer i of the cache, with the same heads,
-        under one mask (no sliding window, one attention type) and without hooks (which would see the stack's
-        result, not their layer's)."""
+        under one mask (one attention type, one sliding window or none: the loop's mask then holds the window, as
+        each layer's own append_attention reads it) and without hooks (which would see the stack's result, not
+        their layer's)."""
         if _stack_op is None or not layers:
             return None
         plans = [layer._fastverify[0] for layer in layers]
         entries = [p.stack_entries() for p in plans]
         first, kind = plans[0], getattr(layers[0], "attention_type", None)
-        if any(p.layer_idx != i or e is None or p.extra.get("sliding_window")
+        window = first.extra.get("sliding_window")
+        if any(p.layer_idx != i or e is None or p.extra.get("sliding_window") != window
                or (p.nq, p.nk, p.head_dim) != (first.nq, first.nk, first.head_dim)
                or getattr(layer, "attention_type", None) != kind
                or any(not _capturing(h) for h in layer._forward_hooks.values()) or layer._forward_pre_hooks
