@@ -1,8 +1,8 @@
-// What the CPU ops share with each other beyond their schemas: the checked packed projection of
-// skinny_linear_packed, the rows of rms_norm, the checked tables and rows of rotary_embedding and append_attention, each defined beside
-// its own op (csrc/cpu/linear.cpp, norm.cpp, rotary.cpp, attention.cpp) and called by the decoder layer ops
-// (csrc/cpu/layer.cpp) on raw rows, so that a layer's steps are those ops' own arithmetic without a dispatcher call
-// or a tensor per step.
+// What the CPU ops share with each other beyond their schemas: the checked packed projection of skinny_linear_packed,
+// the rows of rms_norm, the checked tables and rows of rotary_embedding and append_attention, each defined beside its
+// own op (csrc/cpu/linear.cpp, norm.cpp, rotary.cpp, attention.cpp) and called by the decoder layer ops
+// (csrc/cpu/layer.cpp) on raw rows, so that a layer's steps are those ops' own arithmetic without a dispatcher call or
+// a tensor per step.
 #pragma once
 
 #include <ATen/ATen.h>

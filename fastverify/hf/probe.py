@@ -7,12 +7,12 @@ may compute something else under the loop's contract (one 4D mask for the whole 
 bidirectional (BERT-like models without ``is_decoder``), a cache whose state a crop cannot undo, an attention that
 ignores the 4D mask or a forward that refuses it. So before the first call the loop runs, it decodes a small batch
 with ``ProbeDrafter``, whose trees hold the model's own next tokens and wrong ones beside and after them (rows the
-cache must drop, siblings the mask must keep apart), and compares the result with the original ``generate`` on
-that batch: the tokens, and each new token's logits to within the model dtype's rounding (``TOLERANCE``). A
-verdict holds for the patch under what it was made with (``check_key``: the model's dtype, device and attention
-implementation and the call's computation options, which choose the loop's kernels and paths); a model moved, cast
-or switched to another attention, or a call with other options, is checked again. A type that fails falls back to the original ``generate`` on every such call, the reason
-in its warning.
+cache must drop, siblings the mask must keep apart), and compares the result with the original ``generate`` on that
+batch: the tokens, and each new token's logits to within the model dtype's rounding (``TOLERANCE``). A verdict holds
+for the patch under what it was made with (``check_key``: the model's dtype, device and attention implementation and
+the call's computation options, which choose the loop's kernels and paths); a model moved, cast or switched to
+another attention, or a call with other options, is checked again. A type that fails falls back to the original
+``generate`` on every such call, the reason in its warning.
 
 The probe's sequences are short (16 tokens at most). What only longer ones show escapes it: a window under a
 config name the loop does not read (``model_limits.sequence_limit`` bounds a sequence by the ones it does), above
