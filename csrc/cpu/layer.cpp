@@ -215,6 +215,9 @@ at::Tensor decoder_stack_cpu(const at::Tensor& h, const c10::List<OptTensor>& we
                              at::ArrayRef<double> floats, const at::Tensor& cos, const at::Tensor& sin,
                              at::TensorList k_caches, at::TensorList v_caches, int64_t start, const at::Tensor& mask,
                              const OptTensor& index) {
+  // the layers' tensors (workspaces, views of q / k / v) are the op's own: made below autograd's dispatch keys,
+  // without its view tracking (on a 30-layer model of width 64, 667 against 603 us a call on one thread)
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L, "v_caches: expected one per layer (", L,
               " as k_caches), got ", v_caches.size());
