@@ -85,6 +85,9 @@
 #   3. carry p2, timeout_s 500: E2E_OFFSET=3 E2E_METHODS=generate E2E8_BATCH=4 bash scripts/gpu_check.sh e2e8 e2e
 #                               (checkpoint ~26 s, batch 4 ~60 s, 39 questions x 3 methods ~250 s)
 #   4. no carry, timeout_s 330: E2E_METHODS=generate bash scripts/gpu_check.sh e2e     (questions 1-3, ~250 s)
+# Seeded sampling on the GPU both ways (the row check's default and invariant_sampling=false): in either plan, once
+# the model is on the machine (after a call that carried p2, while it stays warm), a call of its own:
+#   no carry, timeout_s 400: bash scripts/gpu_check.sh sampling                        (estimated 3-5 min)
 # Since 2026-11-28 the lean layers run each layer's steps around its attention as two C++ calls on a GPU too (the
 # dense decoder ops; csrc/layer.cpp): step 1's CUDA test of the lean layers checks them bit for bit, and e2e's
 # ratios against plain generate in the same run show their effect (the fifth run: n-gram 1.86-1.88x, bpd+ngram
