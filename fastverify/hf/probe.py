@@ -27,6 +27,7 @@ import torch
 
 from fastverify.hf.drafters import Drafter, empty_tree
 from fastverify.hf.loop import DecodeSettings, decode, embedding_rows, model_dtype, model_vocab_size
+from fastverify.hf.model_limits import _text_config
 from fastverify.tree import Tree
 
 __all__ = ["check_key", "check_model", "check_rows", "ProbeDrafter", "TOLERANCE"]
@@ -45,8 +46,7 @@ def check_key(model, settings: DecodeSettings):
     implementation (its config's and its text config's: a model switched to another one between calls is checked
     again), and the call's ``_KEPT`` settings."""
     config = getattr(model, "config", None)
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-    attention = tuple(getattr(c, "_attn_implementation", None) for c in (config, text))
+    attention = tuple(getattr(c, "_attn_implementation", None) for c in (config, _text_config(config)))
     return (model_dtype(model), model.get_input_embeddings().weight.device, attention,
             tuple(getattr(settings, k) for k in _KEPT))
 
