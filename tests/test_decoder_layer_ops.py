@@ -447,3 +447,43 @@ def test_decoder_stack_is_the_layers_calls_bit_for_bit(bias, heads, live):
                           torch.zeros(B, 1, S, C - 1 + S), index)
     torch.library.opcheck(ops.decoder_stack.default, (h, *args, cos, sin, [k for k, _ in caches],
                                                       [v for _, v in caches], start, mask, index))
+
+
+@needs_ops
+@pytest.mark.parametrize("live", [False, True])
+def test_decoder_stack_strided_caches_and_checks_before_writing(live):
+    """Caches whose keys are not contiguous rows (a [B, C, Hkv, D] buffer seen as [B, Hkv, C, D]) give the contiguous
+    caches' result bit for bit; a bad entry of a later layer is refused before any cache is written."""
+    g = torch.Generator().manual_seed(60 + live)
+    B, S, C, start = 2, 2, 9, 4
+    layers = [layer(g) for _ in range(2)]
+    E, D, n_kv = (layers[0][k] for k in ("E", "D", "n_kv"))
+    h = torch.randn(B, S, E, generator=g)
+    cos, sin = rotary_tables(B, S, D, g)
+    mask = torch.zeros(B, 1, S, start + S)
+    mask[1, :, :, :3] = float("-inf")
+    mask[:, :, 0, start + 1:] = float("-inf")
+    index = torch.tensor([1, 2, 3]) if live else None
+    entries = [stack_entries(L) for L in layers]
+    args = ([w for e in entries for w in e[0]], [i for e in entries for i in e[1]], [f for e in entries for f in e[2]])
+    dense = [(torch.randn(B, n_kv, C, D, generator=g), torch.randn(B, n_kv, C, D, generator=g)) for _ in layers]
+    strided = [tuple(c.transpose(1, 2).contiguous().transpose(1, 2) for c in kv) for kv in dense]
+    assert not strided[0][0].is_contiguous()
+    want = ops.decoder_stack(h, *args, cos, sin, [k for k, _ in dense], [v for _, v in dense], start, mask, index)
+    got = ops.decoder_stack(h, *args, cos, sin, [k for k, _ in strided], [v for _, v in strided], start, mask, index)
+    assert torch.equal(float_bits(got), float_bits(want))
+    for (k, v), (wk, wv) in zip(strided, dense):
+        assert torch.equal(float_bits(k), float_bits(wk)) and torch.equal(float_bits(v), float_bits(wv))
+    before = [(k.clone(), v.clone()) for k, v in dense]
+    ints = list(args[1])
+    ints[6 + 5] = 2 * n_kv  # layer 1's n_kv
+    with pytest.raises(RuntimeError, match="ints: layer 1's n_q, n_kv: expected layer 0's"):
+        ops.decoder_stack(h, args[0], ints, args[2], cos, sin, [k for k, _ in dense], [v for _, v in dense], start,
+                          mask, index)
+    weights = list(args[0])
+    weights[20 + 11] = torch.ones(E + 1)  # layer 1's post-attention norm weight
+    with pytest.raises(RuntimeError, match="norm_weight: expected \\[E = "):
+        ops.decoder_stack(h, weights, *args[1:], cos, sin, [k for k, _ in dense], [v for _, v in dense], start,
+                          mask, index)
+    for (k, v), (bk, bv) in zip(dense, before):
+        assert torch.equal(k, bk) and torch.equal(v, bv)

@@ -29,84 +29,20 @@ at::Tensor masked_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor kc = k, vc = v;  // each key's D values contiguous (a cache's view keeps them so)
   if (D > 0 && (k.stride(3) != 1 || k.stride(2) != D)) kc = k.contiguous();
   if (D > 0 && (v.stride(3) != 1 || v.stride(2) != D)) vc = v.contiguous();
-  at::Tensor mc;
-  const float* mp = nullptr;
-  int64_t m_b = 0, m_h = 0, m_i = 0;
-  if (mask.has_value()) {
-    const at::Tensor& m = *mask;
-    TORCH_CHECK(m.device().is_cpu() && m.scalar_type() == at::kFloat && m.dim() == 4 && m.size(0) == B &&
-                    (m.size(1) == 1 || m.size(1) == Hq) && m.size(2) == n && m.size(3) == S,
-                "mask: expected an additive float32 CPU mask [B = ", B, ", 1 or Hq = ", Hq, ", n = ", n, ", S = ", S,
-                "], got ", m.scalar_type(), " ", m.sizes(), " on ", m.device());
-    mc = m.stride(3) == 1 ? m : m.contiguous();
-    mp = mc.data_ptr<float>();
-    m_b = mc.stride(0);
-    m_h = mc.size(1) == 1 ? 0 : mc.stride(1);
-    m_i = mc.stride(2);
-  }
+  fastverify::cpu::AttentionTasks a;
+  a.B = B, a.Hq = Hq, a.Hkv = Hkv, a.n = n, a.S = S, a.D = D, a.scale = static_cast<float>(scale);
+  a.set_mask(mask, skip_masked_prefix);
   at::Tensor out = at::empty({B, Hq, n, D}, q.options());
   if (out.numel() == 0) return out;
   TORCH_CHECK(S > 0, "k, v: expected at least one key");
-  const int64_t G = Hq / Hkv, R = G * n;
-  // skip_masked_prefix (csrc/attention.cpp): per batch row, the keys before `start` are not read. Their weight
-  // would be exactly 0 (exp of less than -104 is 0 on every path), and `start` is a multiple of 16, so every other
-  // key keeps its SIMD lane, its tile and its place in every sum: the same result, bit for bit.
-  std::vector<int64_t> start(B, 0);
-  if (mp && skip_masked_prefix) {
-    const int64_t mask_heads = m_h ? Hq : 1;
-    for (int64_t b = 0; b < B; ++b) {
-      int64_t first = S;
-      for (int64_t h = 0; h < mask_heads && first > 0; ++h)
-        for (int64_t i = 0; i < n && first > 0; ++i) {
-          const float* row = mp + b * m_b + h * m_h + i * m_i;
-          int64_t j = 0;
-          while (j < S && row[j] <= kSkippedMask) ++j;
-          first = j == S ? 0 : std::min(first, j);  // a row masked everywhere: no key is skipped
-        }
-      start[b] = first / 16 * 16;
-    }
-  }
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t q_b = q.stride(0), q_h = q.stride(1), q_i = q.stride(2), q_d = q.stride(3);
-  const int64_t k_b = kc.stride(0), k_h = kc.stride(1), v_b = vc.stride(0), v_h = vc.stride(1);
-  const int64_t tasks = B * Hkv;
+  a.q = q.data_ptr<float>(), a.q_b = q.stride(0), a.q_h = q.stride(1), a.q_i = q.stride(2), a.q_d = q.stride(3);
+  a.k = kc.data_ptr<float>(), a.k_b = kc.stride(0), a.k_h = kc.stride(1);
+  a.v = vc.data_ptr<float>(), a.v_b = vc.stride(0), a.v_h = vc.stride(1);
+  a.out = out.data_ptr<float>(), a.o_b = Hq * n * D, a.o_h = n * D, a.o_i = D;
   // one thread for small calls (a decoding step's: waking the pool costs more than the work)
+  const int64_t tasks = B * Hkv, R = (Hq / Hkv) * n;
   const int64_t grain = R * S * D * 2 >= (int64_t(1) << 18) ? 1 : tasks;
-  // query rows per head in one pass: all n, unless the scores [G * rows, S] would pass 1 MB (a long prompt's chunk
-  // over many keys); a row's result does not depend on the others, so the tiling changes no bit
-  const int64_t tile = std::clamp<int64_t>((int64_t(1) << 18) / (G * S), 1, n);
-  const int64_t RT = G * tile;
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qrows(RT * D), scores(RT * S), orows(RT * D);
-    std::vector<const float*> mrows(mp ? RT : 0);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / Hkv, h = t % Hkv;
-      const int64_t s0 = start[b];
-      const float* kh = kp + b * k_b + h * k_h;
-      const float* vh = vp + b * v_b + h * v_h;
-      for (int64_t i0 = 0; i0 < n; i0 += tile) {
-        const int64_t m = std::min(tile, n - i0);  // rows per head in this pass; row (g, i) at g * m + i - i0
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t i = i0; i < i0 + m; ++i) {
-            const int64_t hq = h * G + g, r = g * m + i - i0;
-            const float* src = qp + b * q_b + hq * q_h + i * q_i;
-            if (q_d == 1) std::copy(src, src + D, qrows.data() + r * D);
-            else for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d * q_d];
-            if (mp) mrows[r] = mp + b * m_b + hq * m_h + i * m_i + s0;
-          }
-        fastverify::attention::group(qrows.data(), G * m, D, kh + s0 * D, vh + s0 * D, S - s0,
-                                     mp ? mrows.data() : nullptr, sc, scores.data(), orows.data());
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t i = i0; i < i0 + m; ++i)
-            std::copy(orows.data() + (g * m + i - i0) * D, orows.data() + (g * m + i - i0 + 1) * D,
-                      op + ((b * Hq + h * G + g) * n + i) * D);
-      }
-    }
-  });
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) { a.run(t0, t1); });
   return out;
 }
 
@@ -132,6 +68,74 @@ at::Tensor append_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
 }
 
 }  // namespace
+
+namespace fastverify::cpu {
+
+void AttentionTasks::set_mask(const std::optional<at::Tensor>& m, bool skip_masked_prefix) {
+  mask = nullptr, m_b = m_h = m_i = 0;
+  if (m.has_value()) {
+    TORCH_CHECK(m->device().is_cpu() && m->scalar_type() == at::kFloat && m->dim() == 4 && m->size(0) == B &&
+                    (m->size(1) == 1 || m->size(1) == Hq) && m->size(2) == n && m->size(3) == S,
+                "mask: expected an additive float32 CPU mask [B = ", B, ", 1 or Hq = ", Hq, ", n = ", n, ", S = ", S,
+                "], got ", m->scalar_type(), " ", m->sizes(), " on ", m->device());
+    mask_ = m->stride(3) == 1 ? *m : m->contiguous();
+    mask = mask_.data_ptr<float>();
+    m_b = mask_.stride(0);
+    m_h = mask_.size(1) == 1 ? 0 : mask_.stride(1);
+    m_i = mask_.stride(2);
+  }
+  // skip_masked_prefix (csrc/attention.cpp): per batch row, the keys before `start` are not read. Their weight would be exactly 0
+  // (exp of less than -104 is 0 on every path), and `start` is a multiple of 16, so every other key keeps its SIMD
+  // lane, its tile and its place in every sum: the same result, bit for bit.
+  start.assign(B, 0);
+  if (!mask || !skip_masked_prefix) return;
+  const int64_t mask_heads = m_h ? Hq : 1;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t first = S;
+    for (int64_t h = 0; h < mask_heads && first > 0; ++h)
+      for (int64_t i = 0; i < n && first > 0; ++i) {
+        const float* row = mask + b * m_b + h * m_h + i * m_i;
+        int64_t j = 0;
+        while (j < S && row[j] <= kSkippedMask) ++j;
+        first = j == S ? 0 : std::min(first, j);  // a row masked everywhere: no key is skipped
+      }
+    start[b] = first / 16 * 16;
+  }
+}
+
+void AttentionTasks::run(int64_t t0, int64_t t1) const {
+  const int64_t G = Hq / Hkv;
+  // query rows per head in one pass: all n, unless the scores [G * rows, S] would pass 1 MB (a long prompt's chunk
+  // over many keys); a row's result does not depend on the others, so the tiling changes no bit
+  const int64_t tile = std::clamp<int64_t>((int64_t(1) << 18) / (G * S), 1, n), RT = G * tile;
+  std::vector<float> qrows(RT * D), scores(RT * S), orows(RT * D);
+  std::vector<const float*> mrows(mask ? RT : 0);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t b = t / Hkv, h = t % Hkv, s0 = start[b];
+    const float* kh = k + b * k_b + h * k_h;
+    const float* vh = v + b * v_b + h * v_h;
+    for (int64_t i0 = 0; i0 < n; i0 += tile) {
+      const int64_t m = std::min(tile, n - i0);  // rows per head in this pass; row (g, i) at g * m + i - i0
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = i0; i < i0 + m; ++i) {
+          const int64_t hq = h * G + g, r = g * m + i - i0;
+          const float* src = q + b * q_b + hq * q_h + i * q_i;
+          if (q_d == 1) std::copy(src, src + D, qrows.data() + r * D);
+          else for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d * q_d];
+          if (mask) mrows[r] = mask + b * m_b + hq * m_h + i * m_i + s0;
+        }
+      fastverify::attention::group(qrows.data(), G * m, D, kh + s0 * D, vh + s0 * D, S - s0,
+                                   mask ? mrows.data() : nullptr, scale, scores.data(), orows.data());
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = i0; i < i0 + m; ++i) {
+          const float* src = orows.data() + (g * m + i - i0) * D;
+          std::copy(src, src + D, out + b * o_b + (h * G + g) * o_h + i * o_i);
+        }
+    }
+  }
+}
+
+}  // namespace fastverify::cpu
 
 at::Tensor fastverify::cpu::append_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                              at::Tensor& k_cache, at::Tensor& v_cache, int64_t start,

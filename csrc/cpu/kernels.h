@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "linear.h"
 
@@ -51,6 +52,32 @@ class RotaryTables {
   const float* c_;
   const float* s_;
   int64_t D_, cs_[3], ss_[3];
+};
+
+// masked_attention's work on raw pointers and strides: one task per (batch row, key / value head), its group's
+// query rows gathered into one block, then csrc/attention.h's kernel. q [B, Hq, n, D] (any strides), k and v
+// [B, Hkv, S, D] (each key's D values contiguous), out [B, Hq, n, D] (strides o_b, o_h, o_i; D values contiguous).
+// A row's result does not depend on the other rows nor on how the tasks are split across threads.
+struct AttentionTasks {
+  int64_t B = 0, Hq = 0, Hkv = 0, n = 0, S = 0, D = 0;
+  float scale = 1.0f;
+  const float* q = nullptr;
+  int64_t q_b = 0, q_h = 0, q_i = 0, q_d = 1;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t k_b = 0, k_h = 0, v_b = 0, v_h = 0;
+  float* out = nullptr;
+  int64_t o_b = 0, o_h = 0, o_i = 0;
+  const float* mask = nullptr;  // additive [B, 1 or Hq, n, S] (m_h 0: one row for every head), or none
+  int64_t m_b = 0, m_h = 0, m_i = 0;
+  std::vector<int64_t> start;  // per batch row, the first key read
+  // The mask (checked against B, Hq, n and S, which must be set) and each batch row's first key: with
+  // skip_masked_prefix, the keys before the first one any of its rows sees, rounded down to 16 (csrc/attention.cpp).
+  void set_mask(const std::optional<at::Tensor>& mask, bool skip_masked_prefix);
+  void run(int64_t t0, int64_t t1) const;  // tasks [t0, t1) of B x Hkv
+
+ private:
+  at::Tensor mask_;  // what mask points into
 };
 
 // append_attention's result: k / v written to rows [start, start + n) of the caches, q's attention over their rows
