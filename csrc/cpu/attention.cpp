@@ -84,9 +84,9 @@ void AttentionTasks::set_mask(const std::optional<at::Tensor>& m, bool skip_mask
     m_h = mask_.size(1) == 1 ? 0 : mask_.stride(1);
     m_i = mask_.stride(2);
   }
-  // skip_masked_prefix (csrc/attention.cpp): per batch row, the keys before `start` are not read. Their weight would be exactly 0
-  // (exp of less than -104 is 0 on every path), and `start` is a multiple of 16, so every other key keeps its SIMD
-  // lane, its tile and its place in every sum: the same result, bit for bit.
+  // skip_masked_prefix (csrc/attention.cpp): per batch row, the keys before `start` are not read. Their weight
+  // would be exactly 0 (exp of less than -104 is 0 on every path), and `start` is a multiple of 16, so every other
+  // key keeps its SIMD lane, its tile and its place in every sum: the same result, bit for bit.
   start.assign(B, 0);
   if (!mask || !skip_masked_prefix) return;
   const int64_t mask_heads = m_h ? Hq : 1;

@@ -187,7 +187,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_pre_attention_cpu(
   const Heads heads = pre_rows(w, hc.data_ptr<float>(), idx, T, E, qkv.data_ptr<float>(), ws.data_ptr<float>());
   at::Tensor qk = at::empty({B, nqk, S, D}, h.options());
   float* qk_p = qk.data_ptr<float>();
-  rotate_heads(heads, tables, B, S, [&](int64_t b, int64_t j, int64_t i) { return qk_p + ((b * nqk + j) * S + i) * D; });
+  rotate_heads(heads, tables, B, S,
+               [&](int64_t b, int64_t j, int64_t i) { return qk_p + ((b * nqk + j) * S + i) * D; });
   return {qk, qkv.transpose(1, 2).slice(1, nqk)};
 }
 
