@@ -26,9 +26,6 @@ at::Tensor masked_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
               ", Hkv, S, D = ", D, "] each, got ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "q, k: the query heads (", Hq, ") must be a multiple of the key / value "
               "heads (", Hkv, ")");
-  at::Tensor kc = k, vc = v;  // each key's D values contiguous (a cache's view keeps them so)
-  if (D > 0 && (k.stride(3) != 1 || k.stride(2) != D)) kc = k.contiguous();
-  if (D > 0 && (v.stride(3) != 1 || v.stride(2) != D)) vc = v.contiguous();
   fastverify::cpu::AttentionTasks a;
   a.B = B, a.Hq = Hq, a.Hkv = Hkv, a.n = n, a.S = S, a.D = D, a.scale = static_cast<float>(scale);
   a.set_mask(mask, skip_masked_prefix);
@@ -36,8 +33,7 @@ at::Tensor masked_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   if (out.numel() == 0) return out;
   TORCH_CHECK(S > 0, "k, v: expected at least one key");
   a.q = q.data_ptr<float>(), a.q_b = q.stride(0), a.q_h = q.stride(1), a.q_i = q.stride(2), a.q_d = q.stride(3);
-  a.k = kc.data_ptr<float>(), a.k_b = kc.stride(0), a.k_h = kc.stride(1);
-  a.v = vc.data_ptr<float>(), a.v_b = vc.stride(0), a.v_h = vc.stride(1);
+  a.set_keys(k, v);  // (a cache's view keeps each key's D values contiguous)
   a.out = out.data_ptr<float>(), a.o_b = Hq * n * D, a.o_h = n * D, a.o_i = D;
   // one thread for small calls (a decoding step's: waking the pool costs more than the work)
   const int64_t tasks = B * Hkv, R = (Hq / Hkv) * n;
@@ -48,18 +44,12 @@ at::Tensor masked_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
 
 at::Tensor append_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                                 at::Tensor& v_cache, int64_t start, const at::Tensor& mask, double scale) {
-  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k, "k"}, {&v, "v"}, {&k_cache, "k_cache"},
-                                {&v_cache, "v_cache"}})
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&k, "k"}, {&v, "v"}})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4, name,
                 ": expected a 4-D float32 CPU tensor, got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
   const int64_t n = k.size(2);
   TORCH_CHECK(v.sizes() == k.sizes(), "v: expected the shape of k ", k.sizes(), ", got ", v.sizes());
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == k.size(0) && k_cache.size(1) == k.size(1) &&
-                  k_cache.size(3) == k.size(3),
-              "k_cache, v_cache: expected [B, Hkv, C, D] = [", k.size(0), ", ", k.size(1), ", C, ", k.size(3),
-              "] each, got ", k_cache.sizes(), " and ", v_cache.sizes());
-  TORCH_CHECK(start >= 0 && start + n <= k_cache.size(2), "start: expected 0 <= start and start + n <= C = ",
-              k_cache.size(2), ", got start ", start, " for n = ", n);
+  fastverify::cpu::check_caches(k_cache, v_cache, k.size(0), k.size(1), k.size(3), start, n, "k_cache", "v_cache");
   k_cache.narrow(2, start, n).copy_(k);
   v_cache.narrow(2, start, n).copy_(v);
   const at::Tensor out = masked_attention_cpu(q, k_cache.narrow(2, 0, start + n), v_cache.narrow(2, 0, start + n),
@@ -103,6 +93,27 @@ void AttentionTasks::set_mask(const std::optional<at::Tensor>& m, bool skip_mask
   }
 }
 
+void AttentionTasks::set_keys(const at::Tensor& keys, const at::Tensor& values) {
+  auto rows = [this](const at::Tensor& c) { return D == 0 || (c.stride(3) == 1 && c.stride(2) == D); };
+  k_ = rows(keys) ? keys : keys.contiguous();
+  v_ = rows(values) ? values : values.contiguous();
+  k = k_.data_ptr<float>(), k_b = k_.stride(0), k_h = k_.stride(1);
+  v = v_.data_ptr<float>(), v_b = v_.stride(0), v_h = v_.stride(1);
+}
+
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t B, int64_t Hkv, int64_t D,
+                  int64_t start, int64_t n, const std::string& k_name, const std::string& v_name) {
+  for (const auto& [t, name] : {std::pair{&k_cache, &k_name}, {&v_cache, &v_name}})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4, *name,
+                ": expected a 4-D float32 CPU tensor, got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == B && k_cache.size(1) == Hkv &&
+                  k_cache.size(3) == D,
+              k_name, ", ", v_name, ": expected [B, Hkv, C, D] = [", B, ", ", Hkv, ", C, ", D, "] each, got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(start >= 0 && start + n <= k_cache.size(2), "start: expected 0 <= start and start + n <= C = ",
+              k_cache.size(2), " (", k_name, "'s rows), got start ", start, " for n = ", n);
+}
+
 void AttentionTasks::run(int64_t t0, int64_t t1) const {
   const int64_t G = Hq / Hkv;
   // query rows per head in one pass: all n, unless the scores [G * rows, S] would pass 1 MB (a long prompt's chunk
@@ -136,12 +147,6 @@ void AttentionTasks::run(int64_t t0, int64_t t1) const {
 }
 
 }  // namespace fastverify::cpu
-
-at::Tensor fastverify::cpu::append_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                             at::Tensor& k_cache, at::Tensor& v_cache, int64_t start,
-                                             const at::Tensor& mask, double scale) {
-  return append_attention_cpu(q, k, v, k_cache, v_cache, start, mask, scale);
-}
 
 TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
   m.impl("masked_attention", &masked_attention_cpu);

@@ -1,14 +1,15 @@
 // What the CPU ops share with each other beyond their schemas: the checked packed projection of skinny_linear_packed,
-// the rows of rms_norm, the checked tables and rows of rotary_embedding and append_attention, each defined beside its
-// own op (csrc/cpu/linear.cpp, norm.cpp, rotary.cpp, attention.cpp) and called by the decoder layer ops
-// (csrc/cpu/layer.cpp) on raw rows, so that a layer's steps are those ops' own arithmetic without a dispatcher call or
-// a tensor per step.
+// the rows of rms_norm, the checked tables and rows of rotary_embedding, masked_attention's tasks and
+// append_attention's cache checks, each defined beside its own op (csrc/cpu/linear.cpp, norm.cpp, rotary.cpp,
+// attention.cpp) and called by the decoder layer ops (csrc/cpu/layer.cpp) on raw rows, so that a layer's steps are
+// those ops' own arithmetic without a dispatcher call or a tensor per step.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "linear.h"
@@ -74,15 +75,17 @@ struct AttentionTasks {
   // The mask (checked against B, Hq, n and S, which must be set) and each batch row's first key: with
   // skip_masked_prefix, the keys before the first one any of its rows sees, rounded down to 16 (csrc/attention.cpp).
   void set_mask(const std::optional<at::Tensor>& mask, bool skip_masked_prefix);
+  // k and v [B, Hkv, S, D] (checked by the caller): views where each key's D values are contiguous, else copies.
+  void set_keys(const at::Tensor& k, const at::Tensor& v);
   void run(int64_t t0, int64_t t1) const;  // tasks [t0, t1) of B x Hkv
 
  private:
-  at::Tensor mask_;  // what mask points into
+  at::Tensor mask_, k_, v_;  // what mask, k and v point into
 };
 
-// append_attention's result: k / v written to rows [start, start + n) of the caches, q's attention over their rows
-// [0, start + n), [B, n, Hq, D].
-at::Tensor append_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                            at::Tensor& v_cache, int64_t start, const at::Tensor& mask, double scale);
+// append_attention's checks of the caches k_cache / v_cache [B, Hkv, C, D] that n rows go into at row start (the
+// messages name them k_name / v_name).
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t B, int64_t Hkv, int64_t D,
+                  int64_t start, int64_t n, const std::string& k_name, const std::string& v_name);
 
 }  // namespace fastverify::cpu

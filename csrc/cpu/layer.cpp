@@ -17,6 +17,7 @@
 #include <array>
 #include <cmath>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -283,20 +284,7 @@ at::Tensor decoder_post_attention_cpu(const at::Tensor& h, const at::Tensor& att
 // Per layer: the entries of decoder_stack's weights, ints and floats (csrc/layer.cpp).
 constexpr int64_t kWeights = 20, kInts = 6, kFloats = 5;
 
-// A key / value cache [B, Hkv, C, D] of layer l, checked as append_attention checks it, for n rows at start.
-void check_cache(const at::Tensor& kc, const at::Tensor& vc, int64_t l, int64_t B, int64_t n_kv, int64_t D,
-                 int64_t start, int64_t n) {
-  for (const auto& [t, name] : {std::pair{&kc, "k_caches"}, {&vc, "v_caches"}})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4, name, "[", l,
-                "]: expected a 4-D float32 CPU tensor, got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
-  TORCH_CHECK(vc.sizes() == kc.sizes() && kc.size(0) == B && kc.size(1) == n_kv && kc.size(3) == D,
-              "k_caches[", l, "], v_caches[", l, "]: expected [B, Hkv, C, D] = [", B, ", ", n_kv, ", C, ", D,
-              "] each, got ", kc.sizes(), " and ", vc.sizes());
-  TORCH_CHECK(start >= 0 && start + n <= kc.size(2), "start: expected 0 <= start and start + n <= C = ", kc.size(2),
-              " (k_caches[", l, "]), got start ", start, " for n = ", n);
-}
-
-// Row (b, h, r) of a cache: its D values at stride s[3].
+// Row (b, h, r) of a cache [B, Hkv, C, D] (its D values at the cache's stride(3)).
 float* cache_row(const at::Tensor& c, int64_t b, int64_t h, int64_t r) {
   return c.data_ptr<float>() + b * c.stride(0) + h * c.stride(1) + r * c.stride(2);
 }
@@ -353,7 +341,8 @@ at::Tensor decoder_stack_cpu(const at::Tensor& h, const c10::List<OptTensor>& we
                               required(w + 14, "gate_up_m"), n[2], weights.get(w + 15), required(w + 16, "down_q"),
                               required(w + 17, "down_d"), required(w + 18, "down_m"), n[3], weights.get(w + 19), E,
                               A));
-    check_cache(k_caches[l], v_caches[l], l, B, n_kv, D, start, S);
+    fastverify::cpu::check_caches(k_caches[l], v_caches[l], B, n_kv, D, start, S,
+                                  "k_caches[" + std::to_string(l) + "]", "v_caches[" + std::to_string(l) + "]");
   }
   const at::Tensor idx = live_index(index, T);
   const bool indexed = idx.defined();
@@ -393,12 +382,7 @@ at::Tensor decoder_stack_cpu(const at::Tensor& h, const c10::List<OptTensor>& we
           put_row(qk_rot + (t * nqk + n_q + j) * D, D, cache_row(kc, b, j, start + i), kc.stride(3));
           put_row(qkv + (t * heads + nqk + j) * D, D, cache_row(vc, b, j, start + i), vc.stride(3));
         }
-    // the keys of rows [0, start + S), each key's D values contiguous (masked_attention's copy where not)
-    at::Tensor kv[2] = {kc.narrow(2, 0, keys), vc.narrow(2, 0, keys)};
-    for (at::Tensor& c : kv)
-      if (c.stride(3) != 1 || c.stride(2) != D) c = c.contiguous();
-    att.k = kv[0].data_ptr<float>(), att.k_b = kv[0].stride(0), att.k_h = kv[0].stride(1);
-    att.v = kv[1].data_ptr<float>(), att.v_b = kv[1].stride(0), att.v_h = kv[1].stride(1);
+    att.set_keys(kc.narrow(2, 0, keys), vc.narrow(2, 0, keys));  // the keys of rows [0, start + S)
     att.scale = static_cast<float>(floats[kFloats * l + 4]);
     at::parallel_for(0, B * n_kv, 1, [&](int64_t t0, int64_t t1) { att.run(t0, t1); });
     float* y = l + 1 == L ? out.data_ptr<float>() : hidden[l % 2];
