@@ -6,6 +6,11 @@
 //       of rows. A float16 weight is read as its exact float32 values (half the bytes; the result of its float32
 //       copy, bit for bit). CPU only: on a GPU, cuBLAS already keeps small-M GEMMs bandwidth-bound.
 //
+//   skinny_linear_t(x float32 [..., K], weight float32 [K, N], bias float32 [N] or None) -> float32 [..., N]
+//       x @ weight + bias: skinny_linear for a weight stored transposed, as transformers' Conv1D (GPT-2) holds it,
+//       read in place. Each output one chain of fused multiply-adds over k in order (csrc/linear.h), so a row's
+//       result does not depend on the other rows. CPU only.
+//
 //   skinny_linear_packed(x float32 [..., K], q uint8 [N, K * bits / 8], d float32 [N, K / 32], m float32 [N, K / 32],
 //                        bits, bias float32 [N] or None) -> float32 [..., N]
 //       skinny_linear with the weight w[n, k] = d[n, k / 32] * q[n, k] + m[n, k / 32] in its packed form
@@ -31,6 +36,7 @@
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("skinny_linear_t(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("skinny_linear_packed(Tensor x, Tensor q, Tensor d, Tensor m, int bits, Tensor? bias) -> Tensor");
   m.def("pack_blocks(Tensor weight) -> (Tensor, Tensor, Tensor, int)");
   m.def("gated_lora_add_(Tensor(a!) y, Tensor x, Tensor index, Tensor A, Tensor B, float scale) -> ()");

@@ -524,5 +524,139 @@ inline void skinny_rows_packed(const float* x, const Packed& p, const float* bia
   rows_packed_buffered(x, p, bias, y, M, N, n0, n1);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Weights stored [K, N] (skinny_linear_t: y = x @ w + bias, the layout of transformers' Conv1D, GPT-2's layers).
+// Arithmetic, identical on every path and independent of M, the tiling and the threads: each output is one chain
+// of fused multiply-adds over k = 0 .. K - 1 in order, from 0, then the bias added. The SIMD paths hold 16 (AVX-512)
+// or 8 (AVX2) neighbouring columns of one x row in a register and broadcast x[m, k]: row k of w is read as it lies.
+// A tile is up to 6 x rows x 4 column registers, each weight register loaded once per k for every x row of the tile.
+
+// Scalar path: x row by x row, the output row itself the accumulator.
+inline void rows_t_scalar(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K,
+                          int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* out = y + m * N;
+    std::fill(out + n0, out + n1, 0.0f);
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = x[m * K + k];
+      const float* row = w + k * N;
+      for (int64_t n = n0; n < n1; ++n) out[n] = std::fma(a, row[n], out[n]);
+    }
+    if (bias)
+      for (int64_t n = n0; n < n1; ++n) out[n] += bias[n];
+  }
+}
+
+#ifdef FASTVERIFY_X86
+// AVX-512 tile: MR x rows x NV registers of 16 columns from column n (MR * NV + NV + 1 <= 32 zmm). Unmasked loads
+// only: with a masked one in the loop, GCC 12 stores every accumulator to the stack at every k.
+template <int MR, int NV>
+FASTVERIFY_AVX512 inline void tile_t_avx512(const float* x, const float* w, const float* bias, float* y, int64_t K,
+                                            int64_t N, int64_t m, int64_t n) {
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const float* row = w + n;
+  for (int64_t k = 0; k < K; ++k, row += N) {
+    __m512 wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(row + 16 * v);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[(m + r) * K + k]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(y + (m + r) * N + n + 16 * v,
+                       bias ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + n + 16 * v)) : acc[r][v]);
+}
+
+// Every x row in tiles of 6 (the last one shorter) over NV column registers from column n.
+template <int NV>
+FASTVERIFY_AVX512 inline void band_t_avx512(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                                            int64_t K, int64_t N, int64_t n) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) tile_t_avx512<6, NV>(x, w, bias, y, K, N, m, n);
+  switch (M - m) {
+    case 5: tile_t_avx512<5, NV>(x, w, bias, y, K, N, m, n); break;
+    case 4: tile_t_avx512<4, NV>(x, w, bias, y, K, N, m, n); break;
+    case 3: tile_t_avx512<3, NV>(x, w, bias, y, K, N, m, n); break;
+    case 2: tile_t_avx512<2, NV>(x, w, bias, y, K, N, m, n); break;
+    case 1: tile_t_avx512<1, NV>(x, w, bias, y, K, N, m, n); break;
+    default: break;
+  }
+}
+
+// Columns [n0, n1) in bands of 64 (4 registers), then one band of the 1-3 whole registers left; the last
+// (n1 - n0) mod 16 columns on the scalar path (the same arithmetic).
+FASTVERIFY_AVX512 inline void rows_t_avx512(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                                            int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 64 <= n1; n += 64) band_t_avx512<4>(x, w, bias, y, M, K, N, n);
+  switch ((n1 - n) / 16) {
+    case 3: band_t_avx512<3>(x, w, bias, y, M, K, N, n); break;
+    case 2: band_t_avx512<2>(x, w, bias, y, M, K, N, n); break;
+    case 1: band_t_avx512<1>(x, w, bias, y, M, K, N, n); break;
+    default: break;
+  }
+  n += 16 * ((n1 - n) / 16);
+  if (n < n1) rows_t_scalar(x, w, bias, y, M, K, N, n, n1);
+}
+
+// AVX2 tile: MR x rows x 2 registers of 8 columns from column n (2 * MR + 3 <= 16 ymm); full registers only.
+template <int MR>
+FASTVERIFY_AVX2 inline void tile_t_avx2(const float* x, const float* w, const float* bias, float* y, int64_t K,
+                                        int64_t N, int64_t m, int64_t n) {
+  __m256 lo[MR], hi[MR];
+  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * N + n), w1 = _mm256_loadu_ps(w + k * N + n + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_set1_ps(x[(m + r) * K + k]);
+      lo[r] = _mm256_fmadd_ps(a, w0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(a, w1, hi[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if (bias) {
+      lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(bias + n));
+      hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(bias + n + 8));
+    }
+    _mm256_storeu_ps(y + (m + r) * N + n, lo[r]);
+    _mm256_storeu_ps(y + (m + r) * N + n + 8, hi[r]);
+  }
+}
+
+// Columns [n0, n1) in bands of 16, every x row in tiles of 6; the last n1 - n0 mod 16 columns on the scalar path
+// (the same arithmetic).
+FASTVERIFY_AVX2 inline void rows_t_avx2(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                                        int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 16 <= n1; n += 16) {
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6) tile_t_avx2<6>(x, w, bias, y, K, N, m, n);
+    switch (M - m) {
+      case 5: tile_t_avx2<5>(x, w, bias, y, K, N, m, n); break;
+      case 4: tile_t_avx2<4>(x, w, bias, y, K, N, m, n); break;
+      case 3: tile_t_avx2<3>(x, w, bias, y, K, N, m, n); break;
+      case 2: tile_t_avx2<2>(x, w, bias, y, K, N, m, n); break;
+      case 1: tile_t_avx2<1>(x, w, bias, y, K, N, m, n); break;
+      default: break;
+    }
+  }
+  if (n < n1) rows_t_scalar(x, w, bias, y, M, K, N, n, n1);
+}
+#endif
+
+// y[m * N + n] for m < M and n in [n0, n1); x [M, K], w [K, N] row-major float32, bias [N] or nullptr.
+inline void skinny_rows_t(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K,
+                          int64_t N, int64_t n0, int64_t n1) {
+#ifdef FASTVERIFY_X86
+  if (cpu_has_avx512()) return rows_t_avx512(x, w, bias, y, M, K, N, n0, n1);
+  if (cpu_has_avx2_fma()) return rows_t_avx2(x, w, bias, y, M, K, N, n0, n1);
+#endif
+  rows_t_scalar(x, w, bias, y, M, K, N, n0, n1);
+}
+
 }  // namespace linear
 }  // namespace fastverify

@@ -439,10 +439,7 @@ def test_seeded_sampling_equals_autoregressive_sampling(model, lengths, backend)
     for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
         out, st = _patched(model, ids, mask, drafter=drafter, **kw)
         assert torch.equal(out, ar), (type(drafter).__name__, out.tolist(), ar.tolist())
-    if model.config.model_type == "gpt2":  # Conv1D: not row-invariant, so sampled calls decode without drafts
-        assert st.drafted_tokens == 0
-    else:
-        assert st.accepted_tokens > 0  # the self-drafter's greedy drafts are often the sampled tokens at T = 0.7
+    assert st.accepted_tokens > 0  # the self-drafter's greedy drafts are often the sampled tokens at T = 0.7
     other, _ = _patched(model, ids, mask, drafter=Drafter(), **{**kw, "seed": 99})
     assert not torch.equal(other, ar)
 
@@ -903,24 +900,17 @@ def test_drafts_change_no_bit_of_the_logits(model, lengths, sample):
     """On the CPU the loop's forwards run row-invariant kernels: the linear layers' skinny kernels and
     masked_attention, whose rows depend on the keys they see alone (csrc/attention.h). So a drafted step's rows are
     the logits an undrafted step computes for the same token, bit for bit: drafted and undrafted decoding return
-    the same logits, prompt chunks included (long). GPT-2's Conv1D layers are not nn.Linear: they run torch's GEMM,
-    whose rounding depends on the number of rows, so there only to float32 rounding (and sampled calls draft only
-    with ``invariant_sampling=False``)."""
+    the same logits, prompt chunks included (long). GPT-2's Conv1D layers run skinny_linear_t, row-invariant too."""
     ids, mask = _batch(lengths, seed=3)
     kw = dict(max_new_tokens=16, return_dict_in_generate=True, output_logits=True, do_sample=sample)
     if sample:
         kw.update(temperature=0.8, top_k=50, seed=2024)
-        if model.config.model_type == "gpt2":
-            kw["options"] = {"invariant_sampling": False}
     ref, st = _patched(model, ids, mask, drafter=Drafter(), **kw)
     assert st.drafted_tokens == 0
     for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
         out, st = _patched(model, ids, mask, drafter=drafter, **kw)
         assert st.drafted_tokens > 0 and torch.equal(out.sequences, ref.sequences)
-        if model.config.model_type == "gpt2":
-            _assert_rows_close(out.logits, ref.logits)
-        else:
-            assert logits_equal(out.logits, ref.logits), type(drafter).__name__
+        assert logits_equal(out.logits, ref.logits), type(drafter).__name__
 
 
 @pytest.mark.parametrize("lengths", [[14, 6, 2], [70, 33, 9]], ids=["batch3", "long_batch3"])
@@ -928,8 +918,6 @@ def test_a_request_s_logits_do_not_depend_on_its_batch(model, lengths):
     """The same row-invariance across a batch: a request decoded alone gives, bit for bit, the logits it gets in a
     left-padded batch (its padding keys have weight 0 and are left out of every sum; each row's linear layers are
     its own)."""
-    if model.config.model_type == "gpt2":
-        pytest.skip("GPT-2's Conv1D layers run torch's GEMM (test_drafts_change_no_bit_of_the_logits)")
     ids, mask = _batch(lengths, seed=3)
     kw = dict(max_new_tokens=16, return_dict_in_generate=True, output_logits=True, do_sample=False)
     both, _ = _patched(model, ids, mask, drafter=NGramDrafter(), **kw)

@@ -134,6 +134,107 @@ def test_bad_input_names_the_argument():
             torch.ops.fastverify.skinny_linear(x, w, torch.randn(8))
 
 
+def _check_t(y, x, w, b):
+    _check(y, x, w.T, b)  # x @ w + b is F.linear's x @ (w^T)^T + b
+
+
+@needs_cpp
+@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 12, 13, 33])
+@pytest.mark.parametrize("K, N", [(1, 1), (7, 3), (9, 16), (17, 47), (64, 64), (33, 80), (768, 113), (100, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_t_matches_float64_reference(M, K, N, bias):
+    g = torch.Generator().manual_seed(M * 7919 + K * 31 + N + 5)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(K, N, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    y = fastverify.ops.linear.skinny_linear_t(x, w, b, backend="cpp")
+    _check_t(y, x, w, b)
+    assert torch.equal(fastverify.ops.linear.skinny_linear_t(x, w, b), y)  # auto takes the kernel
+    _check_t(fastverify.ops.linear.skinny_linear_t(x, w, b, backend="torch"), x, w, b)
+
+
+@needs_cpp
+def test_skinny_linear_t_row_result_does_not_depend_on_the_batch_or_threads():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(19, 301, generator=g)
+    w = torch.randn(301, 1043, generator=g)
+    b = torch.randn(1043, generator=g)
+    op = torch.ops.fastverify.skinny_linear_t
+    full = op(x, w, b)
+    for m in (0, 1, 5, 6, 11, 18):
+        assert torch.equal(op(x[m:m + 1], w, b)[0], full[m])
+        assert torch.equal(op(x[:m + 1], w, b), full[:m + 1])
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(x, w, b)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, full)
+
+
+@needs_cpp
+def test_skinny_linear_t_leading_dims_non_contiguous_empty_and_opcheck():
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 3, 40, generator=g)
+    w = torch.randn(80, 24, generator=g)[::2]  # non-contiguous weight [40, 24]
+    y = fastverify.ops.linear.skinny_linear_t(x, w, backend="cpp")
+    assert y.shape == (2, 3, 24)
+    _check_t(y.reshape(6, 24), x.reshape(6, 40), w, None)
+    xt = torch.randn(40, 6, generator=g).T  # non-contiguous input
+    _check_t(fastverify.ops.linear.skinny_linear_t(xt, w, backend="cpp"), xt, w, None)
+    assert fastverify.ops.linear.skinny_linear_t(torch.zeros(0, 40), w, backend="cpp").shape == (0, 24)
+    assert fastverify.ops.linear.skinny_linear_t(x, torch.zeros(40, 0), backend="cpp").shape == (2, 3, 0)
+    b = torch.randn(5, generator=g)
+    assert torch.equal(fastverify.ops.linear.skinny_linear_t(torch.zeros(3, 0), torch.zeros(0, 5), b, backend="cpp"),
+                       b.expand(3, 5))
+    xs, ws, bs = torch.randn(3, 20, generator=g), torch.randn(20, 9, generator=g), torch.randn(9, generator=g)
+    torch.library.opcheck(torch.ops.fastverify.skinny_linear_t.default, (xs, ws, bs))
+    torch.library.opcheck(torch.ops.fastverify.skinny_linear_t.default, (xs, ws, None))
+
+
+def test_skinny_linear_t_bad_input_names_the_argument():
+    from fastverify.ops.linear import skinny_linear_t
+    x, w = torch.randn(3, 20), torch.randn(20, 9)
+    with pytest.raises(ValueError, match=r"weight: expected shape \[K, N\]"):
+        skinny_linear_t(x, w[0])
+    with pytest.raises(ValueError, match="x: expected shape"):
+        skinny_linear_t(torch.randn(3, 9), w)
+    with pytest.raises(ValueError, match="bias"):
+        skinny_linear_t(x, w, torch.randn(20))
+    with pytest.raises(TypeError, match="floating"):
+        skinny_linear_t(x.long(), w)
+    assert torch.equal(skinny_linear_t(x.double(), w.double()), x.double() @ w.double())  # auto: the reference
+    if "cpp" in implemented_backends("skinny_linear_t"):
+        with pytest.raises(TypeError, match="weight float32"):
+            skinny_linear_t(x, w.half(), backend="cpp")
+        with pytest.raises(RuntimeError, match="weight: expected float32"):
+            torch.ops.fastverify.skinny_linear_t(x, w.half(), None)
+        with pytest.raises(RuntimeError, match="weight's K"):
+            torch.ops.fastverify.skinny_linear_t(torch.randn(3, 21), w, None)
+        with pytest.raises(RuntimeError, match="bias"):
+            torch.ops.fastverify.skinny_linear_t(x, w, torch.randn(20))
+
+
+@pytest.mark.skipif(not skinny_available(), reason="cpp backend: fastverify._C has no skinny_linear kernel")
+def test_skinny_linears_reroutes_conv1d_layers_and_restores_them():
+    from transformers.pytorch_utils import Conv1D
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Conv1D(48, 32), torch.nn.GELU(), Conv1D(32, 48))
+    x = torch.randn(5, 32)
+    before = model(x).detach()
+    with torch.no_grad(), skinny_linears(model) as n:  # (inputs that need gradients go to Conv1D's own addmm)
+        assert n == 2 and all("forward" in m.__dict__ for m in (model[0], model[2]))
+        y = model(x)
+        rows = [model(x[i:i + 1]) for i in range(5)]
+        big = model(torch.randn(MAX_ROWS + 1, 32))  # past max_rows: Conv1D's own addmm
+        assert big.shape == (MAX_ROWS + 1, 32)
+    assert all("forward" not in m.__dict__ for m in (model[0], model[2]))
+    assert torch.allclose(y, before, atol=1e-5)
+    assert all(torch.equal(r[0], y[i]) for i, r in enumerate(rows))  # each row its own: bit for bit
+    assert torch.equal(model(x), before)
+
+
 class _MyLinear(torch.nn.Linear):
     pass
 

@@ -28,6 +28,10 @@ for M, K, N in ((7, 581, 203), (16, 576, 37), (1, 15, 5), (13, 1536, 9)):
     x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
     out.append(torch.ops.fastverify.skinny_linear(x, w, b))
     out.append(torch.ops.fastverify.skinny_linear(x, w.half(), b))  # float16 weights: converted as they are read
+for M, K, N in ((7, 581, 203), (13, 64, 112), (1, 15, 5), (6, 33, 64), (17, 100, 80)):  # weights [K, N]
+    x, w, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g), torch.randn(N, generator=g)
+    out.append(torch.ops.fastverify.skinny_linear_t(x, w, b))
+    out.append(torch.ops.fastverify.skinny_linear_t(x, w, None))
 torch.save(out, sys.argv[1])
 """
 
@@ -36,7 +40,8 @@ torch.save(out, sys.argv[1])
                     reason="needs the cpp backend on a CPU with AVX2 + FMA (and FASTVERIFY_NO_SIMD unset)")
 def test_skinny_linear_is_bit_identical_on_every_path(tmp_path):
     # csrc/linear.h spells out the same fused multiply-adds and reduction order on the AVX-512, AVX2 and scalar
-    # paths (odd K: the tail; M past one tile; N not a multiple of the block)
+    # paths (odd K: the tail; M past one tile; N not a multiple of the block), skinny_linear_t's too (N past and
+    # short of a band, the scalar columns after the registers)
     import subprocess
     import sys
     out = {}

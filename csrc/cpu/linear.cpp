@@ -67,6 +67,37 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   return y;
 }
 
+// skinny_linear_t: the weight stored [K, N] (x @ weight + bias). Output columns split across threads in bands of 64.
+at::Tensor skinny_linear_t_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "x, weight: expected CPU tensors, got ", x.device(),
+              " and ", weight.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x: expected float32, got ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight: expected float32, got ", weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2, "weight: expected [K, N], got shape ", weight.sizes());
+  TORCH_CHECK(x.dim() >= 1, "x: expected [..., K], got a 0-d tensor");
+  const int64_t K = weight.size(0), N = weight.size(1);
+  TORCH_CHECK(x.size(-1) == K, "x: last dimension ", x.size(-1), " must equal weight's K = ", K);
+  at::Tensor b;
+  const float* bias_ptr = checked_bias(bias, N, b);
+  const std::vector<int64_t> out_shape = output_shape(x, N);
+  at::Tensor y = at::empty(out_shape, x.options());
+  const int64_t M = K == 0 ? 0 : x.numel() / K;
+  if (y.numel() == 0) return y;
+  if (K == 0) return bias_ptr ? y.copy_(b.expand(out_shape)) : y.zero_();
+  const at::Tensor xc = x.reshape({M, K}).contiguous();
+  const at::Tensor wc = weight.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Bands of 64 columns; a thread's share is at least ~64K weights so that small layers stay on one thread.
+  const int64_t bands = (N + 63) / 64;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (64 * K));
+  at::parallel_for(0, bands, grain, [&](int64_t b0, int64_t b1) {
+    fastverify::linear::skinny_rows_t(xp, wp, bias_ptr, yp, M, K, N, 64 * b0, std::min(N, 64 * b1));
+  });
+  return y;
+}
+
 at::Tensor skinny_linear_packed_cpu(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                                     int64_t bits, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu(), "x: expected a CPU tensor, got one on ", x.device());
@@ -247,6 +278,7 @@ void packed_rows(const float* x, int64_t M, const PackedLinear& w, float* y) {
 TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
   m.impl("skinny_linear", &skinny_linear_cpu);
   m.impl("skinny_linear_packed", &skinny_linear_packed_cpu);
+  m.impl("skinny_linear_t", &skinny_linear_t_cpu);
   m.impl("gated_lora_add_", &gated_lora_add_cpu);
   m.impl("pack_blocks", &pack_blocks_cpu);
 }

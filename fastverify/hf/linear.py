@@ -5,7 +5,10 @@ otherwise specialised subclasses are left alone) whose weight is a contiguous fl
 place by the kernel) computes inputs of at most ``max_rows`` rows with the skinny kernel; larger inputs (the
 prefill), other dtypes, devices and anything that needs gradients go to ``F.linear`` as before. The forward is
 rebound on the instance and the instance attribute removed on exit, so the model is left exactly as it was. Modules
-whose forward is already rebound on the instance (accelerate hooks) are skipped.
+whose forward is already rebound on the instance (accelerate hooks) are skipped. transformers' ``Conv1D`` layers
+(GPT-2's: ``x @ weight + bias`` with the weight stored [K, N]) are rerouted likewise, to ``skinny_linear_t``, which
+reads that weight in place; so every linear layer of a GPT-2 computes a row's result from that row alone, as the
+skinny kernels do (on SmolLM2-sized layers, torch's GEMM does not: a row rounds differently beside other rows).
 
 With ``pack`` (the default), a layer whose float32 weight is exactly 4- or 8-bit block-quantised values (a model
 dequantised from a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors, as fastverify.models.load_smollm2 loads SmolLM2) runs
@@ -43,6 +46,23 @@ def _eligible(module) -> bool:
     return (type(module) is torch.nn.Linear and "forward" not in module.__dict__
             and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
             and module.weight.is_contiguous()  # else every call would copy the weight
+            and (module.bias is None or module.bias.dtype == torch.float32))
+
+
+def _conv1d_type():
+    """transformers' ``Conv1D`` class (None where transformers does not import)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
+
+
+def _eligible_t(module, conv1d) -> bool:
+    """A ``Conv1D`` (the exact class) with a contiguous float32 CPU weight [K, N] and a float32 bias."""
+    return (conv1d is not None and type(module) is conv1d and "forward" not in module.__dict__
+            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
+            and module.weight.dim() == 2 and module.weight.is_contiguous()
             and (module.bias is None or module.bias.dtype == torch.float32))
 
 
@@ -123,9 +143,12 @@ def pack_model(model) -> int:
 
 @contextlib.contextmanager
 def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
-    """Context manager; yields the number of layers rerouted (0 when the kernel is not built). ``pack``: layers
-    whose weight packs exactly (``packed_weight``) stream the packed copy."""
+    """Context manager; yields the number of layers rerouted (0 when the kernel is not built): ``nn.Linear`` layers
+    and transformers' ``Conv1D`` ones. ``pack``: linear layers whose weight packs exactly (``packed_weight``) stream
+    the packed copy."""
     mods = [m for m in model.modules() if _eligible(m)] if skinny_available() else []
+    conv1d = _conv1d_type() if skinny_available() and "cpp" in implemented_backends("skinny_linear_t") else None
+    convs = [m for m in model.modules() if _eligible_t(m, conv1d)] if conv1d is not None else []
     op = torch.ops.fastverify.skinny_linear if mods else None
     op_packed = torch.ops.fastverify.skinny_linear_packed if mods and pack else None
     if op_packed is not None:
@@ -140,12 +163,19 @@ def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
             return op(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def forward_t(self, x):  # Conv1D: x @ weight + bias
+        if takes_skinny(x, self.weight, max_rows):
+            return torch.ops.fastverify.skinny_linear_t(x, self.weight, self.bias)
+        return conv1d.forward(self, x)
+
     forward.skinny = True  # fastverify.hf.layers tells this rebinding from others' (and mirrors it: max_rows, pack)
     forward.max_rows, forward.pack = max_rows, op_packed is not None
     for m in mods:
         m.forward = types.MethodType(forward, m)
+    for m in convs:
+        m.forward = types.MethodType(forward_t, m)
     try:
-        yield len(mods)
+        yield len(mods) + len(convs)
     finally:
-        for m in mods:
+        for m in mods + convs:
             m.__dict__.pop("forward", None)

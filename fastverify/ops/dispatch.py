@@ -39,6 +39,7 @@ _MODULE = {
     "masked_attention": "attention",  # CPU only (the loop's few-row attention); no Triton / CUDA kernel
     "skinny_linear": None,  # reference: F.linear; no Triton kernel (cuBLAS keeps small-M GEMMs bandwidth-bound)
     "skinny_linear_packed": "linear",  # no Triton kernel (CPU only, as skinny_linear)
+    "skinny_linear_t": "linear",  # CPU only, as skinny_linear
     "pack_blocks": "linear",  # CPU only
 }
 

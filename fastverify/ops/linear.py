@@ -5,6 +5,9 @@ at 2 <= M <= 16, which is what makes drafting expensive there. ``skinny_linear``
 that of one while the weight dominates the traffic (M up to ~8 with AVX-512, ~4 with AVX2 + FMA), and its result
 for a row does not depend on the other rows (fixed summation order, see csrc/linear.h).
 
+``skinny_linear_t`` is the same for a weight stored [K, N] (transformers' ``Conv1D``, GPT-2's layers): ``x @ weight
++ bias`` with the weight read in place, each output one chain of fused multiply-adds over k in order.
+
 Backends: torch (``torch.nn.functional.linear``, the reference) and cpp (csrc/cpu/linear.cpp, float32 CPU
 tensors; the weight may be float16, read as its exact float32 values: half the bytes to stream, the result of its
 float32 copy bit for bit). There is no GPU kernel: cuBLAS already keeps small-M GEMMs bandwidth-bound, so on a GPU
@@ -27,7 +30,47 @@ from fastverify import _ext
 from fastverify.ops import dispatch
 from fastverify.reference.linear import unpack_blocks
 
-__all__ = ["skinny_linear", "PackedWeight", "pack_blocks", "unpack_blocks", "skinny_linear_packed"]
+__all__ = ["skinny_linear", "skinny_linear_t", "PackedWeight", "pack_blocks", "unpack_blocks", "skinny_linear_packed"]
+
+
+def _check_dense(x, weight, bias, transposed: bool) -> bool:
+    """Checks of skinny_linear's / skinny_linear_t's arguments (weight [N, K] / [K, N]); returns whether the cpp
+    kernel takes them as they are (float32 CPU tensors; skinny_linear's weight may be float16)."""
+    for name, t in (("x", x), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    layout = "[K, N]" if transposed else "[N, K]"
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected shape {layout}, got {tuple(weight.shape)}")
+    K, N = weight.shape if transposed else weight.shape[::-1]
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"x: expected shape [..., K = {K}], got {tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"bias: expected shape [{N}], got {tuple(bias.shape)}")
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if any(t.device != x.device for t in tensors):
+        raise ValueError(f"x, weight, bias: expected one device, got {[str(t.device) for t in tensors]}")
+    if any(not t.dtype.is_floating_point for t in tensors):
+        raise TypeError(f"x, weight, bias: expected floating dtypes, got {[t.dtype for t in tensors]}")
+    weights = (torch.float32,) if transposed else (torch.float32, torch.float16)
+    return (x.dtype == torch.float32 and weight.dtype in weights and (bias is None or bias.dtype == torch.float32)
+            and x.device.type == "cpu")
+
+
+def _call_dense(op, x, weight, bias, fits_cpp, backend):
+    """The op on ``backend`` ("auto": cpp where it takes the arguments, else the reference, which computes in x's
+    dtype)."""
+    if backend == "auto":  # the C++ kernel where it applies, the reference everywhere else
+        backend = "cpp" if fits_cpp and "cpp" in dispatch.implemented_backends(op) else "torch"
+    if not fits_cpp or weight.dtype != x.dtype:  # all float32 on the CPU, the common call, needs neither
+        if dispatch.resolve(op, backend, x.device) != "cpp":  # the reference: values in x's dtype
+            weight = weight.to(x.dtype)
+            bias = None if bias is None else bias.to(x.dtype)
+        elif not fits_cpp:
+            kinds = "float32 or float16" if op == "skinny_linear" else "float32"
+            raise TypeError(f"x, weight, bias: the cpp backend takes float32 CPU tensors (weight {kinds}), got "
+                            f"{[t.dtype for t in ((x, weight) if bias is None else (x, weight, bias))]}")
+    return dispatch.call(op, backend, x.device, x, weight, bias)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = None, *,
@@ -38,32 +81,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = No
     bias of another dtype is used as its values in x's dtype. The cpp backend takes float32 CPU tensors and a
     float32 or float16 weight; "auto" uses it for those and ``F.linear`` otherwise.
     """
-    for name, t in (("x", x), ("weight", weight)) + ((("bias", bias),) if bias is not None else ()):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight: expected shape [N, K], got {tuple(weight.shape)}")
-    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x: expected shape [..., K = {weight.shape[1]}], got {tuple(x.shape)}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias: expected shape [{weight.shape[0]}], got {tuple(bias.shape)}")
-    tensors = (x, weight) if bias is None else (x, weight, bias)
-    if any(t.device != x.device for t in tensors):
-        raise ValueError(f"x, weight, bias: expected one device, got {[str(t.device) for t in tensors]}")
-    if any(not t.dtype.is_floating_point for t in tensors):
-        raise TypeError(f"x, weight, bias: expected floating dtypes, got {[t.dtype for t in tensors]}")
-    fits_cpp = (x.dtype == torch.float32 and weight.dtype in (torch.float32, torch.float16)
-                and (bias is None or bias.dtype == torch.float32) and x.device.type == "cpu")
-    if backend == "auto":  # the C++ kernel where it applies, F.linear (the reference) everywhere else
-        backend = "cpp" if fits_cpp and "cpp" in dispatch.implemented_backends("skinny_linear") else "torch"
-    if not fits_cpp or weight.dtype != x.dtype:  # all float32 on the CPU, the common call, needs neither
-        if dispatch.resolve("skinny_linear", backend, x.device) != "cpp":  # the reference: values in x's dtype
-            weight = weight.to(x.dtype)
-            bias = None if bias is None else bias.to(x.dtype)
-        elif not fits_cpp:
-            raise TypeError(f"x, weight, bias: the cpp backend takes float32 CPU tensors (weight float32 or "
-                            f"float16), got {[t.dtype for t in tensors]}")
-    return dispatch.call("skinny_linear", backend, x.device, x, weight, bias)
+    fits_cpp = _check_dense(x, weight, bias, transposed=False)
+    return _call_dense("skinny_linear", x, weight, bias, fits_cpp, backend)
+
+
+def skinny_linear_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = None, *,
+                    backend: str = "auto") -> torch.Tensor:
+    """``x @ weight + bias``: skinny_linear for a weight stored [K, N], as transformers' ``Conv1D`` (GPT-2's
+    layers) holds it, read in place (csrc/linear.h: each output one chain of fused multiply-adds over k in order,
+    so a row's result does not depend on the other rows).
+
+    x: float [..., K]; weight: float [K, N]; bias: float [N] or None. Returns [..., N] in x's dtype. The cpp
+    backend takes float32 CPU tensors; "auto" uses it for those and the reference (``torch.matmul``) otherwise.
+    """
+    fits_cpp = _check_dense(x, weight, bias, transposed=True)
+    return _call_dense("skinny_linear_t", x, weight, bias, fits_cpp, backend)
 
 
 class PackedWeight(NamedTuple):
@@ -131,6 +163,10 @@ if _ext.HAS_CPP:
         return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
 
     try:
+        @torch.library.register_fake("fastverify::skinny_linear_t")
+        def _skinny_linear_t_fake(x, weight, bias):
+            return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[1],))
+
         @torch.library.register_fake("fastverify::skinny_linear_packed")
         def _skinny_linear_packed_fake(x, q, d, m, bits, bias):
             return x.new_empty(tuple(x.shape[:-1]) + (q.shape[0],))

@@ -1,11 +1,11 @@
 """Reference of the block-packed skinny linear (csrc/linear.h, "Block-packed weights"): how a weight is packed,
 and the weight unpacked to float32, then ``torch.nn.functional.linear``. (The plain skinny_linear's reference is
-``F.linear`` itself.)"""
+``F.linear`` itself; skinny_linear_t's, for a weight stored [K, N], ``x @ weight + bias``.)"""
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["pack_blocks", "unpack_blocks", "skinny_linear_packed"]
+__all__ = ["pack_blocks", "unpack_blocks", "skinny_linear_packed", "skinny_linear_t"]
 
 
 def _fit(w, bits, d, m):
@@ -75,3 +75,8 @@ def unpack_blocks(q, d, m, bits):
 def skinny_linear_packed(x, q, d, m, bits, bias):
     w = unpack_blocks(q, d, m, bits)
     return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def skinny_linear_t(x, weight, bias):
+    y = torch.matmul(x, weight.to(x.dtype))
+    return y if bias is None else y + bias.to(x.dtype)
