@@ -4,7 +4,8 @@ median time (a skinny GEMM that reads its weight once is bound by it).
 
 Default run: the LM head (49152 x 576) and the MLP up projection (1536 x 576) at M in {1, 2, 4, 8, 16}, and
 every linear layer of the model in turn (test_model_linears) at M up to 128, also with GGUF-quantised values
-streamed packed (skinny_linear_packed).
+streamed packed (skinny_linear_packed); GPT-2 small's Conv1D layers in turn (test_gpt2_conv1d_layers: weights
+stored [K, N], skinny_linear_t against Conv1D's torch.addmm).
 FASTVERIFY_BENCH_FULL=1 adds the other projections (576 x 576, 192 x 576, 576 x 1536) and M = 32.
 The small layers fit in the last-level cache when benchmarked alone, so their GB/s exceed DRAM's; in a forward
 each layer's weight comes from memory.
@@ -89,3 +90,36 @@ def test_model_linears(benchmark, read_bandwidth, M, impl):
 
     benchmark.pedantic(run, rounds=5, warmup_rounds=1, iterations=1)
     report_bytes(benchmark, nbytes, read_bandwidth, M=M, impl=impl)
+
+
+GPT2_ROWS = [1, 2, 4, 9, 17] + ([33, 65, 128] if full_grid() else [])
+
+
+@pytest.mark.parametrize("impl", ["skinny_t", "skinny", "torch"])
+@pytest.mark.parametrize("M", GPT2_ROWS)
+def test_gpt2_conv1d_layers(benchmark, read_bandwidth, M, impl):
+    """GPT-2 small's Conv1D layers in turn (12 x c_attn 768 -> 2304, attention c_proj 768 -> 768, c_fc 768 -> 3072,
+    MLP c_proj 3072 -> 768; weights stored [K, N], 340 MB of fp32, each from memory as in a forward): "skinny_t"
+    streams them in place (skinny_linear_t, what the loop runs), "torch" is Conv1D's own ``torch.addmm``, "skinny"
+    the same weights stored [N, K] through skinny_linear (what they would cost as nn.Linear layers)."""
+    op_name = {"skinny_t": "skinny_linear_t", "skinny": "skinny_linear"}.get(impl)
+    if op_name is not None and "cpp" not in implemented_backends(op_name):
+        pytest.skip(f"cpp backend: fastverify._C has no {op_name} kernel")
+    g = torch.Generator().manual_seed(0)
+    shapes = [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12  # (K, N)
+    xs = {k: torch.randn(1, M, k, generator=g) for k in (768, 3072)}
+    ws = [torch.randn(k, n, generator=g) for k, n in shapes]
+    bs = [torch.randn(n, generator=g) for _, n in shapes]
+    if impl == "skinny":
+        ws = [w.T.contiguous() for w in ws]
+    op = torch.ops.fastverify.skinny_linear_t if impl == "skinny_t" else torch.ops.fastverify.skinny_linear
+
+    def run():
+        for w, b in zip(ws, bs):
+            if impl == "torch":
+                torch.addmm(b, xs[w.shape[0]].view(M, -1), w)
+            else:
+                op(xs[w.shape[0] if impl == "skinny_t" else w.shape[1]], w, b)
+
+    benchmark.pedantic(run, rounds=5, warmup_rounds=1, iterations=1)
+    report_bytes(benchmark, sum(w.numel() for w in ws) * 4, read_bandwidth, M=M, impl=impl)

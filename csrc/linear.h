@@ -548,16 +548,20 @@ inline void rows_t_scalar(const float* x, const float* w, const float* bias, flo
 }
 
 #ifdef FASTVERIFY_X86
-// AVX-512 tile: MR x rows x NV registers of 16 columns from column n (MR * NV + NV + 1 <= 32 zmm). Unmasked loads
-// only: with a masked one in the loop, GCC 12 stores every accumulator to the stack at every k.
+inline int64_t t_kb() { static const int64_t a = std::getenv("FV_KB") ? std::atoi(std::getenv("FV_KB")) : 16; return a; }
+
+// AVX-512 tile: MR x rows x NV registers of 16 columns from column n, rows [k0, k1) of w (MR * NV + NV + 1 <= 32
+// zmm); the sums so far are y's (k0 > 0), the bias added after the last row. Unmasked loads only: with a masked
+// one in the loop, GCC 12 stores every accumulator to the stack at every k.
 template <int MR, int NV>
 FASTVERIFY_AVX512 inline void tile_t_avx512(const float* x, const float* w, const float* bias, float* y, int64_t K,
-                                            int64_t N, int64_t m, int64_t n) {
+                                            int64_t N, int64_t m, int64_t n, int64_t k0, int64_t k1) {
   __m512 acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  const float* row = w + n;
-  for (int64_t k = 0; k < K; ++k, row += N) {
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + (m + r) * N + n + 16 * v);
+  const float* row = w + k0 * N + n;
+  for (int64_t k = k0; k < k1; ++k, row += N) {
     __m512 wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(row + 16 * v);
     for (int r = 0; r < MR; ++r) {
@@ -567,40 +571,45 @@ FASTVERIFY_AVX512 inline void tile_t_avx512(const float* x, const float* w, cons
   }
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v)
-      _mm512_storeu_ps(y + (m + r) * N + n + 16 * v,
-                       bias ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + n + 16 * v)) : acc[r][v]);
+      _mm512_storeu_ps(y + (m + r) * N + n + 16 * v, bias && k1 == K
+                       ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + n + 16 * v)) : acc[r][v]);
 }
 
-// Every x row in tiles of 6 (the last one shorter) over NV column registers from column n.
+// Every x row in tiles of 6 (the last one shorter) over NV column registers from column n, rows [k0, k1) of w.
 template <int NV>
 FASTVERIFY_AVX512 inline void band_t_avx512(const float* x, const float* w, const float* bias, float* y, int64_t M,
-                                            int64_t K, int64_t N, int64_t n) {
+                                            int64_t K, int64_t N, int64_t n, int64_t k0, int64_t k1) {
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6) tile_t_avx512<6, NV>(x, w, bias, y, K, N, m, n);
+  for (; m + 6 <= M; m += 6) tile_t_avx512<6, NV>(x, w, bias, y, K, N, m, n, k0, k1);
   switch (M - m) {
-    case 5: tile_t_avx512<5, NV>(x, w, bias, y, K, N, m, n); break;
-    case 4: tile_t_avx512<4, NV>(x, w, bias, y, K, N, m, n); break;
-    case 3: tile_t_avx512<3, NV>(x, w, bias, y, K, N, m, n); break;
-    case 2: tile_t_avx512<2, NV>(x, w, bias, y, K, N, m, n); break;
-    case 1: tile_t_avx512<1, NV>(x, w, bias, y, K, N, m, n); break;
+    case 5: tile_t_avx512<5, NV>(x, w, bias, y, K, N, m, n, k0, k1); break;
+    case 4: tile_t_avx512<4, NV>(x, w, bias, y, K, N, m, n, k0, k1); break;
+    case 3: tile_t_avx512<3, NV>(x, w, bias, y, K, N, m, n, k0, k1); break;
+    case 2: tile_t_avx512<2, NV>(x, w, bias, y, K, N, m, n, k0, k1); break;
+    case 1: tile_t_avx512<1, NV>(x, w, bias, y, K, N, m, n, k0, k1); break;
     default: break;
   }
 }
 
-// Columns [n0, n1) in bands of 64 (4 registers), then one band of the 1-3 whole registers left; the last
-// (n1 - n0) mod 16 columns on the scalar path (the same arithmetic).
+// Rows of w in panels of kb (consecutive rows: one stretch of memory), each panel swept across columns [n0, n1) in
+// bands of 64 (4 registers), then one band of the 1-3 whole registers left, the outputs holding the sums between
+// panels; the last (n1 - n0) mod 16 columns on the scalar path (the same arithmetic).
 FASTVERIFY_AVX512 inline void rows_t_avx512(const float* x, const float* w, const float* bias, float* y, int64_t M,
                                             int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 64 <= n1; n += 64) band_t_avx512<4>(x, w, bias, y, M, K, N, n);
-  switch ((n1 - n) / 16) {
-    case 3: band_t_avx512<3>(x, w, bias, y, M, K, N, n); break;
-    case 2: band_t_avx512<2>(x, w, bias, y, M, K, N, n); break;
-    case 1: band_t_avx512<1>(x, w, bias, y, M, K, N, n); break;
-    default: break;
+  const int64_t kb = t_kb();
+  const int64_t vec_end = n0 + 16 * ((n1 - n0) / 16);
+  for (int64_t k0 = 0; k0 < K; k0 += kb) {
+    const int64_t k1 = std::min(K, k0 + kb);
+    int64_t n = n0;
+    for (; n + 64 <= vec_end; n += 64) band_t_avx512<4>(x, w, bias, y, M, K, N, n, k0, k1);
+    switch ((vec_end - n) / 16) {
+      case 3: band_t_avx512<3>(x, w, bias, y, M, K, N, n, k0, k1); break;
+      case 2: band_t_avx512<2>(x, w, bias, y, M, K, N, n, k0, k1); break;
+      case 1: band_t_avx512<1>(x, w, bias, y, M, K, N, n, k0, k1); break;
+      default: break;
+    }
   }
-  n += 16 * ((n1 - n) / 16);
-  if (n < n1) rows_t_scalar(x, w, bias, y, M, K, N, n, n1);
+  if (vec_end < n1) rows_t_scalar(x, w, bias, y, M, K, N, vec_end, n1);
 }
 
 // AVX2 tile: MR x rows x 2 registers of 8 columns from column n (2 * MR + 3 <= 16 ymm); full registers only.

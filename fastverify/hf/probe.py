@@ -168,7 +168,7 @@ def check_rows(model, settings: DecodeSettings):
     through the loop without drafts, then with ``ProbeDrafter``'s trees on those tokens, and compare every new
     token's logits bit for bit. None when they are the same, else the reason. Rows round differently beside draft
     rows where a layer's arithmetic depends on the number of rows: attention that runs eager (torch's matmul over the
-    query rows), mixture-of-experts layers, GPT-2's ``Conv1D`` (README: "Exactness")."""
+    query rows), mixture-of-experts layers (README: "Exactness")."""
     device = model.get_input_embeddings().weight.device
     ids, mask = _probe_batch(model, device)
     probe = _probe_settings(settings)
