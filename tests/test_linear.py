@@ -139,7 +139,7 @@ def _check_t(y, x, w, b):
 
 
 @needs_cpp
-@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 12, 13, 33])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 12, 13, 33])
 @pytest.mark.parametrize("K, N", [(1, 1), (7, 3), (9, 16), (17, 47), (64, 64), (33, 80), (768, 113), (100, 200)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_t_matches_float64_reference(M, K, N, bias):

@@ -28,7 +28,7 @@ for M, K, N in ((7, 581, 203), (16, 576, 37), (1, 15, 5), (13, 1536, 9)):
     x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
     out.append(torch.ops.fastverify.skinny_linear(x, w, b))
     out.append(torch.ops.fastverify.skinny_linear(x, w.half(), b))  # float16 weights: converted as they are read
-for M, K, N in ((7, 581, 203), (13, 64, 112), (1, 15, 5), (6, 33, 64), (17, 100, 80)):  # weights [K, N]
+for M, K, N in ((7, 581, 203), (13, 64, 112), (1, 15, 5), (6, 33, 64), (17, 100, 80), (4, 37, 83), (3, 9, 16)):
     x, w, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g), torch.randn(N, generator=g)
     out.append(torch.ops.fastverify.skinny_linear_t(x, w, b))
     out.append(torch.ops.fastverify.skinny_linear_t(x, w, None))
