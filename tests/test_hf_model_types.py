@@ -99,8 +99,9 @@ def test_registered_type_matches_generate(model_type):
 # sdpa attention the loop runs with masked_attention. (Of the 94 registered types, 49 gave drafted decoding the
 # undrafted logits bit for bit in a survey; the others run some rows through torch's GEMM or SDPA: mixture-of-experts
 # layers' 3-D expert weights, latent attention's narrower values, eager-only attention. GPT-2's Conv1D layers run
-# skinny_linear_t.)
-ROW_INVARIANT = ["gpt2", "opt", "gpt_neox", "phi", "cohere", "gemma3_text", "starcoder2", "olmo2", "stablelm", "gpt_bigcode",
+# skinny_linear_t; transformers' experts modules and routers run fastverify.hf.experts: mixture-of-experts types
+# too.)
+ROW_INVARIANT = ["gpt2", "mixtral", "qwen3_moe", "olmoe", "granitemoe", "opt", "gpt_neox", "phi", "cohere", "gemma3_text", "starcoder2", "olmo2", "stablelm", "gpt_bigcode",
                  "codegen", "nemotron", "persimmon"]
 
 

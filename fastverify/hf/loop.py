@@ -30,6 +30,7 @@ from fastverify.hf.attention import (cache_kwargs, crop_cache, forward_takes, gq
                                      step_inputs, upload_lists)
 from fastverify.hf.drafters import empty_tree, penalized
 from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
+from fastverify.hf.experts import skinny_experts
 from fastverify.hf.linear import MAX_ROWS, skinny_linears
 from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
@@ -1206,11 +1207,12 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
     installed = drafter.installed(model) if getattr(drafter, "wants_slots", False) else contextlib.nullcontext()
     linears = (skinny_linears(model, pack=settings.pack_weights) if settings.skinny_linear
                else contextlib.nullcontext())
+    experts = skinny_experts(model) if settings.skinny_linear else contextlib.nullcontext()
     # a batch on the CPU: padding rows skip the row-wise work (on a GPU a few more rows cost next to nothing)
     live = LiveRows() if settings.live_rows and input_ids.shape[0] > 1 and input_ids.device.type == "cpu" else None
     layers = (lean_layers(model, pack=settings.skinny_linear and settings.pack_weights, live=live)
               if settings.lean_layers else contextlib.nullcontext())
-    with installed, gqa_attention(model), linears, layers:
+    with installed, gqa_attention(model), linears, experts, layers:
         head = _LiveHead(model, live) if live is not None else None
         dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer, live=live)
         try:

@@ -1,0 +1,178 @@
+"""Mixture-of-experts layers through the skinny kernels while the loop runs, one request's row at a time.
+
+transformers' experts modules (``@use_experts_implementation``: Mixtral, Qwen2 / Qwen3 MoE, OLMoE, DeepSeek V2 / V3
+and 20 more registered types) keep every expert's weights in one 3-D tensor and dispatch their forward through
+``ALL_EXPERTS_FUNCTIONS`` by ``config._experts_implementation`` ("grouped_mm" by default). Those implementations
+compute an expert's rows in one GEMM, whose rounding depends on how many rows reached the expert, so a verify
+forward's row rounds differently beside draft rows and batch-mates. Within ``skinny_experts(model)``, a CPU model's
+experts run ``skinny_experts_forward`` instead (registered under ``EXPERTS_IMPLEMENTATION``, the configs switched
+and then restored, as ``fastverify.hf.attention.gqa_attention`` switches sdpa): the same computation as transformers'
+``batched_mm`` implementation (each token's row repeated for its top-k experts, the experts' projections, the gate,
+the routing weights, the sum over the top k), each expert's float32 rows through ``skinny_linear`` (or
+``skinny_linear_t`` for weights stored [in, out]), whose rows do not depend on each other, and the top k summed in
+order. The routers that choose each token's experts (``*TopKRouter``: ``F.linear`` on a weight of their own) run,
+for the same duration, with the ``F`` of their modeling file bound to ``torch.nn.functional`` but for ``linear``,
+which takes few float32 CPU rows to ``skinny_linear`` (``_RowFunctional``; process-wide for that file while any
+loop runs such a model: another call of the file's ``F.linear`` then computes the same to float32 rounding). So a
+row's result is a function of that row alone, as the rest of the loop's forward is on the CPU.
+"""
+
+import contextlib
+import sys
+import threading
+import types
+
+import torch
+import torch.nn.functional as F
+
+from fastverify.hf.linear import MAX_ROWS, skinny_available
+from fastverify.ops.tree import implemented_backends
+
+__all__ = ["skinny_experts", "skinny_experts_forward", "EXPERTS_IMPLEMENTATION"]
+
+EXPERTS_IMPLEMENTATION = "fastverify_rows"
+
+
+def _project(x, weights, biases, ids, experts, transposed: bool):
+    """Row i of the result: x[i]'s projection by expert ids[i] (weights [E, out, in], or [E, in, out] when
+    ``transposed``; biases [E, out] or None); rows whose id is not an expert's (an expert-parallel sentinel) stay 0.
+    Float32 CPU rows, at most MAX_ROWS per expert, go through the skinny kernels; anything else through F.linear."""
+    out_dim = weights.shape[2] if transposed else weights.shape[1]
+    out = x.new_zeros(x.shape[0], out_dim)
+    skinny = skinny_available() and (biases is None or biases.dtype == torch.float32)
+    for e in experts:
+        rows = (ids == e).nonzero().squeeze(1)
+        w, b = weights[e], None if biases is None else biases[e]
+        if skinny and _few_rows(x[rows], w):
+            op = torch.ops.fastverify.skinny_linear_t if transposed else torch.ops.fastverify.skinny_linear
+            out[rows] = op(x[rows], w, b)
+        else:
+            out[rows] = F.linear(x[rows], w.T if transposed else w, b)
+    return out
+
+
+def skinny_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """An experts module's forward (``use_experts_implementation``'s signature and attributes: has_gate, has_bias,
+    is_transposed, has_post_expert_norm, _apply_gate), row by row: see the module docstring."""
+    tokens, k = hidden_states.shape[0], top_k_index.shape[-1]
+    x = hidden_states.repeat_interleave(k, dim=0)  # (tokens * k, hidden): each token once per chosen expert
+    ids = top_k_index.reshape(-1)
+    num_experts = (self.gate_up_proj if self.has_gate else self.up_proj).shape[0]
+    experts = [e for e in ids.unique().tolist() if 0 <= e < num_experts]
+    up, up_bias = ((self.gate_up_proj, getattr(self, "gate_up_proj_bias", None)) if self.has_gate
+                   else (self.up_proj, getattr(self, "up_proj_bias", None)))
+    h = _project(x, up, up_bias if self.has_bias else None, ids, experts, self.is_transposed)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    h = _project(h, self.down_proj, getattr(self, "down_proj_bias", None) if self.has_bias else None, ids, experts,
+                 self.is_transposed)
+    if self.has_post_expert_norm:
+        h = self.post_expert_norm(h)
+    h = (h * top_k_weights.reshape(-1, 1).to(h.dtype)).view(tokens, k, -1)
+    out = h[:, 0]
+    for j in range(1, k):  # the top k in order, each token's own sum
+        out = out + h[:, j]
+    return out.to(hidden_states.dtype)
+
+
+def _few_rows(x, weight) -> bool:
+    """Whether ``F.linear(x, weight)`` goes to the skinny kernels: float32 CPU tensors, at most MAX_ROWS rows, a
+    contiguous 2-D weight, nothing that needs gradients."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.device.type == "cpu" and weight.is_contiguous() and x.numel() <= MAX_ROWS * x.shape[-1]
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+class _RowFunctional(types.ModuleType):
+    """``torch.nn.functional`` with ``linear`` taking few float32 CPU rows (``_few_rows``) to ``skinny_linear``."""
+
+    def __init__(self):
+        super().__init__("torch.nn.functional")
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+    @staticmethod
+    def linear(x, weight, bias=None):
+        if _few_rows(x, weight) and (bias is None or bias.dtype == torch.float32):
+            return torch.ops.fastverify.skinny_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+
+_ROW_F = _RowFunctional()
+_SWAPPED = {}  # modeling module -> how many loops hold its F swapped
+_LOCK = threading.Lock()
+
+
+def _router_files(model) -> list:
+    """The modeling modules of ``model``'s router classes (a class name ending in "Router") whose ``F`` is
+    torch.nn.functional."""
+    files = []
+    for m in model.modules():
+        mod = sys.modules.get(type(m).__module__)
+        if (type(m).__name__.lower().endswith("router") and mod is not None and mod not in files
+                and getattr(mod, "F", None) in (F, _ROW_F)):
+            files.append(mod)
+    return files
+
+
+@contextlib.contextmanager
+def _row_routers(files):
+    with _LOCK:
+        for mod in files:
+            _SWAPPED[mod] = _SWAPPED.get(mod, 0) + 1
+            mod.F = _ROW_F
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for mod in files:
+                _SWAPPED[mod] -= 1
+                if not _SWAPPED[mod]:
+                    del _SWAPPED[mod]
+                    mod.F = F
+
+
+def _register() -> bool:
+    """Register ``skinny_experts_forward`` once; False where this transformers has no experts interface."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return False
+    if EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, skinny_experts_forward)
+    return True
+
+
+def _experts_configs(model) -> list:
+    """The configs that a CPU model's experts modules dispatch by (each once)."""
+    configs, seen = [], set()
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if (cfg is not None and id(cfg) not in seen and hasattr(m, "has_gate") and hasattr(m, "is_transposed")
+                and getattr(cfg, "_experts_implementation", None) is not None):
+            seen.add(id(cfg))
+            configs.append(cfg)
+    return configs
+
+
+@contextlib.contextmanager
+def skinny_experts(model):
+    """For the loop's duration, a CPU model's experts modules run ``skinny_experts_forward`` (their configs'
+    ``_experts_implementation`` switched to ``EXPERTS_IMPLEMENTATION``, then restored) and its routers' ``F.linear``
+    the skinny kernel; yields how many configs were switched. Other models and devices are left as they are."""
+    configs, files = [], []
+    if (skinny_available() and "cpp" in implemented_backends("skinny_linear_t")
+            and next(model.parameters()).device.type == "cpu" and _register()):
+        configs = _experts_configs(model)
+        files = _router_files(model) if configs else []
+    # the stored field, not the property: transformers' setter also rewrites a config's sub-configs
+    field = "_experts_implementation_internal"
+    saved = [getattr(cfg, field if hasattr(cfg, field) else "_experts_implementation") for cfg in configs]
+    for cfg in configs:
+        setattr(cfg, field if hasattr(cfg, field) else "_experts_implementation", EXPERTS_IMPLEMENTATION)
+    try:
+        with _row_routers(files):
+            yield len(configs)
+    finally:
+        for cfg, value in zip(configs, saved):
+            setattr(cfg, field if hasattr(cfg, field) else "_experts_implementation", value)

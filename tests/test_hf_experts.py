@@ -1,0 +1,112 @@
+"""fastverify.hf.experts: transformers' experts modules through the skinny kernels while the loop runs. The forward
+against transformers' own batched_mm implementation (float32 rounding), a row's result independent of the rows
+beside it, the implementation switched for the loop and restored after it."""
+
+import warnings
+
+import pytest
+import torch
+
+from fastverify.hf import NGramDrafter, patch, stats, unpatch
+from fastverify.hf.experts import EXPERTS_IMPLEMENTATION, skinny_experts, skinny_experts_forward
+from fastverify.hf.linear import MAX_ROWS, skinny_available
+
+pytestmark = pytest.mark.skipif(not skinny_available(), reason="cpp backend: fastverify._C has no skinny kernels")
+
+moe = pytest.importorskip("transformers.integrations.moe")
+
+from test_hf_model_types import tiny  # noqa: E402
+
+
+def _experts(model):
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+
+
+def _routing(tokens, k, num_experts, seed):
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    return index, weights / weights.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "aria_text"])  # aria: weights stored [in, out]
+@pytest.mark.parametrize("tokens", [1, 5, 17, MAX_ROWS + 3])  # past MAX_ROWS rows an expert: F.linear
+def test_forward_matches_transformers_batched_mm(model_type, tokens):
+    module = _experts(tiny(model_type))[0]
+    num_experts = module.gate_up_proj.shape[0]
+    k = min(2, num_experts)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, module.gate_up_proj.shape[1 if module.is_transposed else 2], generator=g)
+    index, weights = _routing(tokens, k, num_experts, tokens)
+    with torch.no_grad():
+        mine = skinny_experts_forward(module, x, index, weights)
+        ref = moe.batched_mm_experts_forward(module, x, index, weights)
+    assert mine.shape == ref.shape and mine.dtype == ref.dtype
+    torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
+    if tokens <= MAX_ROWS:  # each token's row alone gives its row of the batch, bit for bit
+        for t in (0, tokens - 1):
+            with torch.no_grad():
+                alone = skinny_experts_forward(module, x[t:t + 1], index[t:t + 1], weights[t:t + 1])
+            assert torch.equal(alone[0], mine[t])
+
+
+def test_forward_in_float64_and_with_gradients_takes_f_linear():
+    module = _experts(tiny("mixtral"))[0]
+    index, weights = _routing(3, 2, module.gate_up_proj.shape[0], 0)
+    x = torch.randn(3, module.gate_up_proj.shape[2])
+    ref = moe.batched_mm_experts_forward(module, x, index, weights)
+    out = skinny_experts_forward(module, x, index, weights)  # gradients on: torch's path, differentiable
+    assert out.requires_grad
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    module.double()
+    with torch.no_grad():
+        out = skinny_experts_forward(module, x.double(), index, weights.double())
+        ref = moe.batched_mm_experts_forward(module, x.double(), index, weights.double())
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref)
+
+
+def test_implementation_switched_for_the_loop_and_restored():
+    model = tiny("qwen3_moe")
+    cfg = _experts(model)[0].config
+    before = cfg._experts_implementation
+    with skinny_experts(model) as n:
+        assert n >= 1 and cfg._experts_implementation == EXPERTS_IMPLEMENTATION
+    assert cfg._experts_implementation == before
+    seen = []
+    real = moe.ALL_EXPERTS_FUNCTIONS[EXPERTS_IMPLEMENTATION]
+    moe.ALL_EXPERTS_FUNCTIONS._global_mapping[EXPERTS_IMPLEMENTATION] = (
+        lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    try:
+        patch(model, drafter=NGramDrafter())
+        ids = torch.randint(3, 60, (1, 12))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                           pad_token_id=0)
+        assert seen and stats(model).steps > 0  # the loop's forwards ran the experts through it
+    finally:
+        moe.ALL_EXPERTS_FUNCTIONS._global_mapping[EXPERTS_IMPLEMENTATION] = real
+        unpatch(model)
+    assert cfg._experts_implementation == before
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_seeded_sampling_drafts_on_a_mixture_of_experts_model():
+    """Its forwards are row-invariant now, so the probe's check passes and sampled calls draft: the draws those of the
+    loop's own undrafted sampling with the seed."""
+    from fastverify.hf import Drafter
+    model = tiny("mixtral")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 60, (4,), generator=g).repeat(6)[None]
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=True, temperature=0.3, seed=7,
+              pad_token_id=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "sampling without drafts" warning
+        patch(model, drafter=Drafter())
+        ref = model.generate(ids, **kw)
+        patch(model, drafter=NGramDrafter())
+        out = model.generate(ids, **kw)
+    st = stats(model)
+    unpatch(model)
+    assert torch.equal(out, ref) and st.drafted_tokens > 0
