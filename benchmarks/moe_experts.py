@@ -1,0 +1,106 @@
+"""Mixture-of-experts layers through fastverify.hf.experts, on and off, side by side: a Qwen3-MoE-shaped model
+(random weights from a fixed seed; 8 layers, 512 wide, 8 experts of 512, top 2, vocabulary 32000) decodes the same
+prompts with plain ``generate``, then patched with the n-gram drafter, its experts and routers on the skinny kernels
+("rows": what the loop does) or on transformers' own implementation ("grouped_mm": the loop before), alternating per
+prompt. Greedy and seeded sampling (``--temperature``): greedy outputs are checked against ``generate``, sampled ones
+against the loop's own undrafted sampling with the seed, on the same setting.
+
+    python benchmarks/moe_experts.py --prompts 4 --threads 2
+
+A random model's greedy text soon repeats, which the n-gram drafter copies: its tokens per forward are not a real
+model's. What the comparison shows is the cost of the same steps on one path or the other, and, under sampling,
+whether the loop drafts (it samples without drafts where its forward is not row-invariant).
+"""
+
+import argparse
+import contextlib
+import time
+import warnings
+
+import torch
+
+import fastverify
+import fastverify.hf
+import fastverify.hf.loop as hf_loop
+
+
+def _model(seed: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=64, intermediate_size=1024, moe_intermediate_size=512,
+                            num_experts=8, num_experts_per_tok=2, max_position_embeddings=1024,
+                            attn_implementation="sdpa")
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.2)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = _model(args.seed)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    prompts = [torch.randint(0, 32000, (1, args.prompt_len), generator=g) for _ in range(args.prompts)]
+    experts = hf_loop.skinny_experts
+    totals, same, stats = {}, {}, {}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+        return out
+
+    for sample in (False, True):
+        kw = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, pad_token_id=0)
+        kw.update(do_sample=True, temperature=args.temperature, top_k=0) if sample else kw.update(do_sample=False)
+        mode = "sampled" if sample else "greedy"
+        for i, ids in enumerate(prompts):
+            mask = torch.ones_like(ids)
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if not sample:
+                    fastverify.unpatch(model)
+                    ref = timed(f"{mode} generate", lambda: model.generate(ids, attention_mask=mask, **kw))
+                for which in (("rows", "grouped_mm") if i % 2 == 0 else ("grouped_mm", "rows")):
+                    hf_loop.skinny_experts = experts if which == "rows" else (lambda m: contextlib.nullcontext())
+                    try:
+                        if sample:  # the loop's own undrafted sampling with the seed, on the same path
+                            fastverify.patch(model, drafter=fastverify.Drafter())
+                            ref = model.generate(ids, attention_mask=mask, seed=i, **kw)
+                        fastverify.patch(model, drafter=fastverify.NGramDrafter())
+                        extra = {"seed": i} if sample else {}
+                        out = timed(f"{mode} {which}", lambda: model.generate(ids, attention_mask=mask, **kw, **extra))
+                        st = fastverify.hf.stats(model)
+                    finally:
+                        hf_loop.skinny_experts = experts
+                    key = f"{mode} {which}"
+                    same[key] = same.get(key, 0) + int(torch.equal(out, ref))
+                    s = stats.setdefault(key, [0, 0, 0.0, 0])
+                    s[0] += st.steps
+                    s[1] += sum(st.new_tokens)
+                    s[2] += st.time_forward
+                    s[3] += st.drafted_tokens
+            fastverify.unpatch(model)
+    n = args.prompts
+    print(f"Qwen3-MoE-shaped model (random weights), {n} prompts of {args.prompt_len} tokens, {args.max_new_tokens} "
+          f"new tokens, sampling at temperature {args.temperature}, {torch.get_num_threads()} threads")
+    for key in sorted(totals):
+        line = f"{key:20s} {totals[key]:7.2f} s"
+        if key in stats:
+            steps, tokens, fwd, drafted = stats[key]
+            line += (f"  identical {same[key]}/{n}  {drafted / steps:.2f} draft nodes and {tokens / steps:.2f} "
+                     f"tokens per forward, forward {1e3 * fwd / max(steps - n, 1):.2f} ms per decoding step")
+        print(line)
+    for mode in ("greedy", "sampled"):
+        print(f"{mode}: grouped_mm / rows time {totals[f'{mode} grouped_mm'] / totals[f'{mode} rows']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
