@@ -41,19 +41,22 @@ def test_matches_float64_reference(M, K, N, bias):
 
 
 @needs_cpp
-def test_row_result_does_not_depend_on_the_batch_or_threads():
+@pytest.mark.parametrize("transposed", [False, True], ids=["skinny_linear", "skinny_linear_t"])
+def test_row_result_does_not_depend_on_the_batch_or_threads(transposed):
+    # (skinny_linear_t: up to 4 rows in panels of the weight's rows, more in one pass; 6 rows a tile)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(17, 577, generator=g)
-    w = torch.randn(1027, 577, generator=g)
+    x = torch.randn(19, 577, generator=g)
+    w = torch.randn(577, 1027, generator=g) if transposed else torch.randn(1027, 577, generator=g)
     b = torch.randn(1027, generator=g)
-    full = fastverify.skinny_linear(x, w, b, backend="cpp")
-    for m in (0, 1, 5, 16):
-        assert torch.equal(fastverify.skinny_linear(x[m:m + 1], w, b, backend="cpp")[0], full[m])
-        assert torch.equal(fastverify.skinny_linear(x[:m + 1], w, b, backend="cpp"), full[:m + 1])
+    op = torch.ops.fastverify.skinny_linear_t if transposed else torch.ops.fastverify.skinny_linear
+    full = op(x, w, b)
+    for m in (0, 1, 3, 4, 5, 6, 11, 16, 18):
+        assert torch.equal(op(x[m:m + 1], w, b)[0], full[m])
+        assert torch.equal(op(x[:m + 1], w, b), full[:m + 1])
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = fastverify.skinny_linear(x, w, b, backend="cpp")
+        one = op(x, w, b)
     finally:
         torch.set_num_threads(n)
     assert torch.equal(one, full)
@@ -151,26 +154,6 @@ def test_skinny_linear_t_matches_float64_reference(M, K, N, bias):
     _check_t(y, x, w, b)
     assert torch.equal(fastverify.ops.linear.skinny_linear_t(x, w, b), y)  # auto takes the kernel
     _check_t(fastverify.ops.linear.skinny_linear_t(x, w, b, backend="torch"), x, w, b)
-
-
-@needs_cpp
-def test_skinny_linear_t_row_result_does_not_depend_on_the_batch_or_threads():
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(19, 301, generator=g)
-    w = torch.randn(301, 1043, generator=g)
-    b = torch.randn(1043, generator=g)
-    op = torch.ops.fastverify.skinny_linear_t
-    full = op(x, w, b)
-    for m in (0, 1, 5, 6, 11, 18):
-        assert torch.equal(op(x[m:m + 1], w, b)[0], full[m])
-        assert torch.equal(op(x[:m + 1], w, b), full[:m + 1])
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = op(x, w, b)
-    finally:
-        torch.set_num_threads(n)
-    assert torch.equal(one, full)
 
 
 @needs_cpp

@@ -1,5 +1,5 @@
-// CPU kernel of fastverify::skinny_linear (schema: csrc/linear.cpp; arithmetic: csrc/linear.h). Output columns are
-// split across threads in blocks of 4 weight rows; each thread streams its share of the weight once.
+// CPU kernels of fastverify::skinny_linear and skinny_linear_t (schema: csrc/linear.cpp; arithmetic: csrc/linear.h):
+// output columns split across threads, each thread streaming its share of the weight once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -33,15 +33,21 @@ std::vector<int64_t> output_shape(const at::Tensor& x, int64_t N) {
   return shape;
 }
 
-at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// skinny_linear's and skinny_linear_t's common part: the checks (the weight [N, K], or [K, N] when `transposed`; a
+// float16 one only where `half` allows it), the output, its empty / K = 0 cases, and the contiguous rows and weight
+// that `run(x [M, K], weight, bias or nullptr, y [M, N], M, K, N)` computes on.
+template <typename Run>
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        bool transposed, bool half, Run run) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "x, weight: expected CPU tensors, got ", x.device(),
               " and ", weight.device());
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x: expected float32, got ", x.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kHalf,
-              "weight: expected float32 or float16, got ", weight.scalar_type());
-  TORCH_CHECK(weight.dim() == 2, "weight: expected [N, K], got shape ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || (half && weight.scalar_type() == at::kHalf),
+              half ? "weight: expected float32 or float16, got " : "weight: expected float32, got ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2, "weight: expected ", transposed ? "[K, N]" : "[N, K]", ", got shape ", weight.sizes());
   TORCH_CHECK(x.dim() >= 1, "x: expected [..., K], got a 0-d tensor");
-  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t N = weight.size(transposed ? 1 : 0), K = weight.size(transposed ? 0 : 1);
   TORCH_CHECK(x.size(-1) == K, "x: last dimension ", x.size(-1), " must equal weight's K = ", K);
   at::Tensor b;
   const float* bias_ptr = checked_bias(bias, N, b);
@@ -51,51 +57,38 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   if (y.numel() == 0) return y;
   if (K == 0) return bias_ptr ? y.copy_(b.expand(out_shape)) : y.zero_();
   const at::Tensor xc = x.reshape({M, K}).contiguous();
-  const at::Tensor wc = weight.contiguous();
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Blocks of 4 weight rows; a thread's share is at least ~64K weights so that small layers stay on one thread.
-  const int64_t blocks = (N + 3) / 4;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * K));
-  auto run = [&](const auto* wp) {
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      fastverify::linear::skinny_rows(xp, wp, bias_ptr, yp, M, K, N, 4 * b0, std::min(N, 4 * b1));
-    });
-  };
-  if (wc.scalar_type() == at::kHalf) run(wc.data_ptr<at::Half>());
-  else run(wc.data_ptr<float>());
+  run(xc.data_ptr<float>(), weight.contiguous(), bias_ptr, y.data_ptr<float>(), M, K, N);
   return y;
+}
+
+// Output columns split across threads in blocks of 4 weight rows; each thread streams its share of the weight once.
+at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return dense_linear(x, weight, bias, /*transposed=*/false, /*half=*/true,
+                      [](const float* xp, const at::Tensor& wc, const float* bias_ptr, float* yp, int64_t M,
+                         int64_t K, int64_t N) {
+    // a thread's share is at least ~64K weights so that small layers stay on one thread
+    const int64_t blocks = (N + 3) / 4, grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * K));
+    auto run = [&](const auto* wp) {
+      at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+        fastverify::linear::skinny_rows(xp, wp, bias_ptr, yp, M, K, N, 4 * b0, std::min(N, 4 * b1));
+      });
+    };
+    if (wc.scalar_type() == at::kHalf) run(wc.data_ptr<at::Half>());
+    else run(wc.data_ptr<float>());
+  });
 }
 
 // skinny_linear_t: the weight stored [K, N] (x @ weight + bias). Output columns split across threads in bands of 64.
 at::Tensor skinny_linear_t_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "x, weight: expected CPU tensors, got ", x.device(),
-              " and ", weight.device());
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "x: expected float32, got ", x.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight: expected float32, got ", weight.scalar_type());
-  TORCH_CHECK(weight.dim() == 2, "weight: expected [K, N], got shape ", weight.sizes());
-  TORCH_CHECK(x.dim() >= 1, "x: expected [..., K], got a 0-d tensor");
-  const int64_t K = weight.size(0), N = weight.size(1);
-  TORCH_CHECK(x.size(-1) == K, "x: last dimension ", x.size(-1), " must equal weight's K = ", K);
-  at::Tensor b;
-  const float* bias_ptr = checked_bias(bias, N, b);
-  const std::vector<int64_t> out_shape = output_shape(x, N);
-  at::Tensor y = at::empty(out_shape, x.options());
-  const int64_t M = K == 0 ? 0 : x.numel() / K;
-  if (y.numel() == 0) return y;
-  if (K == 0) return bias_ptr ? y.copy_(b.expand(out_shape)) : y.zero_();
-  const at::Tensor xc = x.reshape({M, K}).contiguous();
-  const at::Tensor wc = weight.contiguous();
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Bands of 64 columns; a thread's share is at least ~64K weights so that small layers stay on one thread.
-  const int64_t bands = (N + 63) / 64;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (64 * K));
-  at::parallel_for(0, bands, grain, [&](int64_t b0, int64_t b1) {
-    fastverify::linear::skinny_rows_t(xp, wp, bias_ptr, yp, M, K, N, 64 * b0, std::min(N, 64 * b1));
+  return dense_linear(x, weight, bias, /*transposed=*/true, /*half=*/false,
+                      [](const float* xp, const at::Tensor& wc, const float* bias_ptr, float* yp, int64_t M,
+                         int64_t K, int64_t N) {
+    const float* wp = wc.data_ptr<float>();
+    const int64_t bands = (N + 63) / 64, grain = std::max<int64_t>(1, (int64_t(1) << 16) / (64 * K));
+    at::parallel_for(0, bands, grain, [&](int64_t b0, int64_t b1) {
+      fastverify::linear::skinny_rows_t(xp, wp, bias_ptr, yp, M, K, N, 64 * b0, std::min(N, 64 * b1));
+    });
   });
-  return y;
 }
 
 at::Tensor skinny_linear_packed_cpu(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
