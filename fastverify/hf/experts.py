@@ -42,12 +42,12 @@ def _project(x, weights, biases, ids, experts, transposed: bool):
     skinny = skinny_available() and (biases is None or biases.dtype == torch.float32)
     for e in experts:
         rows = (ids == e).nonzero().squeeze(1)
-        w, b = weights[e], None if biases is None else biases[e]
-        if skinny and _few_rows(x[rows], w):
+        xe, w, b = x[rows], weights[e], None if biases is None else biases[e]
+        if skinny and _few_rows(xe, w):
             op = torch.ops.fastverify.skinny_linear_t if transposed else torch.ops.fastverify.skinny_linear
-            out[rows] = op(x[rows], w, b)
+            out[rows] = op(xe, w, b)
         else:
-            out[rows] = F.linear(x[rows], w.T if transposed else w, b)
+            out[rows] = F.linear(xe, w.T if transposed else w, b)
     return out
 
 

@@ -8,7 +8,7 @@ rebound on the instance and the instance attribute removed on exit, so the model
 whose forward is already rebound on the instance (accelerate hooks) are skipped. transformers' ``Conv1D`` layers
 (GPT-2's: ``x @ weight + bias`` with the weight stored [K, N]) are rerouted likewise, to ``skinny_linear_t``, which
 reads that weight in place; so every linear layer of a GPT-2 computes a row's result from that row alone, as the
-skinny kernels do (on SmolLM2-sized layers, torch's GEMM does not: a row rounds differently beside other rows).
+skinny kernels do (torch's GEMM does not: there a row rounds differently beside other rows).
 
 With ``pack`` (the default), a layer whose float32 weight is exactly 4- or 8-bit block-quantised values (a model
 dequantised from a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors, as fastverify.models.load_smollm2 loads SmolLM2) runs
