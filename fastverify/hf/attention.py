@@ -39,7 +39,7 @@ from fastverify.hf.linear import MAX_ROWS
 from fastverify.ops.tree import tree_mask
 
 __all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length", "cache_kwargs",
-           "forward_takes", "new_cache", "gqa_attention"]
+           "forward_takes", "new_cache", "gqa_attention", "switched"]
 
 _FORWARD_PARAMS = {}  # model class -> the parameter names of its forward (reading a signature costs ~25 us)
 
@@ -426,12 +426,21 @@ def gqa_attention(model):
                 seen.add(id(cfg))
                 if getattr(cfg, "_attn_implementation", None) == "sdpa":
                     configs.append(cfg)
-    # the stored field, not the property: transformers' setter also rewrites a config's sub-configs
-    field = "_attn_implementation_internal"
-    for cfg in configs:
-        setattr(cfg, field if hasattr(cfg, field) else "_attn_implementation", GQA_ATTENTION)
-    try:
+    with switched(configs, "_attn_implementation", GQA_ATTENTION):
         yield bool(configs)
+
+
+@contextlib.contextmanager
+def switched(configs, name: str, value):
+    """Each config's implementation ``name`` (``_attn_implementation``, ``_experts_implementation``) set to ``value``
+    for the block, then restored. The stored field (``name + "_internal"``) where a config has one, not the
+    property: transformers' setter also rewrites a config's sub-configs."""
+    fields = [name + "_internal" if hasattr(cfg, name + "_internal") else name for cfg in configs]
+    saved = [getattr(cfg, field) for cfg, field in zip(configs, fields)]
+    for cfg, field in zip(configs, fields):
+        setattr(cfg, field, value)
+    try:
+        yield
     finally:
-        for cfg in configs:
-            setattr(cfg, field if hasattr(cfg, field) else "_attn_implementation", "sdpa")
+        for cfg, field, old in zip(configs, fields, saved):
+            setattr(cfg, field, old)

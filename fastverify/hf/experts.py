@@ -25,7 +25,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from fastverify.hf.linear import MAX_ROWS, skinny_available
+from fastverify.hf.attention import switched
+from fastverify.hf.linear import MAX_ROWS, skinny_available, streamable, takes_skinny
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_experts", "skinny_experts_forward", "EXPERTS_IMPLEMENTATION"]
@@ -33,17 +34,17 @@ __all__ = ["skinny_experts", "skinny_experts_forward", "EXPERTS_IMPLEMENTATION"]
 EXPERTS_IMPLEMENTATION = "fastverify_rows"
 
 
-def _project(x, weights, biases, ids, experts, transposed: bool):
-    """Row i of the result: x[i]'s projection by expert ids[i] (weights [E, out, in], or [E, in, out] when
-    ``transposed``; biases [E, out] or None); rows whose id is not an expert's (an expert-parallel sentinel) stay 0.
-    Float32 CPU rows, at most MAX_ROWS per expert, go through the skinny kernels; anything else through F.linear."""
+def _project(x, weights, biases, experts, transposed: bool):
+    """Each expert e's rows of x, projected by it (``experts``: (e, its rows' indices); weights [E, out, in], or
+    [E, in, out] when ``transposed``; biases [E, out] or None); rows of no expert (an expert-parallel sentinel)
+    stay 0. Float32 CPU rows, at most MAX_ROWS per expert, go through the skinny kernels; anything else through
+    F.linear."""
     out_dim = weights.shape[2] if transposed else weights.shape[1]
     out = x.new_zeros(x.shape[0], out_dim)
-    skinny = skinny_available() and (biases is None or biases.dtype == torch.float32)
-    for e in experts:
-        rows = (ids == e).nonzero().squeeze(1)
+    skinny = skinny_available()
+    for e, rows in experts:
         xe, w, b = x[rows], weights[e], None if biases is None else biases[e]
-        if skinny and _few_rows(xe, w):
+        if skinny and _few_rows(xe, w, b):
             op = torch.ops.fastverify.skinny_linear_t if transposed else torch.ops.fastverify.skinny_linear
             out[rows] = op(xe, w, b)
         else:
@@ -58,12 +59,12 @@ def skinny_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     x = hidden_states.repeat_interleave(k, dim=0)  # (tokens * k, hidden): each token once per chosen expert
     ids = top_k_index.reshape(-1)
     num_experts = (self.gate_up_proj if self.has_gate else self.up_proj).shape[0]
-    experts = [e for e in ids.unique().tolist() if 0 <= e < num_experts]
+    experts = [(e, (ids == e).nonzero().squeeze(1)) for e in ids.unique().tolist() if 0 <= e < num_experts]
     up, up_bias = ((self.gate_up_proj, getattr(self, "gate_up_proj_bias", None)) if self.has_gate
                    else (self.up_proj, getattr(self, "up_proj_bias", None)))
-    h = _project(x, up, up_bias if self.has_bias else None, ids, experts, self.is_transposed)
+    h = _project(x, up, up_bias if self.has_bias else None, experts, self.is_transposed)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    h = _project(h, self.down_proj, getattr(self, "down_proj_bias", None) if self.has_bias else None, ids, experts,
+    h = _project(h, self.down_proj, getattr(self, "down_proj_bias", None) if self.has_bias else None, experts,
                  self.is_transposed)
     if self.has_post_expert_norm:
         h = self.post_expert_norm(h)
@@ -74,12 +75,11 @@ def skinny_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return out.to(hidden_states.dtype)
 
 
-def _few_rows(x, weight) -> bool:
-    """Whether ``F.linear(x, weight)`` goes to the skinny kernels: float32 CPU tensors, at most MAX_ROWS rows, a
-    contiguous 2-D weight, nothing that needs gradients."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.device.type == "cpu" and weight.is_contiguous() and x.numel() <= MAX_ROWS * x.shape[-1]
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+def _few_rows(x, weight, bias=None) -> bool:
+    """Whether ``F.linear(x, weight, bias)`` goes to the skinny kernels: a weight they stream in place
+    (``streamable``) and an input the loop's linear layers give them (``takes_skinny``: float32, at most MAX_ROWS
+    rows, nothing that needs gradients) on the CPU."""
+    return x.device.type == "cpu" and streamable(weight, bias) and takes_skinny(x, weight, MAX_ROWS)
 
 
 class _RowFunctional(types.ModuleType):
@@ -93,7 +93,7 @@ class _RowFunctional(types.ModuleType):
 
     @staticmethod
     def linear(x, weight, bias=None):
-        if _few_rows(x, weight) and (bias is None or bias.dtype == torch.float32):
+        if _few_rows(x, weight, bias):
             return torch.ops.fastverify.skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
@@ -165,14 +165,5 @@ def skinny_experts(model):
             and next(model.parameters()).device.type == "cpu" and _register()):
         configs = _experts_configs(model)
         files = _router_files(model) if configs else []
-    # the stored field, not the property: transformers' setter also rewrites a config's sub-configs
-    field = "_experts_implementation_internal"
-    saved = [getattr(cfg, field if hasattr(cfg, field) else "_experts_implementation") for cfg in configs]
-    for cfg in configs:
-        setattr(cfg, field if hasattr(cfg, field) else "_experts_implementation", EXPERTS_IMPLEMENTATION)
-    try:
-        with _row_routers(files):
-            yield len(configs)
-    finally:
-        for cfg, value in zip(configs, saved):
-            setattr(cfg, field if hasattr(cfg, field) else "_experts_implementation", value)
+    with switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION), _row_routers(files):
+        yield len(configs)

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from fastverify.ops.linear import PackedWeight, pack_blocks
 from fastverify.ops.tree import implemented_backends
 
-__all__ = ["skinny_linears", "skinny_available", "packed_weight", "packed_group", "pack_model", "MAX_ROWS"]
+__all__ = ["skinny_linears", "skinny_available", "streamable", "takes_skinny", "packed_weight", "packed_group",
+           "pack_model", "MAX_ROWS"]
 
 # SmolLM2-135M's linear layers (30 layers + the LM head, fp32, 2 threads, 2-core AMD EPYC (Zen 5) VM), skinny
 # vs torch's GEMM: 2.4x faster at M = 1, 2.4x at 17, 2.4x at 33, 2.0x at 128, 1.7x at 256 (benchmarks/RESULTS.md,
@@ -42,11 +43,16 @@ def skinny_available() -> bool:
     return "cpp" in implemented_backends("skinny_linear")  # a CPU kernel registered by fastverify._C
 
 
+def streamable(weight, bias=None) -> bool:
+    """A weight the skinny kernels stream in place: a contiguous (else every call would copy it) 2-D float32 CPU
+    tensor, with a float32 bias or none."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.is_contiguous() and (bias is None or bias.dtype == torch.float32))
+
+
 def _eligible(module) -> bool:
     return (type(module) is torch.nn.Linear and "forward" not in module.__dict__
-            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
-            and module.weight.is_contiguous()  # else every call would copy the weight
-            and (module.bias is None or module.bias.dtype == torch.float32))
+            and streamable(module.weight, module.bias))
 
 
 def _conv1d_type():
@@ -61,9 +67,7 @@ def _conv1d_type():
 def _eligible_t(module, conv1d) -> bool:
     """A ``Conv1D`` (the exact class) with a contiguous float32 CPU weight [K, N] and a float32 bias."""
     return (conv1d is not None and type(module) is conv1d and "forward" not in module.__dict__
-            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
-            and module.weight.dim() == 2 and module.weight.is_contiguous()
-            and (module.bias is None or module.bias.dtype == torch.float32))
+            and streamable(module.weight, module.bias))
 
 
 def takes_skinny(x, weight, max_rows: int) -> bool:
