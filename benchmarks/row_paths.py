@@ -1,12 +1,15 @@
-"""The loop's row-invariant paths for GPT-2's Conv1D layers and for mixture-of-experts layers, on and off, side by
-side. A model with random weights from a fixed seed (no such checkpoint ships with the project's packages) decodes
+"""The loop's row-invariant paths for GPT-2's Conv1D layers, mixture-of-experts layers and eager attention, on and
+off, side by side. A model with random weights from a fixed seed (no such checkpoint ships with the project's packages) decodes
 the same prompts with plain ``generate``, then patched with the n-gram drafter, the path on ("rows": what the loop
 does) or off (the loop before it), alternating per prompt:
 
 - ``--model gpt2``: GPT-2 small's shape (12 layers, 768 wide, vocabulary 50257); off: Conv1D's own ``torch.addmm``
   instead of ``skinny_linear_t`` (fastverify.hf.linear);
 - ``--model qwen3-moe``: a Qwen3-MoE shape (8 layers, 512 wide, 8 experts of 512, top 2, vocabulary 32000); off:
-  transformers' own experts implementation (grouped_mm) and routers instead of fastverify.hf.experts.
+  transformers' own experts implementation (grouped_mm) and routers instead of fastverify.hf.experts;
+- ``--model gemma2``: a Gemma 2 shape (8 layers, 512 wide, 8 query heads on 4 key / value heads of 64, the soft cap,
+  vocabulary 32000), whose attention transformers runs eager only; off: the modeling file's own eager attention
+  (torch's matmul over the query rows) instead of masked_attention (fastverify.hf.attention.eager_attention).
 
 Greedy and seeded sampling (``--temperature``, 0.2 by default: a random model's logits are nearly flat, so at 0.8
 its draws are nearly uniform and no draft is accepted): greedy outputs are checked against ``generate``, sampled
@@ -14,6 +17,7 @@ ones against the loop's own undrafted sampling with the seed on the same setting
 
     python benchmarks/row_paths.py --model gpt2 --prompts 4 --threads 2
     python benchmarks/row_paths.py --model qwen3-moe --prompts 4 --threads 2
+    python benchmarks/row_paths.py --model gemma2 --prompts 4 --threads 2
 
 A random model's greedy text soon repeats, which the n-gram drafter copies: its tokens per forward are not a real
 model's. What the comparison shows is the cost of the same steps on one path or the other, and, under sampling,
@@ -49,6 +53,17 @@ def _qwen3_moe(seed: int):
         max_position_embeddings=1024, attn_implementation="sdpa")).eval()
 
 
+def _gemma2(seed: int):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    torch.manual_seed(seed)
+    return Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=64, intermediate_size=1536, max_position_embeddings=1024, attn_implementation="eager")).eval()
+
+
+MODELS = {"gpt2": _gpt2, "qwen3-moe": _qwen3_moe, "gemma2": _gemma2}
+
+
 @contextlib.contextmanager
 def _path_off(model_name: str):
     """The loop as it was before the model's row-invariant path."""
@@ -59,16 +74,18 @@ def _path_off(model_name: str):
         finally:
             hf_linear._conv1d_type = saved
     else:
-        saved, hf_loop.skinny_experts = hf_loop.skinny_experts, (lambda m: contextlib.nullcontext())
+        name = "skinny_experts" if model_name == "qwen3-moe" else "eager_attention"
+        saved = getattr(hf_loop, name)
+        setattr(hf_loop, name, lambda m: contextlib.nullcontext())
         try:
             yield
         finally:
-            hf_loop.skinny_experts = saved
+            setattr(hf_loop, name, saved)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=["gpt2", "qwen3-moe"], default="gpt2")
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -78,7 +95,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = (_gpt2 if args.model == "gpt2" else _qwen3_moe)(args.seed)
+    model = MODELS[args.model](args.seed)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(args.seed + 1)
     prompts = [torch.randint(0, vocab, (1, args.prompt_len), generator=g) for _ in range(args.prompts)]

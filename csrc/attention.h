@@ -11,7 +11,10 @@
 //                                           skinny_rows (linear.h)
 //   p = softmax(scores * scale + mask)      per row: the maximum, exp(s - max) (torch's expf, sampling.h), the sum
 //                                           (on AVX2 8 lane sums, the r-th non-zero weight in lane r mod 8; in key
-//                                           order on the scalar path), times 1 / sum
+//                                           order on the scalar path), times 1 / sum. Two variants of eager
+//                                           attention: a soft cap c (Gemma 2: scores c * tanh(s * scale / c) before
+//                                           the mask) and a sink logit per head (gpt-oss: one more logit in the
+//                                           maximum and the sum, no value row)
 //   out [R, D] = p V                        V's rows streamed once per tile of query rows; per output element the sum
 //                                           in key order (pv)
 //
@@ -36,15 +39,19 @@
 namespace fastverify {
 namespace attention {
 
-// Row s [S] in place: s * scale + mask (mask may be nullptr), then its softmax: exp(s - max) / sum.
-inline void softmax_row_scalar(float* s, const float* mask, int64_t S, float scale) {
-  float mx = -std::numeric_limits<float>::infinity();
+constexpr float kNoSink = -std::numeric_limits<float>::infinity();
+
+// Row s [S] in place: s * scale + mask (mask may be nullptr), then its softmax: exp(s - max) / sum, with the sink
+// logit (kNoSink: none) one more term of the maximum and of the sum, after the keys' (its weight is not kept).
+inline void softmax_row_scalar(float* s, const float* mask, int64_t S, float scale, float sink) {
+  float mx = sink;
   for (int64_t j = 0; j < S; ++j) {
     s[j] = mask ? s[j] * scale + mask[j] : s[j] * scale;
     mx = std::max(mx, s[j]);
   }
   float sum = 0.f;
   for (int64_t j = 0; j < S; ++j) sum += (s[j] = sampling::weight_exp(s[j] - mx));
+  if (sink != kNoSink) sum += sampling::weight_exp(sink - mx);
   const float inv = 1.f / sum;
   for (int64_t j = 0; j < S; ++j) s[j] *= inv;
 }
@@ -109,7 +116,7 @@ FV_AVX2_FN inline float rank_lane_sum(__m256 acc, uint32_t count) {
 
 // The same on 8 lanes (exp: torch's expf, sampling::exp8; the tail through weight_exp, the same function); the sum
 // by rank of the non-zero weights (add_by_rank), its 8 lanes folded in a fixed order.
-FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, float scale) {
+FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, float scale, float sink) {
   const int64_t S8 = S & ~int64_t(7);
   const __m256 sc = _mm256_set1_ps(scale);
   __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -119,7 +126,7 @@ FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, 
     _mm256_storeu_ps(s + j, x);
     mv = _mm256_max_ps(mv, x);
   }
-  float mx = sampling::hmax8(mv);
+  float mx = std::max(sampling::hmax8(mv), sink);
   for (int64_t j = S8; j < S; ++j) {
     s[j] = mask ? s[j] * scale + mask[j] : s[j] * scale;
     mx = std::max(mx, s[j]);
@@ -137,18 +144,26 @@ FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, 
     for (int64_t j = S8; j < S; ++j) tail[j - S8] = s[j] = sampling::weight_exp(s[j] - mx);
     add_by_rank(_mm256_load_ps(tail), acc, count);
   }
-  const float inv = 1.f / rank_lane_sum(acc, count);
+  float sum = rank_lane_sum(acc, count);
+  if (sink != kNoSink) sum += sampling::weight_exp(sink - mx);
+  const float inv = 1.f / sum;
   const __m256 inv8 = _mm256_set1_ps(inv);
   for (int64_t j = 0; j < S8; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv8));
   for (int64_t j = S8; j < S; ++j) s[j] *= inv;
 }
 #endif
 
-inline void softmax_row(float* s, const float* mask, int64_t S, float scale) {
+inline void softmax_row(float* s, const float* mask, int64_t S, float scale, float sink = kNoSink) {
 #if defined(FV_SAMPLING_AVX2)
-  if (sampling::cpu_has_avx2()) return softmax_row_avx2(s, mask, S, scale);
+  if (sampling::cpu_has_avx2()) return softmax_row_avx2(s, mask, S, scale, sink);
 #endif
-  softmax_row_scalar(s, mask, S, scale);
+  softmax_row_scalar(s, mask, S, scale, sink);
+}
+
+// Row s [S] in place: the soft cap's c * tanh(s * scale / c), in eager attention's steps (scale, divide, tanh,
+// multiply; std::tanh, one function for every element).
+inline void softcap_row(float* s, int64_t S, float scale, float cap) {
+  for (int64_t j = 0; j < S; ++j) s[j] = std::tanh(s[j] * scale / cap) * cap;
 }
 
 #ifdef FASTVERIFY_X86
@@ -292,18 +307,31 @@ inline void pv(const float* p, int64_t R, int64_t S, const float* v, int64_t vs,
   pv_scalar(p, R, S, v, vs, D, out);
 }
 
-// One (batch row, key / value head): q [R, D] (the group's query rows), k and v [S, D] (row-major), mask_rows[r]
-// the additive mask row of query row r (or nullptr: no mask). scores: [R, S] scratch; out [R, D].
-inline void group(const float* q, int64_t R, int64_t D, const float* k, const float* v, int64_t S,
-                  const float* const* mask_rows, float scale, float* scores, float* out) {
+// One (batch row, key / value head): q [R, D] (the group's query rows), k [S, D] and v [S, Dv] (row-major; Dv is D
+// but for latent attention's narrower values), mask_rows[r] the additive mask row of query row r (or nullptr: no
+// mask). softcap: the scores' soft cap (0: none); sinks[r]: query row r's sink logit (or nullptr: none). scores:
+// [R, S] scratch; out [R, Dv].
+inline void group(const float* q, int64_t R, int64_t D, const float* k, const float* v, int64_t Dv, int64_t S,
+                  const float* const* mask_rows, float scale, float* scores, float* out, float softcap = 0.f,
+                  const float* sinks = nullptr) {
 #ifdef FASTVERIFY_X86
   if (cpu_has_avx512() && D % 16 == 0) scores_avx512(q, R, D, k, S, scores);
   else linear::skinny_rows(q, k, nullptr, scores, R, D, S, 0, S);
 #else
   linear::skinny_rows(q, k, nullptr, scores, R, D, S, 0, S);
 #endif
-  for (int64_t r = 0; r < R; ++r) softmax_row(scores + r * S, mask_rows ? mask_rows[r] : nullptr, S, scale);
-  pv(scores, R, S, v, D, D, out);
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = scores + r * S;
+    const float* mask = mask_rows ? mask_rows[r] : nullptr;
+    const float sink = sinks ? sinks[r] : kNoSink;
+    if (softcap > 0.f) {
+      softcap_row(row, S, scale, softcap);
+      softmax_row(row, mask, S, 1.f, sink);
+    } else {
+      softmax_row(row, mask, S, scale, sink);
+    }
+  }
+  pv(scores, R, S, v, Dv, Dv, out);
 }
 
 }  // namespace attention

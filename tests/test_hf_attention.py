@@ -74,15 +74,19 @@ def test_gqa_sdpa_leaves_masks_it_does_not_take_to_sdpa():
 
 @pytest.mark.parametrize("q", [1, 4, 17])
 def test_gqa_sdpa_values_narrower_than_keys(q):
-    """Latent attention (DeepSeek-V2 / V3): values of another width than the keys go to SDPA, bit for bit (the
-    masked_attention kernel takes one width)."""
+    """Latent attention (DeepSeek-V2 / V3): values narrower than the keys go to the masked_attention kernel too,
+    SDPA's result to float32 rounding."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     query, key, value, mask = _inputs(1, 4, 1, q, 30, 32)
     value = value[..., :16].contiguous()
     module = _Attn(1)
     want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.2)
     got, _ = _gqa_sdpa(module, query, key, value, mask, scaling=0.2)
-    assert got.shape == (1, q, 4, 16) and torch.equal(got, want)
+    assert got.shape == (1, q, 4, 16)
+    if attention._masked_attention_op() is not None:
+        op = torch.ops.fastverify.masked_attention(query, key, value, mask, 0.2)
+        assert torch.equal(got, op.transpose(1, 2))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
 def test_gqa_attention_switches_and_restores():
@@ -248,3 +252,111 @@ def test_patched_generate_runs_while_the_loop_attention_is_switched_in(one_threa
     finally:
         unpatch(model)
     assert torch.equal(got, want) and model.config._attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eager attention: a modeling file's eager_attention_forward through masked_attention while the loop runs
+
+def _modeling_file(name, eager):
+    """A stand-in modeling file ``name`` whose ``eager_attention_forward`` is ``eager``, and an attention class of it."""
+    import sys
+    import types
+    mod = types.ModuleType(name)
+    mod.eager_attention_forward = eager
+    sys.modules[name] = mod
+    cls = type("FileAttention", (_Attn,), {"__module__": name})
+    return mod, cls
+
+
+def _gemma2_eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+    return eager_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                   softcap=softcap, **kwargs)
+
+
+@pytest.mark.parametrize("q", [1, 5, attention.MASKED_ATTENTION_ROWS + 1])
+def test_eager_rows_take_the_soft_cap_and_sinks_to_masked_attention(q):
+    """Gemma 2's soft cap and gpt-oss's sinks (transformers' own eager functions) go to masked_attention with the
+    variant, to float32 rounding of the file's function; more rows than MASKED_ATTENTION_ROWS go to the file's
+    function bit for bit."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+    query, key, value, mask = _inputs(2, 2, 3, q, 30, 32)
+    query = query * 3
+    for name, eager, kwargs in (("fv_test_gemma2", _gemma2_eager, dict(softcap=2.0)),
+                                ("fv_test_gpt_oss", gpt_oss_eager, {})):
+        _, cls = _modeling_file(name, eager)
+        module = cls(3)
+        module.sinks = torch.randn(6) + 4 if name == "fv_test_gpt_oss" else None
+        if module.sinks is not None:
+            kwargs = dict(s_aux=module.sinks)
+        want, _ = eager(module, query, key, value, mask, scaling=0.2, dropout=0.0, **kwargs)
+        got, weights = attention._eager_rows(module, query, key, value, mask, scaling=0.2, dropout=0.0, **kwargs)
+        assert got.shape == want.shape == (2, q, 6, 32)
+        if q > attention.MASKED_ATTENTION_ROWS or attention._masked_attention_op() is None:
+            assert torch.equal(got, want)
+            continue
+        op = torch.ops.fastverify.masked_attention(query, key, value, mask, 0.2, True, kwargs.get("softcap", 0.0),
+                                                   module.sinks)
+        assert weights is None and torch.equal(got, op.transpose(1, 2))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+        plain = torch.ops.fastverify.masked_attention(query, key, value, mask, 0.2).transpose(1, 2)
+        assert not torch.allclose(got, plain, rtol=1e-3, atol=1e-3)  # the variant is applied
+
+
+def test_eager_rows_keep_a_file_function_they_do_not_compute():
+    """A modeling file whose eager attention holds more than its arguments show (here: its output doubled) keeps it:
+    the first call finds the two apart, and that class runs its own function from then on."""
+    def doubled(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               scale=scaling, enable_gqa=True)
+        return 2 * out.transpose(1, 2).contiguous(), None
+    _, cls = _modeling_file("fv_test_doubled", doubled)
+    query, key, value, mask = _inputs(1, 2, 2, 3, 20, 16)
+    module = cls(2)
+    for _ in range(2):
+        got, _ = attention._eager_rows(module, query, key, value, mask, scaling=0.25, dropout=0.0)
+        assert torch.equal(got, doubled(module, query, key, value, mask, scaling=0.25)[0])
+    if attention._masked_attention_op() is not None:
+        assert [v for k, v in attention._EAGER_AGREES.items() if k[0] is cls] == [False]
+
+
+def test_eager_attention_swaps_and_restores_the_files_function():
+    """Within eager_attention(model) an eager model's modeling file calls _eager_rows; nested holds restore it once,
+    when the last ends, and on error; an sdpa model's file is left alone."""
+    import sys
+    model = tiny_llama()
+    model.config._attn_implementation = "eager"
+    mod = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    own = mod.eager_attention_forward
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        with attention.eager_attention(model) as n:
+            assert n >= 1 and mod.eager_attention_forward is attention._eager_rows
+            with attention.eager_attention(model):
+                assert mod.eager_attention_forward is attention._eager_rows
+            assert mod.eager_attention_forward is attention._eager_rows
+            out = model(ids).logits
+        assert mod.eager_attention_forward is own
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError, match="inside"):
+            with attention.eager_attention(model):
+                raise RuntimeError("inside")
+        assert mod.eager_attention_forward is own
+        model.config._attn_implementation = "sdpa"
+        with attention.eager_attention(model) as n:
+            assert n == 0 and mod.eager_attention_forward is own
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt_oss"])
+def test_eager_models_draft_without_changing_a_bit(model_type, one_thread):
+    """A Llama loaded with eager attention, Gemma 2 (soft cap) and gpt-oss (sinks): drafted decoding returns the
+    undrafted loop's logits bit for bit, and greedy equals the model's own generate."""
+    from conftest import assert_drafts_change_no_bit
+    from fastverify.hf import DraftModelDrafter
+    from test_hf_model_types import _prompts, tiny, PAD
+    model = tiny(model_type, "eager")
+    for B in (1, 3):
+        ids, mask = _prompts(B)
+        assert_drafts_change_no_bit(model, DraftModelDrafter(model, k=3, tree_topk=2), ids, attention_mask=mask,
+                                    pad_token_id=PAD, max_new_tokens=12, do_sample=False)

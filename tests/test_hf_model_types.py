@@ -99,9 +99,13 @@ def test_registered_type_matches_generate(model_type):
 # sdpa attention the loop runs with masked_attention. (Of the 94 registered types, 49 gave drafted decoding the
 # undrafted logits bit for bit in a survey; the others run some rows through torch's GEMM or SDPA: mixture-of-experts
 # layers' 3-D expert weights, latent attention's narrower values, eager-only attention. GPT-2's Conv1D layers run
-# skinny_linear_t; transformers' experts modules and routers run fastverify.hf.experts: mixture-of-experts types
-# too.)
-ROW_INVARIANT = ["gpt2", "mixtral", "qwen3_moe", "olmoe", "granitemoe", "opt", "gpt_neox", "phi", "cohere", "gemma3_text", "starcoder2", "olmo2", "stablelm", "gpt_bigcode",
+# skinny_linear_t; transformers' experts modules and routers run fastverify.hf.experts; latent attention runs
+# masked_attention with values narrower than the keys; routers' logits over a few experts come row-aligned
+# (fastverify.hf.linear.row_aligned) for the sigmoid that scores them; eager-only types' attention (soft caps, sinks)
+# runs masked_attention too (fastverify.hf.attention.eager_attention): mixture-of-experts, latent-attention and
+# eager types too.)
+ROW_INVARIANT = ["gpt2", "mixtral", "qwen3_moe", "olmoe", "granitemoe", "qwen2_moe", "deepseek_v3", "deepseek_v2",
+                 "minicpm3", "glm4_moe_lite", "sarvam_moe", "gemma2", "gpt_oss", "flint", "mimo_v2_flash", "opt", "gpt_neox", "phi", "cohere", "gemma3_text", "starcoder2", "olmo2", "stablelm", "gpt_bigcode",
                  "codegen", "nemotron", "persimmon"]
 
 
@@ -109,7 +113,7 @@ ROW_INVARIANT = ["gpt2", "mixtral", "qwen3_moe", "olmoe", "granitemoe", "opt", "
 def test_dense_types_draft_without_changing_a_bit(model_type):
     """Drafted decoding returns the undrafted loop's logits bit for bit (the loop's forwards are row-invariant on the
     CPU: test_hf_generate.test_drafts_change_no_bit_of_the_logits), at batch 1 and 3."""
-    model = tiny(model_type)
+    model = _sdpa_or_eager(model_type)
     for B in (1, 3):
         ids, mask = _prompts(B)
         assert_drafts_change_no_bit(model, DraftModelDrafter(model, k=3, tree_topk=2), ids, attention_mask=mask,

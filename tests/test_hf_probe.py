@@ -170,12 +170,15 @@ def test_sampling_drafts_where_the_loop_is_row_invariant():
 
 def test_a_verdict_holds_for_the_attention_implementation_it_was_made_under(monkeypatch):
     """A model switched to another attention implementation while patched is checked again there: Llama with sdpa
-    runs the loop's kernels and samples with drafts; switched to eager (torch's matmul over the query rows), its
-    first sampled call checks the rows again and decodes without drafts; switched back, the sdpa verdict stands
-    unchecked. Every call draws what undrafted decoding draws."""
+    runs the loop's kernels and samples with drafts; switched to eager, run here as transformers runs it (torch's
+    matmul over the query rows: the loop's eager_attention switched off), its first sampled call checks the rows
+    again and decodes without drafts; switched back, the sdpa verdict stands unchecked. Every call draws what
+    undrafted decoding draws."""
+    import contextlib
     calls = []
     check = probe.check_rows
     monkeypatch.setattr(sys.modules["fastverify.hf.patch"], "check_rows", lambda *a: calls.append(1) or check(*a))
+    monkeypatch.setattr(sys.modules["fastverify.hf.loop"], "eager_attention", lambda model: contextlib.nullcontext())
     model = tiny("llama")
     ids, mask = _prompts(2)
     ref = {}
@@ -200,13 +203,13 @@ def test_a_verdict_holds_for_the_attention_implementation_it_was_made_under(monk
 
 
 def test_sampling_without_drafts_where_the_loop_is_not_row_invariant(monkeypatch):
-    """Gemma 2's attention runs eager (torch's matmul over the query rows), so a row's logits round differently
-    beside draft rows: sampled calls decode without drafts, with a warning, and draw what undrafted decoding draws;
-    greedy calls still draft. The verdict is kept for the patch: one check."""
+    """XGLM's attention computes its scores with torch's bmm over the query rows, so a row's logits round
+    differently beside draft rows: sampled calls decode without drafts, with a warning, and draw what undrafted
+    decoding draws; greedy calls still draft. The verdict is kept for the patch: one check."""
     calls = []
     check = probe.check_rows
     monkeypatch.setattr(sys.modules["fastverify.hf.patch"], "check_rows", lambda *a: calls.append(1) or check(*a))
-    model = tiny("gemma2", attn="eager")
+    model = tiny("xglm", attn="eager")
     ids, mask = _prompts(2)
     out, st, messages = _sample(model, ids, mask, NGramDrafter())
     assert st.drafted_tokens == 0

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fastverify
-from fastverify.hf.linear import MAX_ROWS, skinny_available, skinny_linears
+from fastverify.hf.linear import MAX_ROWS, row_aligned, skinny_available, skinny_linears
 from fastverify.ops.tree import implemented_backends
 
 needs_cpp = pytest.mark.skipif("cpp" not in implemented_backends("skinny_linear"),
@@ -241,8 +241,8 @@ def test_skinny_linears_reroutes_few_rows_and_restores_the_model():
             assert not any("forward" in model[i].__dict__ for i in (3, 4, 5))
             few = model[:4](x_few)
             many = model[:4](x_many)
-        # the rerouted layers ran the kernel: bit for bit what the op gives
-        h = op(F.gelu(op(x_few, model[0].weight, model[0].bias)), model[2].weight, None)
+        # the rerouted layers ran the kernel: bit for bit what the op gives (16 columns: handed out row-aligned)
+        h = row_aligned(op(F.gelu(op(x_few, model[0].weight, model[0].bias)), model[2].weight, None))
         assert torch.equal(few, model[3](h))
     torch.testing.assert_close(few, ref_few, rtol=1e-5, atol=1e-5)
     assert torch.equal(many, ref_many)  # more than MAX_ROWS rows: F.linear, bit for bit
@@ -252,6 +252,34 @@ def test_skinny_linears_reroutes_few_rows_and_restores_the_model():
         out = model[:3](torch.randn(2, 32, requires_grad=True)).sum()
     out.backward()
     assert model[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("N", [5, 1, 31])
+def test_skinny_linears_hands_out_narrow_outputs_row_aligned(N):
+    """torch's elementwise kernels take a contiguous tensor's last numel mod 32 elements through their scalar
+    functions, whose sigmoid, tanh and exp round differently from the vector ones. A rerouted layer's output of
+    N < 32 columns (a router's logits, Qwen2-MoE's one-column gate) lies row-aligned in a wider buffer, so these
+    functions compute each row as they compute it alone (fastverify.hf.linear.row_aligned)."""
+    from fastverify.hf.experts import _ROW_F
+    from fastverify.hf.linear import ROW_ALIGN
+    torch.manual_seed(N)
+    layer = torch.nn.Linear(64, N)
+    x = torch.randn(MAX_ROWS, 64) * 3
+    with torch.no_grad(), skinny_linears(layer):
+        outs = {"layer": (layer(x), [layer(x[i:i + 1]) for i in range(MAX_ROWS)]),
+                "router F": (_ROW_F.linear(x, layer.weight, layer.bias),
+                             [_ROW_F.linear(x[i:i + 1], layer.weight, layer.bias) for i in range(MAX_ROWS)])}
+        for name, (out, alone) in outs.items():
+            assert out.stride() == (ROW_ALIGN, 1), name
+            assert torch.equal(out, torch.ops.fastverify.skinny_linear(x, layer.weight, layer.bias)), name
+            for f in (torch.sigmoid, torch.tanh, torch.exp, F.silu):
+                together = f(out)
+                for i in range(MAX_ROWS):
+                    assert torch.equal(together[i:i + 1], f(alone[i])), (name, f, i)
+        three = layer(x.view(2, MAX_ROWS // 2, 64))  # leading dims keep their shape
+        assert three.shape == (2, MAX_ROWS // 2, N) and torch.equal(three.reshape(MAX_ROWS, N), outs["layer"][0])
+    for wide in (torch.randn(3, 64), torch.randn(3, 48)):
+        assert row_aligned(wide) is wide  # ROW_ALIGN columns or more: as it is
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -167,12 +167,88 @@ def test_cpp_skip_masked_prefix_is_bit_for_bit_and_matches_its_reference(D, per_
         masked_attention(q, k, v, mask, skip_masked_prefix=1)
 
 
+@cpp
+@pytest.mark.parametrize("B,Hkv,G,n,S,D,Dv", [(1, 2, 3, 5, 41, 32, 16), (2, 1, 4, 3, 130, 192, 128),
+                                             (1, 3, 1, 9, 17, 48, 24), (2, 2, 2, 1, 7, 24, 8),
+                                             (1, 1, 2, 4, 20, 16, 64)])
+def test_cpp_values_of_another_width(B, Hkv, G, n, S, D, Dv):
+    """Latent attention's values are narrower than its keys (DeepSeek V2 / V3: 128 against 192): SDPA's result
+    [B, Hq, n, Dv], each row still a function of its own mask row, and opcheck's schema and fake agree."""
+    q, k, _, mask = _case(B, Hkv, G, n, S, D, seed=S + Dv)
+    v = torch.randn(B, Hkv, S, Dv, generator=torch.Generator().manual_seed(Dv))
+    for m in (mask, None):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+        got = masked_attention(q, k, v, m, backend="cpp")
+        assert got.shape == (B, Hkv * G, n, Dv)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-6)
+        assert torch.equal(masked_attention(q, k, v, m, backend="torch"), want)
+    together = masked_attention(q, k, v, mask, backend="cpp")
+    for i in range(n):
+        alone = masked_attention(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], backend="cpp")
+        assert torch.equal(alone, together[:, :, i:i + 1])
+    vbuf = torch.randn(B, Hkv, S + 5, Dv)
+    vbuf[:, :, :S] = v
+    assert torch.equal(masked_attention(q, k, vbuf[:, :, :S], mask, backend="cpp"), together)
+    torch.library.opcheck(torch.ops.fastverify.masked_attention.default, (q, k, v, mask, 0.25, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@cpp
+@pytest.mark.parametrize("B,Hkv,G,n,S,D", [(1, 2, 2, 5, 41, 32), (2, 1, 3, 1, 300, 64), (1, 3, 1, 7, 17, 24),
+                                         (2, 2, 2, 3, 9, 16)])
+@pytest.mark.parametrize("softcap,with_sinks", [(5.0, False), (None, True), (2.5, True)])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_cpp_soft_cap_and_sinks(B, Hkv, G, n, S, D, softcap, with_sinks, per_head):
+    """Eager attention's two variants: Gemma 2's soft cap on the scores and gpt-oss's sink logit per head, against
+    the reference's eager steps; each row a function of its own mask row, a masked prefix skipped bit for bit."""
+    q, k, v, mask = _case(B, Hkv, G, n, S, D, seed=S * 3 + n, per_head=per_head)
+    q = q * 4  # scores past the cap
+    sinks = torch.randn(Hkv * G, generator=torch.Generator().manual_seed(S)) * 2 + 6 if with_sinks else None
+    mask[..., : S // 3] = MIN  # a prefix every row masks
+    for m in (mask, None):
+        for skip in ((False, True) if m is not None else (False,)):
+            got = masked_attention(q, k, v, m, backend="cpp", softcap=softcap, sinks=sinks, skip_masked_prefix=skip)
+            want = masked_attention(q, k, v, m, backend="torch", softcap=softcap, sinks=sinks,
+                                    skip_masked_prefix=skip)
+            assert got.shape == want.shape == (B, Hkv * G, n, D)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-6)
+    plain = masked_attention(q, k, v, mask, backend="cpp")
+    together = masked_attention(q, k, v, mask, backend="cpp", softcap=softcap, sinks=sinks)
+    assert not torch.allclose(together, plain, rtol=1e-2, atol=1e-2)  # the variants change the result
+    assert torch.equal(together, masked_attention(q, k, v, mask, backend="cpp", softcap=softcap, sinks=sinks,
+                                                  skip_masked_prefix=True))
+    for i in range(n):
+        alone = masked_attention(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], backend="cpp", softcap=softcap,
+                                 sinks=sinks)
+        assert torch.equal(alone, together[:, :, i:i + 1])
+    torch.library.opcheck(torch.ops.fastverify.masked_attention.default,
+                          (q, k, v, mask, 0.25, True, softcap or 0.0, sinks),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@cpp
+def test_cpp_sink_of_a_fully_masked_row_and_a_dominant_sink():
+    """A row that sees no key (finfo.min everywhere) gives zeros beside a sink, as eager attention does; a sink far
+    above the scores takes nearly all the weight."""
+    q, k, v, mask = _case(1, 1, 2, 2, 10, 16, seed=3)
+    mask[:, :, 0] = MIN
+    sinks = torch.tensor([0.0, 80.0])
+    got = masked_attention(q, k, v, mask, backend="cpp", sinks=sinks)
+    want = masked_attention(q, k, v, mask, backend="torch", sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-6)
+    assert torch.equal(got[0, :, 0], torch.zeros(2, 16)) and float(got[0, 1].abs().max()) < 1e-20
+
+
 def test_bad_input_is_refused():
     q, k, v, mask = _case(1, 2, 2, 3, 10, 16, seed=1)
     with pytest.raises(ValueError, match="multiple of the key / value heads"):
         masked_attention(q[:, :3], k, v)
     with pytest.raises(ValueError, match="k, v: expected"):
         masked_attention(q, k, v[:, :, :9])
+    with pytest.raises(ValueError, match="k, v: expected"):
+        masked_attention(q, k, v[:, :1])
+    with pytest.raises(ValueError, match="k, v: expected"):
+        masked_attention(q, k, v[..., :0])
     with pytest.raises(ValueError, match="mask: expected"):
         masked_attention(q, k, v, mask[..., :9])
     with pytest.raises(ValueError, match="mask: expected"):
@@ -183,11 +259,26 @@ def test_bad_input_is_refused():
         masked_attention(q, k.double(), v)
     with pytest.raises(ValueError, match="4-D"):
         masked_attention(q[0], k, v)
+    for cap in (0.0, -1.0, float("inf"), float("nan"), True, "5"):
+        with pytest.raises(ValueError, match="softcap: expected"):
+            masked_attention(q, k, v, softcap=cap)
+    with pytest.raises(ValueError, match=r"sinks: expected \[Hq = 4\]"):
+        masked_attention(q, k, v, sinks=torch.zeros(3))
+    with pytest.raises(TypeError, match="sinks: expected a tensor"):
+        masked_attention(q, k, v, sinks=[0.0] * 4)
+    with pytest.raises(TypeError, match="one dtype"):
+        masked_attention(q, k, v, sinks=torch.zeros(4, dtype=torch.float64))
     if _ext.HAS_CPP:
         with pytest.raises(TypeError, match="float32 CPU"):
             masked_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), backend="cpp")
         with pytest.raises(RuntimeError, match="multiple of the key / value heads"):
             torch.ops.fastverify.masked_attention(q[:, :3], k, v, None, 0.25)
+        with pytest.raises(RuntimeError, match="k, v: expected"):
+            torch.ops.fastverify.masked_attention(q, k, v[:, :, :9], None, 0.25)
+        with pytest.raises(RuntimeError, match="sinks: expected a float32 CPU tensor"):
+            torch.ops.fastverify.masked_attention(q, k, v, None, 0.25, False, 0.0, torch.zeros(3))
+        with pytest.raises(RuntimeError, match="softcap: expected"):
+            torch.ops.fastverify.masked_attention(q, k, v, None, 0.25, False, -2.0, None)
 
 
 needs_append = pytest.mark.skipif(_ext.compiled_op("append_attention") is None,

@@ -16,25 +16,39 @@ namespace {
 constexpr float kSkippedMask = -1e30f;
 
 at::Tensor masked_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const std::optional<at::Tensor>& mask, double scale, bool skip_masked_prefix) {
+                                const std::optional<at::Tensor>& mask, double scale, bool skip_masked_prefix,
+                                double softcap, const std::optional<at::Tensor>& sinks) {
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4, name,
                 ": expected a 4-D float32 CPU tensor, got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
   const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && v.sizes() == k.sizes(), "k, v: expected [B = ", B,
-              ", Hkv, S, D = ", D, "] each, got ", k.sizes(), " and ", v.sizes());
+  const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && Dv >= 1,
+              "k, v: expected k [B = ", B, ", Hkv, S, D = ", D, "] and v [B, Hkv, S, Dv >= 1], got ", k.sizes(),
+              " and ", v.sizes());
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "q, k: the query heads (", Hq, ") must be a multiple of the key / value "
               "heads (", Hkv, ")");
   fastverify::cpu::AttentionTasks a;
-  a.B = B, a.Hq = Hq, a.Hkv = Hkv, a.n = n, a.S = S, a.D = D, a.scale = static_cast<float>(scale);
+  a.B = B, a.Hq = Hq, a.Hkv = Hkv, a.n = n, a.S = S, a.D = D, a.Dv = Dv, a.scale = static_cast<float>(scale);
   a.set_mask(mask, skip_masked_prefix);
-  at::Tensor out = at::empty({B, Hq, n, D}, q.options());
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap: expected a finite value >= 0 (0: none), got ",
+              softcap);
+  a.softcap = static_cast<float>(softcap);
+  at::Tensor sink_rows;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                    sinks->size(0) == Hq,
+                "sinks: expected a float32 CPU tensor [Hq = ", Hq, "], got ", sinks->scalar_type(), " ",
+                sinks->sizes(), " on ", sinks->device());
+    sink_rows = sinks->contiguous();
+    a.sinks = sink_rows.data_ptr<float>();
+  }
+  at::Tensor out = at::empty({B, Hq, n, Dv}, q.options());
   if (out.numel() == 0) return out;
   TORCH_CHECK(S > 0, "k, v: expected at least one key");
   a.q = q.data_ptr<float>(), a.q_b = q.stride(0), a.q_h = q.stride(1), a.q_i = q.stride(2), a.q_d = q.stride(3);
   a.set_keys(k, v);  // (a cache's view keeps each key's D values contiguous)
-  a.out = out.data_ptr<float>(), a.o_b = Hq * n * D, a.o_h = n * D, a.o_i = D;
+  a.out = out.data_ptr<float>(), a.o_b = Hq * n * Dv, a.o_h = n * Dv, a.o_i = Dv;
   // one thread for small calls (a decoding step's: waking the pool costs more than the work)
   const int64_t tasks = B * Hkv, R = (Hq / Hkv) * n;
   const int64_t grain = R * S * D * 2 >= (int64_t(1) << 18) ? 1 : tasks;
@@ -53,7 +67,8 @@ at::Tensor append_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   k_cache.narrow(2, start, n).copy_(k);
   v_cache.narrow(2, start, n).copy_(v);
   const at::Tensor out = masked_attention_cpu(q, k_cache.narrow(2, 0, start + n), v_cache.narrow(2, 0, start + n),
-                                              mask, scale, /*skip_masked_prefix=*/true);
+                                              mask, scale, /*skip_masked_prefix=*/true, /*softcap=*/0.0,
+                                              std::nullopt);
   return out.transpose(1, 2).contiguous();
 }
 
@@ -94,9 +109,11 @@ void AttentionTasks::set_mask(const std::optional<at::Tensor>& m, bool skip_mask
 }
 
 void AttentionTasks::set_keys(const at::Tensor& keys, const at::Tensor& values) {
-  auto rows = [this](const at::Tensor& c) { return D == 0 || (c.stride(3) == 1 && c.stride(2) == D); };
-  k_ = rows(keys) ? keys : keys.contiguous();
-  v_ = rows(values) ? values : values.contiguous();
+  auto rows = [](const at::Tensor& c, int64_t width) {
+    return width == 0 || (c.stride(3) == 1 && c.stride(2) == width);
+  };
+  k_ = rows(keys, D) ? keys : keys.contiguous();
+  v_ = rows(values, Dv) ? values : values.contiguous();
   k = k_.data_ptr<float>(), k_b = k_.stride(0), k_h = k_.stride(1);
   v = v_.data_ptr<float>(), v_b = v_.stride(0), v_h = v_.stride(1);
 }
@@ -119,8 +136,9 @@ void AttentionTasks::run(int64_t t0, int64_t t1) const {
   // query rows per head in one pass: all n, unless the scores [G * rows, S] would pass 1 MB (a long prompt's chunk
   // over many keys); a row's result does not depend on the others, so the tiling changes no bit
   const int64_t tile = std::clamp<int64_t>((int64_t(1) << 18) / (G * S), 1, n), RT = G * tile;
-  std::vector<float> qrows(RT * D), scores(RT * S), orows(RT * D);
+  std::vector<float> qrows(RT * D), scores(RT * S), orows(RT * Dv);
   std::vector<const float*> mrows(mask ? RT : 0);
+  std::vector<float> srows(sinks ? RT : 0);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t b = t / Hkv, h = t % Hkv, s0 = start[b];
     const float* kh = k + b * k_b + h * k_h;
@@ -134,13 +152,15 @@ void AttentionTasks::run(int64_t t0, int64_t t1) const {
           if (q_d == 1) std::copy(src, src + D, qrows.data() + r * D);
           else for (int64_t d = 0; d < D; ++d) qrows[r * D + d] = src[d * q_d];
           if (mask) mrows[r] = mask + b * m_b + hq * m_h + i * m_i + s0;
+          if (sinks) srows[r] = sinks[hq];
         }
-      fastverify::attention::group(qrows.data(), G * m, D, kh + s0 * D, vh + s0 * D, S - s0,
-                                   mask ? mrows.data() : nullptr, scale, scores.data(), orows.data());
+      fastverify::attention::group(qrows.data(), G * m, D, kh + s0 * D, vh + s0 * Dv, Dv, S - s0,
+                                   mask ? mrows.data() : nullptr, scale, scores.data(), orows.data(), softcap,
+                                   sinks ? srows.data() : nullptr);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = i0; i < i0 + m; ++i) {
-          const float* src = orows.data() + (g * m + i - i0) * D;
-          std::copy(src, src + D, out + b * o_b + (h * G + g) * o_h + i * o_i);
+          const float* src = orows.data() + (g * m + i - i0) * Dv;
+          std::copy(src, src + Dv, out + b * o_b + (h * G + g) * o_h + i * o_i);
         }
     }
   }

@@ -60,8 +60,10 @@ class RotaryTables {
 // [B, Hkv, S, D] (each key's D values contiguous), out [B, Hq, n, D] (strides o_b, o_h, o_i; D values contiguous).
 // A row's result does not depend on the other rows nor on how the tasks are split across threads.
 struct AttentionTasks {
-  int64_t B = 0, Hq = 0, Hkv = 0, n = 0, S = 0, D = 0;
+  int64_t B = 0, Hq = 0, Hkv = 0, n = 0, S = 0, D = 0, Dv = 0;  // Dv: the values' width (latent attention: < D)
   float scale = 1.0f;
+  float softcap = 0.0f;            // the scores' soft cap (0: none; csrc/attention.h)
+  const float* sinks = nullptr;    // [Hq]: each query head's sink logit, or none
   const float* q = nullptr;
   int64_t q_b = 0, q_h = 0, q_i = 0, q_d = 1;
   const float* k = nullptr;
@@ -75,7 +77,8 @@ struct AttentionTasks {
   // The mask (checked against B, Hq, n and S, which must be set) and each batch row's first key: with
   // skip_masked_prefix, the keys before the first one any of its rows sees, rounded down to 16 (csrc/attention.cpp).
   void set_mask(const std::optional<at::Tensor>& mask, bool skip_masked_prefix);
-  // k and v [B, Hkv, S, D] (checked by the caller): views where each key's D values are contiguous, else copies.
+  // k [B, Hkv, S, D] and v [B, Hkv, S, Dv] (checked by the caller): views where each key's D values and each
+  // value's Dv are contiguous, else copies.
   void set_keys(const at::Tensor& k, const at::Tensor& v);
   void run(int64_t t0, int64_t t1) const;  // tasks [t0, t1) of B x Hkv
 

@@ -348,7 +348,7 @@ at::Tensor decoder_stack_cpu(const at::Tensor& h, const c10::List<OptTensor>& we
   const bool indexed = idx.defined();
   const int64_t M = indexed ? idx.numel() : T, keys = start + S;
   fastverify::cpu::AttentionTasks att;  // the mask and its skipped prefix: the same for every layer
-  att.B = B, att.Hq = n_q, att.Hkv = n_kv, att.n = S, att.S = keys, att.D = D;
+  att.B = B, att.Hq = n_q, att.Hkv = n_kv, att.n = S, att.S = keys, att.D = att.Dv = D;
   att.set_mask(mask, /*skip_masked_prefix=*/true);
   at::Tensor out = indexed ? at::zeros({B, S, E}, h.options()) : at::empty({B, S, E}, h.options());
   if (T == 0) return out;

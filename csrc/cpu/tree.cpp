@@ -178,7 +178,7 @@ void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tens
         sees[r] = any;
       }
       fastverify::attention::group(qrows.data(), R, D, kp + b * kc.stride(0) + h * kc.stride(1),
-                                   vp + b * vc.stride(0) + h * vc.stride(1), S, mrows, scale, scores.data(),
+                                   vp + b * vc.stride(0) + h * vc.stride(1), D, S, mrows, scale, scores.data(),
                                    orows.data());
       for (int64_t r = 0; r < R; ++r) {
         if (sees[r]) std::copy(orows.data() + r * D, orows.data() + (r + 1) * D, op + dst[r]);

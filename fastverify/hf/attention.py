@@ -30,6 +30,8 @@ of verify's layout, and the cache slots they write are stale after the step (nev
 import contextlib
 import functools
 import inspect
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +41,7 @@ from fastverify.hf.linear import MAX_ROWS
 from fastverify.ops.tree import tree_mask
 
 __all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length", "cache_kwargs",
-           "forward_takes", "new_cache", "gqa_attention", "switched"]
+           "forward_takes", "new_cache", "gqa_attention", "eager_attention", "module_globals", "switched"]
 
 _FORWARD_PARAMS = {}  # model class -> the parameter names of its forward (reading a signature costs ~25 us)
 
@@ -362,8 +364,8 @@ def masked_rows(query, kv_heads: int, kv_len: int, kv_dtype, attention_mask, dro
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' ``sdpa`` attention, except on the CPU with a mask:
 
-    - float32, at most ``MASKED_ATTENTION_ROWS`` query rows (the loop's verify forwards; ``masked_rows``) and values
-      as wide as the keys (latent attention's are not):
+    - float32, at most ``MASKED_ATTENTION_ROWS`` query rows (the loop's verify forwards; ``masked_rows``), values as
+      wide as the keys or narrower (latent attention's):
       ``fastverify::masked_attention`` (csrc/attention.h), SDPA's softmax(q k^T * scale + mask) v to float32
       rounding, each key / value head read once for all of its grouped query heads; on SmolLM2-135M's shapes (9
       query heads on 3 key / value heads, D = 64, 400 cached tokens, 2-core Intel Xeon) 19 against 38 us per call
@@ -375,9 +377,8 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
       (tests/test_hf_attention.py).
 
     Anything else goes to transformers' own function."""
-    if value.shape[-1] == key.shape[-1] and masked_rows(query, key.shape[1], key.shape[2],
-                                                        key.dtype if key.dtype == value.dtype else None,
-                                                        attention_mask, dropout, kwargs):
+    if masked_rows(query, key.shape[1], key.shape[2], key.dtype if key.dtype == value.dtype else None,
+                   attention_mask, dropout, kwargs):
         out = _masked_attention_op()(query, key, value, attention_mask,
                                      query.shape[-1] ** -0.5 if scaling is None else scaling, True)
         return out.transpose(1, 2).contiguous(), None
@@ -444,3 +445,99 @@ def switched(configs, name: str, value):
     finally:
         for cfg, field, old in zip(configs, fields, saved):
             setattr(cfg, field, old)
+
+
+_GLOBALS_LOCK = threading.Lock()
+_GLOBALS_HELD = {}  # (module, name) -> [how many contexts hold it swapped, the original value]
+
+
+@contextlib.contextmanager
+def module_globals(files, name: str, value):
+    """For the block, the global ``name`` of each module in ``files`` (a model's modeling files) bound to ``value``,
+    then restored; reference-counted, so nested or concurrent loops over models of one file restore it once, when
+    the last ends. Process-wide for that file while held: what another model of the file calls then is ``value``."""
+    with _GLOBALS_LOCK:
+        for mod in files:
+            held = _GLOBALS_HELD.setdefault((mod, name), [0, getattr(mod, name)])
+            held[0] += 1
+            setattr(mod, name, value)
+    try:
+        yield
+    finally:
+        with _GLOBALS_LOCK:
+            for mod in files:
+                held = _GLOBALS_HELD[(mod, name)]
+                held[0] -= 1
+                if not held[0]:
+                    del _GLOBALS_HELD[(mod, name)]
+                    setattr(mod, name, held[1])
+
+
+def _original(mod, name: str):
+    """A module's global ``name`` as it is outside ``module_globals``."""
+    with _GLOBALS_LOCK:
+        held = _GLOBALS_HELD.get((mod, name))
+    return held[1] if held is not None else getattr(mod, name, None)
+
+
+# (attention module class, the variant's inputs) -> whether masked_attention computes what the class's own eager
+# function does (checked on the first call: a modeling file's eager attention may hold more than the arguments show)
+_EAGER_AGREES = {}
+EAGER_CHECK_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+
+
+def _eager_rows(module, query, key, value, attention_mask, *args, **kwargs):
+    """A modeling file's ``eager_attention_forward`` while the loop runs on the CPU (``eager_attention``): its float32
+    verify rows (``masked_rows``: at most ``MASKED_ATTENTION_ROWS`` query rows, an additive 4D mask, no dropout, no
+    attention weights asked for) through ``fastverify::masked_attention`` with the variant's soft cap (``softcap``:
+    Gemma 2) and sink logits (``s_aux`` or the module's ``sinks``: gpt-oss), so that a row's result is a function of
+    that row alone; anything else through the file's own function, called as it was. On the first call per attention
+    class and variant both run and must agree to ``EAGER_CHECK_TOLERANCE``, else the class keeps its own function."""
+    own = _original(sys.modules[type(module).__module__], "eager_attention_forward")
+    softcap, sinks, scaling = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("scaling")
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        sinks = module.sinks
+    rest = {k: v for k, v in kwargs.items() if k not in ("dropout", "scaling", "softcap", "s_aux", "sliding_window")}
+    if (not args and masked_rows(query, key.shape[1], key.shape[2], key.dtype if key.dtype == value.dtype else None,
+                                 attention_mask, kwargs.get("dropout", 0.0) if module.training else 0.0, rest)
+            and (sinks is None or (sinks.dtype == torch.float32 and tuple(sinks.shape) == (query.shape[1],)))
+            and (softcap is None or softcap > 0)):
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = _masked_attention_op()(query, key, value, attention_mask, scale, True, float(softcap or 0.0),
+                                     None if sinks is None else sinks.detach())
+        out = out.transpose(1, 2).contiguous()
+        variant = (type(module), softcap is not None, sinks is not None, scaling is None, tuple(sorted(rest)))
+        agrees = _EAGER_AGREES.get(variant)
+        if agrees is None:
+            want = own(module, query, key, value, attention_mask, **kwargs)[0]
+            agrees = _EAGER_AGREES[variant] = (want.shape == out.shape
+                                               and torch.allclose(out, want, **EAGER_CHECK_TOLERANCE))
+        if agrees:
+            return out, None
+    return own(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _eager_files(model) -> list:
+    """The modeling files of ``model``'s modules that define ``eager_attention_forward``, where a config of the model
+    runs eager attention."""
+    if not any(getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager" for m in model.modules()):
+        return []
+    files = []
+    for m in model.modules():
+        mod = sys.modules.get(type(m).__module__)
+        if mod is not None and mod not in files and callable(_original(mod, "eager_attention_forward")):
+            files.append(mod)
+    return files
+
+
+@contextlib.contextmanager
+def eager_attention(model):
+    """For the loop's duration, a CPU model whose attention is eager (Gemma 2, gpt-oss: transformers has no sdpa
+    path for their soft cap and sinks; or a model loaded with attn_implementation="eager") runs ``_eager_rows`` as
+    its modeling files' ``eager_attention_forward`` (``module_globals``); yields how many files. Other models and
+    devices are left as they are."""
+    files = []
+    if next(model.parameters()).device.type == "cpu" and _masked_attention_op() is not None:
+        files = _eager_files(model)
+    with module_globals(files, "eager_attention_forward", _eager_rows):
+        yield len(files)

@@ -12,21 +12,21 @@ the routing weights, the sum over the top k), each expert's float32 rows through
 ``skinny_linear_t`` for weights stored [in, out]), whose rows do not depend on each other, and the top k summed in
 order. The routers that choose each token's experts (``*TopKRouter``: ``F.linear`` on a weight of their own) run,
 for the same duration, with the ``F`` of their modeling file bound to ``torch.nn.functional`` but for ``linear``,
-which takes few float32 CPU rows to ``skinny_linear`` (``_RowFunctional``; process-wide for that file while any
-loop runs such a model: another call of the file's ``F.linear`` then computes the same to float32 rounding). So a
+which takes few float32 CPU rows to ``skinny_linear`` (``_RowFunctional``, bound by ``attention.module_globals``:
+process-wide for that file while any loop runs such a model; another call of the file's ``F.linear`` then computes
+the same to float32 rounding). So a
 row's result is a function of that row alone, as the rest of the loop's forward is on the CPU.
 """
 
 import contextlib
 import sys
-import threading
 import types
 
 import torch
 import torch.nn.functional as F
 
-from fastverify.hf.attention import switched
-from fastverify.hf.linear import MAX_ROWS, skinny_available, streamable, takes_skinny
+from fastverify.hf.attention import module_globals, switched
+from fastverify.hf.linear import MAX_ROWS, row_aligned, skinny_available, streamable, takes_skinny
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_experts", "skinny_experts_forward", "EXPERTS_IMPLEMENTATION"]
@@ -94,13 +94,11 @@ class _RowFunctional(types.ModuleType):
     @staticmethod
     def linear(x, weight, bias=None):
         if _few_rows(x, weight, bias):
-            return torch.ops.fastverify.skinny_linear(x, weight, bias)
+            return row_aligned(torch.ops.fastverify.skinny_linear(x, weight, bias))
         return F.linear(x, weight, bias)
 
 
 _ROW_F = _RowFunctional()
-_SWAPPED = {}  # modeling module -> how many loops hold its F swapped
-_LOCK = threading.Lock()
 
 
 def _router_files(model) -> list:
@@ -113,23 +111,6 @@ def _router_files(model) -> list:
                 and getattr(mod, "F", None) in (F, _ROW_F)):
             files.append(mod)
     return files
-
-
-@contextlib.contextmanager
-def _row_routers(files):
-    with _LOCK:
-        for mod in files:
-            _SWAPPED[mod] = _SWAPPED.get(mod, 0) + 1
-            mod.F = _ROW_F
-    try:
-        yield
-    finally:
-        with _LOCK:
-            for mod in files:
-                _SWAPPED[mod] -= 1
-                if not _SWAPPED[mod]:
-                    del _SWAPPED[mod]
-                    mod.F = F
 
 
 def _register() -> bool:
@@ -165,5 +146,5 @@ def skinny_experts(model):
             and next(model.parameters()).device.type == "cpu" and _register()):
         configs = _experts_configs(model)
         files = _router_files(model) if configs else []
-    with switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION), _row_routers(files):
+    with switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION), module_globals(files, "F", _ROW_F):
         yield len(configs)

@@ -30,13 +30,33 @@ from fastverify.ops.linear import PackedWeight, pack_blocks
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_linears", "skinny_available", "streamable", "takes_skinny", "packed_weight", "packed_group",
-           "pack_model", "MAX_ROWS"]
+           "pack_model", "row_aligned", "MAX_ROWS", "ROW_ALIGN"]
 
 # SmolLM2-135M's linear layers (30 layers + the LM head, fp32, 2 threads, 2-core AMD EPYC (Zen 5) VM), skinny
 # vs torch's GEMM: 2.4x faster at M = 1, 2.4x at 17, 2.4x at 33, 2.0x at 128, 1.7x at 256 (benchmarks/RESULTS.md,
 # "skinny_linear against F.linear"). A batch of requests' trees (4 x (1 + 16) rows and more) stays on the kernel;
 # prefills of long prompts go to torch, as in plain generate. (With the AVX2-only kernel the crossover was ~33.)
 MAX_ROWS = 128
+
+
+# torch's CPU elementwise kernels (sigmoid, exp, tanh, SiLU) run a contiguous tensor's elements in vectors of twice
+# the SIMD width (32 floats with AVX-512) and the last (numel mod 32) through the scalar function, which rounds
+# differently. On an output [rows, N] of N < 32 columns (a router's logits over a few experts, Qwen2-MoE's one-column
+# shared-expert gate) which of a row's elements take the scalar path depends on how many rows there are. Rows ROW_ALIGN
+# floats apart are run one row at a time instead, every row the same way. Wider outputs stay contiguous: their rows
+# are mostly whole vectors, and some kernels (GELU) compute a contiguous tensor in vectors, tail included, but a
+# strided one otherwise, so there the wider buffer would cost a one-row call its agreement.
+ROW_ALIGN = 32
+
+
+def row_aligned(out: torch.Tensor) -> torch.Tensor:
+    """``out`` [..., N] as it is when N >= ``ROW_ALIGN``, else a copy whose rows lie ROW_ALIGN floats apart in a wider
+    buffer (a view [..., N] of [..., ROW_ALIGN]): torch's elementwise functions then compute each row alone, the same
+    bits whatever the rows beside it."""
+    n = out.shape[-1]
+    if n >= ROW_ALIGN or out.numel() == 0:
+        return out
+    return out.new_empty(out.shape[:-1] + (ROW_ALIGN,))[..., :n].copy_(out)
 
 
 def skinny_available() -> bool:
@@ -163,13 +183,13 @@ def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
         if takes_skinny(x, self.weight, max_rows):
             p = packs.get(self)
             if p is not None:
-                return op_packed(x, p.q, p.d, p.m, p.bits, self.bias)
-            return op(x, self.weight, self.bias)
+                return row_aligned(op_packed(x, p.q, p.d, p.m, p.bits, self.bias))
+            return row_aligned(op(x, self.weight, self.bias))
         return F.linear(x, self.weight, self.bias)
 
     def forward_t(self, x):  # Conv1D: x @ weight + bias
         if takes_skinny(x, self.weight, max_rows):
-            return torch.ops.fastverify.skinny_linear_t(x, self.weight, self.bias)
+            return row_aligned(torch.ops.fastverify.skinny_linear_t(x, self.weight, self.bias))
         return conv1d.forward(self, x)
 
     forward.skinny = True  # fastverify.hf.layers tells this rebinding from others' (and mirrors it: max_rows, pack)

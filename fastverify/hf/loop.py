@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastverify.hf.attention import (cache_kwargs, crop_cache, forward_takes, gqa_attention, new_cache, prefill_inputs,
-                                     step_inputs, upload_lists)
+from fastverify.hf.attention import (cache_kwargs, crop_cache, eager_attention, forward_takes, gqa_attention,
+                                     new_cache, prefill_inputs, step_inputs, upload_lists)
 from fastverify.hf.drafters import empty_tree, penalized
 from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
 from fastverify.hf.experts import skinny_experts
@@ -1212,7 +1212,7 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
     live = LiveRows() if settings.live_rows and input_ids.shape[0] > 1 and input_ids.device.type == "cpu" else None
     layers = (lean_layers(model, pack=settings.skinny_linear and settings.pack_weights, live=live)
               if settings.lean_layers else contextlib.nullcontext())
-    with installed, gqa_attention(model), linears, experts, layers:
+    with installed, gqa_attention(model), eager_attention(model), linears, experts, layers:
         head = _LiveHead(model, live) if live is not None else None
         dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer, live=live)
         try:

@@ -167,8 +167,9 @@ def check_rows(model, settings: DecodeSettings):
     row's logits the bits of undrafted decoding's, so that each draw is the seeded stream's): decode the probe batch
     through the loop without drafts, then with ``ProbeDrafter``'s trees on those tokens, and compare every new
     token's logits bit for bit. None when they are the same, else the reason. Rows round differently beside draft
-    rows where a layer's arithmetic depends on the number of rows: attention that runs eager (torch's matmul over the
-    query rows), mixture-of-experts layers (README: "Exactness")."""
+    rows where a layer's arithmetic depends on the number of rows: attention a modeling file computes itself with
+    torch's matmul over the query rows (XGLM, Falcon), experts layers of a model's own (DBRX, JetMoE, Llama 4), on a
+    GPU any of torch's GEMMs (README: "Exactness")."""
     device = model.get_input_embeddings().weight.device
     ids, mask = _probe_batch(model, device)
     probe = _probe_settings(settings)

@@ -81,29 +81,37 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mas
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor = None,
-                     scale: float = None, backend: str = "auto", skip_masked_prefix: bool = False) -> torch.Tensor:
+                     scale: float = None, backend: str = "auto", skip_masked_prefix: bool = False,
+                     softcap: float = None, sinks: torch.Tensor = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v with grouped-query heads, as ``F.scaled_dot_product_attention(q, k, v,
     attn_mask=mask, scale=scale, enable_gqa=True)`` computes it, to float32 rounding.
 
-    q [B, Hq, n, D]; k, v [B, Hkv, S, D] (Hq a multiple of Hkv: query head h reads key / value head
-    h // (Hq // Hkv)); mask: additive [B, 1 or Hq, n, S] in q's dtype (0 where visible, a large negative number
-    such as finfo.min elsewhere), or None. scale defaults to 1 / sqrt(D). Returns [B, Hq, n, D]. The cpp backend
+    q [B, Hq, n, D]; k [B, Hkv, S, D]; v [B, Hkv, S, Dv] (Hq a multiple of Hkv: query head h reads key / value
+    head h // (Hq // Hkv); Dv is D but for latent attention's narrower values, as SDPA allows); mask: additive
+    [B, 1 or Hq, n, S] in q's dtype (0 where visible, a large negative number such as finfo.min elsewhere), or None.
+    scale defaults to 1 / sqrt(D). Returns [B, Hq, n, Dv]. The cpp backend
     takes float32 CPU tensors ("auto" uses it for those and the reference elsewhere); it is meant for a few query
     rows per head (a verify forward's), where it streams each key / value head once for all of its query rows.
     skip_masked_prefix: per batch row, the leading keys that every query row masks (at or below -1e30; a
     left-padded prompt's padding) are not read, from the last multiple of 16 at or before the first key any row
     sees (``fastverify.reference.attention.masked_prefix``); their weight would be 0, so the result is the same,
     unless they hold NaN or inf (which then does not reach it). The patched loop's attention sets it.
+    Two variants of eager attention: ``softcap`` (a number > 0, or None) caps the scores q k^T * scale at
+    softcap * tanh(q k^T * scale / softcap) before the mask (Gemma 2); ``sinks`` [Hq] (or None) gives query head h's
+    softmax one more logit, sinks[h], with no value row (gpt-oss's attention sinks).
     """
-    for name, t in (("q", q), ("k", k), ("v", v)) + ((("mask", mask),) if mask is not None else ()):
+    optional = (("mask", mask),) if mask is not None else ()
+    optional += (("sinks", sinks),) if sinks is not None else ()
+    for name, t in (("q", q), ("k", k), ("v", v)) + optional:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v: expected 4-D [B, H, seq, D] tensors, got shapes {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     B, Hq, n, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k, v: expected [B = {B}, Hkv, S, D = {D}] each, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D or v.shape[:3] != k.shape[:3] or v.shape[3] < 1:
+        raise ValueError(f"k, v: expected k [B = {B}, Hkv, S, D = {D}] and v [B, Hkv, S, Dv >= 1], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[1] < 1 or Hq % k.shape[1]:
         raise ValueError(f"q, k: the query heads ({Hq}) must be a multiple of the key / value heads ({k.shape[1]})")
     if k.shape[2] < 1:
@@ -112,11 +120,16 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                              or mask.shape[1] not in (1, Hq)):
         raise ValueError(f"mask: expected [B = {B}, 1 or Hq = {Hq}, n = {n}, S = {k.shape[2]}], got "
                          f"{tuple(mask.shape)}")
-    tensors = (q, k, v) + ((mask,) if mask is not None else ())
+    if sinks is not None and tuple(sinks.shape) != (Hq,):
+        raise ValueError(f"sinks: expected [Hq = {Hq}], got {tuple(sinks.shape)}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap: expected a finite number > 0 or None, got {softcap!r}")
+    tensors = (q, k, v) + tuple(t for _, t in optional)
     if any(t.device != q.device for t in tensors):
-        raise ValueError(f"q, k, v, mask: expected one device, got {[str(t.device) for t in tensors]}")
+        raise ValueError(f"q, k, v, mask, sinks: expected one device, got {[str(t.device) for t in tensors]}")
     if any(t.dtype != q.dtype for t in tensors) or q.dtype not in _DTYPES:
-        raise TypeError(f"q, k, v, mask: expected one dtype of {_DTYPES}, got {[t.dtype for t in tensors]}")
+        raise TypeError(f"q, k, v, mask, sinks: expected one dtype of {_DTYPES}, got {[t.dtype for t in tensors]}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     fits_cpp = q.dtype == torch.float32 and q.device.type == "cpu"
     if backend == "auto":
@@ -125,7 +138,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         raise TypeError(f"q, k, v, mask: the cpp backend takes float32 CPU tensors, got {q.dtype} on {q.device}")
     if not isinstance(skip_masked_prefix, bool):
         raise TypeError(f"skip_masked_prefix: expected a bool, got {skip_masked_prefix!r}")
-    return dispatch.call("masked_attention", backend, q.device, q, k, v, mask, scale, skip_masked_prefix)
+    return dispatch.call("masked_attention", backend, q.device, q, k, v, mask, scale, skip_masked_prefix,
+                         float(softcap or 0.0), sinks)
 
 
 if _ext.HAS_CPP:
@@ -135,8 +149,8 @@ if _ext.HAS_CPP:
 
     try:
         @torch.library.register_fake("fastverify::masked_attention")
-        def _masked_attention_fake(q, k, v, mask, scale, skip_masked_prefix=False):
-            return torch.empty_like(q, memory_format=torch.contiguous_format)
+        def _masked_attention_fake(q, k, v, mask, scale, skip_masked_prefix=False, softcap=0.0, sinks=None):
+            return q.new_empty(q.shape[:3] + v.shape[3:])
     except RuntimeError:  # the schema is missing from an old build of _C
         pass
     if _ext.compiled_op("append_attention") is not None:

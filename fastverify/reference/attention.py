@@ -63,12 +63,37 @@ def masked_prefix(mask: torch.Tensor) -> list:
     return out
 
 
-def masked_attention(q, k, v, mask, scale: float, skip_masked_prefix: bool = False) -> torch.Tensor:
+def _eager(q, k, v, mask, scale: float, softcap: float, sinks) -> torch.Tensor:
+    """Eager attention with a soft cap and sinks, in transformers' steps (Gemma 2's, gpt-oss's): scores q k^T * scale,
+    capped (softcap * tanh(scores / softcap)), plus the mask, a softmax over them and query head h's sink logit, the
+    sink's weight dropped, then times v."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    w = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap:
+        w = torch.tanh(w / softcap) * softcap
+    if mask is not None:
+        w = w + mask
+    if sinks is not None:
+        w = torch.cat([w, sinks.to(w.dtype).reshape(1, -1, 1, 1).expand(*w.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(w, dim=-1)
+    return torch.matmul(p[..., :k.shape[2]] if sinks is not None else p, v)
+
+
+def masked_attention(q, k, v, mask, scale: float, skip_masked_prefix: bool = False, softcap: float = 0.0,
+                     sinks=None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v: torch's scaled_dot_product_attention with the additive mask (or none) and
-    enable_gqa (query head h reads key / value head h // (Hq // Hkv)); ``skip_masked_prefix``: per batch row over
-    the keys from ``masked_prefix(mask)[b]`` on only. The specification of fastverify::masked_attention."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    enable_gqa (query head h reads key / value head h // (Hq // Hkv)); with a soft cap (``softcap`` > 0) or
+    ``sinks`` [Hq], eager attention's steps (``_eager``); ``skip_masked_prefix``: per batch row over the keys from
+    ``masked_prefix(mask)[b]`` on only. The specification of fastverify::masked_attention."""
+    if softcap or sinks is not None:
+        def attend(q, k, v, mask):
+            return _eager(q, k, v, mask, scale, softcap, sinks)
+    else:
+        def attend(q, k, v, mask):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                                    enable_gqa=True)
     if mask is None or not skip_masked_prefix or q.shape[0] == 0 or q.shape[2] == 0:
-        return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return torch.cat([sdpa(q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], attn_mask=mask[b:b + 1, ..., s:],
-                           scale=scale, enable_gqa=True) for b, s in enumerate(masked_prefix(mask))])
+        return attend(q, k, v, mask)
+    return torch.cat([attend(q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], mask[b:b + 1, ..., s:])
+                      for b, s in enumerate(masked_prefix(mask))])
