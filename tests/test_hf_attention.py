@@ -320,6 +320,27 @@ def test_eager_rows_keep_a_file_function_they_do_not_compute():
         assert [v for k, v in attention._EAGER_AGREES.items() if k[0] is cls] == [False]
 
 
+def test_eager_rows_fall_back_to_the_calling_files_function():
+    """A class whose own file has no eager function (a subclass defined elsewhere), called from a modeling file's
+    code while that file's function is swapped: the fallback is the calling file's original function."""
+    calls = []
+
+    def own(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        calls.append(1)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    mod, _ = _modeling_file("fv_test_caller", own)
+    exec("def attend(module, *a, **k):\n    return eager_attention_forward(module, *a, **k)", mod.__dict__)
+    elsewhere = type("Elsewhere", (_Attn,), {"__module__": "fv_test_no_such_file"})(2)
+    query, key, value, mask = _inputs(1, 2, 2, attention.MASKED_ATTENTION_ROWS + 3, 10, 16)  # rows: the fallback
+    with attention.module_globals([mod], "eager_attention_forward", attention._eager_rows):
+        got, _ = mod.attend(elsewhere, query, key, value, mask, scaling=0.25, dropout=0.0)
+    assert calls == [1] and torch.equal(got, own(elsewhere, query, key, value, mask, scaling=0.25)[0])
+    with pytest.raises(RuntimeError, match="no eager_attention_forward found"):
+        attention._eager_rows(elsewhere, query, key, value, mask, scaling=0.25)
+
+
 def test_eager_attention_swaps_and_restores_the_files_function():
     """Within eager_attention(model) an eager model's modeling file calls _eager_rows; nested holds restore it once,
     when the last ends, and on error; an sdpa model's file is left alone."""

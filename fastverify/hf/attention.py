@@ -474,10 +474,21 @@ def module_globals(files, name: str, value):
 
 
 def _original(mod, name: str):
-    """A module's global ``name`` as it is outside ``module_globals``."""
+    """A module's global ``name`` as it is outside ``module_globals`` (None for no module)."""
     with _GLOBALS_LOCK:
         held = _GLOBALS_HELD.get((mod, name))
     return held[1] if held is not None else getattr(mod, name, None)
+
+
+def _own_eager(module, caller_globals):
+    """The eager attention function that ``_eager_rows`` stands in for: the original of the file whose global
+    lookup called it (``caller_globals``), else of the attention class's own file."""
+    for name in (caller_globals.get("__name__"), type(module).__module__):
+        fn = _original(sys.modules.get(name), "eager_attention_forward")
+        if callable(fn) and fn is not _eager_rows:
+            return fn
+    raise RuntimeError(f"{type(module).__name__}: no eager_attention_forward found in its modeling file "
+                       f"({type(module).__module__}) or its caller's ({caller_globals.get('__name__')})")
 
 
 # (attention module class, the variant's inputs) -> whether masked_attention computes what the class's own eager
@@ -493,7 +504,7 @@ def _eager_rows(module, query, key, value, attention_mask, *args, **kwargs):
     Gemma 2) and sink logits (``s_aux`` or the module's ``sinks``: gpt-oss), so that a row's result is a function of
     that row alone; anything else through the file's own function, called as it was. On the first call per attention
     class and variant both run and must agree to ``EAGER_CHECK_TOLERANCE``, else the class keeps its own function."""
-    own = _original(sys.modules[type(module).__module__], "eager_attention_forward")
+    own = _own_eager(module, sys._getframe(1).f_globals)
     softcap, sinks, scaling = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("scaling")
     if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
         sinks = module.sinks
