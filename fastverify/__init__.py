@@ -7,7 +7,8 @@ Ops (each with torch / cpp / triton / cuda backends, see ``fastverify.backends()
   cdf_invert, aux_bits
   tree_mask, block_mask,      tree / block attention masks, positions, tree attention, cache compaction
   tree_positions, tree_attention, compact_cache
-  masked_attention            SDPA with an additive mask and grouped-query heads for a few query rows (CPU)
+  masked_attention            SDPA with an additive mask and grouped-query heads for a few query rows (CPU; also
+                              narrower values, Gemma 2's soft cap, gpt-oss's sinks)
   skinny_linear               x @ W^T for a few rows, streaming W once (CPU; the verify forward's GEMMs)
 
 Hugging Face integration: ``fastverify.patch(model)`` / ``fastverify.unpatch(model)``; drafters NGramDrafter,
