@@ -14,8 +14,9 @@ order. The routers that choose each token's experts (``*TopKRouter``: ``F.linear
 for the same duration, with the ``F`` of their modeling file bound to ``torch.nn.functional`` but for ``linear``,
 which takes few float32 CPU rows to ``skinny_linear`` (``_RowFunctional``, bound by ``attention.module_globals``:
 process-wide for that file while any loop runs such a model; another call of the file's ``F.linear`` then computes
-the same to float32 rounding). So a
-row's result is a function of that row alone, as the rest of the loop's forward is on the CPU.
+the same to float32 rounding), its outputs of fewer than 32 columns row-aligned (``linear.row_aligned``: the sigmoid
+that some routers take of their logits then computes each row alone). So a row's result is a function of that row
+alone, as the rest of the loop's forward is on the CPU.
 """
 
 import contextlib
