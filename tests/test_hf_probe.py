@@ -168,6 +168,17 @@ def test_sampling_drafts_where_the_loop_is_row_invariant():
     assert torch.equal(out, ref)
 
 
+def test_check_rows_batch_finds_a_router_that_rounds_by_the_row_count():
+    """A tiny Laguna's router divides its logits by a soft cap before their tanh and sigmoid (new tensors, so which
+    rows take torch's scalar tail depends on how many there are): check_rows's batch of three requests and 12 tokens
+    finds it, where the greedy probe's batch (two requests, 7 tokens) does not."""
+    from fastverify.hf.loop import DecodeSettings
+    model = tiny("laguna")
+    settings = DecodeSettings(max_new_tokens=1, eos_token_ids=[], pad_token_id=0)
+    assert probe.check_rows(model, settings).startswith("with draft rows beside them")
+    assert probe.check_rows(tiny("qwen3_moe"), settings) is None
+
+
 def test_a_verdict_holds_for_the_attention_implementation_it_was_made_under(monkeypatch):
     """A model switched to another attention implementation while patched is checked again there: Llama with sdpa
     runs the loop's kernels and samples with drafts; switched to eager, run here as transformers runs it (torch's

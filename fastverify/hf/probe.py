@@ -37,6 +37,10 @@ __all__ = ["check_key", "check_model", "check_rows", "ProbeDrafter", "TOLERANCE"
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 PROMPTS = (9, 6)  # the probe batch's prompt lengths (left padded)
 NEW_TOKENS = 7  # steps of 3, 1 and 3 tokens (``ProbeDrafter``)
+# check_rows's batch: a third request and more steps, so that more of the forwards' rows take both of the vector
+# and scalar paths of torch's elementwise kernels where a layer's rounding depends on them (a tiny Laguna's router
+# passes (9, 6) and 7 tokens and fails this batch)
+ROW_PROMPTS, ROW_NEW_TOKENS = (9, 6, 4), 12
 # the settings of the call that the probe decodes with too: how the loop computes, and the model's own limits
 _KEPT = ("backend", "skinny_linear", "pack_weights", "lean_layers", "live_rows", "max_positions", "window")
 
@@ -92,24 +96,23 @@ class ProbeDrafter(Drafter):
         return trees
 
 
-def _probe_batch(model, device):
-    """Two left-padded prompts of random tokens (a fixed generator) of ``PROMPTS``' lengths, and their attention
-    mask."""
+def _probe_batch(model, device, prompts=PROMPTS):
+    """Left-padded prompts of random tokens (a fixed generator) of ``prompts``' lengths, and their attention mask."""
     high = max(1, min(n for n in (embedding_rows(model), model_vocab_size(model)) if n is not None))
     g = torch.Generator().manual_seed(0)
-    L = max(PROMPTS)
-    ids = torch.zeros((len(PROMPTS), L), dtype=torch.int64)
+    L = max(prompts)
+    ids = torch.zeros((len(prompts), L), dtype=torch.int64)
     mask = torch.zeros_like(ids)
-    for b, n in enumerate(PROMPTS):
+    for b, n in enumerate(prompts):
         ids[b, L - n:] = torch.randint(0, high, (n,), generator=g)
         mask[b, L - n:] = 1
     return ids.to(device), mask.to(device)
 
 
-def _probe_settings(settings: DecodeSettings) -> DecodeSettings:
-    """The probe batch's decoding: ``NEW_TOKENS`` greedy tokens without eos, their logits recorded, under the call's
+def _probe_settings(settings: DecodeSettings, new_tokens: int = NEW_TOKENS) -> DecodeSettings:
+    """The probe batch's decoding: ``new_tokens`` greedy tokens without eos, their logits recorded, under the call's
     ``_KEPT`` settings."""
-    return DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=[], pad_token_id=0, output_logits=True,
+    return DecodeSettings(max_new_tokens=new_tokens, eos_token_ids=[], pad_token_id=0, output_logits=True,
                           pace_batch=False, **{k: getattr(settings, k) for k in _KEPT})
 
 
@@ -171,14 +174,14 @@ def check_rows(model, settings: DecodeSettings):
     torch's matmul over the query rows (XGLM, Falcon), experts layers of a model's own (DBRX, JetMoE, Llama 4), on a
     GPU any of torch's GEMMs (README: "Exactness")."""
     device = model.get_input_embeddings().weight.device
-    ids, mask = _probe_batch(model, device)
-    probe = _probe_settings(settings)
+    ids, mask = _probe_batch(model, device, ROW_PROMPTS)
+    probe = _probe_settings(settings, ROW_NEW_TOKENS)
     plain, drafted = {}, {}
     try:
         with torch.no_grad():
             out, _ = decode(model, ids, mask, Drafter(), probe, record=plain)
             tokens = out[:, ids.shape[1]:].tolist()
-            decode(model, ids, mask, ProbeDrafter(tokens, list(PROMPTS), model_vocab_size(model)), probe,
+            decode(model, ids, mask, ProbeDrafter(tokens, list(ROW_PROMPTS), model_vocab_size(model)), probe,
                    record=drafted)
     except Exception as e:  # noqa: BLE001 - a forward that refuses the loop's inputs
         return f"the loop raised {type(e).__name__}: {str(e)[:120]}"
