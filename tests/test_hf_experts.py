@@ -92,6 +92,31 @@ def test_implementation_switched_for_the_loop_and_restored():
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
+@pytest.mark.parametrize("model_type,name", [("qwen3_moe", "F"), ("aria_text", "nn")])
+def test_routers_files_bound_to_the_row_functions_and_restored(model_type, name):
+    """A router's modeling file has ``F`` (Qwen3-MoE) or ``nn`` (Aria: ``nn.functional.linear``) bound to the
+    proxies whose ``linear`` takes few float32 rows to skinny_linear, within skinny_experts, nested ones too; the
+    router's logits are then the kernel's, row-aligned; restored after."""
+    import sys
+    from fastverify.hf import experts
+    model = tiny(model_type)
+    router = next(m for m in model.modules() if type(m).__name__.lower().endswith("router"))
+    mod = sys.modules[type(router).__module__]
+    before = getattr(mod, name)
+    proxy = experts._ROW_F if name == "F" else experts._ROW_NN
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad(), skinny_experts(model):
+        with skinny_experts(model):
+            assert getattr(mod, name) is proxy
+        assert getattr(mod, name) is proxy
+        logits = router(x)[0]
+    assert getattr(mod, name) is before
+    if experts.skinny_available():
+        assert torch.equal(logits, torch.ops.fastverify.skinny_linear(x, router.weight, None))
+        assert logits.stride(0) == 32  # fewer than 32 experts: row-aligned
+        assert proxy.softmax is torch.nn.functional.softmax if name == "F" else proxy.Linear is torch.nn.Linear
+
+
 def test_seeded_sampling_drafts_on_a_mixture_of_experts_model():
     """Its forwards are row-invariant now, so the probe's check passes and sampled calls draft: the draws those of the
     loop's own undrafted sampling with the seed."""

@@ -11,7 +11,8 @@ and then restored, as ``fastverify.hf.attention.gqa_attention`` switches sdpa): 
 the routing weights, the sum over the top k), each expert's float32 rows through ``skinny_linear`` (or
 ``skinny_linear_t`` for weights stored [in, out]), whose rows do not depend on each other, and the top k summed in
 order. The routers that choose each token's experts (``*TopKRouter``: ``F.linear`` on a weight of their own) run,
-for the same duration, with the ``F`` of their modeling file bound to ``torch.nn.functional`` but for ``linear``,
+for the same duration, with the ``F`` of their modeling file bound to ``torch.nn.functional`` but for ``linear``
+(and its ``nn`` to ``torch.nn`` but for that ``functional``, for routers that call ``nn.functional.linear``),
 which takes few float32 CPU rows to ``skinny_linear`` (``_RowFunctional``, bound by ``attention.module_globals``:
 process-wide for that file while any loop runs such a model; another call of the file's ``F.linear`` then computes
 the same to float32 rounding), its outputs of fewer than 32 columns row-aligned (``linear.row_aligned``: the sigmoid
@@ -102,14 +103,29 @@ class _RowFunctional(types.ModuleType):
 _ROW_F = _RowFunctional()
 
 
-def _router_files(model) -> list:
-    """The modeling modules of ``model``'s router classes (a class name ending in "Router") whose ``F`` is
-    torch.nn.functional."""
+class _RowNN(types.ModuleType):
+    """``torch.nn`` with ``functional`` bound to ``_ROW_F`` (for routers that call ``nn.functional.linear``: Aria)."""
+
+    functional = _ROW_F
+
+    def __init__(self):
+        super().__init__("torch.nn")
+
+    def __getattr__(self, name):
+        return getattr(torch.nn, name)
+
+
+_ROW_NN = _RowNN()
+
+
+def _router_files(model, name: str, module, proxy) -> list:
+    """The modeling modules of ``model``'s router classes (a class name ending in "Router") whose global ``name`` is
+    ``module`` (``F``: torch.nn.functional; ``nn``: torch.nn) or already its ``proxy``."""
     files = []
     for m in model.modules():
         mod = sys.modules.get(type(m).__module__)
         if (type(m).__name__.lower().endswith("router") and mod is not None and mod not in files
-                and getattr(mod, "F", None) in (F, _ROW_F)):
+                and getattr(mod, name, None) in (module, proxy)):
             files.append(mod)
     return files
 
@@ -142,10 +158,13 @@ def skinny_experts(model):
     """For the loop's duration, a CPU model's experts modules run ``skinny_experts_forward`` (their configs'
     ``_experts_implementation`` switched to ``EXPERTS_IMPLEMENTATION``, then restored) and its routers' ``F.linear``
     the skinny kernel; yields how many configs were switched. Other models and devices are left as they are."""
-    configs, files = [], []
+    configs, f_files, nn_files = [], [], []
     if (skinny_available() and "cpp" in implemented_backends("skinny_linear_t")
             and next(model.parameters()).device.type == "cpu" and _register()):
         configs = _experts_configs(model)
-        files = _router_files(model) if configs else []
-    with switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION), module_globals(files, "F", _ROW_F):
+        if configs:
+            f_files = _router_files(model, "F", F, _ROW_F)
+            nn_files = _router_files(model, "nn", torch.nn, _ROW_NN)
+    with (switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION), module_globals(f_files, "F", _ROW_F),
+          module_globals(nn_files, "nn", _ROW_NN)):
         yield len(configs)
