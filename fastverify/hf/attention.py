@@ -361,6 +361,21 @@ def masked_rows(query, kv_heads: int, kv_len: int, kv_dtype, attention_mask, dro
             and attention_mask.shape[2:] == (query.shape[2], kv_len) and _masked_attention_op() is not None)
 
 
+def _masked_fits(query, key, value, attention_mask, dropout, kwargs) -> bool:
+    """``masked_rows`` for an attention function's query, key and value (one dtype for both)."""
+    return masked_rows(query, key.shape[1], key.shape[2], key.dtype if key.dtype == value.dtype else None,
+                       attention_mask, dropout, kwargs)
+
+
+def _masked(query, key, value, attention_mask, scaling, softcap=None, sinks=None):
+    """``fastverify::masked_attention`` in the layout transformers' attention functions return ([B, n, Hq, Dv]);
+    ``scaling`` None: 1 / sqrt(D)."""
+    out = _masked_attention_op()(query, key, value, attention_mask,
+                                 query.shape[-1] ** -0.5 if scaling is None else scaling, True, float(softcap or 0.0),
+                                 sinks)
+    return out.transpose(1, 2).contiguous()
+
+
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' ``sdpa`` attention, except on the CPU with a mask:
 
@@ -377,11 +392,8 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
       (tests/test_hf_attention.py).
 
     Anything else goes to transformers' own function."""
-    if masked_rows(query, key.shape[1], key.shape[2], key.dtype if key.dtype == value.dtype else None,
-                   attention_mask, dropout, kwargs):
-        out = _masked_attention_op()(query, key, value, attention_mask,
-                                     query.shape[-1] ** -0.5 if scaling is None else scaling, True)
-        return out.transpose(1, 2).contiguous(), None
+    if _masked_fits(query, key, value, attention_mask, dropout, kwargs):
+        return _masked(query, key, value, attention_mask, scaling), None
     if (_masked_cpu_call(query, key.shape[1], attention_mask, dropout, kwargs)
             and query.shape[2] > 1 and key.shape[1] != query.shape[1]):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
@@ -504,28 +516,25 @@ def _eager_rows(module, query, key, value, attention_mask, *args, **kwargs):
     Gemma 2) and sink logits (``s_aux`` or the module's ``sinks``: gpt-oss), so that a row's result is a function of
     that row alone; anything else through the file's own function, called as it was. On the first call per attention
     class and variant both run and must agree to ``EAGER_CHECK_TOLERANCE``, else the class keeps its own function."""
-    own = _own_eager(module, sys._getframe(1).f_globals)
+    caller = sys._getframe(1).f_globals  # the file whose global lookup called this (its function: the fallback)
     softcap, sinks, scaling = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("scaling")
     if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
         sinks = module.sinks
     rest = {k: v for k, v in kwargs.items() if k not in ("dropout", "scaling", "softcap", "s_aux", "sliding_window")}
-    if (not args and masked_rows(query, key.shape[1], key.shape[2], key.dtype if key.dtype == value.dtype else None,
-                                 attention_mask, kwargs.get("dropout", 0.0) if module.training else 0.0, rest)
+    if (not args and _masked_fits(query, key, value, attention_mask,
+                                  kwargs.get("dropout", 0.0) if module.training else 0.0, rest)
             and (sinks is None or (sinks.dtype == torch.float32 and tuple(sinks.shape) == (query.shape[1],)))
             and (softcap is None or softcap > 0)):
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        out = _masked_attention_op()(query, key, value, attention_mask, scale, True, float(softcap or 0.0),
-                                     None if sinks is None else sinks.detach())
-        out = out.transpose(1, 2).contiguous()
+        out = _masked(query, key, value, attention_mask, scaling, softcap, None if sinks is None else sinks.detach())
         variant = (type(module), softcap is not None, sinks is not None, scaling is None, tuple(sorted(rest)))
         agrees = _EAGER_AGREES.get(variant)
         if agrees is None:
-            want = own(module, query, key, value, attention_mask, **kwargs)[0]
+            want = _own_eager(module, caller)(module, query, key, value, attention_mask, **kwargs)[0]
             agrees = _EAGER_AGREES[variant] = (want.shape == out.shape
                                                and torch.allclose(out, want, **EAGER_CHECK_TOLERANCE))
         if agrees:
             return out, None
-    return own(module, query, key, value, attention_mask, *args, **kwargs)
+    return _own_eager(module, caller)(module, query, key, value, attention_mask, *args, **kwargs)
 
 
 def _eager_files(model) -> list:

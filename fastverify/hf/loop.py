@@ -29,8 +29,8 @@ import torch
 from fastverify.hf.attention import (cache_kwargs, crop_cache, eager_attention, forward_takes, gqa_attention,
                                      new_cache, prefill_inputs, step_inputs, upload_lists)
 from fastverify.hf.drafters import empty_tree, penalized
-from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
 from fastverify.hf.experts import skinny_experts
+from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
 from fastverify.hf.linear import MAX_ROWS, skinny_linears
 from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
