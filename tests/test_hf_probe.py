@@ -179,6 +179,20 @@ def test_check_rows_batch_finds_a_router_that_rounds_by_the_row_count():
     assert probe.check_rows(tiny("qwen3_moe"), settings) is None
 
 
+def test_check_rows_batch_of_one_finds_a_slice_that_is_contiguous_at_one_row(monkeypatch):
+    """ModernBERT's decoder applies GELU to a chunk of its MLP's output: contiguous at one row, strided at several,
+    and torch's GELU rounds the two otherwise. Without the loop's ``row_gelu`` a batch of one drafts other bits than
+    it decodes undrafted, which check_rows's batch of one finds (its batch of three, strided either way, does not);
+    with it the rows agree."""
+    import contextlib
+    from fastverify.hf.loop import DecodeSettings
+    model = tiny("modernbert-decoder")
+    settings = DecodeSettings(max_new_tokens=1, eos_token_ids=[], pad_token_id=0)
+    assert probe.check_rows(model, settings) is None
+    monkeypatch.setattr(sys.modules["fastverify.hf.loop"], "row_gelu", lambda model: contextlib.nullcontext())
+    assert "(a batch of 1)" in probe.check_rows(model, settings)
+
+
 def test_a_verdict_holds_for_the_attention_implementation_it_was_made_under(monkeypatch):
     """A model switched to another attention implementation while patched is checked again there: Llama with sdpa
     runs the loop's kernels and samples with drafts; switched to eager, run here as transformers runs it (torch's

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fastverify
-from fastverify.hf.linear import MAX_ROWS, row_aligned, skinny_available, skinny_linears
+from fastverify.hf.linear import MAX_ROWS, row_aligned, row_gelu, skinny_available, skinny_linears
 from fastverify.ops.tree import implemented_backends
 
 needs_cpp = pytest.mark.skipif("cpp" not in implemented_backends("skinny_linear"),
@@ -280,6 +280,30 @@ def test_skinny_linears_hands_out_narrow_outputs_row_aligned(N):
         assert three.shape == (2, MAX_ROWS // 2, N) and torch.equal(three.reshape(MAX_ROWS, N), outs["layer"][0])
     for wide in (torch.randn(3, 64), torch.randn(3, 48)):
         assert row_aligned(wide) is wide  # ROW_ALIGN columns or more: as it is
+
+
+def test_row_gelu_computes_a_glu_slice_as_one_row_alone():
+    """A GLU's chunk of a [rows, 2N] output is contiguous at one row and strided at several, and torch's GELU (erf)
+    rounds a strided input otherwise than a contiguous one. Within ``row_gelu`` transformers' GELUActivation and
+    torch's nn.GELU (not the tanh approximation, whose kernel computes both alike) compute each row of the slice as
+    they compute it alone; outside, the instances are as they were."""
+    from transformers.activations import GELUActivation
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([GELUActivation(), torch.nn.GELU(), torch.nn.GELU(approximate="tanh"),
+                                 GELUActivation(use_gelu_python=True)])
+    x = torch.randn(17, 2 * 64) * 3
+    before = [dict(m.__dict__) for m in model]
+
+    def rows_alone_differ(act):
+        together = act(x.chunk(2, dim=-1)[0])
+        return [i for i in range(x.shape[0]) if not torch.equal(together[i:i + 1], act(x[i:i + 1].chunk(2, -1)[0]))]
+
+    assert rows_alone_differ(model[0]) and rows_alone_differ(model[1])  # torch's own: strided rounds otherwise
+    with row_gelu(model) as rebound:
+        assert rebound == 2
+        for act in model:
+            assert rows_alone_differ(act) == []
+    assert [dict(m.__dict__) for m in model] == before
 
 
 # ---------------------------------------------------------------------------------------------------------------

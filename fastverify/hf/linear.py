@@ -30,7 +30,7 @@ from fastverify.ops.linear import PackedWeight, pack_blocks
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_linears", "skinny_available", "streamable", "takes_skinny", "packed_weight", "packed_group",
-           "pack_model", "row_aligned", "MAX_ROWS", "ROW_ALIGN"]
+           "pack_model", "row_aligned", "row_gelu", "MAX_ROWS", "ROW_ALIGN"]
 
 # SmolLM2-135M's linear layers (30 layers + the LM head, fp32, 2 threads, 2-core AMD EPYC (Zen 5) VM), skinny
 # vs torch's GEMM: 2.4x faster at M = 1, 2.4x at 17, 2.4x at 33, 2.0x at 128, 1.7x at 256 (benchmarks/RESULTS.md,
@@ -57,6 +57,34 @@ def row_aligned(out: torch.Tensor) -> torch.Tensor:
     if n >= ROW_ALIGN or out.numel() == 0:
         return out
     return out.new_empty(out.shape[:-1] + (ROW_ALIGN,))[..., :n].copy_(out)
+
+
+def _gelu(x, approximate: str = "none"):
+    return F.gelu(x.contiguous(), approximate=approximate)
+
+
+@contextlib.contextmanager
+def row_gelu(model):
+    """For the block, the model's GELU (erf) modules (transformers' ``GELUActivation``, torch's ``nn.GELU``) compute
+    a strided input as a contiguous copy. torch's GELU computes a contiguous tensor in vectors and a strided one on
+    another path that rounds otherwise, and a one-row slice of a wider output (a GLU's ``chunk``: ModernBERT's
+    decoder) is contiguous where a slice of several rows is not: so a row's activations would depend on whether rows
+    stand beside it. Yields the number of modules rebound; the instances' own attributes are restored on exit."""
+    from transformers.activations import GELUActivation
+    acts = [m for m in model.modules() if type(m) is GELUActivation and m.act is F.gelu]
+    mods = [m for m in model.modules() if type(m) is torch.nn.GELU and m.approximate == "none"
+            and "forward" not in m.__dict__]
+    for m in acts:
+        m.act = _gelu
+    for m in mods:
+        m.forward = _gelu
+    try:
+        yield len(acts) + len(mods)
+    finally:
+        for m in acts:
+            m.act = F.gelu
+        for m in mods:
+            m.__dict__.pop("forward", None)
 
 
 def skinny_available() -> bool:

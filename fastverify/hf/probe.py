@@ -37,10 +37,13 @@ __all__ = ["check_key", "check_model", "check_rows", "ProbeDrafter", "TOLERANCE"
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 PROMPTS = (9, 6)  # the probe batch's prompt lengths (left padded)
 NEW_TOKENS = 7  # steps of 3, 1 and 3 tokens (``ProbeDrafter``)
-# check_rows's batch: a third request and more steps, so that more of the forwards' rows take both of the vector
+# check_rows's batches: three requests and more steps, so that more of the forwards' rows take both of the vector
 # and scalar paths of torch's elementwise kernels where a layer's rounding depends on them (a tiny Laguna's router
-# passes (9, 6) and 7 tokens and fails this batch)
-ROW_PROMPTS, ROW_NEW_TOKENS = (9, 6, 4), 12
+# passes (9, 6) and 7 tokens and fails this batch); and one request alone, whose undrafted forwards have one row: a
+# one-row slice of a wider output is contiguous where several rows are strided, and torch's GELU (erf) computes a
+# strided input on another path (ModernBERT's decoder chunks its MLP's output before it), which only such a batch
+# compares with the drafted forwards' rows
+ROW_BATCHES, ROW_NEW_TOKENS = ((9, 6, 4), (7,)), 12
 # the settings of the call that the probe decodes with too: how the loop computes, and the model's own limits
 _KEPT = ("backend", "skinny_linear", "pack_weights", "lean_layers", "live_rows", "max_positions", "window")
 
@@ -167,27 +170,29 @@ def check_model(model, original_generate, settings: DecodeSettings):
 
 def check_rows(model, settings: DecodeSettings):
     """Whether the loop's forwards on ``model`` are row-invariant, as seeded sampling with drafts needs (a sampled
-    row's logits the bits of undrafted decoding's, so that each draw is the seeded stream's): decode the probe batch
-    through the loop without drafts, then with ``ProbeDrafter``'s trees on those tokens, and compare every new
-    token's logits bit for bit. None when they are the same, else the reason. Rows round differently beside draft
-    rows where a layer's arithmetic depends on the number of rows: attention a modeling file computes itself with
-    torch's matmul over the query rows (XGLM, Falcon), experts layers of a model's own (DBRX, JetMoE, Llama 4), on a
-    GPU any of torch's GEMMs (README: "Exactness")."""
+    row's logits the bits of undrafted decoding's, so that each draw is the seeded stream's): decode each of
+    ``ROW_BATCHES`` through the loop without drafts, then with ``ProbeDrafter``'s trees on those tokens, and compare
+    every new token's logits bit for bit. None when they are the same, else the reason. Rows round differently beside
+    draft rows where a layer's arithmetic depends on the number of rows: attention a modeling file computes itself
+    with torch's matmul over the query rows (XGLM, Falcon), experts layers of a model's own (DBRX, JetMoE, Llama 4),
+    an elementwise kernel whose path depends on a slice's layout (GELU; the loop's ``row_gelu`` makes transformers'
+    and torch's GELU modules agree), on a GPU any of torch's GEMMs (README: "Exactness")."""
     device = model.get_input_embeddings().weight.device
-    ids, mask = _probe_batch(model, device, ROW_PROMPTS)
     probe = _probe_settings(settings, ROW_NEW_TOKENS)
-    plain, drafted = {}, {}
-    try:
-        with torch.no_grad():
-            out, _ = decode(model, ids, mask, Drafter(), probe, record=plain)
-            tokens = out[:, ids.shape[1]:].tolist()
-            decode(model, ids, mask, ProbeDrafter(tokens, list(ROW_PROMPTS), model_vocab_size(model)), probe,
-                   record=drafted)
-    except Exception as e:  # noqa: BLE001 - a forward that refuses the loop's inputs
-        return f"the loop raised {type(e).__name__}: {str(e)[:120]}"
-    for t, (a, b) in enumerate(zip(plain["logits"], drafted["logits"])):
-        if not torch.equal(a, b):
-            err = float((a.float() - b.float()).abs().max())
-            return (f"with draft rows beside them, the logits of new token {t} differ from undrafted decoding's by "
-                    f"up to {err:.3g}")
+    for prompts in ROW_BATCHES:
+        ids, mask = _probe_batch(model, device, prompts)
+        plain, drafted = {}, {}
+        try:
+            with torch.no_grad():
+                out, _ = decode(model, ids, mask, Drafter(), probe, record=plain)
+                tokens = out[:, ids.shape[1]:].tolist()
+                decode(model, ids, mask, ProbeDrafter(tokens, list(prompts), model_vocab_size(model)), probe,
+                       record=drafted)
+        except Exception as e:  # noqa: BLE001 - a forward that refuses the loop's inputs
+            return f"the loop raised {type(e).__name__}: {str(e)[:120]}"
+        for t, (a, b) in enumerate(zip(plain["logits"], drafted["logits"])):
+            if not torch.equal(a, b):
+                err = float((a.float() - b.float()).abs().max())
+                return (f"with draft rows beside them, the logits of new token {t} (a batch of {len(prompts)}) "
+                        f"differ from undrafted decoding's by up to {err:.3g}")
     return None
