@@ -284,25 +284,33 @@ def test_skinny_linears_hands_out_narrow_outputs_row_aligned(N):
 
 def test_row_gelu_computes_a_glu_slice_as_one_row_alone():
     """A GLU's chunk of a [rows, 2N] output is contiguous at one row and strided at several, and torch's GELU (erf)
-    rounds a strided input otherwise than a contiguous one. Within ``row_gelu`` transformers' GELUActivation and
-    torch's nn.GELU (not the tanh approximation, whose kernel computes both alike) compute each row of the slice as
-    they compute it alone; outside, the instances are as they were."""
+    rounds a strided input otherwise than a contiguous one (so does a narrow output handed out ``row_aligned``).
+    Within ``row_gelu`` transformers' GELUActivation and torch's nn.GELU (not the tanh approximation, whose kernel
+    computes both alike) compute each row as they compute it alone, at any width; outside, the instances are as they
+    were."""
     from transformers.activations import GELUActivation
     torch.manual_seed(0)
     model = torch.nn.ModuleList([GELUActivation(), torch.nn.GELU(), torch.nn.GELU(approximate="tanh"),
                                  GELUActivation(use_gelu_python=True)])
-    x = torch.randn(17, 2 * 64) * 3
     before = [dict(m.__dict__) for m in model]
 
-    def rows_alone_differ(act):
-        together = act(x.chunk(2, dim=-1)[0])
-        return [i for i in range(x.shape[0]) if not torch.equal(together[i:i + 1], act(x[i:i + 1].chunk(2, -1)[0]))]
+    def rows_alone_differ(act, x, glu):
+        half = (lambda t: t.chunk(2, dim=-1)[0]) if glu else (lambda t: t)
+        together = act(half(x))
+        return [i for i in range(x.shape[0]) if not torch.equal(together[i:i + 1], act(half(x[i:i + 1])))]
 
-    assert rows_alone_differ(model[0]) and rows_alone_differ(model[1])  # torch's own: strided rounds otherwise
+    glu, odd, narrow = torch.randn(17, 2 * 64) * 3, torch.randn(17, 48) * 3, torch.randn(17, 5) * 3
+    assert rows_alone_differ(model[0], glu, True) and rows_alone_differ(model[1], glu, True)  # strided rounds otherwise
+    aligned = row_aligned(narrow)  # a narrow output as the rerouted layers hand it out: strided at several rows
+    assert rows_alone_differ(model[0], aligned, False)
     with row_gelu(model) as rebound:
         assert rebound == 2
         for act in model:
-            assert rows_alone_differ(act) == []
+            assert rows_alone_differ(act, glu, True) == []
+        for act in model[:2]:
+            for x in (odd, narrow, aligned, glu.view(17, 2, 64)):
+                assert rows_alone_differ(act, x, False) == []
+                assert torch.equal(act(x), F.gelu(x.contiguous()))
     assert [dict(m.__dict__) for m in model] == before
 
 

@@ -45,7 +45,8 @@ MAX_ROWS = 128
 # shared-expert gate) which of a row's elements take the scalar path depends on how many rows there are. Rows ROW_ALIGN
 # floats apart are run one row at a time instead, every row the same way. Wider outputs stay contiguous: their rows
 # are mostly whole vectors, and some kernels (GELU) compute a contiguous tensor in vectors, tail included, but a
-# strided one otherwise, so there the wider buffer would cost a one-row call its agreement.
+# strided one otherwise, so there the wider buffer would cost a one-row call its agreement (``row_gelu`` hands GELU
+# modules a contiguous copy of a strided input; a modeling file's own F.gelu call does not get one).
 ROW_ALIGN = 32
 
 
@@ -66,10 +67,11 @@ def _gelu(x, approximate: str = "none"):
 @contextlib.contextmanager
 def row_gelu(model):
     """For the block, the model's GELU (erf) modules (transformers' ``GELUActivation``, torch's ``nn.GELU``) compute
-    a strided input as a contiguous copy. torch's GELU computes a contiguous tensor in vectors and a strided one on
-    another path that rounds otherwise, and a one-row slice of a wider output (a GLU's ``chunk``: ModernBERT's
-    decoder) is contiguous where a slice of several rows is not: so a row's activations would depend on whether rows
-    stand beside it. Yields the number of modules rebound; the instances' own attributes are restored on exit."""
+    a strided input as a contiguous copy. torch's GELU computes a contiguous tensor in vectors (its tail too, unlike
+    sigmoid's: any width is row-invariant) and a strided one on another path that rounds otherwise, and a one-row
+    slice of a wider output (a GLU's ``chunk``: ModernBERT's decoder; a ``row_aligned`` output) is contiguous where a
+    slice of several rows is not: so a row's activations would depend on whether rows stand beside it. Yields the
+    number of modules rebound; the instances' own attributes are restored on exit."""
     from transformers.activations import GELUActivation
     acts = [m for m in model.modules() if type(m) is GELUActivation and m.act is F.gelu]
     mods = [m for m in model.modules() if type(m) is torch.nn.GELU and m.approximate == "none"
