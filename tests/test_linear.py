@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import fastverify
-from fastverify.hf.linear import MAX_ROWS, row_aligned, row_gelu, skinny_available, skinny_linears
+from fastverify.hf.linear import (MAX_ROWS, modules, row_aligned, row_gelu, skinny_available, skinny_linears,
+                                  walked)
 from fastverify.ops.tree import implemented_backends
 
 needs_cpp = pytest.mark.skipif("cpp" not in implemented_backends("skinny_linear"),
@@ -312,6 +313,26 @@ def test_row_gelu_computes_a_glu_slice_as_one_row_alone():
                 assert rows_alone_differ(act, x, False) == []
                 assert torch.equal(act(x), F.gelu(x.contiguous()))
     assert [dict(m.__dict__) for m in model] == before
+
+
+def test_modules_walks_as_model_modules_and_walked_keeps_one_walk():
+    """``modules(model)`` is ``list(model.modules())``: the same modules in the same order, a module held twice
+    (tied) once. Within ``walked(model)`` it is the one list made on entering, for that model only; after the block
+    a module added since is seen."""
+    shared = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(shared, torch.nn.ReLU(), None), shared)
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert modules(model) == list(model.modules()) and len(modules(model)) == 5
+    with walked(model):
+        first = modules(model)
+        assert modules(model) is first and modules(other) == list(other.modules())
+        with walked(other):
+            assert modules(other) is modules(other)  # the inner block's walk
+            assert modules(model) is not first and modules(model) == first  # not its block: walked afresh
+        assert modules(model) is first
+        model.append(torch.nn.Tanh())
+        assert modules(model) is first  # not walked again within the block
+    assert modules(model) == list(model.modules()) and len(modules(model)) == 6
 
 
 # ---------------------------------------------------------------------------------------------------------------

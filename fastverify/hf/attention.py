@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastverify.hf.linear import MAX_ROWS
+from fastverify.hf.linear import MAX_ROWS, config_of, modules
 from fastverify.ops.tree import tree_mask
 
 __all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length", "cache_kwargs",
@@ -433,8 +433,8 @@ def gqa_attention(model):
     configs = []
     if next(model.parameters()).device.type == "cpu" and _register_gqa_attention():
         seen = set()
-        for m in model.modules():
-            cfg = getattr(m, "config", None)
+        for m in modules(model):
+            cfg = config_of(m)
             if cfg is not None and id(cfg) not in seen:
                 seen.add(id(cfg))
                 if getattr(cfg, "_attn_implementation", None) == "sdpa":
@@ -540,10 +540,10 @@ def _eager_rows(module, query, key, value, attention_mask, *args, **kwargs):
 def _eager_files(model) -> list:
     """The modeling files of ``model``'s modules that define ``eager_attention_forward``, where a config of the model
     runs eager attention."""
-    if not any(getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager" for m in model.modules()):
+    if not any(getattr(config_of(m), "_attn_implementation", None) == "eager" for m in modules(model)):
         return []
     files = []
-    for m in model.modules():
+    for m in modules(model):
         mod = sys.modules.get(type(m).__module__)
         if mod is not None and mod not in files and callable(_original(mod, "eager_attention_forward")):
             files.append(mod)

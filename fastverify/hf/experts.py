@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.hf.attention import module_globals, switched
-from fastverify.hf.linear import MAX_ROWS, row_aligned, skinny_available, streamable, takes_skinny
+from fastverify.hf.linear import (MAX_ROWS, config_of, modules, row_aligned, skinny_available, streamable,
+                                  takes_skinny)
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_experts", "skinny_experts_forward", "EXPERTS_IMPLEMENTATION"]
@@ -122,7 +123,7 @@ def _router_files(model, name: str, module, proxy) -> list:
     """The modeling modules of ``model``'s router classes (a class name ending in "Router") whose global ``name`` is
     ``module`` (``F``: torch.nn.functional; ``nn``: torch.nn) or already its ``proxy``."""
     files = []
-    for m in model.modules():
+    for m in modules(model):
         mod = sys.modules.get(type(m).__module__)
         if (type(m).__name__.lower().endswith("router") and mod is not None and mod not in files
                 and getattr(mod, name, None) in (module, proxy)):
@@ -144,8 +145,8 @@ def _register() -> bool:
 def _experts_configs(model) -> list:
     """The configs that a CPU model's experts modules dispatch by (each once)."""
     configs, seen = [], set()
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
+    for m in modules(model):
+        cfg = config_of(m)
         if (cfg is not None and id(cfg) not in seen and hasattr(m, "has_gate") and hasattr(m, "is_transposed")
                 and getattr(cfg, "_experts_implementation", None) is not None):
             seen.add(id(cfg))

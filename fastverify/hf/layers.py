@@ -56,7 +56,7 @@ import torch
 
 from fastverify import _ext
 from fastverify.hf.attention import _buffered_layer_class, _gqa_sdpa, masked_rows
-from fastverify.hf.linear import MAX_ROWS, packed_group, packed_weight, skinny_available, takes_skinny
+from fastverify.hf.linear import MAX_ROWS, modules, packed_group, packed_weight, skinny_available, takes_skinny
 
 __all__ = ["lean_layers", "projection_groups", "LiveRows", "scatter_rows"]
 
@@ -122,7 +122,7 @@ def _structure(layer) -> bool:
 def projection_groups(model):
     """The projections that ``_forward`` computes together, per eligible layer: [q, k, v] and [gate, up]."""
     out = []
-    for layer in model.modules():
+    for layer in modules(model):
         if _structure(layer):
             a, m = layer.self_attn, layer.mlp
             out += [[a.q_proj, a.k_proj, a.v_proj], [m.gate_proj, m.up_proj]]
@@ -524,7 +524,7 @@ def _decoder_layers(model, lean):
     to ``config.num_hidden_layers``), if every one of them is lean; else []."""
     if not lean:
         return []
-    for module in model.modules():
+    for module in modules(model):
         if isinstance(module, torch.nn.ModuleList) and len(module) and module[0] is lean[0]:
             layers = list(module)[:getattr(getattr(lean[0].self_attn, "config", None), "num_hidden_layers", None)]
             return layers if len(layers) == len(lean) and all(a is b for a, b in zip(layers, lean)) else []
@@ -555,7 +555,7 @@ def lean_layers(model, pack: bool = True, max_rows: int = MAX_ROWS, live: LiveRo
     ``LiveRows`` whose index, while set, limits the layers' row-wise work to those rows."""
     from torch.nn.modules import module as nn_module
     global_hooks = nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks  # they see every call
-    layers = [] if global_hooks else [m for m in model.modules() if _structure(m)]
+    layers = [] if global_hooks else [m for m in modules(model) if _structure(m)]
     rotary, done = _Rotary(), []
     try:
         for layer in layers:

@@ -20,6 +20,7 @@ kept while the layer lives, made again when its weight changes (another tensor, 
 """
 
 import contextlib
+import threading
 import types
 import weakref
 
@@ -30,13 +31,53 @@ from fastverify.ops.linear import PackedWeight, pack_blocks
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_linears", "skinny_available", "streamable", "takes_skinny", "packed_weight", "packed_group",
-           "pack_model", "row_aligned", "row_gelu", "MAX_ROWS", "ROW_ALIGN"]
+           "pack_model", "row_aligned", "row_gelu", "modules", "walked", "config_of", "MAX_ROWS", "ROW_ALIGN"]
 
 # SmolLM2-135M's linear layers (30 layers + the LM head, fp32, 2 threads, 2-core AMD EPYC (Zen 5) VM), skinny
 # vs torch's GEMM: 2.4x faster at M = 1, 2.4x at 17, 2.4x at 33, 2.0x at 128, 1.7x at 256 (benchmarks/RESULTS.md,
 # "skinny_linear against F.linear"). A batch of requests' trees (4 x (1 + 16) rows and more) stays on the kernel;
 # prefills of long prompts go to torch, as in plain generate. (With the AVX2-only kernel the crossover was ~33.)
 MAX_ROWS = 128
+
+
+_WALKED = threading.local()  # .walk: (model, its modules) while this thread is inside ``walked(model)``
+
+
+def _walk(module, out: list, seen: set) -> list:
+    seen.add(id(module))
+    out.append(module)
+    for child in module._modules.values():
+        if child is not None and id(child) not in seen:
+            _walk(child, out, seen)
+    return out
+
+
+def modules(model) -> list:
+    """``list(model.modules())`` (the same modules in the same order); inside ``walked(model)`` the list made on
+    entering it."""
+    walk = getattr(_WALKED, "walk", None)
+    if walk is not None and walk[0] is model:
+        return walk[1]
+    return _walk(model, [], set())
+
+
+def config_of(module):
+    """The module's own ``config`` attribute, or None: read from its ``__dict__``, where transformers' modules keep
+    it (``getattr`` goes through nn.Module's ``__getattr__``, which raises and catches for every module without one)."""
+    return module.__dict__.get("config")
+
+
+@contextlib.contextmanager
+def walked(model):
+    """For the block, ``modules(model)`` on this thread is the list of the model's modules made on entering it: the
+    loop's contexts each look through the model's modules as they enter (~400 for SmolLM2-135M, each walk ~0.2 ms
+    through ``model.modules()``), and none adds or removes one. Enter it after anything that does."""
+    saved = getattr(_WALKED, "walk", None)
+    _WALKED.walk = (model, _walk(model, [], set()))
+    try:
+        yield
+    finally:
+        _WALKED.walk = saved
 
 
 # torch's CPU elementwise kernels (sigmoid, exp, tanh, SiLU) run a contiguous tensor's elements in vectors of twice
@@ -73,8 +114,8 @@ def row_gelu(model):
     slice of several rows is not: so a row's activations would depend on whether rows stand beside it. Yields the
     number of modules rebound; the instances' own attributes are restored on exit."""
     from transformers.activations import GELUActivation
-    acts = [m for m in model.modules() if type(m) is GELUActivation and m.act is F.gelu]
-    mods = [m for m in model.modules() if type(m) is torch.nn.GELU and m.approximate == "none"
+    acts = [m for m in modules(model) if type(m) is GELUActivation and m.act is F.gelu]
+    mods = [m for m in modules(model) if type(m) is torch.nn.GELU and m.approximate == "none"
             and "forward" not in m.__dict__]
     for m in acts:
         m.act = _gelu
@@ -150,30 +191,30 @@ def packed_weight(module):
 _GROUPS = weakref.WeakKeyDictionary()  # first nn.Linear of a group -> (the members' keys, PackedWeight or None)
 
 
-def packed_group(modules):
+def packed_group(layers):
     """One block-packed weight for layers that read the same input (a layer's q / k / v projections, its gate /
     up projections): their weights stacked along the outputs, so that one ``skinny_linear_packed`` call computes
     them all (each output column is computed as it is alone: the same result bit for bit). None unless every layer
     is eligible (as for ``skinny_linears``) and the stack packs exactly at one bit width. Each member's own packed
     weight (``packed_weight``) then becomes its rows of the stack (a view: no second copy). Made once per weight
     version of the members."""
-    modules = list(modules)
-    keys = tuple(_key(m) for m in modules)
-    hit = _GROUPS.get(modules[0])
+    layers = list(layers)
+    keys = tuple(_key(m) for m in layers)
+    hit = _GROUPS.get(layers[0])
     if hit is not None and hit[0] == keys:
         return hit[1]
     packed = None
-    if (len(modules) > 1 and all(_eligible(m) for m in modules)
-            and len({m.in_features for m in modules}) == 1):
+    if (len(layers) > 1 and all(_eligible(m) for m in layers)
+            and len({m.in_features for m in layers}) == 1):
         with torch.no_grad():
-            packed = pack_blocks(torch.cat([m.weight.detach() for m in modules]))
+            packed = pack_blocks(torch.cat([m.weight.detach() for m in layers]))
     if packed is not None:
         start = 0
-        for m, key in zip(modules, keys):
+        for m, key in zip(layers, keys):
             rows = slice(start, start + m.out_features)
             _PACKED[m] = (key, PackedWeight(packed.q[rows], packed.d[rows], packed.m[rows], packed.bits))
             start = rows.stop
-    _GROUPS[modules[0]] = (keys, packed)
+    _GROUPS[layers[0]] = (keys, packed)
     return packed
 
 
@@ -192,7 +233,7 @@ def pack_model(model) -> int:
     if not skinny_available():
         return 0
     _pack_groups(model)
-    return sum(packed_weight(m) is not None for m in model.modules() if _eligible(m))
+    return sum(packed_weight(m) is not None for m in modules(model) if _eligible(m))
 
 
 @contextlib.contextmanager
@@ -200,9 +241,9 @@ def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
     """Context manager; yields the number of layers rerouted (0 when the kernel is not built): ``nn.Linear`` layers
     and transformers' ``Conv1D`` ones. ``pack``: linear layers whose weight packs exactly (``packed_weight``) stream
     the packed copy."""
-    mods = [m for m in model.modules() if _eligible(m)] if skinny_available() else []
+    mods = [m for m in modules(model) if _eligible(m)] if skinny_available() else []
     conv1d = _conv1d_type() if skinny_available() and "cpp" in implemented_backends("skinny_linear_t") else None
-    convs = [m for m in model.modules() if _eligible_t(m, conv1d)] if conv1d is not None else []
+    convs = [m for m in modules(model) if _eligible_t(m, conv1d)] if conv1d is not None else []
     op = torch.ops.fastverify.skinny_linear if mods else None
     op_packed = torch.ops.fastverify.skinny_linear_packed if mods and pack else None
     if op_packed is not None:

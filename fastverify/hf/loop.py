@@ -31,7 +31,7 @@ from fastverify.hf.attention import (cache_kwargs, crop_cache, eager_attention, 
 from fastverify.hf.drafters import empty_tree, penalized
 from fastverify.hf.experts import skinny_experts
 from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
-from fastverify.hf.linear import MAX_ROWS, row_gelu, skinny_linears
+from fastverify.hf.linear import MAX_ROWS, row_gelu, skinny_linears, walked
 from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
 from fastverify.tree import Tree
@@ -1213,7 +1213,7 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
     layers = (lean_layers(model, pack=settings.skinny_linear and settings.pack_weights, live=live)
               if settings.lean_layers else contextlib.nullcontext())
     gelu = row_gelu(model) if input_ids.device.type == "cpu" else contextlib.nullcontext()
-    with installed, gqa_attention(model), eager_attention(model), linears, experts, layers, gelu:
+    with installed, walked(model), gqa_attention(model), eager_attention(model), linears, experts, layers, gelu:
         head = _LiveHead(model, live) if live is not None else None
         dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer, live=live)
         try:
