@@ -291,6 +291,49 @@ def test_the_stack_under_a_sliding_window(family, window_layers):
     assert_greedy_exact(model, fastverify.NGramDrafter(), ids, max_new_tokens=16)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_stack_under_eager_attention(family, monkeypatch):
+    """A model loaded with eager attention: its file's eager function agrees with masked_attention (checked once per
+    attention class, fastverify.hf.attention.eager_agrees), so every decoding step's layers run as one stack, the
+    tokens and every step's logits those of the layers' own calls bit for bit, greedy output generate's. A file
+    whose eager function computes something else (here: its output scaled) keeps the layers' own calls, and its
+    function."""
+    import sys
+    from conftest import assert_greedy_exact, logits_equal, patched_generate, repetitive
+    from fastverify.hf import attention as hf_attention
+
+    if hf_layers._stack_op is None or not skinny_available():
+        pytest.skip("fastverify._C without the decoder layer ops or the skinny kernels")
+    monkeypatch.setattr(hf_attention, "_EAGER_AGREES", {})
+    model = tiny(family, quantised=True, seed=19)
+    model.set_attn_implementation("eager")
+    ids = torch.tensor([repetitive(30, 96, seed=20), repetitive(30, 96, seed=21)])
+    kw = dict(max_new_tokens=16, return_dict_in_generate=True, output_logits=True)
+
+    def run():
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with prof:
+            got, stats = patched_generate(model, fastverify.NGramDrafter(), ids, **kw)
+        stack_op = hf_layers._stack_op
+        hf_layers._stack_op = None  # every layer its own calls
+        try:
+            want, _ = patched_generate(model, fastverify.NGramDrafter(), ids, **kw)
+        finally:
+            hf_layers._stack_op = stack_op
+        assert torch.equal(got.sequences, want.sequences) and logits_equal(got.logits, want.logits)
+        assert_greedy_exact(model, fastverify.NGramDrafter(), ids, max_new_tokens=16)
+        return {e.key: e.count for e in prof.key_averages()}.get("fastverify::decoder_stack", 0), stats
+
+    stacks, stats = run()
+    assert stacks == stats.steps - 1 > 0 and stats.drafted_tokens > 0
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    own = modeling.eager_attention_forward
+    monkeypatch.setattr(hf_attention, "_EAGER_AGREES", {})
+    monkeypatch.setattr(modeling, "eager_attention_forward", lambda *a, **k: (own(*a, **k)[0] * 1.5, None))
+    stacks, stats = run()
+    assert stacks == 0 and stats.drafted_tokens > 0
+
+
 def test_a_layer_called_out_of_the_stacks_order_raises():
     """After the stack ran a forward's layers, a later layer is handed the stack's result in order; anything else
     (a model forward that changes the hidden state between layers) is an error, never a layer run twice."""

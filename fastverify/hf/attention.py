@@ -537,6 +537,25 @@ def _eager_rows(module, query, key, value, attention_mask, *args, **kwargs):
     return _own_eager(module, caller)(module, query, key, value, attention_mask, *args, **kwargs)
 
 
+def eager_agrees(module, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether ``module``'s class, while its file runs ``_eager_rows``, computes its plain attention (no soft cap, no
+    sinks) with ``masked_attention``: every such variant checked so far agreed with the file's own function. With
+    none checked yet, one is checked here on random float32 rows (three query rows over seven keys, a causal
+    mask), as the class's first call would be; the fallback is the class's own file's function."""
+    def plain(variant):
+        return variant[0] is type(module) and not variant[1] and not variant[2]
+
+    if not any(plain(v) for v in list(_EAGER_AGREES)) and _masked_attention_op() is not None:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, heads, 3, head_dim, generator=g)
+        k, v = (torch.randn(1, kv_heads, 7, head_dim, generator=g) for _ in range(2))
+        mask = torch.zeros(1, 1, 3, 7).masked_fill_(torch.ones(3, 7, dtype=torch.bool).triu_(5), float("-inf"))
+        with torch.no_grad():
+            _eager_rows(module, q, k, v, mask, dropout=0.0, scaling=getattr(module, "scaling", None))
+    verdicts = [agrees for v, agrees in list(_EAGER_AGREES.items()) if plain(v)]
+    return bool(verdicts) and all(verdicts)
+
+
 def _eager_files(model) -> list:
     """The modeling files of ``model``'s modules that define ``eager_attention_forward``, where a config of the model
     runs eager attention."""

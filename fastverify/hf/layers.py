@@ -55,7 +55,7 @@ import types
 import torch
 
 from fastverify import _ext
-from fastverify.hf.attention import _buffered_layer_class, _gqa_sdpa, masked_rows
+from fastverify.hf.attention import _buffered_layer_class, _eager_rows, _gqa_sdpa, eager_agrees, masked_rows
 from fastverify.hf.linear import MAX_ROWS, modules, packed_group, packed_weight, skinny_available, takes_skinny
 
 __all__ = ["lean_layers", "projection_groups", "LiveRows", "scatter_rows"]
@@ -240,8 +240,10 @@ class _Plan:
         self.inter = m.gate_proj.out_features
         self.extra = _LAYERS[type(layer).__name__](a)
         self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(a.config._attn_implementation, _eager(a))
-        # the cache's append and the attention in one call where the attention is the loop's fastverify_sdpa
-        self.append_attention = _append_op if self.attention is _gqa_sdpa else None
+        # the cache's append and the attention in one call where the attention is masked_attention's: the loop's
+        # fastverify_sdpa, or its eager stand-in where that agrees with the file's own eager function
+        self.append_attention = _append_op if (self.attention is _gqa_sdpa or (
+            self.attention is _eager_rows and eager_agrees(a, self.nq, self.nk, self.head_dim))) else None
         self.max_rows = max_rows
         # the pre-attention ops' last arguments: Qwen3's q / k norms (weights and eps), or none
         self.head_args = tuple(x for w, eps in self.head_norms for x in (w, eps)) if self.head_norms else ()
@@ -356,9 +358,10 @@ def scatter_rows(rows, index, total):
 
 def _attend(plan, q, k, v, cache, attention_mask, kwargs):
     """The layer's attention of q [B, n_q, S, D] over the cache with k / v [B, n_kv, S, D] appended; [B, S, n_q, D].
-    Where the attention is the loop's ``_gqa_sdpa`` taking ``masked_attention`` and the layer of the cache is the
-    loop's buffered one with room for k / v, both in one ``append_attention`` call (csrc/attention.cpp): the same
-    rows written, the same op on the same keys, values and mask, without the views and copies made from Python."""
+    Where the attention is the loop's ``_gqa_sdpa`` (or ``_eager_rows``, where that agrees with the file's own eager
+    function) taking ``masked_attention`` and the layer of the cache is the loop's buffered one with room for k / v,
+    both in one ``append_attention`` call (csrc/attention.cpp): the same rows written, the same op on the same keys,
+    values and mask, without the views and copies made from Python."""
     a = plan.attn
     if plan.append_attention is not None and cache is not None and not a.training:
         layers = getattr(cache, "layers", None)
