@@ -120,6 +120,17 @@ def test_dense_types_draft_without_changing_a_bit(model_type):
                                     pad_token_id=PAD, max_new_tokens=12, do_sample=False)
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "minicpm3"])
+def test_latent_attention_drafts_without_changing_a_bit_past_the_kernels_rows(model_type):
+    """Latent attention expands every cached latent at every step (``kv_b_proj`` over B x the sequence's rows): at
+    batch 3 and 30 new tokens that passes the skinny kernels' 128 rows, where it stays on the kernel
+    (fastverify.hf.linear.skinny_linears), so drafted decoding still returns the undrafted logits bit for bit."""
+    model = _sdpa_or_eager(model_type)
+    ids, mask = _prompts(3)
+    assert_drafts_change_no_bit(model, DraftModelDrafter(model, k=4, tree_topk=3), ids, attention_mask=mask,
+                                pad_token_id=PAD, max_new_tokens=30, do_sample=False)
+
+
 def _sdpa_or_eager(model_type, **config):
     """``tiny`` under sdpa attention, or eager where transformers has no sdpa path for the type."""
     try:

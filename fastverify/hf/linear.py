@@ -249,9 +249,14 @@ def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
     if op_packed is not None:
         _pack_groups(model)
     packs = {m: packed_weight(m) for m in mods} if op_packed is not None else {}
+    # latent attention's up-projection (``kv_b_proj``: DeepSeek V2 / V3, MiniCPM3 and their kin) expands every cached
+    # latent at every step, B x the sequence's length rows, past max_rows once a sequence is long enough; it stays on
+    # the kernel at any row count (within ~8% of torch's GEMM at 2,048 rows of DeepSeek-V2-Lite's shape), so that a
+    # position's keys and values are the same bits whatever the rows beside them
+    unbounded = {c for m in modules(model) for c in [m._modules.get("kv_b_proj")] if c is not None}
 
     def forward(self, x):
-        if takes_skinny(x, self.weight, max_rows):
+        if takes_skinny(x, self.weight, x.numel() if self in unbounded else max_rows):
             p = packs.get(self)
             if p is not None:
                 return row_aligned(op_packed(x, p.q, p.d, p.m, p.bits, self.bias))
