@@ -2,8 +2,9 @@
 
 Within ``skinny_linears(model)``, every ``torch.nn.Linear`` of the model (the exact class, so quantised or
 otherwise specialised subclasses are left alone) whose weight is a contiguous float32 CPU tensor (streamed in
-place by the kernel) computes inputs of at most ``max_rows`` rows with the skinny kernel; larger inputs (the
-prefill), other dtypes, devices and anything that needs gradients go to ``F.linear`` as before. The forward is
+place by the kernel) computes inputs of at most ``max_rows`` rows with the skinny kernel (latent attention's
+``kv_b_proj``, which expands the whole cache at every step: any number); larger inputs (the prefill), other dtypes,
+devices and anything that needs gradients go to ``F.linear`` as before. The forward is
 rebound on the instance and the instance attribute removed on exit, so the model is left exactly as it was. Modules
 whose forward is already rebound on the instance (accelerate hooks) are skipped. transformers' ``Conv1D`` layers
 (GPT-2's: ``x @ weight + bias`` with the weight stored [K, N]) are rerouted likewise, to ``skinny_linear_t``, which
