@@ -262,25 +262,16 @@ def test_patched_generate_runs_the_layers_as_one_stack(family):
     assert torch.equal(hooked, out)
 
 
-@pytest.mark.parametrize("family, window_layers", [("mistral", 0), ("qwen2", 0), ("qwen3", 0), ("qwen2", 1)])
-def test_the_stack_under_a_sliding_window(family, window_layers):
-    """A window of 6 under 30-token prompts and 16 new tokens: where every layer slides over the same window (one
-    mask, the loop's, holding it), every decoding step's layers run as one stack; where only some do (Qwen2's
-    second layer: a mask per layer type), the layers keep their own calls. Either way tokens and every step's
-    logits are those of the layers' own calls, bit for bit, and greedy output is generate's."""
-    from conftest import assert_greedy_exact, logits_equal, patched_generate, repetitive
+def stacks_against_own_calls(model, ids, max_new_tokens=16):
+    """Patched greedy generate with the n-gram drafter, as the loop runs it and with every layer's own calls (no
+    decoder stack): the same tokens and every step's logits bit for bit, and generate's output. Returns the first
+    call's decoder_stack calls and its stats."""
+    from conftest import assert_greedy_exact, logits_equal, patched_generate
 
-    if hf_layers._stack_op is None or not skinny_available():
-        pytest.skip("fastverify._C without the decoder layer ops or the skinny kernels")
-    model = tiny(family, quantised=True, seed=15, window=6, window_layers=window_layers)
-    ids = torch.tensor([repetitive(30, 96, seed=16), repetitive(30, 96, seed=17)])
-    kw = dict(max_new_tokens=16, return_dict_in_generate=True, output_logits=True)
+    kw = dict(max_new_tokens=max_new_tokens, return_dict_in_generate=True, output_logits=True)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     with prof:
         got, stats = patched_generate(model, fastverify.NGramDrafter(), ids, **kw)
-    counts = {e.key: e.count for e in prof.key_averages()}
-    assert counts.get("fastverify::decoder_stack", 0) == (stats.steps - 1 if window_layers == 0 else 0)
-    assert stats.steps > 2 and stats.drafted_tokens > 0
     stack_op = hf_layers._stack_op
     hf_layers._stack_op = None  # every layer its own calls
     try:
@@ -288,7 +279,25 @@ def test_the_stack_under_a_sliding_window(family, window_layers):
     finally:
         hf_layers._stack_op = stack_op
     assert torch.equal(got.sequences, want.sequences) and logits_equal(got.logits, want.logits)
-    assert_greedy_exact(model, fastverify.NGramDrafter(), ids, max_new_tokens=16)
+    assert_greedy_exact(model, fastverify.NGramDrafter(), ids, max_new_tokens=max_new_tokens)
+    return {e.key: e.count for e in prof.key_averages()}.get("fastverify::decoder_stack", 0), stats
+
+
+@pytest.mark.parametrize("family, window_layers", [("mistral", 0), ("qwen2", 0), ("qwen3", 0), ("qwen2", 1)])
+def test_the_stack_under_a_sliding_window(family, window_layers):
+    """A window of 6 under 30-token prompts and 16 new tokens: where every layer slides over the same window (one
+    mask, the loop's, holding it), every decoding step's layers run as one stack; where only some do (Qwen2's
+    second layer: a mask per layer type), the layers keep their own calls. Either way tokens and every step's
+    logits are those of the layers' own calls, bit for bit, and greedy output is generate's."""
+    from conftest import repetitive
+
+    if hf_layers._stack_op is None or not skinny_available():
+        pytest.skip("fastverify._C without the decoder layer ops or the skinny kernels")
+    model = tiny(family, quantised=True, seed=15, window=6, window_layers=window_layers)
+    ids = torch.tensor([repetitive(30, 96, seed=16), repetitive(30, 96, seed=17)])
+    stacks, stats = stacks_against_own_calls(model, ids)
+    assert stacks == (stats.steps - 1 if window_layers == 0 else 0)
+    assert stats.steps > 2 and stats.drafted_tokens > 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -299,7 +308,7 @@ def test_the_stack_under_eager_attention(family, monkeypatch):
     whose eager function computes something else (here: its output scaled) keeps the layers' own calls, and its
     function."""
     import sys
-    from conftest import assert_greedy_exact, logits_equal, patched_generate, repetitive
+    from conftest import repetitive
     from fastverify.hf import attention as hf_attention
 
     if hf_layers._stack_op is None or not skinny_available():
@@ -308,29 +317,13 @@ def test_the_stack_under_eager_attention(family, monkeypatch):
     model = tiny(family, quantised=True, seed=19)
     model.set_attn_implementation("eager")
     ids = torch.tensor([repetitive(30, 96, seed=20), repetitive(30, 96, seed=21)])
-    kw = dict(max_new_tokens=16, return_dict_in_generate=True, output_logits=True)
-
-    def run():
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        with prof:
-            got, stats = patched_generate(model, fastverify.NGramDrafter(), ids, **kw)
-        stack_op = hf_layers._stack_op
-        hf_layers._stack_op = None  # every layer its own calls
-        try:
-            want, _ = patched_generate(model, fastverify.NGramDrafter(), ids, **kw)
-        finally:
-            hf_layers._stack_op = stack_op
-        assert torch.equal(got.sequences, want.sequences) and logits_equal(got.logits, want.logits)
-        assert_greedy_exact(model, fastverify.NGramDrafter(), ids, max_new_tokens=16)
-        return {e.key: e.count for e in prof.key_averages()}.get("fastverify::decoder_stack", 0), stats
-
-    stacks, stats = run()
+    stacks, stats = stacks_against_own_calls(model, ids)
     assert stacks == stats.steps - 1 > 0 and stats.drafted_tokens > 0
     modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
     own = modeling.eager_attention_forward
     monkeypatch.setattr(hf_attention, "_EAGER_AGREES", {})
     monkeypatch.setattr(modeling, "eager_attention_forward", lambda *a, **k: (own(*a, **k)[0] * 1.5, None))
-    stacks, stats = run()
+    stacks, stats = stacks_against_own_calls(model, ids)
     assert stacks == 0 and stats.drafted_tokens > 0
 
 
