@@ -255,6 +255,29 @@ def test_skinny_linears_reroutes_few_rows_and_restores_the_model():
     assert model[0].weight.grad is not None
 
 
+@needs_cpp
+def test_skinny_linears_reroutes_falcon_linear_and_no_other_subclass():
+    """transformers' FalconLinear (x @ W.T, then + bias) is rerouted as nn.Linear is: the kernel's bits, F.linear's
+    value to float32 rounding; another nn.Linear subclass keeps its own forward."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    class Other(torch.nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([FalconLinear(64, 48), FalconLinear(64, 48, bias=False), Other(64, 48)])
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = [m(x) for m in model]
+        with skinny_linears(model) as rerouted:
+            assert rerouted == 2 and "forward" not in model[2].__dict__
+            got = [m(x) for m in model]
+    for m, a, b in zip(model[:2], got, want):
+        assert torch.equal(a, torch.ops.fastverify.skinny_linear(x, m.weight, m.bias))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[2], want[2]) and all("forward" not in m.__dict__ for m in model)
+
+
 @pytest.mark.parametrize("N", [5, 1, 31])
 def test_skinny_linears_hands_out_narrow_outputs_row_aligned(N):
     """torch's elementwise kernels take a contiguous tensor's last numel mod 32 elements through their scalar

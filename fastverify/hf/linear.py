@@ -1,15 +1,16 @@
 """Route a model's few-row linear layers through ``fastverify.skinny_linear`` while the loop runs.
 
-Within ``skinny_linears(model)``, every ``torch.nn.Linear`` of the model (the exact class, so quantised or
-otherwise specialised subclasses are left alone) whose weight is a contiguous float32 CPU tensor (streamed in
-place by the kernel) computes inputs of at most ``max_rows`` rows with the skinny kernel (latent attention's
-``kv_b_proj``, which expands the whole cache at every step: any number); larger inputs (the prefill), other dtypes,
-devices and anything that needs gradients go to ``F.linear`` as before. The forward is
-rebound on the instance and the instance attribute removed on exit, so the model is left exactly as it was. Modules
-whose forward is already rebound on the instance (accelerate hooks) are skipped. transformers' ``Conv1D`` layers
-(GPT-2's: ``x @ weight + bias`` with the weight stored [K, N]) are rerouted likewise, to ``skinny_linear_t``, which
-reads that weight in place; so every linear layer of a GPT-2 computes a row's result from that row alone, as the
-skinny kernels do (torch's GEMM does not: there a row rounds differently beside other rows).
+Within ``skinny_linears(model)``, every ``torch.nn.Linear`` of the model (the exact class, and transformers'
+``FalconLinear``, the same product with its bias added after it; quantised or otherwise specialised subclasses are
+left alone) whose weight is a contiguous float32 CPU tensor (streamed in place by the kernel) computes inputs of at
+most ``max_rows`` rows with the skinny kernel (latent attention's ``kv_b_proj``, which expands the whole cache at
+every step: any number); larger inputs (the prefill), other dtypes, devices and anything that needs gradients go to
+``F.linear`` as before. The forward is rebound on the instance and the instance attribute removed on exit, so the
+model is left exactly as it was. Modules whose forward is already rebound on the instance (accelerate hooks) are
+skipped. transformers' ``Conv1D`` layers (GPT-2's: ``x @ weight + bias`` with the weight stored [K, N]) are rerouted
+likewise, to ``skinny_linear_t``, which reads that weight in place; so every linear layer of a GPT-2 computes a
+row's result from that row alone, as the skinny kernels do (torch's GEMM does not: there a row rounds differently
+beside other rows).
 
 With ``pack`` (the default), a layer whose float32 weight is exactly 4- or 8-bit block-quantised values (a model
 dequantised from a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors, as fastverify.models.load_smollm2 loads SmolLM2) runs
@@ -142,9 +143,14 @@ def streamable(weight, bias=None) -> bool:
             and weight.is_contiguous() and (bias is None or bias.dtype == torch.float32))
 
 
+# nn.Linear subclasses whose forward is the same product, the bias added after it: rerouted as nn.Linear is
+_PLAIN_SUBCLASSES = (("transformers.models.falcon.modeling_falcon", "FalconLinear"),)
+
+
 def _eligible(module) -> bool:
-    return (type(module) is torch.nn.Linear and "forward" not in module.__dict__
-            and streamable(module.weight, module.bias))
+    cls = type(module)
+    return ((cls is torch.nn.Linear or (cls.__module__, cls.__qualname__) in _PLAIN_SUBCLASSES)
+            and "forward" not in module.__dict__ and streamable(module.weight, module.bias))
 
 
 def _conv1d_type():
