@@ -503,8 +503,9 @@ def _own_eager(module, caller_globals):
                        f"({type(module).__module__}) or its caller's ({caller_globals.get('__name__')})")
 
 
-# (attention module class, the variant's inputs) -> whether masked_attention computes what the class's own eager
-# function does (checked on the first call: a modeling file's eager attention may hold more than the arguments show)
+# (attention module class, soft cap given, sinks given, scaling None, the other keyword names) -> whether
+# masked_attention computes what the class's own eager function does (checked on the first call: a modeling file's
+# eager attention may hold more than the arguments show; ``eager_agrees`` reads the first three)
 _EAGER_AGREES = {}
 EAGER_CHECK_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 
