@@ -9,7 +9,8 @@
 #   build  pip install -e . with the CUDA kernels (16 jobs; 46-80 s on the H100 machine). A later step that finds
 #          no CUDA kernels (a fresh machine) builds first.
 #   test   every cuda / triton case of the op tests, FASTVERIFY_SLOW_TESTS=1 -> test.log (TEST_WORKERS xdist
-#          workers, default 8; TEST_SECONDS=N stops the run after N s and still reports what ran, per file)
+#          workers, default 8; TEST_SECONDS=N stops the run after N s and still reports what ran, per file;
+#          TEST_FILES replaces the list of test files)
 #   bench  benchmarks/bench_gpu.py (with quick: --quick; BENCH_ONLY=verify,sampling,.. for --only) -> bench.log,
 #          bench.json, bench.md (a RESULTS.md section with the GPU's name and the date)
 #   e2e    SmolLM2-135M-Instruct on the GPU, greedy, batch 1: fastverify.patch(model) against plain generate and
@@ -188,9 +189,10 @@ $PY -c "import fastverify; print('backends(cuda):', fastverify.backends('cuda'))
 if has test; then
   start=$(date +%s)
   # xdist hands cases out roughly in this order, so under TEST_SECONDS the files last in it are the ones cut
-  files=(tests/test_sync_free.py tests/test_hf_layers.py tests/test_sampling.py tests/test_verify.py tests/test_cache.py
-         tests/test_verify_speculative_stats.py tests/test_cuda_build.py tests/test_masks.py tests/test_tree.py
-         tests/test_tree_attention.py tests/test_triton_smoke.py)
+  # shellcheck disable=SC2206  # TEST_FILES is a word list
+  files=(${TEST_FILES:-tests/test_sync_free.py tests/test_hf_layers.py tests/test_sampling.py tests/test_verify.py
+         tests/test_cache.py tests/test_verify_speculative_stats.py tests/test_cuda_build.py tests/test_masks.py
+         tests/test_tree.py tests/test_tree_attention.py tests/test_triton_smoke.py})
   if [ -n "$DRY" ]; then  # collect only: the file list and the imports, no test runs on this machine
     $PY -m pytest -q -p no:cacheprovider --collect-only -k "cuda or triton" "${files[@]}" >"$OUT/test.log" 2>&1
     echo "tests (dry, collected only): rc=$?"; tail -1 "$OUT/test.log"
