@@ -18,6 +18,8 @@
 //   compact_cache(k [B, H, S, D], v [B, H, S, D], prefix_len int32 [B], draft_start int, accepted int32
 //       [B, max_depth], accept_len int32 [B]) -> (): in place, moves slot draft_start + accepted[b, i] to
 //       slot prefix_len[b] + i for i < accept_len[b].
+//   compact_cache_layers(k [L] of [B, H_l, S, D_l], v [L] of the same, prefix_len, draft_start, accepted, accept_len)
+//       -> (): compact_cache on each layer's (k[l], v[l]), the arguments checked once (one call for a whole cache).
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(fastverify, m) {
@@ -28,5 +30,7 @@ TORCH_LIBRARY_FRAGMENT(fastverify, m) {
   m.def("tree_positions(Tensor parents, Tensor cu_nodes, Tensor prefix_len) -> Tensor");
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor packed_mask, Tensor prefix_len, float scale) -> Tensor");
   m.def("compact_cache(Tensor(a!) k, Tensor(b!) v, Tensor prefix_len, int draft_start, Tensor accepted, "
+        "Tensor accept_len) -> ()");
+  m.def("compact_cache_layers(Tensor(a!)[] k, Tensor(b!)[] v, Tensor prefix_len, int draft_start, Tensor accepted, "
         "Tensor accept_len) -> ()");
 }

@@ -235,3 +235,84 @@ def test_opcheck(backend):
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     else:
         torch.library.opcheck(torch.ops.fastverify.compact_cache, args)
+
+
+LAYER_BACKENDS = [b for b in BACKENDS if b.values[0] != "triton"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", LAYER_BACKENDS)
+def test_layers_in_one_call(backend, dtype, monkeypatch):
+    """A list of layers (each its own head count and head dim) against the slot-by-slot copy, and on the cpp / cuda
+    kernels in one compact_cache_layers call; two sequence lengths make two groups, one call each."""
+    from fastverify.ops import cache as cache_mod
+
+    dev = device_of(backend)
+    rng = random.Random(1)
+    B, P, n = 3, 9, 7
+    prefix_len = torch.tensor([9, 2, 5], dtype=torch.int32)
+    accepted, accept_len = random_accepts(B, n, 5, rng)
+    shapes = [(2, 8), (1, 16), (3, 4), (2, 8)]
+    layers, expected = [], []
+    for i, (H, D) in enumerate(shapes):
+        S = P + n + (1 if i < 3 else 5)  # the last layer has more slots: a group of its own
+        k, v = torch.randn(B, H, S, D).to(dtype), torch.randn(B, H + 1, S, D + 2).to(dtype)
+        expected.append((python_compact(k, prefix_len, P, accepted, accept_len),
+                         python_compact(v, prefix_len, P, accepted, accept_len)))
+        layers.append((k.to(dev), v.to(dev)))
+    calls = []
+    real = cache_mod.dispatch.call
+    monkeypatch.setattr(cache_mod.dispatch, "call", lambda op, *a: calls.append(op) or real(op, *a))
+    compact_cache(layers, prefix_len.to(dev), P, accepted.to(dev), accept_len.to(dev), backend=backend)
+    for (k, v), (ek, ev) in zip(layers, expected):
+        assert torch.equal(k.cpu(), ek) and torch.equal(v.cpu(), ev)
+    assert calls == ["compact_cache_layers", "compact_cache"]  # 3 layers of one S in one call; the fourth alone
+
+
+@pytest.mark.parametrize("backend", [b for b in LAYER_BACKENDS if b.values[0] != "torch"])
+def test_layers_op_checks_itself(backend):
+    dev = device_of(backend)
+    op = torch.ops.fastverify.compact_cache_layers
+    k = [torch.randn(2, 1, 10, 4, device=dev) for _ in range(3)]
+    pl, acc = torch.tensor([3, 3], dtype=torch.int32, device=dev), torch.zeros(2, 2, dtype=torch.int32, device=dev)
+    alen = torch.ones(2, dtype=torch.int32, device=dev)
+    with pytest.raises(RuntimeError, match="as many value tensors as key tensors"):
+        op(k, k[:2], pl, 5, acc, alen)
+    with pytest.raises(RuntimeError, match="slots"):
+        op(k, k[:2] + [torch.randn(2, 1, 12, 4, device=dev)], pl, 5, acc, alen)
+    op([], [], pl, 5, acc, alen)  # no layers: nothing to move
+
+
+@pytest.mark.parametrize("backend", [b for b in LAYER_BACKENDS if b.values[0] != "torch"])
+def test_layers_opcheck(backend):
+    dev = device_of(backend)
+    ks = [torch.randn(3, 2, 16, 8, device=dev) for _ in range(2)]
+    vs = [torch.randn(3, 1, 16, 4, device=dev) for _ in range(2)]
+    args = (ks, vs, torch.tensor([4, 2, 6], dtype=torch.int32, device=dev), 6,
+            torch.tensor([[0, 3, 4], [1, -1, -1], [2, 5, -1]], dtype=torch.int32, device=dev),
+            torch.tensor([3, 1, 2], dtype=torch.int32, device=dev))
+    torch.library.opcheck(torch.ops.fastverify.compact_cache_layers, args)
+
+
+def test_buffered_cache_pairs():
+    """The loop's cache: compact_cache on the buffered layers' buffers (cache_pairs), then cropped, leaves what it
+    leaves a plain DynamicCache with the same contents."""
+    transformers = pytest.importorskip("transformers")
+    from fastverify.hf.attention import cache_pairs, crop_cache, new_cache
+
+    B, H, P, n, D = 2, 2, 5, 6, 4
+    buffered, plain = new_cache(), transformers.DynamicCache()
+    for layer in range(3):
+        k, v = torch.randn(B, H, P + n, D), torch.randn(B, H, P + n, D)
+        buffered.update(k.clone(), v.clone(), layer)
+        plain.update(k.clone(), v.clone(), layer)
+    pairs = cache_pairs(buffered)
+    assert len(pairs) == 3 and all(kb.shape[2] > P + n for kb, _ in pairs)  # the buffers, not views of the length
+    prefix_len = torch.tensor([5, 3], dtype=torch.int32)
+    accepted = torch.tensor([[0, 2, 5], [1, -1, -1]], dtype=torch.int32)
+    accept_len = torch.tensor([3, 1], dtype=torch.int32)
+    compact_cache(pairs, prefix_len, P, accepted, accept_len, validate=False)
+    crop_cache(buffered, 8)
+    compact_cache(plain, prefix_len, P, accepted, accept_len)
+    for a, b in zip(buffered.layers, plain.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

@@ -23,6 +23,7 @@ OPS = (
     "tree_mask_packed",
     "tree_positions",
     "compact_cache",
+    "compact_cache_layers",
 )
 # Ops with a CPU kernel and no CUDA one: on CUDA tensors tree_attention runs on Triton (the Triton kernel is its GPU
 # kernel); masked_attention and skinny_linear are the CPU loop's (SDPA and cuBLAS serve a GPU).

@@ -245,26 +245,20 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   return out;
 }
 
-void compact_cache_cpu(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_len, int64_t draft_start,
-                       const at::Tensor& accepted, const at::Tensor& accept_len) {
-  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "k, v: expected CPU tensors");
-  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k, v: expected [B, H, S, D] tensors, got ", k.sizes(), " and ",
-              v.sizes());
-  const int64_t B = k.size(0), S = k.size(2);
-  TORCH_CHECK(v.size(0) == B && v.size(2) == S, "v: expected batch ", B, " and ", S, " slots like k, got ",
-              v.sizes());
-  check_cpu_int32(accepted, "accepted", 2);
-  check_cpu_int32(accept_len, "accept_len", 1);
-  TORCH_CHECK(accepted.size(0) == B, "accepted: expected [B = ", B, ", max_depth], got ", accepted.sizes());
-  TORCH_CHECK(accept_len.numel() == B, "accept_len: expected ", B, " entries, got ", accept_len.numel());
+// compact_cache's arguments checked against B requests of S slots; returns the source slot of each move
+// (request b's i-th at [b * max_depth + i]), so that the planes below only copy.
+std::vector<int64_t> compact_sources(const at::Tensor& prefix_len, int64_t draft_start, const at::Tensor& acc,
+                                     const at::Tensor& alen, int64_t B, int64_t S) {
+  check_cpu_int32(acc, "accepted", 2);
+  check_cpu_int32(alen, "accept_len", 1);
+  TORCH_CHECK(acc.size(0) == B, "accepted: expected [B = ", B, ", max_depth], got ", acc.sizes());
+  TORCH_CHECK(alen.numel() == B, "accept_len: expected ", B, " entries, got ", alen.numel());
   check_prefix(prefix_len, B, S);
   TORCH_CHECK(draft_start >= 0, "draft_start: expected >= 0, got ", draft_start);
-  const auto acc = accepted.contiguous(), alen = accept_len.contiguous();
   const int64_t depth = acc.size(1);
   const int32_t* ap = acc.data_ptr<int32_t>();
   const int32_t* lp = alen.data_ptr<int32_t>();
   const int32_t* pl = prefix_len.data_ptr<int32_t>();
-  // Source slots per request, checked once here so the planes below only copy.
   std::vector<int64_t> src(std::max<int64_t>(1, B * depth));
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= depth, "accept_len: entry ", b, " = ", lp[b], " not in [0, ", depth, "]");
@@ -277,19 +271,59 @@ void compact_cache_cpu(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_le
       src[b * depth + i] = draft_start + a;
     }
   }
-  for (at::Tensor* t : {&k, &v}) {
-    const int64_t H = t->size(1), D = t->size(3), es = t->element_size();
-    if (t->numel() == 0) continue;
-    char* base = static_cast<char*>(t->data_ptr());
-    const int64_t sb = t->stride(0) * es, sh = t->stride(1) * es, ss = t->stride(2) * es, sd = t->stride(3) * es;
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, depth * D * es));
-    at::parallel_for(0, B * H, grain, [&](int64_t lo, int64_t hi) {
-      std::vector<char> buf(std::max<int64_t>(1, depth * D * es));
-      for (int64_t p = lo; p < hi; ++p) {
-        const int64_t b = p / H, h = p % H;
-        compact_plane(base + b * sb + h * sh, ss, sd, D, es, src.data() + b * depth, lp[b], pl[b], buf.data());
-      }
-    });
+  return src;
+}
+
+// The moves of compact_sources in one tensor [B, H, S, D]: parallel over (request, head), inline when small.
+void compact_tensor(at::Tensor& t, const std::vector<int64_t>& src, const int32_t* lp, const int32_t* pl,
+                    int64_t depth) {
+  const int64_t B = t.size(0), H = t.size(1), D = t.size(3), es = t.element_size();
+  if (t.numel() == 0) return;
+  char* base = static_cast<char*>(t.data_ptr());
+  const int64_t sb = t.stride(0) * es, sh = t.stride(1) * es, ss = t.stride(2) * es, sd = t.stride(3) * es;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, depth * D * es));
+  at::parallel_for(0, B * H, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<char> buf(std::max<int64_t>(1, depth * D * es));
+    for (int64_t p = lo; p < hi; ++p) {
+      const int64_t b = p / H, h = p % H;
+      compact_plane(base + b * sb + h * sh, ss, sd, D, es, src.data() + b * depth, lp[b], pl[b], buf.data());
+    }
+  });
+}
+
+void check_cache_pair(const at::Tensor& k, const at::Tensor& v, int64_t B, int64_t S, const char* where,
+                      int64_t layer) {
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), where, ": expected CPU tensors (layer ", layer, ")");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, where, ": expected [B, H, S, D] tensors, got ", k.sizes(), " and ",
+              v.sizes(), " (layer ", layer, ")");
+  TORCH_CHECK(k.size(0) == B && k.size(2) == S && v.size(0) == B && v.size(2) == S, where, ": expected batch ", B,
+              " and ", S, " slots, got ", k.sizes(), " and ", v.sizes(), " (layer ", layer, ")");
+}
+
+void compact_cache_cpu(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_len, int64_t draft_start,
+                       const at::Tensor& accepted, const at::Tensor& accept_len) {
+  TORCH_CHECK(k.dim() == 4, "k: expected a [B, H, S, D] tensor, got ", k.sizes());
+  check_cache_pair(k, v, k.size(0), k.size(2), "k, v", 0);
+  const auto acc = accepted.contiguous(), alen = accept_len.contiguous();
+  const auto src = compact_sources(prefix_len, draft_start, acc, alen, k.size(0), k.size(2));
+  for (at::Tensor* t : {&k, &v})
+    compact_tensor(*t, src, alen.data_ptr<int32_t>(), prefix_len.data_ptr<int32_t>(), acc.size(1));
+}
+
+// compact_cache over every layer of a cache in one call: the arguments checked once, each layer's k and v moved.
+void compact_cache_layers_cpu(at::TensorList k, at::TensorList v, const at::Tensor& prefix_len, int64_t draft_start,
+                              const at::Tensor& accepted, const at::Tensor& accept_len) {
+  TORCH_CHECK(k.size() == v.size(), "k, v: expected as many value tensors as key tensors, got ", k.size(), " and ",
+              v.size());
+  if (k.empty()) return;
+  TORCH_CHECK(k[0].dim() == 4, "k[0]: expected a [B, H, S, D] tensor, got ", k[0].sizes());
+  const int64_t B = k[0].size(0), S = k[0].size(2);
+  for (size_t i = 0; i < k.size(); ++i) check_cache_pair(k[i], v[i], B, S, "k, v", static_cast<int64_t>(i));
+  const auto acc = accepted.contiguous(), alen = accept_len.contiguous();
+  const auto src = compact_sources(prefix_len, draft_start, acc, alen, B, S);
+  for (size_t i = 0; i < k.size(); ++i) {
+    for (at::Tensor t : {k[i], v[i]})
+      compact_tensor(t, src, alen.data_ptr<int32_t>(), prefix_len.data_ptr<int32_t>(), acc.size(1));
   }
 }
 
@@ -302,4 +336,5 @@ TORCH_LIBRARY_IMPL(fastverify, CPU, m) {
   m.impl("tree_positions", &tree_positions_cpu);
   m.impl("tree_attention", &tree_attention_cpu);
   m.impl("compact_cache", &compact_cache_cpu);
+  m.impl("compact_cache_layers", &compact_cache_layers_cpu);
 }

@@ -296,21 +296,16 @@ void compact_one(const at::Tensor& cache, const at::Tensor& prefix_len, int64_t 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void compact_cache_cuda(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_len, int64_t draft_start,
+// compact_cache's index arguments checked against k (their devices, dtypes and shapes; the slots themselves are
+// checked by the Python layer, and a move outside [0, S) is skipped by the kernel).
+void check_compact_args(const at::Tensor& k, const at::Tensor& prefix_len, int64_t draft_start,
                         const at::Tensor& accepted, const at::Tensor& accept_len) {
-  check_cuda(k, "k");
-  check_cuda(v, "v");
   check_cuda(prefix_len, "prefix_len");
   check_cuda(accepted, "accepted");
   check_cuda(accept_len, "accept_len");
-  check_same_device(v, k, "v", "k");
   check_same_device(prefix_len, k, "prefix_len", "k");
   check_same_device(accepted, k, "accepted", "k");
   check_same_device(accept_len, k, "accept_len", "k");
-  check_dim(k, 4, "k");
-  check_dim(v, 4, "v");
-  TORCH_CHECK(v.size(0) == k.size(0) && v.size(2) == k.size(2), "v: expected the batch and sequence sizes of k ",
-              k.sizes(), ", got ", v.sizes());
   const int64_t B = k.size(0);
   check_dtype(prefix_len, at::kInt, "prefix_len");
   check_dtype(accepted, at::kInt, "accepted");
@@ -323,12 +318,55 @@ void compact_cache_cuda(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_l
               accept_len.sizes());
   TORCH_CHECK(draft_start >= 0 && draft_start <= k.size(2), "draft_start: expected 0 <= draft_start <= S = ",
               k.size(2), ", got ", draft_start);
+}
+
+// One layer's k and v: CUDA tensors of k's batch and slots on k's device.
+void check_cache_pair(const at::Tensor& k0, const at::Tensor& k, const at::Tensor& v) {
+  check_cuda(k, "k");
+  check_cuda(v, "v");
+  check_same_device(k, k0, "k", "k[0]");
+  check_same_device(v, k0, "v", "k[0]");
+  check_dim(k, 4, "k");
+  check_dim(v, 4, "v");
+  TORCH_CHECK(k.size(0) == k0.size(0) && k.size(2) == k0.size(2) && v.size(0) == k0.size(0) &&
+                  v.size(2) == k0.size(2),
+              "k, v: expected batch ", k0.size(0), " and ", k0.size(2), " slots, got ", k.sizes(), " and ",
+              v.sizes());
+}
+
+void compact_cache_cuda(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_len, int64_t draft_start,
+                        const at::Tensor& accepted, const at::Tensor& accept_len) {
+  check_cuda(k, "k");
+  check_dim(k, 4, "k");
+  check_cache_pair(k, k, v);
+  check_compact_args(k, prefix_len, draft_start, accepted, accept_len);
   const c10::cuda::CUDAGuard guard(k.device());
   auto pre = prefix_len.contiguous();
   auto acc = accepted.contiguous();
   auto len = accept_len.contiguous();
   compact_one(k, pre, draft_start, acc, len);
   compact_one(v, pre, draft_start, acc, len);
+}
+
+// compact_cache over every layer of a cache in one call: the arguments checked once, two launches per layer from
+// here (no Python between them).
+void compact_cache_layers_cuda(at::TensorList k, at::TensorList v, const at::Tensor& prefix_len, int64_t draft_start,
+                               const at::Tensor& accepted, const at::Tensor& accept_len) {
+  TORCH_CHECK(k.size() == v.size(), "k, v: expected as many value tensors as key tensors, got ", k.size(), " and ",
+              v.size());
+  if (k.empty()) return;
+  check_cuda(k[0], "k[0]");
+  check_dim(k[0], 4, "k[0]");
+  for (size_t i = 0; i < k.size(); ++i) check_cache_pair(k[0], k[i], v[i]);
+  check_compact_args(k[0], prefix_len, draft_start, accepted, accept_len);
+  const c10::cuda::CUDAGuard guard(k[0].device());
+  auto pre = prefix_len.contiguous();
+  auto acc = accepted.contiguous();
+  auto len = accept_len.contiguous();
+  for (size_t i = 0; i < k.size(); ++i) {
+    compact_one(k[i], pre, draft_start, acc, len);
+    compact_one(v[i], pre, draft_start, acc, len);
+  }
 }
 
 }  // namespace
@@ -339,6 +377,7 @@ TORCH_LIBRARY_IMPL(fastverify, CUDA, m) {
   m.impl("tree_mask_additive", &tree_mask_additive_cuda);
   m.impl("tree_positions", &tree_positions_cuda);
   m.impl("compact_cache", &compact_cache_cuda);
+  m.impl("compact_cache_layers", &compact_cache_layers_cuda);
 }
 
 }  // namespace cuda

@@ -220,6 +220,23 @@ def cache_length(cache) -> int:
     return 0
 
 
+def cache_pairs(cache) -> list:
+    """Every initialised layer's (keys, values) of a DynamicCache, as ``compact_cache`` takes a cache's layers: a
+    buffered layer's buffers (``_buffered_layer_class``; no view made, and their slots past the layer's length are
+    never moved into), another layer's tensors."""
+    pairs = []
+    for layer in _layers(cache):
+        bufs = getattr(layer, "buffers", None)
+        bufs = bufs() if bufs is not None else None
+        if bufs is None:
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.numel()):
+                continue  # not initialised
+            bufs = keys, values
+        pairs.append(bufs)
+    return pairs
+
+
 def crop_cache(cache, length: int) -> None:
     """Keep the first ``length`` slots of every layer of a DynamicCache, in place.
 
@@ -279,6 +296,13 @@ def _buffered_layer_class():
                 self._vout, self._vlen = None, t.shape[-2]
             else:
                 self._vout, self._vbuf = t, None
+
+        def buffers(self):
+            """(keys buffer, values buffer), [B, H, capacity, D] each, when the layer's tensors are their prefixes
+            (what ``compact_cache`` may move slots in without a view made), else None."""
+            if self._kbuf is None or self._vbuf is None or self._kout is not None or self._vout is not None:
+                return None
+            return self._kbuf, self._vbuf
 
         def crop_to(self, length: int) -> bool:
             """Keep the first ``length`` rows, if the layer's tensors are its buffers' prefixes (True), else

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastverify.hf.attention import (cache_kwargs, crop_cache, eager_attention, forward_takes, gqa_attention,
-                                     new_cache, prefill_inputs, step_inputs, upload_lists)
+from fastverify.hf.attention import (cache_kwargs, cache_pairs, crop_cache, eager_attention, forward_takes,
+                                     gqa_attention, new_cache, prefill_inputs, step_inputs, upload_lists)
 from fastverify.hf.drafters import empty_tree, penalized
 from fastverify.hf.experts import skinny_experts
 from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
@@ -795,7 +795,10 @@ class Decoder:
             # with the kept counts and the cache lengths, in one copy to the device
             acc = [[0] + [max(a, -1) + 1 for a in accepted[b]] for b in range(B)]
             lens_t, acc_t, keep_t = upload_lists([cache_len, acc, keep], torch.int32, self.device)
-            compact_cache(self.cache, lens_t, S, acc_t.view(B, -1), keep_t, backend=s.backend)
+            # the layers' buffers in one call, unchecked: the loop made these arguments itself (the kernels still
+            # bound every move by the slots), and the crop below sets the lengths from the host's own figures
+            compact_cache(cache_pairs(self.cache), lens_t, S, acc_t.view(B, -1), keep_t, backend=s.backend,
+                          validate=False)
         self.cache_len = [c + k for c, k in zip(cache_len, keep)]
         crop_cache(self.cache, max(self.cache_len))
         self._sync()

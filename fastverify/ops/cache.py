@@ -2,7 +2,9 @@
 
 Backends: torch (fastverify/reference/tree.py: index_select then index_copy), cpp (csrc/cpu/tree.cpp, parallel
 over (request, head), gathering the accepted rows into a buffer before writing them back), triton
-(fastverify.kernels.tree.compact_cache when it exists), cuda (csrc/cuda/tree.cu).
+(fastverify.kernels.tree.compact_cache when it exists), cuda (csrc/cuda/tree.cu). A cache of several layers goes
+to the cpp / cuda kernels in one call (``compact_cache_layers``: the arguments checked once, then every layer's
+moves), not one call per layer: ~11 us of Python and dispatch per layer, 0.34 ms for SmolLM2's 30 layers.
 """
 
 import torch
@@ -59,19 +61,36 @@ def _normalise(B, S, device, prefix_len, draft_start, accepted, accept_len, vali
     return plen, draft_start, acc, alen
 
 
-def _compact_pair(k, v, prefix_len, draft_start, accepted, accept_len, backend, validate, where="", seen=None):
-    """seen: a dict shared by the layers of one cache, so that arguments are normalised (and validated) once per
-    (B, S, device) instead of once per layer."""
-    _check_pair(k, v, where)
+def _arguments(k, prefix_len, draft_start, accepted, accept_len, validate, seen):
+    """The normalised (and, with validate, checked) arguments for k's (B, S, device), kept in the dict ``seen``, which
+    the layers of one cache share: normalised once per (B, S, device), not once per layer."""
     key = (k.shape[0], k.shape[2], k.device)
-    args = None if seen is None else seen.get(key)
-    if args is None:
-        args = _normalise(*key, prefix_len, draft_start, accepted, accept_len, validate)
-        if seen is not None:
-            seen[key] = args
-    plen, ds, acc, alen = args
-    dispatch.call("compact_cache", backend, k.device, k, v, plen, ds, acc, alen)
-    return plen, alen
+    if key not in seen:
+        seen[key] = _normalise(*key, prefix_len, draft_start, accepted, accept_len, validate)
+    return seen[key]
+
+
+def _compact_layers(pairs, prefix_len, draft_start, accepted, accept_len, backend, validate, names):
+    """Every (k, v) pair of ``pairs`` (named ``names`` in errors) compacted; the pairs of one (B, S, device) in one
+    ``compact_cache_layers`` call where their backend implements it (the cpp and cuda kernels: one call in place
+    of one per layer), else pair by pair. Returns the normalised (prefix_len, accept_len) of the first pair."""
+    seen, groups = {}, {}
+    for (k, v), where in zip(pairs, names):
+        _check_pair(k, v, where)
+        _arguments(k, prefix_len, draft_start, accepted, accept_len, validate, seen)
+        groups.setdefault((k.shape[0], k.shape[2], k.device), []).append((k, v))
+    for key, group in groups.items():
+        plen, ds, acc, alen = seen[key]
+        device = key[2]
+        name = dispatch.resolve("compact_cache", backend, device)
+        if len(group) > 1 and name in dispatch.implemented_backends("compact_cache_layers"):
+            dispatch.call("compact_cache_layers", name, device, [k for k, _ in group], [v for _, v in group],
+                          plen, ds, acc, alen)
+        else:
+            for k, v in group:
+                dispatch.call("compact_cache", backend, device, k, v, plen, ds, acc, alen)
+    first = next(iter(seen.values()), None)
+    return (first[0], first[3]) if first is not None else (None, None)
 
 
 def compact_cache(cache, prefix_len, draft_start, accepted, accept_len, backend: str = "auto", validate: bool = True):
@@ -92,37 +111,43 @@ def compact_cache(cache, prefix_len, draft_start, accepted, accept_len, backend:
     Returns the cache.
     """
     if isinstance(cache, tuple) and len(cache) == 2 and all(isinstance(t, torch.Tensor) for t in cache):
-        _compact_pair(cache[0], cache[1], prefix_len, draft_start, accepted, accept_len, backend, validate)
+        _compact_layers([cache], prefix_len, draft_start, accepted, accept_len, backend, validate, [""])
         return cache
-    seen = {}
     if isinstance(cache, (list, tuple)):
         for i, pair in enumerate(cache):
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
                 raise TypeError(f"cache[{i}]: expected a (k, v) pair of tensors")
-            _compact_pair(pair[0], pair[1], prefix_len, draft_start, accepted, accept_len, backend, validate,
-                          f"[{i}]", seen)
+        _compact_layers(cache, prefix_len, draft_start, accepted, accept_len, backend, validate,
+                        [f"[{i}]" for i in range(len(cache))])
         return cache
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise TypeError(f"cache: expected a transformers DynamicCache or a (k, v) pair of tensors, got "
                         f"{type(cache).__name__}")
-    new_len = None
+    live, names = [], []
     for i, layer in enumerate(layers):
         if getattr(layer, "is_sliding", False):
             raise ValueError(f"cache.layers[{i}]: sliding-window layers are not supported by compact_cache")
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if keys is None or values is None or not isinstance(keys, torch.Tensor) or keys.numel() == 0:
             continue  # not initialised (e.g. KV sharing)
-        plen, alen = _compact_pair(keys, values, prefix_len, draft_start, accepted, accept_len, backend, validate,
-                                   f".layers[{i}]", seen)
-        if new_len is None:
-            new_len = int((plen + alen).max()) if plen.numel() else 0
-        layer.keys = keys[..., :new_len, :]
-        layer.values = values[..., :new_len, :]
+        live.append((layer, keys, values))
+        names.append(f".layers[{i}]")
+    plen, alen = _compact_layers([(k, v) for _, k, v in live], prefix_len, draft_start, accepted, accept_len,
+                                 backend, validate, names)
+    if live:
+        new_len = int((plen + alen).max()) if plen.numel() else 0
+        for layer, keys, values in live:
+            layer.keys = keys[..., :new_len, :]
+            layer.values = values[..., :new_len, :]
     return cache
 
 
 if _ext.HAS_CPP:
     @torch.library.register_fake("fastverify::compact_cache")
     def _compact_cache_fake(k, v, prefix_len, draft_start, accepted, accept_len):
+        return None
+
+    @torch.library.register_fake("fastverify::compact_cache_layers")
+    def _compact_cache_layers_fake(k, v, prefix_len, draft_start, accepted, accept_len):
         return None

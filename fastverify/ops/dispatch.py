@@ -34,7 +34,7 @@ _MODULE = {
     "uniform": "sampling", "verify_uniforms": "sampling", "cdf_sample": "sampling", "cdf_invert": "sampling",
     "aux_bits": "sampling",
     "tree_mask_bool": "tree", "tree_mask_additive": "tree", "tree_mask_packed": "tree", "tree_positions": "tree",
-    "compact_cache": "tree",
+    "compact_cache": "tree", "compact_cache_layers": "tree",
     "tree_attention": "attention",  # no CUDA kernel: CUDA tensors run on Triton
     "masked_attention": "attention",  # CPU only (the loop's few-row attention); no Triton / CUDA kernel
     "skinny_linear": None,  # reference: F.linear; no Triton kernel (cuBLAS keeps small-M GEMMs bandwidth-bound)

@@ -32,6 +32,7 @@ __all__ = [
     "unpack_bits",
     "block_mask_bool",
     "compact_cache",
+    "compact_cache_layers",
 ]
 
 
@@ -149,3 +150,9 @@ def compact_cache(k, v, prefix_len, draft_start: int, accepted, accept_len) -> N
         for cache in (k, v):
             rows = cache[b].index_select(1, src.to(cache.device))  # a copy: gather first
             cache[b].index_copy_(1, dst, rows)
+
+
+def compact_cache_layers(k, v, prefix_len, draft_start: int, accepted, accept_len) -> None:
+    """``compact_cache`` on each layer's (k[l], v[l]): lists of [B, H_l, S, D_l] tensors of one batch and S."""
+    for kl, vl in zip(k, v):
+        compact_cache(kl, vl, prefix_len, draft_start, accepted, accept_len)
