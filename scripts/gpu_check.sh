@@ -86,6 +86,11 @@
 #   3. carry p2, timeout_s 500: E2E_OFFSET=3 E2E_METHODS=generate E2E8_BATCH=4 bash scripts/gpu_check.sh e2e8 e2e
 #                               (checkpoint ~26 s, batch 4 ~60 s, 39 questions x 3 methods ~250 s)
 #   4. no carry, timeout_s 330: E2E_METHODS=generate bash scripts/gpu_check.sh e2e     (questions 1-3, ~250 s)
+# Held on an H200 (2026-11-29), with a test step in call 1 and `tune` after call 4: 794 s in all. Call 1
+# (TEST_FILES="tests/test_hf_layers.py tests/test_masks.py tests/test_heads.py tests/test_hf_drafters.py"
+# TEST_SECONDS=60 ... build test) 128 s of command (build 74 s, tests 39 s), 159 s held with the start; call 2 12 s;
+# call 3 268 s (checkpoint 22 s, batch 4 41 s, questions 4-6 175 s); call 4 222 s; tune (four variants, 13
+# questions) 110 s. A call must follow the last within its 30 s warm window, or the machine and its parts are gone.
 # Seeded sampling on the GPU both ways (the row check's default and invariant_sampling=false): in either plan, once
 # the model is on the machine (after a call that carried p2, while it stays warm), a call of its own:
 #   no carry, timeout_s 400: bash scripts/gpu_check.sh sampling                        (estimated 3-5 min)

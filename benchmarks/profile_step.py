@@ -1,0 +1,126 @@
+"""Where a patched generate's host time goes, per drafter variant: the Python functions (cProfile) and the torch
+ops (torch.profiler: each op's host time, and on a GPU its device time), over a few questions after one warm-up
+call. What a change to the loop's or a drafter's host work is measured against, on the CPU and where a GPU is lent.
+
+    python benchmarks/profile_step.py ngram bpd+ngram
+    python benchmarks/profile_step.py --device cuda --questions Q.jsonl --out-dir OUT ngram bpd+ngram
+
+A variant is one of benchmarks/drafters.py's (``ngram``, ``bpd+ngram:node_cost=0.11``, ...). Writes, per variant,
+<out-dir>/profile_<variant>.txt: the loop's phases per step, the top functions of fastverify by own time and by
+cumulative time, and the top torch ops by host time; prints the phases and the ten costliest functions. Profiling
+slows the calls down, so its times are for attribution only, never for speed: speed is benchmarks/e2e.py's.
+"""
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from drafters import make_drafter, parse_variant  # noqa: E402
+from e2e import DEFAULT_QUESTIONS, ROOT, _loop_stats, _sync, encode, load_questions  # noqa: E402
+
+
+def profile_variant(model, tokenizer, questions, variant, max_new_tokens):
+    """(phases per step in ms, cProfile stats, torch.profiler table) over ``questions`` after a warm-up call."""
+    import fastverify
+    from torch.profiler import ProfilerActivity, profile
+    kind, options = parse_variant(variant)
+    ids = [encode(tokenizer, q["prompt"]).to(model.device) for q in questions]
+    totals, steps = {}, 0
+
+    def call(x):
+        fastverify.patch(model, drafter=make_drafter(model, kind, options))
+        try:
+            with torch.inference_mode():
+                model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
+            _sync(x.device)
+            return _loop_stats(model)
+        finally:
+            fastverify.unpatch(model)
+
+    call(ids[0])  # warm-up: first calls load kernels and fill caches
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    prof = cProfile.Profile()
+    with profile(activities=activities) as tp:
+        for x in ids:
+            prof.enable()
+            stats = call(x)
+            prof.disable()
+            if stats is None:
+                raise RuntimeError(f"{variant}: the patched generate fell back to the original one")
+            s = stats.summary()
+            steps += s["steps"]
+            for k, v in s.items():
+                if k.endswith("_s") and k != "prefill_s":
+                    totals[k] = totals.get(k, 0.0) + v
+    phases = {k[:-2]: 1e3 * v / max(steps, 1) for k, v in totals.items()}
+    sort = "self_cuda_time_total" if model.device.type == "cuda" else "self_cpu_time_total"
+    table = tp.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60)
+    return phases, steps, prof, table
+
+
+def top_functions(prof, key, n, pattern=r"fastverify"):
+    """The top ``n`` functions of files matching ``pattern``, by ``key`` (tottime / cumulative), as text."""
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats(key).print_stats(pattern, n)
+    text = out.getvalue()
+    return text[text.index("   ncalls"):] if "   ncalls" in text else text
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("variants", nargs="+", help="drafter variants, as benchmarks/drafters.py takes them")
+    p.add_argument("--questions", default=DEFAULT_QUESTIONS)
+    p.add_argument("--categories", nargs="+", default=["writing", "coding", "extraction", "translation"],
+                   help="question 1 of each of these categories (default: four unlike ones)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "out"))
+    args = p.parse_args(argv)
+    for v in args.variants:
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            p.error(str(e))
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens: expected >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+    transformers.logging.set_verbosity_error()
+    from fastverify.models import load_smollm2
+    path = args.questions if os.path.isabs(args.questions) else os.path.join(ROOT, args.questions)
+    questions = load_questions(path, per_category=1, categories=args.categories)
+    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)
+    os.makedirs(args.out_dir, exist_ok=True)
+    where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
+    print(f"{len(questions)} questions ({', '.join(q['category'] for q in questions)}), {args.max_new_tokens} new "
+          f"tokens, greedy, batch 1, {args.dtype} on {where}")
+    for variant in args.variants:
+        phases, steps, prof, table = profile_variant(model, tokenizer, questions, variant, args.max_new_tokens)
+        line = f"{variant}: {steps} steps; ms per step (profiled): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in phases.items())
+        print(line)
+        print(top_functions(prof, "tottime", 10))
+        name = re.sub(r"[^A-Za-z0-9_.+=-]", "_", variant)
+        with open(os.path.join(args.out_dir, f"profile_{name}.txt"), "w") as f:
+            f.write(line + "\n\nfastverify functions by own time\n" + top_functions(prof, "tottime", 40))
+            f.write("\nfastverify functions by cumulative time\n" + top_functions(prof, "cumulative", 40))
+            f.write("\ntorch ops\n" + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
