@@ -6,7 +6,7 @@ call. What a change to the loop's or a drafter's host work is measured against, 
     python benchmarks/profile_step.py --device cuda --questions Q.jsonl --out-dir OUT ngram bpd+ngram
 
 A variant is one of benchmarks/drafters.py's (``ngram``, ``bpd+ngram:node_cost=0.11``, ...). Writes, per variant,
-<out-dir>/profile_<variant>.txt: the loop's phases per step, the top functions of fastverify by own time and by
+<out-dir>/profile_<variant>.log: the loop's phases per step, the top functions of fastverify by own time and by
 cumulative time, and the top torch ops by host time; prints the phases and the ten costliest functions. Profiling
 slows the calls down, so its times are for attribution only, never for speed: speed is benchmarks/e2e.py's.
 """
@@ -116,7 +116,7 @@ def main(argv=None):
         print(line)
         print(top_functions(prof, "tottime", 10))
         name = re.sub(r"[^A-Za-z0-9_.+=-]", "_", variant)
-        with open(os.path.join(args.out_dir, f"profile_{name}.txt"), "w") as f:
+        with open(os.path.join(args.out_dir, f"profile_{name}.log"), "w") as f:
             f.write(line + "\n\nfastverify functions by own time\n" + top_functions(prof, "tottime", 40))
             f.write("\nfastverify functions by cumulative time\n" + top_functions(prof, "cumulative", 40))
             f.write("\ntorch ops\n" + table + "\n")

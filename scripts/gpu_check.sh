@@ -3,7 +3,7 @@
 # place, run every CUDA and Triton test on the GPU, time the GPU backends and run the end-to-end benchmark there.
 #
 #   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [heads] [gad] [lud] [ptp] [e2e] [e2e8] [tune]
-#                             [sampling] [parts] [dry]
+#                             [sampling] [profile] [parts] [dry]
 #                                                                            (default: build test bench)
 #
 #   build  pip install -e . with the CUDA kernels (16 jobs; 46-80 s on the H100 machine). A later step that finds
@@ -30,6 +30,9 @@
 #          bpd+ngram:node_cost=0.11", the drafters' GPU node cost (fastverify.hf.drafters.GPU_NODE_COST, which a
 #          drafter without an explicit node_cost takes on a GPU) against their CPU fits, TUNE_PASSES passes
 #          (default 1). Needs the carried model.
+#   profile  where a patched generate's host time goes on the GPU (benchmarks/profile_step.py: cProfile and
+#          torch.profiler over question 1 of four categories, PROFILE_VARIANTS, default "ngram bpd+ngram" ->
+#          profile_<variant>.log, profile.log). Needs the carried model. ~1 min (not yet run on a GPU).
 #   sampling  seeded sampling on the GPU both ways (benchmarks/e2e_sampling.py, SAMPLING_PER_CATEGORY questions per
 #          category, default 1, 128 tokens; SAMPLING_METHODS, default "generate ar ngram bpd+ngram"): as patched by
 #          default, where the first sampled call's row check (fastverify.hf.probe.check_rows) is expected to find
@@ -387,6 +390,21 @@ if has tune; then
     grep -E "^\||per category|identical|Error" "$OUT/drafters.log" | cut -c1-400
   else
     echo "tune: skipped"
+  fi
+fi
+
+if has profile; then
+  if e2e_prepare; then
+    dev=cuda; one=()
+    [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --threads 1)
+    start=$(date +%s)
+    # shellcheck disable=SC2206  # PROFILE_VARIANTS is a word list
+    $PY benchmarks/profile_step.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" --out-dir "$OUT" \
+      ${one[@]+"${one[@]}"} ${PROFILE_VARIANTS:-ngram bpd+ngram} >"$OUT/profile.log" 2>&1
+    echo "profile: rc=$? in $(( $(date +%s) - start )) s"
+    grep -E "steps; ms per step|Error" "$OUT/profile.log" | cut -c1-400
+  else
+    echo "profile: skipped"
   fi
 fi
 
