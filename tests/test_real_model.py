@@ -394,6 +394,20 @@ def test_drafters_side_by_side(smollm2):
     assert torch.equal(out, ref)
 
 
+def test_profile_step_attributes_host_time(smollm2, tmp_path):
+    # benchmarks/profile_step.py: the phases of the profiled calls and the functions that took the time, per variant
+    prof = _bench("profile_step")
+    with pytest.raises(SystemExit):
+        prof.parse_args(["medusa"])
+    model, tok = smollm2
+    questions = [{"question_id": 0, "category": "a", "prompt": PROMPTS[0]}]
+    phases, steps, stats, table = prof.profile_variant(model, tok, questions, "bpd+ngram", 12)
+    assert 1 <= steps <= 12 and set(phases) >= {"forward", "draft", "inputs", "verify", "commit", "cache"}
+    assert all(v >= 0 for v in phases.values()) and phases["forward"] > 0
+    assert "_sequential_nodes" in prof.top_functions(stats, "cumulative", 40)  # the heads' drafting was profiled
+    assert "Self CPU" in table
+
+
 def test_e2e_eagle_methods_need_a_checkpoint(capsys):
     e2e = _e2e()
     with pytest.raises(SystemExit):
