@@ -262,15 +262,17 @@ def _cache_case(device):
     return k, v, torch.tensor([3, 5, 4], device=device), 6, accepted, accept_len
 
 
-@pytest.mark.parametrize("form", ["pair", "list"])
+@pytest.mark.parametrize("form", ["pair", "list", "layers"])
 def test_compact_cache_reads_nothing_back(form):
     k, v, plen, start, acc, alen = _cache_case("cpu")
-    k2, v2 = k.clone(), v.clone()
+    k2, v2, k3, v3 = k.clone(), v.clone(), k.clone(), v.clone()
     compact_cache((k, v), plen, start, acc, alen)
-    with no_device_reads():
-        cache = (k2, v2) if form == "pair" else [(k2, v2)]
+    with no_device_reads():  # "layers": two layers, in one compact_cache_layers call
+        cache = {"pair": (k2, v2), "list": [(k2, v2)], "layers": [(k2, v2), (k3, v3)]}[form]
         compact_cache(cache, plen, start, acc, alen, validate=False)
     assert torch.equal(k, k2) and torch.equal(v, v2)
+    if form == "layers":
+        assert torch.equal(k, k3) and torch.equal(v, v3)
 
 
 def test_torch_compile_fullgraph():
@@ -343,11 +345,14 @@ def test_gpu_ops_no_sync(case, backend):
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_compact_cache_no_sync(backend):
     k, v, plen, start, acc, alen = _cache_case("cuda")
-    k2, v2 = k.clone(), v.clone()
+    layers = [(k.clone(), v.clone()) for _ in range(3)]
     compact_cache((k, v), plen, start, acc, alen, backend=backend)
     with sync_debug_error():
-        compact_cache((k2, v2), plen, start, acc, alen, backend=backend, validate=False)
-    assert torch.equal(k, k2) and torch.equal(v, v2)
+        compact_cache(layers[0], plen, start, acc, alen, backend=backend, validate=False)
+        # two layers: one compact_cache_layers call on cuda
+        compact_cache(layers[1:], plen, start, acc, alen, backend=backend, validate=False)
+    for k2, v2 in layers:
+        assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
 @gpu
