@@ -139,6 +139,28 @@ def report(totals, variants):
     return lines
 
 
+def check_variants(parser, variants):
+    """Each variant parsed; a malformed one ends the run with the parser's error."""
+    for v in variants:
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            parser.error(str(e))
+
+
+def prepare(args, per_category, offset=0):
+    """A run's setup from its arguments (threads, questions, dtype, device): (questions, model, tokenizer)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+    transformers.logging.set_verbosity_error()
+    from fastverify.models import load_smollm2
+    path = args.questions if os.path.isabs(args.questions) else os.path.join(ROOT, args.questions)
+    questions = load_questions(path, per_category=per_category, categories=args.categories, offset=offset)
+    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)
+    return questions, model, tokenizer
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("variants", nargs="+", help="none | ngram | bpd | bpd+ngram, each optionally :key=value,... (above)")
@@ -159,11 +181,7 @@ def parse_args(argv=None):
     args.generate = parse_options(p, "--generate", args.generate)
     if len(set(args.variants)) != len(args.variants):
         p.error("variants: each at most once")
-    for v in args.variants:
-        try:
-            parse_variant(v)
-        except ValueError as e:
-            p.error(str(e))
+    check_variants(p, args.variants)
     if args.passes < 1 or args.per_category < 1 or args.offset < 0 or args.max_new_tokens < 1:
         p.error("--passes, --per-category and --max-new-tokens: expected >= 1; --offset: expected >= 0")
     return args
@@ -171,14 +189,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    import transformers
-    transformers.logging.set_verbosity_error()
-    from fastverify.models import load_smollm2
-    path = args.questions if os.path.isabs(args.questions) else os.path.join(ROOT, args.questions)
-    questions = load_questions(path, per_category=args.per_category, categories=args.categories, offset=args.offset)
-    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)
+    questions, model, tokenizer = prepare(args, args.per_category, args.offset)
     info = machine_info()
     if model.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(model.device)

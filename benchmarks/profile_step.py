@@ -22,8 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from drafters import make_drafter, parse_variant  # noqa: E402
-from e2e import DEFAULT_QUESTIONS, ROOT, _loop_stats, _sync, encode, load_questions  # noqa: E402
+from drafters import check_variants, make_drafter, parse_variant, prepare  # noqa: E402
+from e2e import DEFAULT_QUESTIONS, ROOT, _loop_stats, _sync, encode  # noqa: E402
 
 
 def profile_variant(model, tokenizer, questions, variant, max_new_tokens):
@@ -85,11 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "out"))
     args = p.parse_args(argv)
-    for v in args.variants:
-        try:
-            parse_variant(v)
-        except ValueError as e:
-            p.error(str(e))
+    check_variants(p, args.variants)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens: expected >= 1")
     return args
@@ -97,14 +93,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    import transformers
-    transformers.logging.set_verbosity_error()
-    from fastverify.models import load_smollm2
-    path = args.questions if os.path.isabs(args.questions) else os.path.join(ROOT, args.questions)
-    questions = load_questions(path, per_category=1, categories=args.categories)
-    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), device=args.device)
+    questions, model, tokenizer = prepare(args, 1)
     os.makedirs(args.out_dir, exist_ok=True)
     where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     print(f"{len(questions)} questions ({', '.join(q['category'] for q in questions)}), {args.max_new_tokens} new "
