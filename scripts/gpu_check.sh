@@ -94,6 +94,15 @@
 # TEST_SECONDS=60 ... build test) 128 s of command (build 74 s, tests 39 s), 159 s held with the start; call 2 12 s;
 # call 3 268 s (checkpoint 22 s, batch 4 41 s, questions 4-6 175 s); call 4 222 s; tune (four variants, 13
 # questions) 110 s. A call must follow the last within its 30 s warm window, or the machine and its parts are gone.
+# The protocol again with the host work attributed first (compact_cache_layers' CUDA path and the profile step have not
+# run on a GPU yet); ~12 of the 15 minutes, sized from the 2026-11-29 run:
+#   1. carry p0, timeout_s 300: TEST_FILES="tests/test_cache.py tests/test_sync_free.py tests/test_hf_layers.py
+#                               tests/test_cuda_build.py" TEST_WORKERS=14 TEST_SECONDS=60 bash scripts/gpu_check.sh \
+#                               build test
+#   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
+#   3. carry p2, timeout_s 240: bash scripts/gpu_check.sh profile      (checkpoint ~22 s, two variants ~1-2 min)
+#   4. no carry, timeout_s 300: E2E_OFFSET=3 E2E_METHODS=generate bash scripts/gpu_check.sh e2e     (~175 s)
+#   5. no carry, timeout_s 300: E2E_METHODS=generate bash scripts/gpu_check.sh e2e                  (~200 s)
 # Seeded sampling on the GPU both ways (the row check's default and invariant_sampling=false): in either plan, once
 # the model is on the machine (after a call that carried p2, while it stays warm), a call of its own:
 #   no carry, timeout_s 400: bash scripts/gpu_check.sh sampling                        (estimated 3-5 min)
