@@ -7,7 +7,9 @@
 #                                                                            (default: build test bench)
 #
 #   build  pip install -e . with the CUDA kernels (16 jobs; 46-80 s on the H100 machine). A later step that finds
-#          no CUDA kernels (a fresh machine) builds first.
+#          no CUDA kernels (a fresh machine) builds first. With a prebuilt extension carried (gpu_carry/so, from
+#          scripts/gpu_prebuild.sh: built on a machine with nvcc against the device's torch, ~2.4 MiB) that matches
+#          the checkout's sources and this torch, it is put in place instead, in seconds.
 #   test   every cuda / triton case of the op tests, FASTVERIFY_SLOW_TESTS=1 -> test.log (TEST_WORKERS xdist
 #          workers, default 8; TEST_SECONDS=N stops the run after N s and still reports what ran, per file;
 #          TEST_FILES replaces the list of test files)
@@ -95,8 +97,9 @@
 # call 3 268 s (checkpoint 22 s, batch 4 41 s, questions 4-6 175 s); call 4 222 s; tune (four variants, 13
 # questions) 110 s. A call must follow the last within its 30 s warm window, or the machine and its parts are gone.
 # The protocol again with the host work attributed first (compact_cache_layers' CUDA path and the profile step have not
-# run on a GPU yet); ~12 of the 15 minutes, sized from the 2026-11-29 run:
-#   1. carry p0, timeout_s 300: TEST_FILES="tests/test_cache.py tests/test_sync_free.py tests/test_hf_layers.py
+# run on a GPU yet); ~11 of the 15 minutes, sized from the 2026-11-29 run. First, here: `bash scripts/gpu_prebuild.sh`
+# (the extension built against the device's torch, gpu_carry/so; the build step then takes seconds, not ~75 s):
+#   1. carry p0 and so, timeout_s 240: TEST_FILES="tests/test_cache.py tests/test_sync_free.py tests/test_hf_layers.py
 #                               tests/test_cuda_build.py" TEST_WORKERS=14 TEST_SECONDS=60 bash scripts/gpu_check.sh \
 #                               build test
 #   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
@@ -145,6 +148,7 @@ E2E_DTYPE=${E2E_DTYPE:-float32}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 FASTVERIFY_SLOW_TESTS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # fastverify from this checkout (a prebuilt extension in place)
 STEPS=" ${*:-build test bench} "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
 DRY=""; has dry && DRY=1
@@ -179,8 +183,34 @@ stash_parts() {
 }
 stash_parts
 
+# A prebuilt extension (scripts/gpu_prebuild.sh, carried as $CARRY/so), kept in $STASH/so as the model's parts are:
+# put in place where it was built from the checkout's sources for this machine's torch and loads with its CUDA
+# kernels (fastverify is then imported from the checkout: PYTHONPATH, above); else 1, and the build compiles.
+prebuilt() {
+  local sources torch_version
+  if [ -f "$CARRY/so/STAMP" ]; then mkdir -p "$STASH/so" && cp "$CARRY"/so/* "$STASH/so/"; fi
+  [ -f "$STASH/so/STAMP" ] || return 1
+  sources=$(sed -n 's/^SOURCES=//p' "$STASH/so/STAMP")
+  torch_version=$(sed -n 's/^TORCH=//p' "$STASH/so/STAMP")
+  if [ "$sources" != "$(bash scripts/gpu_source_stamp.sh)" ]; then
+    echo "build: the prebuilt extension is of other sources than these: compiling"; return 1
+  fi
+  if [ "$torch_version" != "$($PY -c 'import torch; print(torch.__version__)')" ]; then
+    echo "build: the prebuilt extension is for torch $torch_version: compiling"; return 1
+  fi
+  gunzip -c "$STASH/so/_C.abi3.so.gz" >fastverify/_C.abi3.so || return 1
+  if $PY -c "import sys, fastverify._ext as e; sys.exit(0 if e.HAS_CUDA_KERNELS else 1)" 2>/dev/null; then
+    echo "build: the prebuilt extension (torch $torch_version, sources ${sources:0:12}) loaded with its CUDA kernels"
+    return 0
+  fi
+  rm -f fastverify/_C.abi3.so
+  echo "build: the prebuilt extension did not load: compiling"
+  return 1
+}
+
 build() {
   if [ -n "$DRY" ]; then echo "build: skipped (dry)"; return 0; fi
+  prebuilt && return 0
   local start rc
   start=$(date +%s)
   MAX_JOBS=${MAX_JOBS:-16} FASTVERIFY_FORCE_CUDA=1 $PY -m pip install --no-build-isolation --no-deps -v -e . \
