@@ -316,3 +316,6 @@ def test_buffered_cache_pairs():
     compact_cache(plain, prefix_len, P, accepted, accept_len)
     for a, b in zip(buffered.layers, plain.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    buffered.layers[1].is_sliding = True  # a sliding window's layer is refused, as compact_cache refuses it
+    with pytest.raises(ValueError, match=r"cache.layers\[1\]: sliding-window layers are not supported"):
+        cache_pairs(buffered)

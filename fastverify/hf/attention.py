@@ -225,7 +225,9 @@ def cache_pairs(cache) -> list:
     buffered layer's buffers (``_buffered_layer_class``; no view made, and their slots past the layer's length are
     never moved into), another layer's tensors."""
     pairs = []
-    for layer in _layers(cache):
+    for i, layer in enumerate(_layers(cache)):
+        if getattr(layer, "is_sliding", False):  # (the loop's caches have none: new_cache)
+            raise ValueError(f"cache.layers[{i}]: sliding-window layers are not supported by compact_cache")
         bufs = getattr(layer, "buffers", None)
         bufs = bufs() if bufs is not None else None
         if bufs is None:
