@@ -107,8 +107,11 @@ def compact_cache(cache, prefix_len, draft_start, accepted, accept_len, backend:
     or overwrites those slots. A DynamicCache is truncated to L = max_b(prefix_len[b] + accept_len[b]): when
     every request has the same new length this is exactly transformers' ``crop``; with ragged lengths the
     shorter requests keep stale slots in [their length, L), which the caller must mask (left as padding
-    columns in the next step's attention mask) or overwrite. Sliding-window layers are refused.
-    Returns the cache.
+    columns in the next step's attention mask) or overwrite. Sliding-window layers are refused. The layers of a
+    list or a DynamicCache go to the cpp / cuda kernels in one ``compact_cache_layers`` call (per batch size,
+    slot count and device), and a DynamicCache's new length is read back from the device: a caller that knows
+    its lengths passes the layers' pairs and crops itself (the patched loop: ``fastverify.hf.attention``'s
+    ``cache_pairs`` and ``crop_cache``). Returns the cache.
     """
     if isinstance(cache, tuple) and len(cache) == 2 and all(isinstance(t, torch.Tensor) for t in cache):
         _compact_layers([cache], prefix_len, draft_start, accepted, accept_len, backend, validate, [""])
