@@ -4,7 +4,8 @@ Backends: torch (fastverify/reference/tree.py: index_select then index_copy), cp
 over (request, head), gathering the accepted rows into a buffer before writing them back), triton
 (fastverify.kernels.tree.compact_cache when it exists), cuda (csrc/cuda/tree.cu). A cache of several layers goes
 to the cpp / cuda kernels in one call (``compact_cache_layers``: the arguments checked once, then every layer's
-moves), not one call per layer: ~11 us of Python and dispatch per layer, 0.34 ms for SmolLM2's 30 layers.
+moves), not one call per layer (SmolLM2's 30 layers, unchecked: 155 -> 94 us a call; the kernel calls alone
+75 -> 19 us).
 """
 
 import torch
