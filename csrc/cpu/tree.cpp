@@ -300,16 +300,6 @@ void check_cache_pair(const at::Tensor& k, const at::Tensor& v, int64_t B, int64
               " and ", S, " slots, got ", k.sizes(), " and ", v.sizes(), " (layer ", layer, ")");
 }
 
-void compact_cache_cpu(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_len, int64_t draft_start,
-                       const at::Tensor& accepted, const at::Tensor& accept_len) {
-  TORCH_CHECK(k.dim() == 4, "k: expected a [B, H, S, D] tensor, got ", k.sizes());
-  check_cache_pair(k, v, k.size(0), k.size(2), "k, v", 0);
-  const auto acc = accepted.contiguous(), alen = accept_len.contiguous();
-  const auto src = compact_sources(prefix_len, draft_start, acc, alen, k.size(0), k.size(2));
-  for (at::Tensor* t : {&k, &v})
-    compact_tensor(*t, src, alen.data_ptr<int32_t>(), prefix_len.data_ptr<int32_t>(), acc.size(1));
-}
-
 // compact_cache over every layer of a cache in one call: the arguments checked once, each layer's k and v moved.
 void compact_cache_layers_cpu(at::TensorList k, at::TensorList v, const at::Tensor& prefix_len, int64_t draft_start,
                               const at::Tensor& accepted, const at::Tensor& accept_len) {
@@ -325,6 +315,12 @@ void compact_cache_layers_cpu(at::TensorList k, at::TensorList v, const at::Tens
     for (at::Tensor t : {k[i], v[i]})
       compact_tensor(t, src, alen.data_ptr<int32_t>(), prefix_len.data_ptr<int32_t>(), acc.size(1));
   }
+}
+
+// compact_cache: the one layer (k, v).
+void compact_cache_cpu(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_len, int64_t draft_start,
+                       const at::Tensor& accepted, const at::Tensor& accept_len) {
+  compact_cache_layers_cpu({k}, {v}, prefix_len, draft_start, accepted, accept_len);
 }
 
 }  // namespace

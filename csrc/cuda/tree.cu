@@ -334,20 +334,6 @@ void check_cache_pair(const at::Tensor& k0, const at::Tensor& k, const at::Tenso
               v.sizes());
 }
 
-void compact_cache_cuda(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_len, int64_t draft_start,
-                        const at::Tensor& accepted, const at::Tensor& accept_len) {
-  check_cuda(k, "k");
-  check_dim(k, 4, "k");
-  check_cache_pair(k, k, v);
-  check_compact_args(k, prefix_len, draft_start, accepted, accept_len);
-  const c10::cuda::CUDAGuard guard(k.device());
-  auto pre = prefix_len.contiguous();
-  auto acc = accepted.contiguous();
-  auto len = accept_len.contiguous();
-  compact_one(k, pre, draft_start, acc, len);
-  compact_one(v, pre, draft_start, acc, len);
-}
-
 // compact_cache over every layer of a cache in one call: the arguments checked once, two launches per layer from
 // here (no Python between them).
 void compact_cache_layers_cuda(at::TensorList k, at::TensorList v, const at::Tensor& prefix_len, int64_t draft_start,
@@ -367,6 +353,12 @@ void compact_cache_layers_cuda(at::TensorList k, at::TensorList v, const at::Ten
     compact_one(k[i], pre, draft_start, acc, len);
     compact_one(v[i], pre, draft_start, acc, len);
   }
+}
+
+// compact_cache: the one layer (k, v).
+void compact_cache_cuda(at::Tensor& k, at::Tensor& v, const at::Tensor& prefix_len, int64_t draft_start,
+                        const at::Tensor& accepted, const at::Tensor& accept_len) {
+  compact_cache_layers_cuda({k}, {v}, prefix_len, draft_start, accepted, accept_len);
 }
 
 }  // namespace
