@@ -149,6 +149,8 @@ mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 FASTVERIFY_SLOW_TESTS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # fastverify from this checkout (a prebuilt extension in place)
+# setup.py installs kernels/ as fastverify.kernels (the Triton kernels); imported from the checkout, a link does it
+[ -e fastverify/kernels ] || ln -s ../kernels fastverify/kernels
 STEPS=" ${*:-build test bench} "
 has() { [[ "$STEPS" == *" $1 "* ]]; }
 DRY=""; has dry && DRY=1
