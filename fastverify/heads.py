@@ -101,7 +101,7 @@ class BaseModelMismatch(ValueError):
 def unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x scaled to unit root mean square over its last dimension (RMSNorm without a weight): how the sequential
     heads and the EAGLE layer read token embeddings."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)  # one kernel on a GPU; on the CPU x * rsqrt(mean(x^2) + eps)
 
 
 class ProposalHeads(nn.Module):

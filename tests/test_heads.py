@@ -610,6 +610,44 @@ def test_heads_that_copy_the_target_are_accepted(model):
     assert st.tokens_per_step > 3
 
 
+@pytest.mark.parametrize("score", ["prob", "calibrated", "rank"])
+def test_top_candidates_scored_by_definition(model, score):
+    """HeadsDrafter._top (one log_softmax, the bins looked up in log space) against each score's definition on fresh
+    rows: the top ``width`` columns of the rows; "prob": the candidate's softmax log-probability at the temperature;
+    "calibrated": the table's log acceptance of the bin its probability (temperature 1) falls in; "rank": the table's log acceptance of its rank (as many ranks as the
+    table has). Per row one depth (an int) or one depth per head (a broadcast tensor)."""
+    heads = _random_heads()
+    levels, width = heads.num_heads, 4
+    calibration = {"bins": [0.0, 0.05, 0.1, 0.2, 0.4, 1.0],
+                   "acceptance": [[0.01, 0.05, 0.15, 0.3, 0.6], [0.02, 0.04, 0.1, 0.25, 0.5],
+                                  [0.01, 0.03, 0.08, 0.2, 0.45]]}
+    acceptance = [[0.5, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1, 0.05]]
+    d = HeadsDrafter(model, heads, width=width, score=score, calibration=calibration, head_acceptance=acceptance,
+                     temperature=0.7)
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(levels, 5, 40, generator=g) * 3
+    edges = torch.tensor(calibration["bins"], dtype=torch.float64)
+    for depth in (0, 2, None):
+        rows = logits if depth is None else logits[depth]
+        cols, got = d._top(rows, torch.arange(levels)[:, None, None] if depth is None else depth)
+        k = min(width, 3) if score == "rank" else width
+        assert cols.shape == got.shape == rows.shape[:-1] + (k,) and got.dtype == torch.float64
+        t = 0.7 if score == "prob" else 1.0
+        logp = torch.log_softmax(rows.double() / t, -1)
+        top = logp.topk(k, dim=-1)
+        assert torch.equal(torch.gather(logp, -1, cols).float(), top.values.float())  # the k best columns
+        cand = torch.gather(logp, -1, cols)
+        dep = (torch.arange(levels)[:, None, None] if depth is None else torch.tensor(depth)).expand(cols.shape)
+        if score == "prob":
+            want = cand
+        elif score == "calibrated":
+            bins = torch.bucketize(cand.exp(), edges[1:-1], right=True)
+            want = torch.log(torch.tensor(calibration["acceptance"], dtype=torch.float64))[dep, bins]
+        else:
+            want = torch.log(torch.tensor(acceptance, dtype=torch.float64))[dep, torch.arange(k).expand(cols.shape)]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("rule,params", [("topk", {"k": 32}), ("distance", {"eps": 4}),
                                          ("greedy", {"min_accept": 1})])
 def test_lossy_rules_run_with_heads(model, rule, params):

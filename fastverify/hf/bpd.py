@@ -171,6 +171,7 @@ class HeadsDrafter(Drafter):
             raise ValueError(f"temperature: expected > 0, got {temperature}")
         weight, bias = output_projection(model)
         self.subset = None if subset is None else subset.to(weight.device)
+        self.subset_host = None if subset is None else subset.cpu()  # columns -> token ids, on the host (_to_host)
         # the output projection over the drafter's vocabulary: a contiguous copy of the subset's rows (on the CPU
         # this is what skinny_linear streams once per tree level, in float16: half the bytes of float32, which it
         # reads as their exact float32 values; rounding the model's weights to float16 moves drafts only, never
@@ -204,7 +205,7 @@ class HeadsDrafter(Drafter):
                 raise ValueError(f"calibration: expected acceptance [{levels}, {edges.numel() - 1}], got "
                                  f"{tuple(acc.shape)}")
             self.calib_edges, self.calib_logp = edges[1:-1], torch.log(acc.clamp(min=1e-6))
-        self._calib_device = None
+        self._tables = None  # _tables_on
         node_cost = self._default_node_cost(node_cost)
         if not (fixed_cost >= 0 and node_cost >= 0):
             raise ValueError(f"fixed_cost, node_cost: expected >= 0, got {fixed_cost}, {node_cost}")
@@ -251,26 +252,32 @@ class HeadsDrafter(Drafter):
         H, B, D = r.shape
         return self._project(r.reshape(H * B, D)).reshape(H, B, -1)
 
-    def _log_accept(self, d: int, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Estimated log-probability of acceptance of head p_{d+2}'s top candidates: values [..., width] (their
-        logits), logits [..., V'] (the head's row); float64, on the logits' device (no copy to the host)."""
+    def _top(self, logits: torch.Tensor, depth):
+        """The top ``width`` candidates of head rows logits [..., V'] (depth: the tree depth of their head, p_{d+2}:
+        an int, or an int64 tensor that broadcasts against [..., width], one depth per row) -> (their columns
+        [..., k] int64, their estimated log-probability of acceptance [..., k] float64), both on the logits' device,
+        k = width (score="rank": at most the table's ranks). One log_softmax of the rows, the candidates' bins looked
+        up in log space: a handful of kernels per level on a GPU, where logsumexp alone launched several."""
+        if self.score == "rank":
+            cols = logits.topk(min(self.width, self.rank_logp.shape[1]), dim=-1).indices
+            table = self._tables_on(logits.device)
+            return cols, table[depth, torch.arange(cols.shape[-1], device=cols.device)].expand(cols.shape)
+        t = self.temperature if self.score == "prob" else 1.0  # the calibration was measured at temperature 1
+        top = (logits if t == 1.0 else logits / t).log_softmax(-1).topk(self.width, dim=-1)
         if self.score == "prob":
-            t = self.temperature
-            return (values / t - torch.logsumexp(logits / t, dim=-1, keepdim=True)).double()
-        if self.score == "calibrated":
-            prob = (values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
-            edges, logp = self._calibration_on(values.device)
-            return logp[d][torch.bucketize(prob, edges, right=True)]
-        ranks = min(values.shape[-1], self.rank_logp.shape[1])
-        out = torch.full(values.shape, -math.inf, dtype=torch.float64)
-        out[..., :ranks] = self.rank_logp[d, :ranks]
-        return out.to(values.device)
+            return top.indices, top.values.double()
+        log_edges, table = self._tables_on(logits.device)
+        return top.indices, table[depth, torch.bucketize(top.values, log_edges, right=True)]
 
-    def _calibration_on(self, device):
-        """The calibration table (bin edges, log acceptance) on ``device``, copied there once."""
-        if self._calib_device is None or self._calib_device[0].device != device:
-            self._calib_device = (self.calib_edges.to(device), self.calib_logp.to(device))
-        return self._calib_device
+    def _tables_on(self, device):
+        """The scoring tables on ``device``, copied there once: score="calibrated": (the bins' inner edges as log
+        probabilities, log acceptance [levels, bins]); score="rank": log acceptance [levels, ranks]."""
+        if self._tables is None or self._tables[0].device != device:
+            if self.score == "calibrated":
+                self._tables = (self.calib_edges.log().to(device), self.calib_logp.to(device))
+            else:
+                self._tables = (self.rank_logp.to(device),)
+        return self._tables if self.score == "calibrated" else self._tables[0]
 
     @torch.no_grad()
     def observe_hidden(self, hidden: torch.Tensor, active=None) -> None:
@@ -286,25 +293,19 @@ class HeadsDrafter(Drafter):
             for b in rows:
                 self.candidates[b] = hidden[b].float().clone()
             return
-        logits = self.head_logits(hidden[rows])  # [H, b, V']
-        H = logits.shape[0]
-        logits = logits[:self.depth]
-        top = logits.topk(self.width, dim=-1)
-        tokens = top.indices if self.subset is None else self.subset[top.indices]
-        if self.score == "prob":
-            scores = top.values / self.temperature - torch.logsumexp(logits / self.temperature, dim=-1, keepdim=True)
-        elif self.score == "calibrated":
-            prob = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().cpu()
-            bins = torch.bucketize(prob, self.calib_edges, right=True)  # [H', b, width]
-            scores = torch.gather(self.calib_logp[:self.depth, None, :].expand(-1, bins.shape[1], -1), 2, bins)
-        else:
-            ranks = min(self.width, self.rank_logp.shape[1])
-            scores = self.rank_logp[:self.depth, :ranks][:, None, :].expand(-1, len(rows), -1)
-            tokens = tokens[..., :ranks]
-        tokens, scores = tokens.cpu().tolist(), scores.double().cpu()
+        logits = self.head_logits(hidden[rows])[:self.depth]  # [H', b, V']
+        cols, scores = self._top(logits, torch.arange(logits.shape[0], device=logits.device)[:, None, None])
+        scores, tokens = self._to_host(cols, scores)
         for i, b in enumerate(rows):
             self.candidates[b] = ([tokens[d][i] for d in range(len(tokens))], scores[:, i])
-        del H
+
+    def _to_host(self, cols: torch.Tensor, scores: torch.Tensor):
+        """``_top``'s candidates on the host in one copy (float64 holds every column): (scores, float64 tensor;
+        their token ids, nested lists)."""
+        both = torch.cat([scores, cols.double()], -1).cpu()
+        k = cols.shape[-1]
+        ids = both[..., k:].long()
+        return both[..., :k], (ids if self.subset_host is None else self.subset_host[ids]).tolist()
 
     def _heads_nodes(self, b: int, budget: int):
         """The heads' candidate nodes for request b: [(path tuple, estimated probability that the path is
@@ -373,41 +374,36 @@ class HeadsDrafter(Drafter):
         tokens = [contexts[b][-1] for b in reqs]
         for d in range(self.depth):
             state, logits = self._grow_level(d, state, tokens, owner)
-            top = logits.topk(self.width, dim=-1)
-            cands = top.indices if self.subset is None else self.subset[top.indices]
-            # the candidates and their log-estimates reach the host in one copy (float64 holds every token id)
-            both = torch.cat([self._log_accept(d, top.values, logits), cands.double()], 1).cpu()
-            score, cand = both[:, :self.width].tolist(), both[:, self.width:].long().tolist()
-            children = {}  # request -> [(log-estimate, path, row, column)]
+            score, cand = self._to_host(*self._top(logits, d))
+            score = score.tolist()
+            children = {}  # request -> [(log-estimate, path, row)]
             for j, b in enumerate(owner):
-                for i, (c, s) in enumerate(zip(cand[j], score[j])):
+                for c, s in zip(cand[j], score[j]):
                     lp = logp[j] + s
                     if lp > floor:
-                        children.setdefault(b, []).append((lp, paths[j] + (c,), j, i))
-            rows, cols, owner, paths, logp = [], [], [], [], []
+                        children.setdefault(b, []).append((lp, paths[j] + (c,), j))
+            rows, owner, paths, logp = [], [], [], []
             last = d + 1 >= self.depth
             for b, ch in children.items():
                 ch.sort(key=lambda x: -x[0])
-                out[b].extend((path, math.exp(lp)) for lp, path, _, _ in ch)
+                out[b].extend((path, math.exp(lp)) for lp, path, _ in ch)
                 if last:
                     continue
                 # a child is expanded when its best child is expected to join the cut: its estimate times the mean
                 # acceptance of the next head's top candidate above what a node must bring (``_join_logp``)
                 bar = self._join_logp(out[b], drafting) - self.ahead_logp[d + 1]
-                for lp, path, j, i in ch[:self.frontier]:
+                for lp, path, j in ch[:self.frontier]:
                     if lp <= bar:
                         break
                     rows.append(j)
-                    cols.append(i)
                     owner.append(b)
                     paths.append(path)
                     logp.append(lp)
             if not rows:
                 break
-            # the expanded nodes' rows and their tokens (picked from the candidates still on the device) from one
-            # copy to the device
-            sel = torch.tensor([rows, cols], dtype=torch.int64).to(cands.device)
-            tokens = cands[sel[0], sel[1]]
+            # the expanded nodes' rows and their tokens in one copy to the device
+            sel = torch.tensor([rows, [path[-1] for path in paths]], dtype=torch.int64).to(self.device)
+            tokens = sel[1]
             state = self._grow_select(state, sel[0])
         for b in reqs:
             out[b] = sorted(out[b], key=lambda item: (-item[1], len(item[0])))[:min(buds[b], self.max_nodes)]
