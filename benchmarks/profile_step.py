@@ -1,6 +1,7 @@
-"""Where a patched generate's host time goes, per drafter variant: the Python functions (cProfile) and the torch
-ops (torch.profiler: each op's host time, and on a GPU its device time), over a few questions after one warm-up
-call. What a change to the loop's or a drafter's host work is measured against, on the CPU and where a GPU is lent.
+"""Where a patched generate's host time goes, per drafter variant: the Python functions (cProfile, over a few
+questions after one warm-up call) and the torch ops (torch.profiler, over one short call: each op's host time, and on
+a GPU its device time). What a change to the loop's or a drafter's host work is measured against, on the CPU and
+where a GPU is lent.
 
     python benchmarks/profile_step.py ngram bpd+ngram
     python benchmarks/profile_step.py --device cuda --questions Q.jsonl --out-dir OUT ngram bpd+ngram
@@ -18,6 +19,7 @@ import os
 import pstats
 import re
 import sys
+import time
 
 import torch
 
@@ -26,43 +28,57 @@ from drafters import check_variants, make_drafter, parse_variant, prepare  # noq
 from e2e import DEFAULT_QUESTIONS, ROOT, _loop_stats, _sync, encode  # noqa: E402
 
 
-def profile_variant(model, tokenizer, questions, variant, max_new_tokens):
-    """(phases per step in ms, cProfile stats, torch.profiler table) over ``questions`` after a warm-up call."""
+def profile_variant(model, tokenizer, questions, variant, max_new_tokens, torch_tokens):
+    """(phases per step in ms, steps, cProfile stats, torch.profiler table) of a variant: cProfile over every
+    question, then torch.profiler over question 1's first ``torch_tokens`` new tokens (0: none), after a warm-up
+    call. The two passes are apart: torch.profiler's events (with a GPU's, each kernel's) over a long run took
+    minutes to summarise, and its overhead would land in cProfile's figures."""
     import fastverify
     from torch.profiler import ProfilerActivity, profile
     kind, options = parse_variant(variant)
     ids = [encode(tokenizer, q["prompt"]).to(model.device) for q in questions]
     totals, steps = {}, 0
 
-    def call(x):
+    def call(x, tokens=max_new_tokens):
         fastverify.patch(model, drafter=make_drafter(model, kind, options))
         try:
             with torch.inference_mode():
-                model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
+                model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=tokens, do_sample=False)
             _sync(x.device)
-            return _loop_stats(model)
+            stats = _loop_stats(model)
         finally:
             fastverify.unpatch(model)
+        if stats is None:
+            raise RuntimeError(f"{variant}: the patched generate fell back to the original one")
+        return stats
 
+    start = time.perf_counter()
     call(ids[0])  # warm-up: first calls load kernels and fill caches
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
     prof = cProfile.Profile()
-    with profile(activities=activities) as tp:
-        for x in ids:
-            prof.enable()
-            stats = call(x)
-            prof.disable()
-            if stats is None:
-                raise RuntimeError(f"{variant}: the patched generate fell back to the original one")
-            s = stats.summary()
-            steps += s["steps"]
-            for k, v in s.items():
-                if k.endswith("_s") and k != "prefill_s":
-                    totals[k] = totals.get(k, 0.0) + v
+    for x in ids:
+        prof.enable()
+        s = call(x).summary()
+        prof.disable()
+        steps += s["steps"]
+        for k, v in s.items():
+            if k.endswith("_s") and k != "prefill_s":
+                totals[k] = totals.get(k, 0.0) + v
+    _progress(f"{variant}: warm-up and cProfile over {len(ids)} questions", start)
     phases = {k[:-2]: 1e3 * v / max(steps, 1) for k, v in totals.items()}
-    sort = "self_cuda_time_total" if model.device.type == "cuda" else "self_cpu_time_total"
-    table = tp.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60)
+    table = ""
+    if torch_tokens:
+        start = time.perf_counter()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+        with profile(activities=activities) as tp:
+            call(ids[0], torch_tokens)
+        sort = "self_cuda_time_total" if model.device.type == "cuda" else "self_cpu_time_total"
+        table = tp.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60)
+        _progress(f"{variant}: torch.profiler over {torch_tokens} new tokens of question 1", start)
     return phases, steps, prof, table
+
+
+def _progress(what, start):
+    print(f"  {what}: {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def top_functions(prof, key, n, pattern=r"fastverify"):
@@ -80,6 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--categories", nargs="+", default=["writing", "coding", "extraction", "translation"],
                    help="question 1 of each of these categories (default: four unlike ones)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--torch-tokens", type=int, default=32, help="new tokens of the torch.profiler call (question 1; "
+                   "0: none)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -88,6 +106,8 @@ def parse_args(argv=None):
     check_variants(p, args.variants)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens: expected >= 1")
+    if args.torch_tokens < 0:
+        p.error("--torch-tokens: expected >= 0")
     return args
 
 
@@ -99,7 +119,8 @@ def main(argv=None):
     print(f"{len(questions)} questions ({', '.join(q['category'] for q in questions)}), {args.max_new_tokens} new "
           f"tokens, greedy, batch 1, {args.dtype} on {where}")
     for variant in args.variants:
-        phases, steps, prof, table = profile_variant(model, tokenizer, questions, variant, args.max_new_tokens)
+        phases, steps, prof, table = profile_variant(model, tokenizer, questions, variant, args.max_new_tokens,
+                                                     args.torch_tokens)
         line = f"{variant}: {steps} steps; ms per step (profiled): " + ", ".join(
             f"{k} {v:.3f}" for k, v in phases.items())
         print(line)
@@ -108,7 +129,8 @@ def main(argv=None):
         with open(os.path.join(args.out_dir, f"profile_{name}.log"), "w") as f:
             f.write(line + "\n\nfastverify functions by own time\n" + top_functions(prof, "tottime", 40))
             f.write("\nfastverify functions by cumulative time\n" + top_functions(prof, "cumulative", 40))
-            f.write("\ntorch ops\n" + table + "\n")
+            if table:
+                f.write(f"\ntorch ops (question 1, {args.torch_tokens} new tokens)\n" + table + "\n")
 
 
 if __name__ == "__main__":

@@ -32,9 +32,11 @@
 #          bpd+ngram:node_cost=0.11", the drafters' GPU node cost (fastverify.hf.drafters.GPU_NODE_COST, which a
 #          drafter without an explicit node_cost takes on a GPU) against their CPU fits, TUNE_PASSES passes
 #          (default 1). Needs the carried model.
-#   profile  where a patched generate's host time goes on the GPU (benchmarks/profile_step.py: cProfile and
-#          torch.profiler over question 1 of four categories, PROFILE_VARIANTS, default "ngram bpd+ngram" ->
-#          profile_<variant>.log, profile.log). Needs the carried model. ~1 min (not yet run on a GPU).
+#   profile  where a patched generate's host time goes on the GPU (benchmarks/profile_step.py: cProfile over
+#          question 1 of four categories, torch.profiler over the first 32 new tokens of one, PROFILE_VARIANTS,
+#          default "ngram bpd+ngram" -> profile_<variant>.log, profile.log, each pass's seconds in profile.log).
+#          Needs the carried model. On an H200 (2026-11-30) the first version, torch.profiler over all four
+#          questions at once, had not finished its first variant after ~230 s; this one is estimated at ~1 min.
 #   sampling  seeded sampling on the GPU both ways (benchmarks/e2e_sampling.py, SAMPLING_PER_CATEGORY questions per
 #          category, default 1, 128 tokens; SAMPLING_METHODS, default "generate ar ngram bpd+ngram"): as patched by
 #          default, where the first sampled call's row check (fastverify.hf.probe.check_rows) is expected to find
@@ -96,16 +98,19 @@
 # TEST_SECONDS=60 ... build test) 128 s of command (build 74 s, tests 39 s), 159 s held with the start; call 2 12 s;
 # call 3 268 s (checkpoint 22 s, batch 4 41 s, questions 4-6 175 s); call 4 222 s; tune (four variants, 13
 # questions) 110 s. A call must follow the last within its 30 s warm window, or the machine and its parts are gone.
-# The protocol again with the host work attributed first (compact_cache_layers' CUDA path and the profile step have not
-# run on a GPU yet); ~11 of the 15 minutes, sized from the 2026-11-29 run. First, here: `bash scripts/gpu_prebuild.sh`
-# (the extension built against the device's torch, gpu_carry/so; the build step then takes seconds, not ~75 s):
-#   1. carry p0 and so, timeout_s 240: TEST_FILES="tests/test_cache.py tests/test_sync_free.py tests/test_hf_layers.py
-#                               tests/test_cuda_build.py" TEST_WORKERS=14 TEST_SECONDS=60 bash scripts/gpu_check.sh \
-#                               build test
+# The protocol again with the host work attributed first; ~12.5 of the 15 minutes, sized from the 2026-11-30 run. First,
+# here: `bash scripts/gpu_prebuild.sh` when the sources changed (the extension built against the device's torch,
+# gpu_carry/so; the build step then takes seconds, not ~75 s):
+#   1. carry p0 and so, timeout_s 200: TEST_FILES="tests/test_heads.py tests/test_eagle.py tests/test_sync_free.py"
+#                               TEST_WORKERS=14 TEST_SECONDS=40 bash scripts/gpu_check.sh build test
 #   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
-#   3. carry p2, timeout_s 240: bash scripts/gpu_check.sh profile      (checkpoint ~22 s, two variants ~1-2 min)
-#   4. no carry, timeout_s 300: E2E_OFFSET=3 E2E_METHODS=generate bash scripts/gpu_check.sh e2e     (~175 s)
-#   5. no carry, timeout_s 300: E2E_METHODS=generate bash scripts/gpu_check.sh e2e                  (~200 s)
+#   3. carry p2, timeout_s 240: bash scripts/gpu_check.sh profile      (checkpoint ~31 s, two variants ~1-2 min)
+#   4. no carry, timeout_s 300: E2E_OFFSET=3 E2E_METHODS=generate bash scripts/gpu_check.sh e2e     (~250 s)
+#   5. no carry, timeout_s 300: E2E_METHODS=generate bash scripts/gpu_check.sh e2e                  (~250 s)
+# Held on an H200 (2026-11-30; 753 s in all): call 1 with the cache tests 75 s of command (110 s held with the
+# start), call 2 28 s, a call carrying p2 of tests (26 s) and the first profile_step (stopped at 300 s: its
+# torch.profiler over four whole questions, since cut to 32 tokens of one), call 4 skipped, call 5 267 s. That
+# host ran every phase 1.2-1.35x slower than the 2026-11-29 one: size calls 4 and 5 at ~270 s.
 # Seeded sampling on the GPU both ways (the row check's default and invariant_sampling=false): in either plan, once
 # the model is on the machine (after a call that carried p2, while it stays warm), a call of its own:
 #   no carry, timeout_s 400: bash scripts/gpu_check.sh sampling                        (estimated 3-5 min)

@@ -401,11 +401,14 @@ def test_profile_step_attributes_host_time(smollm2, tmp_path):
         prof.parse_args(["medusa"])
     model, tok = smollm2
     questions = [{"question_id": 0, "category": "a", "prompt": PROMPTS[0]}]
-    phases, steps, stats, table = prof.profile_variant(model, tok, questions, "bpd+ngram", 12)
+    phases, steps, stats, table = prof.profile_variant(model, tok, questions, "bpd+ngram", 12, 4)
     assert 1 <= steps <= 12 and set(phases) >= {"forward", "draft", "inputs", "verify", "commit", "cache"}
     assert all(v >= 0 for v in phases.values()) and phases["forward"] > 0
     assert "_sequential_nodes" in prof.top_functions(stats, "cumulative", 40)  # the heads' drafting was profiled
-    assert "Self CPU" in table
+    assert "Self CPU" in table and "fastverify::" in table  # the loop's ops, in the torch.profiler call
+    assert prof.profile_variant(model, tok, questions, "ngram", 4, 0)[3] == ""  # --torch-tokens 0: no such call
+    with pytest.raises(SystemExit):
+        prof.parse_args(["ngram", "--torch-tokens", "-1"])
 
 
 def test_e2e_eagle_methods_need_a_checkpoint(capsys):
