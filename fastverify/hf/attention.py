@@ -68,9 +68,8 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool [B, q, K] -> [B, 1, q, K] additive mask in ``dtype``: 0 where visible, finfo.min elsewhere.
 
     finfo.min rather than -inf, as transformers' own masks: a row that sees nothing stays finite."""
-    out = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    out.masked_fill_(~visible, torch.finfo(dtype).min)
-    return out.unsqueeze(1)
+    out = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device)
+    return out.masked_fill_(visible, 0).unsqueeze(1)
 
 
 def prefill_inputs(attention_mask: torch.Tensor, dtype: torch.dtype):
@@ -136,6 +135,7 @@ def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device, blocks=No
     ids, pos, row_batch, row_local = [], [], [], []
     flat_tokens, flat_parents, cu = [], [], [0]
     parents_aug, cu_aug = [], [0]
+    padded = False  # whether a request has rows past its nodes (q is the longest request's)
     slot_local = [] if blocks is not None else None
     for b, tree in enumerate(trees):
         toks, par = tree.tokens.tolist(), tree.parents.tolist()
@@ -162,6 +162,7 @@ def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device, blocks=No
                 row_ids += [slot_token] * m
                 slot_local[b].append(list(range(first, first + m)))
         fill = q - len(aug)
+        padded |= fill > 0
         ids.append(row_ids + [root_tokens[b]] * fill)
         pos.append(row_pos + [base] * fill)
         parents_aug += aug
@@ -182,9 +183,9 @@ def step_inputs(trees, root_tokens, cache_len, pad_len, dtype, device, blocks=No
     if S and any(pad_len):
         slot = torch.arange(S, device=device)
         visible[:, :, :S] &= (slot[None, :] >= long[5][:, None])[:, None, :]
-    if q > 1:
+    if padded:  # padding rows see themselves: never an empty row (a node's row sees itself already)
         diag = torch.arange(q, device=device)
-        visible[:, diag, S + diag] = True  # padding rows see themselves: never an empty row
+        visible[:, diag, S + diag] = True
     slot_rows = None
     if blocks is not None:
         slot_rows = torch.zeros(B, q, dtype=torch.bool, device=device)

@@ -222,9 +222,10 @@ def _banned_rows_to_zero(logits, raw):
 
 
 def _to_host(res):
-    """(accept_len, next_token, accepted) of a VerifyOutput as Python lists, in one device-to-host copy."""
+    """(accept_len, next_token, accepted) of a VerifyOutput as Python lists, in one device-to-host copy (int32:
+    token ids are below the vocabulary's size; one cast and one concatenation on a GPU)."""
     B, D = res.accepted.shape
-    flat = torch.cat([res.accept_len.long(), res.next_token.long(), res.accepted.long().reshape(-1)]).tolist()
+    flat = torch.cat([res.accept_len, res.next_token.int(), res.accepted.reshape(-1)]).tolist()
     return flat[:B], flat[B:2 * B], [flat[2 * B + b * D:2 * B + (b + 1) * D] for b in range(B)]
 
 
