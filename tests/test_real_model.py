@@ -411,6 +411,26 @@ def test_profile_step_attributes_host_time(smollm2, tmp_path):
         prof.parse_args(["ngram", "--torch-tokens", "-1"])
 
 
+def test_op_count_counts_the_functions_ops(smollm2):
+    # benchmarks/op_count.py: per call of each function, the ops that compute apart from views and no-op conversions;
+    # the functions are restored afterwards
+    import fastverify.hf.loop as loop
+    from fastverify.hf.bpd import HeadsDrafter
+    ops = _bench("op_count")
+    with pytest.raises(SystemExit):
+        ops.parse_args(["--functions", "forward"])
+    model, tok = smollm2
+    questions = [{"question_id": 0, "category": "a", "prompt": PROMPTS[0]}]
+    before = (loop.step_inputs, HeadsDrafter._grow_level)
+    counts = ops.count_ops(model, tok, questions, "bpd+ngram", ["step_inputs", "_grow_level", "_top"], 12)
+    assert (loop.step_inputs, HeadsDrafter._grow_level) == before
+    calls, computing, other = counts["step_inputs"]
+    assert calls >= 1 and computing["tree_mask_bool"] == calls and "view" not in computing
+    calls, computing, other = counts["_grow_level"]
+    assert calls >= 1 and sum(computing.values()) >= 3 * calls  # the heads' two products and the projection at least
+    assert counts["_top"][0] == calls and counts["_top"][1]["topk"] == calls
+
+
 def test_e2e_eagle_methods_need_a_checkpoint(capsys):
     e2e = _e2e()
     with pytest.raises(SystemExit):

@@ -94,7 +94,8 @@ def normalise_tree(parents, cu_nodes, prefix_len=None, *, validate: bool = True,
     if cu.numel() < 1:
         raise ValueError("cu_nodes: expected B + 1 >= 1 offsets, got an empty tensor")
     B = cu.numel() - 1
-    counts = cu[1:] - cu[:-1]
+    # the requests' sizes, where something reads them (a call that reads nothing back launches nothing for them)
+    counts = cu[1:] - cu[:-1] if validate or max_nodes is None or par is None else None
     N = int(cu[-1]) if par is None else par.numel()
     if validate and bool((cu[0] != 0) | (counts < 0).any()):
         if int(cu[0]) != 0:
