@@ -442,13 +442,13 @@ fi
 if has profile; then
   if e2e_prepare; then
     dev=cuda; one=()
-    [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --threads 1)
+    [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --torch-tokens 4 --threads 1)
     start=$(date +%s)
     # shellcheck disable=SC2206  # PROFILE_VARIANTS is a word list
     $PY benchmarks/profile_step.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" --out-dir "$OUT" \
       ${one[@]+"${one[@]}"} ${PROFILE_VARIANTS:-ngram bpd+ngram} >"$OUT/profile.log" 2>&1
     echo "profile: rc=$? in $(( $(date +%s) - start )) s"
-    grep -E "steps; ms per step|Error" "$OUT/profile.log" | cut -c1-400
+    grep -E "steps; ms per step|cProfile over|torch.profiler over|Error" "$OUT/profile.log" | cut -c1-400
   else
     echo "profile: skipped"
   fi
