@@ -27,6 +27,7 @@ from e2e import (DEFAULT_QUESTIONS, ROOT, _loop_stats, _sync, encode, first_diff
                  heads_drafter, load_questions, machine_info, parse_options)
 
 KINDS = ("none", "ngram", "bpd", "bpd+ngram")
+FOUR_CATEGORIES = ["writing", "coding", "extraction", "translation"]  # four unlike ones (profile_step, op_count)
 
 
 def _value(text):
@@ -161,19 +162,25 @@ def prepare(args, per_category, offset=0):
     return questions, model, tokenizer
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("variants", nargs="+", help="none | ngram | bpd | bpd+ngram, each optionally :key=value,... (above)")
+def add_run_args(p, categories=None, categories_help="only these categories"):
+    """The arguments ``prepare`` reads (--questions, --categories, --threads, --device, --dtype) and
+    --max-new-tokens, on parser ``p``."""
     p.add_argument("--questions", default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl (relative to the "
                    "repository root when not absolute)")
-    p.add_argument("--per-category", type=int, default=1, help="questions per category (default 1: the tuning ones)")
-    p.add_argument("--offset", type=int, default=0, help="skip this many questions of each category first")
-    p.add_argument("--categories", nargs="+", help="only these categories")
-    p.add_argument("--passes", type=int, default=1, help="passes over the questions (the order rotates each pass)")
+    p.add_argument("--categories", nargs="+", default=categories, help=categories_help)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("variants", nargs="+", help="none | ngram | bpd | bpd+ngram, each optionally :key=value,... (above)")
+    add_run_args(p)
+    p.add_argument("--per-category", type=int, default=1, help="questions per category (default 1: the tuning ones)")
+    p.add_argument("--offset", type=int, default=0, help="skip this many questions of each category first")
+    p.add_argument("--passes", type=int, default=1, help="passes over the questions (the order rotates each pass)")
     p.add_argument("--out", help="write the totals as JSON to this file")
     p.add_argument("--generate", nargs="+", default=[], metavar="KEY=NUMBER",
                    help="more generate arguments for every variant, e.g. repetition_penalty=1.2")

@@ -20,8 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from drafters import check_variants, make_drafter, parse_variant, prepare  # noqa: E402
-from e2e import DEFAULT_QUESTIONS, encode  # noqa: E402
+from drafters import FOUR_CATEGORIES, add_run_args, check_variants, make_drafter, parse_variant, prepare  # noqa: E402
+from e2e import encode  # noqa: E402
 
 # ops that launch nothing: views of a tensor's storage and bookkeeping
 VIEWS = {"select", "slice", "view", "_unsafe_view", "expand", "alias", "t", "unsqueeze", "squeeze", "as_strided",
@@ -97,13 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--variant", default="bpd+ngram", help="a drafter variant, as benchmarks/drafters.py takes it")
     p.add_argument("--functions", nargs="+", default=list(LOOP_FUNCTIONS + DRAFTER_FUNCTIONS[:2]),
                    choices=LOOP_FUNCTIONS + DRAFTER_FUNCTIONS)
-    p.add_argument("--questions", default=DEFAULT_QUESTIONS)
-    p.add_argument("--categories", nargs="+", default=["writing", "coding", "extraction", "translation"],
-                   help="question 1 of each of these categories")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_run_args(p, FOUR_CATEGORIES, "question 1 of each of these categories (default: four unlike ones)")
     args = p.parse_args(argv)
     check_variants(p, [args.variant])
     if args.max_new_tokens < 1:

@@ -24,8 +24,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from drafters import check_variants, make_drafter, parse_variant, prepare  # noqa: E402
-from e2e import DEFAULT_QUESTIONS, ROOT, _loop_stats, _sync, encode  # noqa: E402
+from drafters import FOUR_CATEGORIES, add_run_args, check_variants, make_drafter, parse_variant, prepare  # noqa: E402
+from e2e import ROOT, _loop_stats, _sync, encode  # noqa: E402
 
 
 def profile_variant(model, tokenizer, questions, variant, max_new_tokens, torch_tokens):
@@ -92,15 +92,9 @@ def top_functions(prof, key, n, pattern=r"fastverify"):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("variants", nargs="+", help="drafter variants, as benchmarks/drafters.py takes them")
-    p.add_argument("--questions", default=DEFAULT_QUESTIONS)
-    p.add_argument("--categories", nargs="+", default=["writing", "coding", "extraction", "translation"],
-                   help="question 1 of each of these categories (default: four unlike ones)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_run_args(p, FOUR_CATEGORIES, "question 1 of each of these categories (default: four unlike ones)")
     p.add_argument("--torch-tokens", type=int, default=32, help="new tokens of the torch.profiler call (question 1; "
                    "0: none)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "out"))
     args = p.parse_args(argv)
     check_variants(p, args.variants)
