@@ -170,20 +170,21 @@ class HeadsDrafter(Drafter):
         if not temperature > 0:
             raise ValueError(f"temperature: expected > 0, got {temperature}")
         weight, bias = output_projection(model)
-        self.subset = None if subset is None else subset.to(weight.device)
-        self.subset_host = None if subset is None else subset.cpu()  # columns -> token ids, on the host (_to_host)
+        self.subset = None if subset is None else subset.cpu()  # the columns' token ids, read on the host (_to_host)
         # the output projection over the drafter's vocabulary: a contiguous copy of the subset's rows (on the CPU
         # this is what skinny_linear streams once per tree level, in float16: half the bytes of float32, which it
         # reads as their exact float32 values; rounding the model's weights to float16 moves drafts only, never
         # the verified output), or the model's own weight
-        w = weight.detach() if subset is None else weight.detach()[self.subset]
+        w = weight.detach() if subset is None else weight.detach()[self.subset.to(weight.device)]
         self.device = w.device
         # a projection of exactly block-quantised values (a GGUF model's output head) streams packed on the CPU:
         # its exact float32 values in fewer bytes than float16 (SmolLM2's Q8_0 head: 1.25 bytes per weight); then
         # no other copy is kept
         self.packed = pack_blocks(w.float()) if w.device.type == "cpu" and skinny_available() else None
         self.weight = w.to(_stream_dtype(w)).contiguous() if self.packed is None else None
-        self.bias = None if bias is None else (bias.detach() if subset is None else bias.detach()[self.subset]).float()
+        if bias is not None:
+            bias = (bias.detach() if subset is None else bias.detach()[self.subset.to(bias.device)]).float()
+        self.bias = bias
         self.width = min(int(width), w.shape[0])
         self.max_nodes, self.score, self.temperature = int(max_nodes), score, float(temperature)
         self.frontier = int(frontier)
@@ -305,7 +306,7 @@ class HeadsDrafter(Drafter):
         both = torch.cat([scores, cols.double()], -1).cpu()
         k = cols.shape[-1]
         ids = both[..., k:].long()
-        return both[..., :k], (ids if self.subset_host is None else self.subset_host[ids]).tolist()
+        return both[..., :k], (ids if self.subset is None else self.subset[ids]).tolist()
 
     def _heads_nodes(self, b: int, budget: int):
         """The heads' candidate nodes for request b: [(path tuple, estimated probability that the path is
