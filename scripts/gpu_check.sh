@@ -34,7 +34,8 @@
 #          (default 1). Needs the carried model.
 #   profile  where a patched generate's host time goes on the GPU (benchmarks/profile_step.py: cProfile over
 #          question 1 of four categories, torch.profiler over the first 32 new tokens of one, PROFILE_VARIANTS,
-#          default "ngram bpd+ngram" -> profile_<variant>.log, profile.log, each pass's seconds in profile.log).
+#          default "ngram bpd+ngram", each in a process of its own stopped after PROFILE_SECONDS (default 110) ->
+#          profile_<variant>.log, profile.log, each pass's seconds in profile.log).
 #          Needs the carried model. On an H200 (2026-11-30) the first version, torch.profiler over all four
 #          questions at once, had not finished its first variant after ~230 s; this one is estimated at ~1 min.
 #   sampling  seeded sampling on the GPU both ways (benchmarks/e2e_sampling.py, SAMPLING_PER_CATEGORY questions per
@@ -98,15 +99,16 @@
 # TEST_SECONDS=60 ... build test) 128 s of command (build 74 s, tests 39 s), 159 s held with the start; call 2 12 s;
 # call 3 268 s (checkpoint 22 s, batch 4 41 s, questions 4-6 175 s); call 4 222 s; tune (four variants, 13
 # questions) 110 s. A call must follow the last within its 30 s warm window, or the machine and its parts are gone.
-# The protocol again with the host work attributed first; ~12.5 of the 15 minutes, sized from the 2026-11-30 run. First,
+# The protocol again with the host work attributed first; ~14 of the 15 minutes, sized from the 2026-11-30 run. First,
 # here: `bash scripts/gpu_prebuild.sh` when the sources changed (the extension built against the device's torch,
 # gpu_carry/so; the build step then takes seconds, not ~75 s):
-#   1. carry p0 and so, timeout_s 200: TEST_FILES="tests/test_heads.py tests/test_eagle.py tests/test_sync_free.py"
-#                               TEST_WORKERS=14 TEST_SECONDS=40 bash scripts/gpu_check.sh build test
+#   1. carry p0 and so, timeout_s 120: TEST_FILES="tests/test_heads.py tests/test_eagle.py tests/test_sync_free.py"
+#                               TEST_WORKERS=14 TEST_SECONDS=30 bash scripts/gpu_check.sh build test
 #   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
-#   3. carry p2, timeout_s 240: bash scripts/gpu_check.sh profile      (checkpoint ~31 s, two variants ~1-2 min)
-#   4. no carry, timeout_s 300: E2E_OFFSET=3 E2E_METHODS=generate bash scripts/gpu_check.sh e2e     (~250 s)
-#   5. no carry, timeout_s 300: E2E_METHODS=generate bash scripts/gpu_check.sh e2e                  (~250 s)
+#   3. carry p2, timeout_s 260: PROFILE_SECONDS=100 bash scripts/gpu_check.sh profile   (checkpoint ~31 s, then two
+#                               variants, each in its own process, at most 100 s each)
+#   4. no carry, timeout_s 300: E2E_METHODS=generate bash scripts/gpu_check.sh e2e                  (q 1-3, ~270 s)
+#   5. no carry, timeout_s 300, with >= 290 s left: E2E_OFFSET=3 E2E_METHODS=generate bash scripts/gpu_check.sh e2e
 # Held on an H200 (2026-11-30; 753 s in all): call 1 with the cache tests 75 s of command (110 s held with the
 # start), call 2 28 s, a call carrying p2 of tests (26 s) and the first profile_step (stopped at 300 s: its
 # torch.profiler over four whole questions, since cut to 32 tokens of one), call 4 skipped, call 5 267 s. That
@@ -443,11 +445,13 @@ if has profile; then
   if e2e_prepare; then
     dev=cuda; one=()
     [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --torch-tokens 4 --threads 1)
-    start=$(date +%s)
-    # shellcheck disable=SC2206  # PROFILE_VARIANTS is a word list
-    $PY benchmarks/profile_step.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" --out-dir "$OUT" \
-      ${one[@]+"${one[@]}"} ${PROFILE_VARIANTS:-ngram bpd+ngram} >"$OUT/profile.log" 2>&1
-    echo "profile: rc=$? in $(( $(date +%s) - start )) s"
+    : >"$OUT/profile.log"
+    for variant in ${PROFILE_VARIANTS:-ngram bpd+ngram}; do  # one process each, each within PROFILE_SECONDS
+      start=$(date +%s)
+      timeout "${PROFILE_SECONDS:-110}" $PY benchmarks/profile_step.py --device $dev --dtype "$E2E_DTYPE" \
+        --questions "$QUESTIONS" --out-dir "$OUT" ${one[@]+"${one[@]}"} "$variant" >>"$OUT/profile.log" 2>&1
+      echo "profile $variant: rc=$? in $(( $(date +%s) - start )) s"
+    done
     grep -E "steps; ms per step|cProfile over|torch.profiler over|Error" "$OUT/profile.log" | cut -c1-400
   else
     echo "profile: skipped"
