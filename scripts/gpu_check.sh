@@ -111,8 +111,8 @@
 #   5. no carry, timeout_s 300, with >= 290 s left: E2E_OFFSET=3 E2E_METHODS=generate bash scripts/gpu_check.sh e2e
 # Held on an H200 (2026-11-30; 753 s in all): call 1 with the cache tests 75 s of command (110 s held with the
 # start), call 2 28 s, a call carrying p2 of tests (26 s) and the first profile_step (stopped at 300 s: its
-# torch.profiler over four whole questions, since cut to 32 tokens of one), call 4 skipped, call 5 267 s. That
-# host ran every phase 1.2-1.35x slower than the 2026-11-29 one: size calls 4 and 5 at ~270 s.
+# torch.profiler over four whole questions, since cut to 32 tokens of one), questions 4-6 skipped, 1-3 267 s. That
+# host ran every phase 1.2-1.35x slower than the 2026-11-29 one: calls 4 and 5 are sized at ~270 s.
 # Seeded sampling on the GPU both ways (the row check's default and invariant_sampling=false): in either plan, once
 # the model is on the machine (after a call that carried p2, while it stays warm), a call of its own:
 #   no carry, timeout_s 400: bash scripts/gpu_check.sh sampling                        (estimated 3-5 min)
