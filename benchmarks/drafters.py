@@ -75,11 +75,32 @@ def make_drafter(model, kind, options):
     return drafter
 
 
+def patched_generate(model, ids, variant, kind, options, max_new_tokens, generate_options=None):
+    """One greedy generate of ``ids`` with a fresh drafter of the variant (``kind``, ``options``: parse_variant's)
+    patched in: (output ids, seconds of the generate call alone, the loop's stats). RuntimeError when the patched
+    generate fell back to the original one."""
+    import fastverify
+    fastverify.patch(model, drafter=make_drafter(model, kind, options))
+    try:
+        _sync(ids.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, **(generate_options or {}))
+        _sync(ids.device)
+        seconds = time.perf_counter() - t0
+        stats = _loop_stats(model)
+    finally:
+        fastverify.unpatch(model)
+    if stats is None:
+        raise RuntimeError(f"{variant}: the patched generate fell back to the original one (see its warning)")
+    return out, seconds, stats
+
+
 def run(model, tokenizer, questions, variants, max_new_tokens=128, passes=1, log=print, generate_options=None):
     """generate_options: more generate keyword arguments (a repetition penalty, ...). Per variant: seconds, steps,
     new tokens and the loop's phase times summed over every question and pass, and seconds per category. Raises
     AssertionError when a variant's output differs from the first variant's."""
-    import fastverify
     parsed = [parse_variant(v) for v in variants]
     totals = {v: {"seconds": 0.0, "steps": 0, "new_tokens": 0, "draft_s": 0.0, "forward_s": 0.0, "by_category": {}}
               for v in variants}
@@ -89,21 +110,8 @@ def run(model, tokenizer, questions, variants, max_new_tokens=128, passes=1, log
             k = (i + p) % len(variants)
             outputs = {}
             for v in variants[k:] + variants[:k]:
-                kind, options = parsed[variants.index(v)]
-                fastverify.patch(model, drafter=make_drafter(model, kind, options))
-                try:
-                    _sync(ids.device)
-                    t0 = time.perf_counter()
-                    with torch.inference_mode():
-                        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                             do_sample=False, **(generate_options or {}))
-                    _sync(ids.device)
-                    seconds = time.perf_counter() - t0
-                    stats = _loop_stats(model)
-                finally:
-                    fastverify.unpatch(model)
-                if stats is None:
-                    raise RuntimeError(f"{v}: the patched generate fell back to the original one (see its warning)")
+                out, seconds, stats = patched_generate(model, ids, v, *parsed[variants.index(v)], max_new_tokens,
+                                                       generate_options)
                 outputs[v] = out[0, ids.shape[1]:].tolist()
                 s = stats.summary()
                 t = totals[v]

@@ -20,7 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from drafters import FOUR_CATEGORIES, add_run_args, check_variants, make_drafter, parse_variant, prepare  # noqa: E402
+from drafters import (FOUR_CATEGORIES, add_run_args, check_variants, parse_variant, patched_generate,  # noqa: E402
+                      prepare)
 from e2e import encode  # noqa: E402
 
 # ops that launch nothing: views of a tensor's storage and bookkeeping
@@ -55,7 +56,6 @@ def _shares(out, x) -> bool:
 def count_ops(model, tokenizer, questions, variant, functions, max_new_tokens):
     """{function: (calls, computing ops Counter, other ops Counter)} over patched greedy generates of ``questions``
     with a fresh drafter of ``variant`` each (the functions' ops only: each call counted in a mode of its own)."""
-    import fastverify
     import fastverify.hf.loop as loop
     from fastverify.hf.bpd import HeadsDrafter
     kind, options = parse_variant(variant)
@@ -78,14 +78,8 @@ def count_ops(model, tokenizer, questions, variant, functions, max_new_tokens):
         setattr(owners[f], f, counted(f, fn))
     try:
         for q in questions:
-            x = encode(tokenizer, q["prompt"]).to(model.device)
-            fastverify.patch(model, drafter=make_drafter(model, kind, options))
-            try:
-                with torch.inference_mode():
-                    model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                   do_sample=False)
-            finally:
-                fastverify.unpatch(model)
+            patched_generate(model, encode(tokenizer, q["prompt"]).to(model.device), variant, kind, options,
+                             max_new_tokens)
     finally:
         for f, fn in found.items():
             setattr(owners[f], f, fn)

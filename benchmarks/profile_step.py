@@ -24,8 +24,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from drafters import FOUR_CATEGORIES, add_run_args, check_variants, make_drafter, parse_variant, prepare  # noqa: E402
-from e2e import ROOT, _loop_stats, _sync, encode  # noqa: E402
+from drafters import (FOUR_CATEGORIES, add_run_args, check_variants, parse_variant, patched_generate,  # noqa: E402
+                      prepare)
+from e2e import ROOT, encode  # noqa: E402
 
 
 def profile_variant(model, tokenizer, questions, variant, max_new_tokens, torch_tokens):
@@ -33,24 +34,13 @@ def profile_variant(model, tokenizer, questions, variant, max_new_tokens, torch_
     question, then torch.profiler over question 1's first ``torch_tokens`` new tokens (0: none), after a warm-up
     call. The two passes are apart: torch.profiler's events (with a GPU's, each kernel's) over a long run took
     minutes to summarise, and its overhead would land in cProfile's figures."""
-    import fastverify
     from torch.profiler import ProfilerActivity, profile
     kind, options = parse_variant(variant)
     ids = [encode(tokenizer, q["prompt"]).to(model.device) for q in questions]
     totals, steps = {}, 0
 
     def call(x, tokens=max_new_tokens):
-        fastverify.patch(model, drafter=make_drafter(model, kind, options))
-        try:
-            with torch.inference_mode():
-                model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=tokens, do_sample=False)
-            _sync(x.device)
-            stats = _loop_stats(model)
-        finally:
-            fastverify.unpatch(model)
-        if stats is None:
-            raise RuntimeError(f"{variant}: the patched generate fell back to the original one")
-        return stats
+        return patched_generate(model, x, variant, kind, options, tokens)[2]
 
     start = time.perf_counter()
     call(ids[0])  # warm-up: first calls load kernels and fill caches
