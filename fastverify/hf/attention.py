@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.hf.linear import MAX_ROWS, config_of, modules
+from fastverify.ops.cache import cache_layers
 from fastverify.ops.tree import tree_mask
 
 __all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length", "cache_kwargs",
@@ -226,17 +227,9 @@ def cache_pairs(cache) -> list:
     buffered layer's buffers (``_buffered_layer_class``; no view made, and their slots past the layer's length are
     never moved into), another layer's tensors."""
     pairs = []
-    for i, layer in enumerate(_layers(cache)):
-        if getattr(layer, "is_sliding", False):  # (the loop's caches have none: new_cache)
-            raise ValueError(f"cache.layers[{i}]: sliding-window layers are not supported by compact_cache")
-        bufs = getattr(layer, "buffers", None)
-        bufs = bufs() if bufs is not None else None
-        if bufs is None:
-            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.numel()):
-                continue  # not initialised
-            bufs = keys, values
-        pairs.append(bufs)
+    for _, layer, keys, values in cache_layers(cache):  # (sliding windows refused; the loop's caches have none)
+        bufs = layer.buffers() if callable(getattr(layer, "buffers", None)) else None
+        pairs.append(bufs if bufs is not None else (keys, values))
     return pairs
 
 

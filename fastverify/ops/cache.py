@@ -89,9 +89,22 @@ def _compact_layers(pairs, prefix_len, draft_start, accepted, accept_len, backen
                           plen, ds, acc, alen)
         else:
             for k, v in group:
-                dispatch.call("compact_cache", backend, device, k, v, plen, ds, acc, alen)
+                dispatch.call("compact_cache", name, device, k, v, plen, ds, acc, alen)
     first = next(iter(seen.values()), None)
     return (first[0], first[3]) if first is not None else (None, None)
+
+
+def cache_layers(cache):
+    """[(index, layer, keys, values)] of every initialised layer of a transformers DynamicCache (a layer without
+    tensors yet, e.g. under KV sharing, is left out); a sliding-window layer is refused (ValueError)."""
+    out = []
+    for i, layer in enumerate(getattr(cache, "layers", None) or []):
+        if getattr(layer, "is_sliding", False):
+            raise ValueError(f"cache.layers[{i}]: sliding-window layers are not supported by compact_cache")
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.numel():
+            out.append((i, layer, keys, values))
+    return out
 
 
 def compact_cache(cache, prefix_len, draft_start, accepted, accept_len, backend: str = "auto", validate: bool = True):
@@ -124,24 +137,15 @@ def compact_cache(cache, prefix_len, draft_start, accepted, accept_len, backend:
         _compact_layers(cache, prefix_len, draft_start, accepted, accept_len, backend, validate,
                         [f"[{i}]" for i in range(len(cache))])
         return cache
-    layers = getattr(cache, "layers", None)
-    if layers is None:
+    if getattr(cache, "layers", None) is None:
         raise TypeError(f"cache: expected a transformers DynamicCache or a (k, v) pair of tensors, got "
                         f"{type(cache).__name__}")
-    live, names = [], []
-    for i, layer in enumerate(layers):
-        if getattr(layer, "is_sliding", False):
-            raise ValueError(f"cache.layers[{i}]: sliding-window layers are not supported by compact_cache")
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if keys is None or values is None or not isinstance(keys, torch.Tensor) or keys.numel() == 0:
-            continue  # not initialised (e.g. KV sharing)
-        live.append((layer, keys, values))
-        names.append(f".layers[{i}]")
-    plen, alen = _compact_layers([(k, v) for _, k, v in live], prefix_len, draft_start, accepted, accept_len,
-                                 backend, validate, names)
+    live = cache_layers(cache)
+    plen, alen = _compact_layers([(k, v) for _, _, k, v in live], prefix_len, draft_start, accepted, accept_len,
+                                 backend, validate, [f".layers[{i}]" for i, _, _, _ in live])
     if live:
         new_len = int((plen + alen).max()) if plen.numel() else 0
-        for layer, keys, values in live:
+        for _, layer, keys, values in live:
             layer.keys = keys[..., :new_len, :]
             layer.values = values[..., :new_len, :]
     return cache
