@@ -8,7 +8,9 @@ and launches several kernels there) and ops that do not (views; conversions and 
     python benchmarks/op_count.py --variant ngram --functions step_inputs _to_host
 
 A function is ``step_inputs`` or ``_to_host`` (fastverify.hf.loop's), or a HeadsDrafter method (``_sequential_nodes``,
-``_grow_level``, ``_top``, ``observe_hidden``). Prints, per function, its calls and its ops per call by name.
+``_grow_level``, ``_top``, ``observe_hidden``), or ``_level``: one tree level on the fixed buffers of
+``graphs=True`` (fastverify.hf.bpd._LevelGraphs), what a CUDA graph replays in one launch on a GPU (so there the host
+issues ``_sequential_nodes``'s ops less these). Prints, per function, its calls and its ops per call by name.
 """
 
 import argparse
@@ -29,6 +31,7 @@ VIEWS = {"select", "slice", "view", "_unsafe_view", "expand", "alias", "t", "uns
          "detach", "detach_", "resolve_conj", "resolve_neg", "lift_fresh", "split", "split_with_sizes", "unbind"}
 LOOP_FUNCTIONS = ("step_inputs", "_to_host")
 DRAFTER_FUNCTIONS = ("_sequential_nodes", "_grow_level", "_top", "observe_hidden")
+GRAPH_FUNCTIONS = ("_level",)
 
 
 class OpCounter(TorchDispatchMode):
@@ -57,9 +60,10 @@ def count_ops(model, tokenizer, questions, variant, functions, max_new_tokens):
     """{function: (calls, computing ops Counter, other ops Counter)} over patched greedy generates of ``questions``
     with a fresh drafter of ``variant`` each (the functions' ops only: each call counted in a mode of its own)."""
     import fastverify.hf.loop as loop
-    from fastverify.hf.bpd import HeadsDrafter
+    from fastverify.hf.bpd import HeadsDrafter, _LevelGraphs
     kind, options = parse_variant(variant)
-    owners = {f: loop if f in LOOP_FUNCTIONS else HeadsDrafter for f in functions}
+    owners = {f: loop if f in LOOP_FUNCTIONS else _LevelGraphs if f in GRAPH_FUNCTIONS else HeadsDrafter
+              for f in functions}
     found = {f: owners[f].__dict__[f] for f in functions}
     counts = {f: [0, collections.Counter(), collections.Counter()] for f in functions}
 
@@ -90,7 +94,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", default="bpd+ngram", help="a drafter variant, as benchmarks/drafters.py takes it")
     p.add_argument("--functions", nargs="+", default=list(LOOP_FUNCTIONS + DRAFTER_FUNCTIONS[:2]),
-                   choices=LOOP_FUNCTIONS + DRAFTER_FUNCTIONS)
+                   choices=LOOP_FUNCTIONS + DRAFTER_FUNCTIONS + GRAPH_FUNCTIONS)
     add_run_args(p, FOUR_CATEGORIES, "question 1 of each of these categories (default: four unlike ones)")
     args = p.parse_args(argv)
     check_variants(p, [args.variant])

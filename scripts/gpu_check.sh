@@ -28,10 +28,10 @@
 #          bpd+ngram", the n-gram drafter and the shipped heads; E2E8_BATCH=4 for the heads' batch-4 protocol, 5
 #          batches of 4). Needs the carried model.
 #   tune   drafter variants side by side on the tuning questions (question 1 of each category; benchmarks/drafters.py
-#          -> drafters.log, drafters.json): TUNE_VARIANTS, default "ngram ngram:node_cost=0.025 bpd+ngram
-#          bpd+ngram:node_cost=0.11", the drafters' GPU node cost (fastverify.hf.drafters.GPU_NODE_COST, which a
-#          drafter without an explicit node_cost takes on a GPU) against their CPU fits, TUNE_PASSES passes
-#          (default 1). Needs the carried model.
+#          -> drafters.log, drafters.json): TUNE_VARIANTS, default "bpd+ngram bpd+ngram:graphs=False ngram", the
+#          heads' tree levels replayed as CUDA graphs (a HeadsDrafter's default on a GPU) against the same levels
+#          launched op by op, and n-gram fastverify, TUNE_PASSES passes (default 1). Needs the carried model. (The
+#          GPU node cost against the CPU fits, the default until 2026-11-30, ran on an H200 on 2026-11-29.)
 #   profile  where a patched generate's host time goes on the GPU (benchmarks/profile_step.py: cProfile over
 #          question 1 of four categories, torch.profiler over the first 32 new tokens of one, PROFILE_VARIANTS,
 #          default "ngram bpd+ngram", each in a process of its own stopped after PROFILE_SECONDS (default 110) ->
@@ -105,8 +105,10 @@
 #   1. carry p0 and so, timeout_s 120: TEST_FILES="tests/test_heads.py tests/test_eagle.py tests/test_sync_free.py"
 #                               TEST_WORKERS=14 TEST_SECONDS=30 bash scripts/gpu_check.sh build test
 #   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
-#   3. carry p2, timeout_s 260: PROFILE_SECONDS=100 bash scripts/gpu_check.sh profile   (checkpoint ~31 s, then two
-#                               variants, each in its own process, at most 100 s each)
+#   3. carry p2, timeout_s 300: PROFILE_SECONDS=70 bash scripts/gpu_check.sh tune profile   (checkpoint ~31 s;
+#                               tune's default: the heads' tree levels as CUDA graphs, the default on a GPU since
+#                               2026-11-30, against the eager levels, 13 questions, ~90 s; then the two profile
+#                               variants, at most 70 s each)
 #   4. no carry, timeout_s 300: E2E_METHODS=generate bash scripts/gpu_check.sh e2e                  (q 1-3, ~270 s)
 #   5. no carry, timeout_s 300, with >= 290 s left: E2E_OFFSET=3 E2E_METHODS=generate bash scripts/gpu_check.sh e2e
 # Held on an H200 (2026-11-30; 753 s in all): call 1 with the cache tests 75 s of command (110 s held with the
@@ -431,7 +433,7 @@ if has tune; then
     [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --threads 1)
     start=$(date +%s)
     # shellcheck disable=SC2206  # TUNE_VARIANTS is a word list
-    variants=(${TUNE_VARIANTS:-ngram ngram:node_cost=0.025 bpd+ngram bpd+ngram:node_cost=0.11})
+    variants=(${TUNE_VARIANTS:-bpd+ngram bpd+ngram:graphs=False ngram})
     $PY benchmarks/drafters.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
       --out "$OUT/drafters.json" "${variants[@]}" >"$OUT/drafters.log" 2>&1
     echo "tune (drafters side by side): rc=$? in $(( $(date +%s) - start )) s"

@@ -548,6 +548,72 @@ def test_a_level_runs_only_where_its_best_child_can_join_the_cut(model):
     assert levels == [0, 1, 2] and max(len(path) for path, _ in nodes) == 3
 
 
+def _level_trees(model, graphs, device="cpu", steps=4, **options):
+    """The sequential heads' nodes over ``steps`` calls of a batch of 3 in which the drafting requests and their
+    frontiers change from call to call (a request with no hidden state, a budget of 0), and the drafter."""
+    heads = _random_heads(num_heads=3, subset=torch.arange(3, V), sequential=True, ffn_size=2 * D + 3)
+    d = HeadsDrafter(model, heads.requires_grad_(False), width=3, frontier=2, node_cost=1e-3, max_nodes=64,
+                     graphs=graphs, **options)
+    g = torch.Generator().manual_seed(7)
+    out = []
+    d.reset(3)
+    for step in range(steps):
+        hidden = torch.randn(3, D, generator=g).to(device) * (1 + step)
+        active = [step != 1, True, step != 2]
+        d.observe_hidden(hidden, active)
+        contexts = [[4, 5, 17 + step], [9, 23 + step], [30 + step]]
+        out.append(d._sequential_nodes(contexts, [64, 64 if step != 3 else 0, 5], drafting=2))
+        d.candidates = [None] * 3
+    return out, d
+
+
+@pytest.mark.parametrize("score", ["prob", "calibrated"])
+def test_tree_levels_on_fixed_buffers_give_the_eager_trees(model, score):
+    """graphs=True (on a CPU: the levels over the fixed buffers, run eagerly; on a GPU each a CUDA graph) gives every
+    node and estimate of the plain levels, over calls whose drafting requests and frontiers change; the buffers are
+    kept across calls and not captured on a CPU."""
+    calibration = {"bins": [0.0, 0.1, 0.3, 0.6, 1.0], "acceptance": [[0.05, 0.2, 0.5, 0.8]] * 3}
+    options = {"score": score, "calibration": calibration if score == "calibrated" else None}
+    plain, d0 = _level_trees(model, False, **options)
+    fixed, d1 = _level_trees(model, True, **options)
+    assert fixed == plain
+    assert d0._levels is None and d1._levels is not None and not d1._levels.capture
+    assert d1._levels.rows == 2 * 3 and len(d1._levels.state) >= 2  # frontier x batch rows; levels past the first
+    assert any(len(path) >= 2 for nodes in plain for req in nodes for path, _ in req)
+    assert HeadsDrafter(model, _random_heads(sequential=True)).level_graphs is False  # default on a CPU: eager
+    assert HeadsDrafter(model, _random_heads(), graphs=True).level_graphs is False  # parallel heads: one pass
+    with pytest.raises(ValueError, match="graphs"):
+        HeadsDrafter(model, _random_heads(sequential=True), graphs="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_tree_levels_replayed_as_cuda_graphs():
+    """On a GPU (the default there) each depth's level is captured once and replayed: the nodes equal the same
+    levels run eagerly on the same buffers, and greedy output with the heads stays the target's."""
+    model = _tiny().cuda()
+    calibration = {"bins": [0.0, 0.1, 0.3, 0.6, 1.0], "acceptance": [[0.05, 0.2, 0.5, 0.8]] * 3}
+    replayed, d = _level_trees(model, None, device="cuda", score="calibrated", calibration=calibration)
+    assert d.level_graphs and d._levels.capture and len(d._levels.graphs) >= 2
+    eager = HeadsDrafter.__dict__["_level_buffers"]
+
+    def uncaptured(self, batch_size):
+        levels = eager(self, batch_size)
+        levels.capture = False
+        return levels
+    HeadsDrafter._level_buffers = uncaptured
+    try:
+        plain, _ = _level_trees(model, None, device="cuda", score="calibrated", calibration=calibration)
+    finally:
+        HeadsDrafter._level_buffers = eager
+    assert replayed == plain
+    ids, mask = _batch([30], seed=3)
+    drafter = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V), sequential=True, ffn_size=2 * D),
+                           min_gain=0.5, node_cost=0.0, ngram=NGramDrafter())
+    st = assert_greedy_exact(model, drafter, ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40,
+                             pad_token_id=PAD)
+    assert drafter._levels.capture and st.drafted_tokens > 0
+
+
 @pytest.mark.parametrize("sequential,ffn_size", [(False, 0), (True, 0), (False, 2 * D), (True, 2 * D)],
                          ids=["parallel", "sequential", "parallel-ffn", "sequential-ffn"])
 @pytest.mark.parametrize("with_ngram", [False, True], ids=["bpd", "bpd+ngram"])

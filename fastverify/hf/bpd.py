@@ -69,6 +69,7 @@ any other; they change the output (lossy) and are opt-in.
 """
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +111,10 @@ class HeadsDrafter(Drafter):
     model; ngram: an NGramDrafter to merge with (anything with its ``scored_nodes`` and its cost cut, ``cut``), or
     None; ngram_confident: with ngram, a request whose n-gram candidates already expect at least this many accepted
     tokens (the sum of their estimates) skips the heads' pass for the step (None: never); agree: with ngram, the
-    estimate of a node both propose (``merge_scored``: "noisy_or", the default, or "max").
+    estimate of a node both propose (``merge_scored``: "noisy_or", the default, or "max"); graphs: sequential heads:
+    their tree levels over fixed buffers, each depth's level a CUDA graph on a GPU (``_LevelGraphs``: three host
+    calls a level instead of ~17 kernel launches; True on a CPU runs the same buffers eagerly), None (default): on a
+    CUDA device.
 
     With ngram, a request the heads propose nothing for (the first step, whose hidden state the prompt's forward
     has not handed yet; a confident copy) takes the n-gram drafter's own step: its candidates cut by its own cost
@@ -120,6 +124,8 @@ class HeadsDrafter(Drafter):
 
     wants_hidden = True
     agree = "noisy_or"  # how a node both the heads and the n-gram drafter propose is scored (merge_scored)
+    level_graphs = False  # the tree levels over fixed buffers, CUDA graphs on a GPU (option graphs; _LevelGraphs)
+    _levels = None  # their buffers (_level_buffers)
     CPU_NODE_COST = 0.11  # the default node_cost on a CPU (above); on a GPU, GPU_NODE_COST (set_device)
 
     @property
@@ -130,7 +136,7 @@ class HeadsDrafter(Drafter):
     def __init__(self, model, heads: ProposalHeads, *, width: int = 4, max_nodes: int = 16, score: str = "auto",
                  head_acceptance=None, calibration=None, temperature: float = 1.0, fixed_cost: float = 0.1,
                  node_cost: float = None, min_gain: float = 1.0, max_depth: int = None, ngram: Drafter = None,
-                 frontier: int = 4, ngram_confident: float = 1.5, agree: str = "noisy_or"):
+                 frontier: int = 4, ngram_confident: float = 1.5, agree: str = "noisy_or", graphs: bool = None):
         weight = output_projection(model)[0]
         if heads.hidden_size != weight.shape[1]:
             raise ValueError(f"heads: hidden size {heads.hidden_size}, the model's output projection takes "
@@ -151,6 +157,9 @@ class HeadsDrafter(Drafter):
                              for i in range(heads.num_heads)] if heads.sequential else None)
         self.out_weight = ([_lossless(heads.out_weight[i].detach().float()) for i in range(heads.num_heads)]
                            if heads.sequential and heads.out_weight is not None else None)
+        if graphs not in (None, True, False):
+            raise ValueError(f"graphs: expected None, True or False, got {graphs!r}")
+        self.level_graphs = heads.sequential and (self.device.type == "cuda" if graphs is None else bool(graphs))
 
     def _setup(self, model, subset, levels: int, *, width, max_nodes, score, head_acceptance, calibration,
                temperature, fixed_cost, node_cost, min_gain, max_depth, ngram, frontier, ngram_confident):
@@ -303,8 +312,11 @@ class HeadsDrafter(Drafter):
     def _to_host(self, cols: torch.Tensor, scores: torch.Tensor):
         """``_top``'s candidates on the host in one copy (float64 holds every column): (scores, float64 tensor;
         their token ids, nested lists)."""
-        both = torch.cat([scores, cols.double()], -1).cpu()
-        k = cols.shape[-1]
+        return self._from_host(_packed(cols, scores).cpu())
+
+    def _from_host(self, both: torch.Tensor):
+        """``_packed`` candidates on the host [..., 2k] -> (scores [..., k] float64; token ids, nested lists)."""
+        k = both.shape[-1] // 2
         ids = both[..., k:].long()
         return both[..., :k], (ids if self.subset is None else self.subset[ids]).tolist()
 
@@ -370,12 +382,16 @@ class HeadsDrafter(Drafter):
         if not reqs:
             return out
         floor = math.log(self.node_cost * drafting) if self.node_cost > 0 else -math.inf
-        state = self._grow_start(reqs)
+        levels = self._level_buffers(B) if self.level_graphs else None
+        state = self._grow_start(reqs) if levels is None else None
         owner, paths, logp = reqs, [()] * len(reqs), [0.0] * len(reqs)
-        tokens = [contexts[b][-1] for b in reqs]
+        rows, tokens = list(range(len(reqs))), [contexts[b][-1] for b in reqs]
         for d in range(self.depth):
-            state, logits = self._grow_level(d, state, tokens, owner)
-            score, cand = self._to_host(*self._top(logits, d))
+            if levels is None:
+                state, logits = self._grow_level(d, state, tokens, owner)
+                score, cand = self._to_host(*self._top(logits, d))
+            else:
+                score, cand = self._from_host(levels.run(d, rows, tokens, reqs if d == 0 else None))
             score = score.tolist()
             children = {}  # request -> [(log-estimate, path, row)]
             for j, b in enumerate(owner):
@@ -402,6 +418,9 @@ class HeadsDrafter(Drafter):
                     logp.append(lp)
             if not rows:
                 break
+            if levels is not None:
+                tokens = [path[-1] for path in paths]
+                continue
             # the expanded nodes' rows and their tokens in one copy to the device
             sel = torch.tensor([rows, [path[-1] for path in paths]], dtype=torch.int64).to(self.device)
             tokens = sel[1]
@@ -409,6 +428,15 @@ class HeadsDrafter(Drafter):
         for b in reqs:
             out[b] = sorted(out[b], key=lambda item: (-item[1], len(item[0])))[:min(buds[b], self.max_nodes)]
         return out
+
+    def _level_buffers(self, batch_size: int) -> "_LevelGraphs":
+        """The tree levels over fixed buffers for a batch of ``batch_size`` (``level_graphs``): at most ``frontier``
+        expanded nodes per request, so frontier x batch_size rows (level 0's roots fit too). Kept while the batch size
+        is."""
+        rows = self.frontier * batch_size
+        if self._levels is None or self._levels.rows != rows:
+            self._levels = _LevelGraphs(self, rows, capture=self.device.type == "cuda")
+        return self._levels
 
     def _join_logp(self, nodes, drafting: int) -> float:
         """The log of the least estimate with which a node joins the cut of ``nodes`` [(path, estimate)]: ``cut_scored``
@@ -472,6 +500,83 @@ class HeadsDrafter(Drafter):
     def update(self, accepted) -> None:
         if self.ngram is not None:
             self.ngram.update(accepted)
+
+
+def _packed(cols: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``_top``'s candidates as one float64 tensor [..., 2k] (scores, then columns: float64 holds every column), for
+    one copy to the host (``HeadsDrafter._from_host``)."""
+    return torch.cat([scores, cols.double()], -1)
+
+
+class _LevelGraphs:
+    """A HeadsDrafter's tree levels (``_grow_level`` and ``_top`` of its sequential heads) over fixed buffers of
+    ``rows`` rows; capture=True (a CUDA device): each depth's level captured in a CUDA graph at its first use and
+    replayed after.
+
+    Eagerly a level is ~17 small ops, each a kernel launch the host pays for: on an H200 (benchmarks/RESULTS.md) the
+    heads' drafting took 2.5 ms of a 25 ms step, almost all of it the host issuing them. Replayed, a level is three
+    calls: the expanded rows and their tokens copied in (one [2, rows] upload), the replay, and the candidates copied
+    out (``_to_host``'s one copy). Level d takes its rows from level d - 1's output state (graph d reads graph
+    d - 1's buffer, so within a step the levels run in order), level 0 from the roots' hidden rows, copied in. Rows
+    past a level's m real ones repeat row 0's input; nothing reads them. capture=False runs the same levels eagerly
+    on the same buffers, as does a drafter whose capture failed (it warns once)."""
+
+    def __init__(self, drafter: "HeadsDrafter", rows: int, capture: bool):
+        self.drafter, self.rows, self.capture = drafter, rows, capture
+        dev = drafter.device
+        self.root = torch.zeros(rows, drafter.heads.hidden_size, device=dev)
+        self.sel = torch.zeros(drafter.depth, 2, rows, dtype=torch.int64, device=dev)
+        self.state, self.out, self.graphs = [], [], []  # per depth: the level's output buffers, its graph
+        self.pool = None
+
+    def _level(self, d: int):
+        """Level d on the buffers -> (its output state [rows, D], its candidates, ``_packed`` [rows, 2 width])."""
+        x = self.root if d == 0 else self.state[d - 1]
+        state, logits = self.drafter._grow_level(d, x[self.sel[d, 0]], self.sel[d, 1], None)
+        return state, _packed(*self.drafter._top(logits, d))
+
+    def _capture(self, d: int) -> None:
+        """Graph d, captured after one run outside the capture (lazy initialisation: cuBLAS, the scoring tables)."""
+        dev = self.drafter.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self._level(d)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            state, out = self._level(d)
+        self.graphs.append(graph)
+        self.state.append(state)
+        self.out.append(out)
+
+    def run(self, d: int, rows, tokens, roots=None) -> torch.Tensor:
+        """Level d on m = len(tokens) rows: rows (indices into level d - 1's rows; level 0: into the roots), tokens
+        (each row's token: its node's), roots (level 0: the requests whose hidden rows, ``candidates``, are its
+        rows) -> the rows' candidates on the host, ``_packed`` [m, 2 width]."""
+        m, pad = len(tokens), self.rows - len(tokens)
+        if roots is not None:
+            torch.stack([self.drafter.candidates[b] for b in roots], out=self.root[:m])
+        self.sel[d].copy_(torch.tensor([list(rows) + [0] * pad, list(tokens) + [0] * pad], dtype=torch.int64))
+        if self.capture and d == len(self.graphs):
+            try:
+                self._capture(d)
+            except Exception as e:  # noqa: BLE001 - any failure to capture leaves the eager levels, which always run
+                warnings.warn(f"HeadsDrafter: the tree levels' CUDA graph failed to capture ({type(e).__name__}: "
+                              f"{e}); the levels run eagerly")
+                self.capture = False
+        if self.capture:
+            self.graphs[d].replay()
+        else:
+            state, out = self._level(d)
+            if d < len(self.state):
+                self.state[d], self.out[d] = state, out
+            else:
+                self.state.append(state)
+                self.out.append(out)
+        return self.out[d][:m].cpu()
 
 
 def load_drafter(name_or_path: str, model, *, ngram=False, heads=None, **options) -> Drafter:
