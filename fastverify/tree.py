@@ -83,11 +83,15 @@ class Tree:
             for p in self.parents.tolist():
                 d.append(1 if p < 0 else d[p] + 1)
             self._depth = torch.tensor(d, dtype=torch.int32)
+            self._max_depth = max(d, default=0)
         return self._depth
 
     @property
     def max_depth(self) -> int:
-        return int(self.depth.max()) if len(self) else 0
+        """The deepest node's depth (0: no nodes), counted with ``depth`` (the loop reads it several times a step)."""
+        if self._depth is None:
+            self.depth
+        return self._max_depth
 
     @property
     def children(self) -> list:

@@ -82,8 +82,12 @@ def device_node_cost(device, cpu_cost: float) -> float:
     return float(cpu_cost) if torch.device(device).type == "cpu" else GPU_NODE_COST
 
 
+_NO_TOKENS, _NO_PARENTS = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)
+
+
 def empty_tree() -> Tree:
-    return Tree(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32), validate=False)
+    """A tree of no nodes (its tensors, of no elements, shared by every empty tree: nothing to write in them)."""
+    return Tree(_NO_TOKENS, _NO_PARENTS, validate=False)
 
 
 def _conditionals(nodes):
