@@ -376,11 +376,12 @@ class _Recorder(Drafter):
         self.log.append((hidden.clone(), list(active)))
 
 
-@pytest.mark.parametrize("silent", [(), (1,)], ids=["all-draft", "one-silent"])
-def test_hidden_state_handed_to_drafter_equals_plain_forward(model, silent):
+@pytest.mark.parametrize("lengths,silent", [([30, 22, 26], ()), ([30, 22, 26], (1,)), ([30], ())],
+                         ids=["all-draft", "one-silent", "batch1"])
+def test_hidden_state_handed_to_drafter_equals_plain_forward(model, lengths, silent):
     """Also where request 1 drafts nothing: its rows pad to the others' trees and the loop computes the verify rows
     only (fastverify.hf.layers.LiveRows); the hidden states are read in the padded layout all the same."""
-    ids, mask = _batch([30, 22, 26])
+    ids, mask = _batch(lengths)
     drafter = _Recorder(silent)
     out, st = patched_generate(model, drafter, ids, attention_mask=mask,
                                max_new_tokens=24, do_sample=False, pad_token_id=PAD)
@@ -393,9 +394,9 @@ def test_hidden_state_handed_to_drafter_equals_plain_forward(model, silent):
     h = model.get_output_embeddings().register_forward_hook(lambda m, a, o: captured.__setitem__("h", a[0]))
     L = ids.shape[1]
     try:
-        new_counts = [0] * 3
+        new_counts = [0] * len(lengths)
         for s, (hidden, active) in enumerate(drafter.log):
-            for b in range(3):
+            for b in range(len(lengths)):
                 if not active[b]:
                     continue
                 acc = st.accepted[s][b]

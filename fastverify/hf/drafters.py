@@ -194,7 +194,8 @@ class Drafter:
     wants_path_hidden = False  # and True: observe_path (every accepted row's hidden state) instead
 
     def observe_hidden(self, hidden, active) -> None:
-        pass
+        """hidden [B, D]: the target's final hidden state at the row that gave each request's next token (it may
+        view the forward's own rows: copy what is kept past the call); active: B bools (False: finished)."""
 
     # Opt-in: a drafter that knows its own confidence defines ``confident_prefix(trees, roots, beta) -> [int] * B``
     # (roots: each request's last committed token), the number of leading nodes of each tree's first path it

@@ -967,16 +967,15 @@ class Decoder:
         path = getattr(self.drafter, "wants_path_hidden", False)
         # per request its output rows (0: the root, 1 + j: draft node j): the whole accepted path, or its end
         local = [[0] + [1 + j for j in accepted[b][:max(accept_len[b], 0)]] for b in range(self.B)]
-        if not path:
-            local = [rows[-1:] for rows in local]
+        value, self.hidden.value = self.hidden.value, None
+        if not path:  # each path's end: views of the forward's rows (batch 1: no op; the drafter copies what it keeps)
+            ends = [value[b, rows[-1]] for b, rows in enumerate(local)]
+            self.drafter.observe_hidden(ends[0][None] if self.B == 1 else torch.stack(ends), active)
+            return
         where = torch.tensor([[b for b, rows in enumerate(local) for _ in rows], [r for rows in local for r in rows]],
                              dtype=torch.int64).to(inp.row_batch.device)
-        hidden = self.hidden.value[where[0], where[1]]  # one copy of the (request, row) pairs to the device
-        self.hidden.value = None
-        if path:
-            self.drafter.observe_path(list(hidden.split([len(rows) for rows in local])), active)
-        else:
-            self.drafter.observe_hidden(hidden, active)
+        hidden = value[where[0], where[1]]  # one copy of the (request, row) pairs to the device
+        self.drafter.observe_path(list(hidden.split([len(rows) for rows in local])), active)
 
     def close(self):
         if self.hidden is not None:
