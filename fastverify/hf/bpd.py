@@ -536,18 +536,24 @@ class _LevelGraphs:
         return state, _packed(*self.drafter._top(logits, d))
 
     def _capture(self, d: int) -> None:
-        """Graph d, captured after one run outside the capture (lazy initialisation: cuBLAS, the scoring tables)."""
+        """Graph d, captured on a side stream after one run there outside the capture (lazy initialisation: cuBLAS,
+        the scoring tables). Through capture_begin / capture_end: ``torch.cuda.graph`` would also synchronise the
+        device, collect Python's garbage and empty the allocator's cache at every capture (a fresh drafter captures
+        its levels within its first generate)."""
         dev = self.drafter.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            self._level(d)
-        torch.cuda.current_stream(dev).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            state, out = self._level(d)
+        with torch.cuda.stream(side):
+            self._level(d)
+            graph.capture_begin(self.pool)
+            try:
+                state, out = self._level(d)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(dev).wait_stream(side)
         self.graphs.append(graph)
         self.state.append(state)
         self.out.append(out)
