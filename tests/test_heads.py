@@ -7,6 +7,7 @@
 - greedy output with heads (alone and merged with n-gram trees) equals the model's own generate, batch 1 and 3.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -585,6 +586,67 @@ def test_tree_levels_on_fixed_buffers_give_the_eager_trees(model, score):
     assert HeadsDrafter(model, _random_heads(), graphs=True).level_graphs is False  # parallel heads: one pass
     with pytest.raises(ValueError, match="graphs"):
         HeadsDrafter(model, _random_heads(sequential=True), graphs="yes")
+
+
+class _StandInGraph:
+    """torch.cuda.CUDAGraph's part that _LevelGraphs uses, on the CPU: between capture_begin and capture_end it
+    records the level that runs and the output tensors it made; replay runs that level again and writes its results
+    into those tensors in place, as a CUDA graph writes its static outputs."""
+
+    recording = None
+
+    def capture_begin(self, pool=None):
+        _StandInGraph.recording = self
+
+    def capture_end(self):
+        _StandInGraph.recording = None
+
+    def replay(self):
+        state, out = self.level(self.levels, self.depth)
+        self.outputs[0].copy_(state)
+        self.outputs[1].copy_(out)
+
+
+def test_tree_levels_capture_path_with_a_stand_in_graph(model, monkeypatch):
+    """The capture path's own code on the CPU (what a GPU run would otherwise be the first to execute), with
+    torch.cuda's stream and graph calls stood in for: each depth is captured once, at its first use, then replayed
+    in place, each level reading the buffers the previous replay wrote; the nodes equal the plain levels'."""
+    from fastverify.hf import bpd
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    level = bpd._LevelGraphs._level
+
+    def recorded(self, d):
+        outputs = level(self, d)
+        graph = _StandInGraph.recording
+        if graph is not None:
+            graph.level, graph.levels, graph.depth, graph.outputs = level, self, d, outputs
+        return outputs
+
+    monkeypatch.setattr(bpd._LevelGraphs, "_level", recorded)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _StandInGraph)
+    buffers = bpd.HeadsDrafter._level_buffers
+
+    def captured(self, batch_size):
+        levels = buffers(self, batch_size)
+        levels.capture = True
+        return levels
+    monkeypatch.setattr(bpd.HeadsDrafter, "_level_buffers", captured)
+    plain, _ = _level_trees(model, False)
+    replayed, d = _level_trees(model, True)
+    assert replayed == plain
+    assert len(d._levels.graphs) == len(d._levels.state) >= 2 and d._levels.capture
+    assert all(isinstance(g, _StandInGraph) for g in d._levels.graphs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
