@@ -668,7 +668,12 @@ def test_tree_levels_replayed_as_cuda_graphs():
         plain, _ = _level_trees(model, None, device="cuda", score="calibrated", calibration=calibration)
     finally:
         HeadsDrafter._level_buffers = eager
-    assert replayed == plain
+    # the same kernels on the same shapes: the same nodes (estimates compared to float32's precision)
+    assert [[[path for path, _ in req] for req in step] for step in replayed] == \
+        [[[path for path, _ in req] for req in step] for step in plain]
+    for a, b in zip(replayed, plain):
+        for ra, rb in zip(a, b):
+            assert all(math.isclose(pa, pb, rel_tol=1e-5) for (_, pa), (_, pb) in zip(ra, rb))
     ids, mask = _batch([30], seed=3)
     drafter = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V), sequential=True, ffn_size=2 * D),
                            min_gain=0.5, node_cost=0.0, ngram=NGramDrafter())
