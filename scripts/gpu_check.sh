@@ -3,7 +3,7 @@
 # place, run every CUDA and Triton test on the GPU, time the GPU backends and run the end-to-end benchmark there.
 #
 #   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [heads] [gad] [lud] [ptp] [e2e] [e2e8] [tune]
-#                             [sampling] [profile] [parts] [dry]
+#                             [levels] [sampling] [profile] [parts] [dry]
 #                                                                            (default: build test bench)
 #
 #   build  pip install -e . with the CUDA kernels (16 jobs; 46-80 s on the H100 machine). A later step that finds
@@ -32,6 +32,10 @@
 #          heads' tree levels replayed as CUDA graphs (a HeadsDrafter's default on a GPU) against the same levels
 #          launched op by op, and n-gram fastverify, TUNE_PASSES passes (default 1). Needs the carried model. (The
 #          GPU node cost against the CPU fits, the default until 2026-11-30, ran on an H200 on 2026-11-29.)
+#   levels the proposal heads' tree alone, its levels launched op by op against the same levels as CUDA graphs
+#          (benchmarks/heads_levels.py: the drafting calls of patched generates of question 1 of four categories,
+#          replayed to each; ms per call and per level, the nodes compared -> levels.log). Needs the carried model;
+#          estimated at ~40 s with the model's checkpoint made.
 #   profile  where a patched generate's host time goes on the GPU (benchmarks/profile_step.py: cProfile over
 #          question 1 of four categories, torch.profiler over the first 32 new tokens of one, PROFILE_VARIANTS,
 #          default "ngram bpd+ngram", each in a process of its own stopped after PROFILE_SECONDS (default 110) ->
@@ -105,10 +109,10 @@
 #   1. carry p0 and so, timeout_s 120: TEST_FILES="tests/test_heads.py tests/test_eagle.py tests/test_sync_free.py"
 #                               TEST_WORKERS=14 TEST_SECONDS=30 bash scripts/gpu_check.sh build test
 #   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
-#   3. carry p2, timeout_s 300: PROFILE_SECONDS=70 bash scripts/gpu_check.sh tune profile   (checkpoint ~31 s;
-#                               tune's default: the heads' tree levels as CUDA graphs, the default on a GPU since
-#                               2026-11-30, against the eager levels, 13 questions, ~90 s; then the two profile
-#                               variants, at most 70 s each)
+#   3. carry p2, timeout_s 300: PROFILE_SECONDS=60 bash scripts/gpu_check.sh levels tune profile   (checkpoint
+#                               ~31 s; levels ~40 s: the heads' tree, eager against CUDA graphs, the default on a GPU
+#                               since 2026-11-30; tune's default, the same end to end with n-gram fastverify beside,
+#                               13 questions, ~90 s; then the two profile variants, at most 60 s each)
 #   4. no carry, timeout_s 300: E2E_METHODS=generate bash scripts/gpu_check.sh e2e                  (q 1-3, ~270 s)
 #   5. no carry, timeout_s 300, with >= 290 s left: E2E_OFFSET=3 E2E_METHODS=generate bash scripts/gpu_check.sh e2e
 # Held on an H200 (2026-11-30; 753 s in all): call 1 with the cache tests 75 s of command (110 s held with the
@@ -440,6 +444,20 @@ if has tune; then
     grep -E "^\||per category|identical|Error" "$OUT/drafters.log" | cut -c1-400
   else
     echo "tune: skipped"
+  fi
+fi
+
+if has levels; then
+  if e2e_prepare; then
+    dev=cuda; one=()
+    [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --passes 1 --threads 1)
+    start=$(date +%s)
+    $PY benchmarks/heads_levels.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
+      >"$OUT/levels.log" 2>&1
+    echo "levels (the heads' tree, eager against CUDA graphs): rc=$? in $(( $(date +%s) - start )) s"
+    grep -E "^\||recorded|Error" "$OUT/levels.log" | cut -c1-300
+  else
+    echo "levels: skipped"
   fi
 fi
 

@@ -431,6 +431,27 @@ def test_op_count_counts_the_functions_ops(smollm2):
     assert counts["_top"][0] == calls and counts["_top"][1]["topk"] == calls
 
 
+def test_heads_levels_replays_the_recorded_calls(smollm2):
+    # benchmarks/heads_levels.py: the heads' drafting calls of a patched generate, recorded, then replayed to the
+    # levels op by op and on the fixed buffers: the same nodes, the levels counted once each; the method restored
+    from fastverify.hf.bpd import HeadsDrafter
+    bench = _bench("heads_levels")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--passes", "0"])
+    model, tok = smollm2
+    questions = [{"question_id": 0, "category": "a", "prompt": PROMPTS[0]}]
+    before = HeadsDrafter._sequential_nodes
+    calls = bench.record_calls(model, tok, questions, 16, 0.01)
+    assert HeadsDrafter._sequential_nodes is before and calls
+    e2e = _e2e()
+    results = [bench.replay(e2e.heads_drafter(model, "bpd+ngram", None, {"options": {"node_cost": 0.01,
+                                                                                    "graphs": graphs}}), calls, 1)
+               for graphs in (False, True)]
+    (s0, levels0, nodes0), (s1, levels1, nodes1) = results
+    assert s0 > 0 and s1 > 0 and levels0 == levels1 >= 1
+    assert all(bench.same_nodes(a, b) for a, b in zip(nodes0, nodes1)) and len(nodes0) == len(calls)
+
+
 def test_e2e_eagle_methods_need_a_checkpoint(capsys):
     e2e = _e2e()
     with pytest.raises(SystemExit):
