@@ -52,7 +52,7 @@ def record_calls(model, tokenizer, questions, max_new_tokens, node_cost):
 
 def replay(drafter, calls, passes):
     """(seconds per call, levels per call, each call's nodes) of ``drafter`` over the recorded calls, ``passes`` times
-    after one untimed pass (the first use of a depth captures its graph)."""
+    after one untimed pass (in which a depth used three times is captured on a GPU)."""
     from fastverify.hf.bpd import HeadsDrafter
     levels = [0]
     grow = HeadsDrafter._grow_level

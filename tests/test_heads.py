@@ -550,7 +550,7 @@ def test_a_level_runs_only_where_its_best_child_can_join_the_cut(model):
     assert levels == [0, 1, 2] and max(len(path) for path, _ in nodes) == 3
 
 
-def _level_trees(model, graphs, device="cpu", steps=4, **options):
+def _level_trees(model, graphs, device="cpu", steps=8, **options):
     """The sequential heads' nodes over ``steps`` calls of a batch of 3 in which the drafting requests and their
     frontiers change from call to call (a request with no hidden state, a budget of 0), and the drafter."""
     heads = _random_heads(num_heads=3, subset=torch.arange(3, V), sequential=True, ffn_size=2 * D + 3)
@@ -609,7 +609,7 @@ class _StandInGraph:
 
 def test_tree_levels_capture_path_with_a_stand_in_graph(model, monkeypatch):
     """The capture path's own code on the CPU (what a GPU run would otherwise be the first to execute), with
-    torch.cuda's stream and graph calls stood in for: each depth is captured once, at its first use, then replayed
+    torch.cuda's stream and graph calls stood in for: each depth is captured once, at its third use, then replayed
     in place, each level reading the buffers the previous replay wrote; the nodes equal the plain levels'."""
     from fastverify.hf import bpd
 
@@ -645,8 +645,11 @@ def test_tree_levels_capture_path_with_a_stand_in_graph(model, monkeypatch):
     plain, _ = _level_trees(model, False)
     replayed, d = _level_trees(model, True)
     assert replayed == plain
-    assert len(d._levels.graphs) == len(d._levels.state) >= 2 and d._levels.capture
-    assert all(isinstance(g, _StandInGraph) for g in d._levels.graphs)
+    levels = d._levels
+    assert levels.capture and all(isinstance(g, _StandInGraph) for g in levels.graphs)
+    # a depth is captured at its third use (its first two run eagerly), and only then
+    assert len(levels.graphs) == sum(u > levels.EAGER_USES for u in levels.uses) >= 2
+    assert len(levels.state) == sum(u > 0 for u in levels.uses)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -656,7 +659,8 @@ def test_tree_levels_replayed_as_cuda_graphs():
     model = _tiny().cuda()
     calibration = {"bins": [0.0, 0.1, 0.3, 0.6, 1.0], "acceptance": [[0.05, 0.2, 0.5, 0.8]] * 3}
     replayed, d = _level_trees(model, None, device="cuda", score="calibrated", calibration=calibration)
-    assert d.level_graphs and d._levels.capture and len(d._levels.graphs) >= 2
+    assert d.level_graphs and d._levels.capture
+    assert len(d._levels.graphs) == sum(u > d._levels.EAGER_USES for u in d._levels.uses) >= 2
     eager = HeadsDrafter.__dict__["_level_buffers"]
 
     def uncaptured(self, batch_size):

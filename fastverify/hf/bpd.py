@@ -510,8 +510,9 @@ def _packed(cols: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 
 class _LevelGraphs:
     """A HeadsDrafter's tree levels (``_grow_level`` and ``_top`` of its sequential heads) over fixed buffers of
-    ``rows`` rows; capture=True (a CUDA device): each depth's level captured in a CUDA graph at its first use and
-    replayed after.
+    ``rows`` rows; capture=True (a CUDA device): each depth's level captured in a CUDA graph at its third use and
+    replayed after (the first ``EAGER_USES`` run eagerly on the buffers: a generate whose heads run a level once or
+    twice, a prompt the n-gram drafter copies, pays no capture).
 
     Eagerly a level is ~17 small ops, each a kernel launch the host pays for: on an H200 (benchmarks/RESULTS.md) the
     heads' drafting took 2.5 ms of a 25 ms step, almost all of it the host issuing them. Replayed, a level is three
@@ -521,13 +522,23 @@ class _LevelGraphs:
     past a level's m real ones repeat row 0's input; nothing reads them. capture=False runs the same levels eagerly
     on the same buffers, as does a drafter whose capture failed (it warns once)."""
 
+    EAGER_USES = 2
+
     def __init__(self, drafter: "HeadsDrafter", rows: int, capture: bool):
         self.drafter, self.rows, self.capture = drafter, rows, capture
         dev = drafter.device
         self.root = torch.zeros(rows, drafter.heads.hidden_size, device=dev)
         self.sel = torch.zeros(drafter.depth, 2, rows, dtype=torch.int64, device=dev)
-        self.state, self.out, self.graphs = [], [], []  # per depth: the level's output buffers, its graph
+        self.state, self.out = [], []  # per depth: the level's last outputs (a graph's: its static outputs)
+        self.graphs, self.uses = [], [0] * drafter.depth  # the graphs of depths 0, 1, ...; each depth's runs
         self.pool = None
+
+    def _keep(self, d: int, state, out) -> None:
+        if d < len(self.state):
+            self.state[d], self.out[d] = state, out
+        else:
+            self.state.append(state)
+            self.out.append(out)
 
     def _level(self, d: int):
         """Level d on the buffers -> (its output state [rows, D], its candidates, ``_packed`` [rows, 2 width])."""
@@ -555,8 +566,7 @@ class _LevelGraphs:
                 graph.capture_end()
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graphs.append(graph)
-        self.state.append(state)
-        self.out.append(out)
+        self._keep(d, state, out)
 
     def run(self, d: int, rows, tokens, roots=None) -> torch.Tensor:
         """Level d on m = len(tokens) rows: rows (indices into level d - 1's rows; level 0: into the roots), tokens
@@ -566,22 +576,18 @@ class _LevelGraphs:
         if roots is not None:
             torch.stack([self.drafter.candidates[b] for b in roots], out=self.root[:m])
         self.sel[d].copy_(torch.tensor([list(rows) + [0] * pad, list(tokens) + [0] * pad], dtype=torch.int64))
-        if self.capture and d == len(self.graphs):
+        self.uses[d] += 1
+        if self.capture and d == len(self.graphs) and self.uses[d] > self.EAGER_USES:  # (depths in order)
             try:
                 self._capture(d)
             except Exception as e:  # noqa: BLE001 - any failure to capture leaves the eager levels, which always run
                 warnings.warn(f"HeadsDrafter: the tree levels' CUDA graph failed to capture ({type(e).__name__}: "
                               f"{e}); the levels run eagerly")
                 self.capture = False
-        if self.capture:
+        if self.capture and d < len(self.graphs):
             self.graphs[d].replay()
         else:
-            state, out = self._level(d)
-            if d < len(self.state):
-                self.state[d], self.out[d] = state, out
-            else:
-                self.state.append(state)
-                self.out.append(out)
+            self._keep(d, *self._level(d))
         return self.out[d][:m].cpu()
 
 
