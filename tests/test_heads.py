@@ -588,6 +588,17 @@ def test_tree_levels_on_fixed_buffers_give_the_eager_trees(model, score):
         HeadsDrafter(model, _random_heads(sequential=True), graphs="yes")
 
 
+def test_greedy_exact_with_level_buffers_across_batch_sizes(model):
+    """One drafter on the fixed buffers (graphs=True) through generates of batch 1, 3 and 1 again: the buffers follow
+    the batch size, the outputs are the model's own."""
+    drafter = HeadsDrafter(model, _random_heads(subset=torch.arange(3, V), sequential=True, ffn_size=2 * D),
+                           min_gain=0.5, node_cost=0.0, ngram=NGramDrafter(), graphs=True)
+    for lengths in ([30], [30, 18, 25], [22]):
+        ids, mask = _batch(lengths, seed=5)
+        st = assert_greedy_exact(model, drafter, ids, attention_mask=mask, max_new_tokens=24, pad_token_id=PAD)
+        assert st.drafted_tokens > 0 and drafter._levels.rows == drafter.frontier * len(lengths)
+
+
 class _StandInGraph:
     """torch.cuda.CUDAGraph's part that _LevelGraphs uses, on the CPU: between capture_begin and capture_end it
     records the level that runs and the output tensors it made; replay runs that level again and writes its results
