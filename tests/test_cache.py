@@ -269,6 +269,35 @@ def test_layers_in_one_call(backend, dtype, monkeypatch):
     assert calls == ["compact_cache_layers", "compact_cache"]  # 3 layers of one S in one call; the fourth alone
 
 
+@pytest.mark.parametrize("depth", [5, 24], ids=["staged", "long-paths"])
+@pytest.mark.parametrize("backend", LAYER_BACKENDS)
+def test_many_layers_of_mixed_rows_in_one_call(backend, depth):
+    """More tensors than one CUDA launch takes (its kernel moves up to 32 tensors of one word size per launch): 24
+    layers, 36 tensors whose rows are 16-byte words and 12 whose rows are not (3 float16 elements, moved element by
+    element), one key in every four a non-contiguous view; paths within and past the 16 moves the kernel stages in
+    registers (past them each tensor uses its own scratch)."""
+    dev = device_of(backend)
+    rng = random.Random(depth)
+    B, P, n = 2, 6, 30
+    S = P + n
+    prefix_len = torch.tensor([6, 3], dtype=torch.int32)
+    accepted, accept_len = random_accepts(B, n, depth, rng)
+    accept_len[0] = depth
+    accepted[0] = torch.tensor(sorted(rng.sample(range(n), depth)), dtype=torch.int32)
+    layers, expected = [], []
+    for i in range(24):
+        k = torch.randn(B, 2, S, 8 * (1 + i % 3)).half()
+        v = torch.randn(B, 1 + i % 3, S, 8 if i % 2 else 3).half()
+        if i % 4 == 3:  # slots strided apart (a view of a larger buffer)
+            k = torch.randn(B, 2, 2 * S, 8).half()[:, :, ::2]
+        expected.append((python_compact(k, prefix_len, P, accepted, accept_len),
+                         python_compact(v, prefix_len, P, accepted, accept_len)))
+        layers.append((k.to(dev), v.to(dev)))
+    compact_cache(layers, prefix_len.to(dev), P, accepted.to(dev), accept_len.to(dev), backend=backend)
+    for (k, v), (ek, ev) in zip(layers, expected):
+        assert torch.equal(k.cpu(), ek) and torch.equal(v.cpu(), ev)
+
+
 @pytest.mark.parametrize("backend", [b for b in LAYER_BACKENDS if b.values[0] != "torch"])
 def test_layers_op_checks_itself(backend):
     dev = device_of(backend)

@@ -88,29 +88,47 @@ __global__ void _tree_positions_kernel(const int32_t* __restrict__ parents, cons
   }
 }
 
-// compact_cache on one tensor [B, H, S, D] with arbitrary strides, elements moved as raw bits in words (Word has
-// the element's size, or 16 bytes where the rows and strides allow: compact_one), D words per row. One thread per
-// (b, h, word d) first gathers the sources of all of request b's moves, then writes them to their destinations: the
+// compact_cache on tensors [B, H, S, D] with arbitrary strides, one launch for up to kBatchTensors of them (a
+// cache's layers: blockIdx.y picks the tensor), elements moved as raw bits in words (Word has the element's size, or
+// 16 bytes where the rows and strides allow: prepare_compact), D words per row. One thread per (b, h, word d) of its
+// tensor first gathers the sources of all of request b's moves, then writes them to their destinations: the
 // reference's gather-then-write semantics, so overlapping source and destination slots are handled, without any
 // synchronisation between threads (each thread touches only its own word of every slot). Up to kStagedRows moves are
-// staged in registers (STAGED); more go through the thread's own column of `scratch`
+// staged in registers (STAGED); more go through the thread's own column of its tensor's `scratch`
 // [max_depth, B * H * D]. Moves whose slots fall outside [0, S) are skipped (the Python layer rejects them before
 // launching).
 constexpr int kStagedRows = 16;
+constexpr int kBatchTensors = 32;  // 32 x 64 bytes of kernel parameters
+
+struct CompactTensor {
+  void* data;
+  void* scratch;  // (not STAGED) [max_depth, total] words
+  int64_t total;  // B * H * D words
+  int64_t sB, sH, sS, sD;  // strides in words
+  int H, D;  // heads, words per row
+};
+
+struct CompactBatch {
+  CompactTensor t[kBatchTensors];
+};
 
 template <typename Word, bool STAGED>
 __global__ void __launch_bounds__(256)
-    _compact_cache_kernel(Word* __restrict__ cache, int B, int H, int64_t S, int D, int64_t sB, int64_t sH,
-                          int64_t sS, int64_t sD, const int32_t* __restrict__ prefix_len, int64_t draft_start,
-                          const int32_t* __restrict__ accepted, int max_depth, const int32_t* __restrict__ accept_len,
-                          Word* __restrict__ scratch) {
-  const int64_t total = static_cast<int64_t>(B) * H * D;
+    _compact_cache_kernel(const CompactBatch batch, int64_t S, const int32_t* __restrict__ prefix_len,
+                          int64_t draft_start, const int32_t* __restrict__ accepted, int max_depth,
+                          const int32_t* __restrict__ accept_len) {
+  const CompactTensor& t = batch.t[blockIdx.y];
+  Word* cache = static_cast<Word*>(t.data);
+  Word* scratch = static_cast<Word*>(t.scratch);
+  const int64_t total = t.total;
+  const int H = t.H, D = t.D;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int d = static_cast<int>(idx % D);
     const int h = static_cast<int>((idx / D) % H);
     const int b = static_cast<int>(idx / (static_cast<int64_t>(D) * H));
-    Word* base = cache + b * sB + h * sH + d * sD;
+    Word* base = cache + b * t.sB + h * t.sH + d * t.sD;
+    const int64_t sS = t.sS;
     const int len = min(accept_len[b], max_depth);
     const int32_t* acc = accepted + static_cast<int64_t>(b) * max_depth;
     const int64_t dst0 = prefix_len[b];
@@ -257,40 +275,53 @@ at::Tensor tree_positions_cuda(const at::Tensor& parents, const at::Tensor& cu_n
   return out;
 }
 
-void compact_one(const at::Tensor& cache, const at::Tensor& prefix_len, int64_t draft_start, const at::Tensor& accepted,
-                 const at::Tensor& accept_len) {
-  const int B = static_cast<int>(cache.size(0)), H = static_cast<int>(cache.size(1));
-  const int64_t S = cache.size(2), es = cache.element_size();
-  // Words of 16 bytes where a row is contiguous and every row starts 16-byte aligned; else one element per word.
-  int64_t D = cache.size(3), st[4] = {cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3)}, ws = es;
+// One tensor's launch record: its words of 16 bytes where a row is contiguous and every row starts 16-byte aligned,
+// else of one element (word_size: the returned words' size in bytes).
+CompactTensor prepare_compact(const at::Tensor& cache, int64_t& word_size) {
+  const int64_t es = cache.element_size();
+  int64_t D = cache.size(3), st[4] = {cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3)};
+  word_size = es;
   const bool vec = D > 0 && st[3] == 1 && (D * es) % 16 == 0 && (st[0] * es) % 16 == 0 && (st[1] * es) % 16 == 0 &&
                    (st[2] * es) % 16 == 0 && reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0;
   if (vec) {
-    ws = 16;
+    word_size = 16;
     D = D * es / 16;
     for (int i = 0; i < 3; ++i) st[i] = st[i] * es / 16;
   }
-  const int64_t total = static_cast<int64_t>(B) * H * D;
-  if (total == 0 || accepted.size(1) == 0) return;
-  const unsigned grid = grid_for(total, kThreads);
+  TORCH_CHECK(word_size == 1 || word_size == 2 || word_size == 4 || word_size == 8 || word_size == 16,
+              "compact_cache: unsupported element size ", es);
+  CompactTensor t{};
+  t.data = cache.data_ptr();
+  t.H = static_cast<int>(cache.size(1));
+  t.D = static_cast<int>(D);
+  t.total = cache.size(0) * cache.size(1) * D;
+  t.sB = st[0];
+  t.sH = st[1];
+  t.sS = st[2];
+  t.sD = st[3];
+  return t;
+}
+
+// One launch over `count` tensors of words of `word_size` bytes (blockIdx.y: the tensor).
+void launch_compact(const CompactBatch& batch, int count, int64_t word_size, int64_t S, const at::Tensor& prefix_len,
+                    int64_t draft_start, const at::Tensor& accepted, const at::Tensor& accept_len) {
+  int64_t most = 0;
+  for (int i = 0; i < count; ++i) most = std::max(most, batch.t[i].total);
+  if (count == 0 || most == 0) return;
+  const dim3 grid(grid_for(most, kThreads), static_cast<unsigned>(count));
   auto stream = at::cuda::getCurrentCUDAStream();
   const int max_depth = static_cast<int>(accepted.size(1));
   const bool staged = max_depth <= kStagedRows;
-  // Per-thread gather space for more moves than the registers stage (moved as raw bits).
-  at::Tensor scratch;
-  if (!staged) scratch = at::empty({max_depth, total * ws}, cache.options().dtype(at::kByte));
 #define FV_LAUNCH_COMPACT(WORD)                                                                                     \
   (staged ? _compact_cache_kernel<WORD, true> : _compact_cache_kernel<WORD, false>)<<<grid, kThreads, 0, stream>>>(  \
-      reinterpret_cast<WORD*>(cache.data_ptr()), B, H, S, static_cast<int>(D), st[0], st[1], st[2], st[3],          \
-      prefix_len.data_ptr<int32_t>(), draft_start, accepted.data_ptr<int32_t>(), max_depth,                         \
-      accept_len.data_ptr<int32_t>(), staged ? nullptr : reinterpret_cast<WORD*>(scratch.data_ptr()))
-  switch (ws) {
+      batch, S, prefix_len.data_ptr<int32_t>(), draft_start, accepted.data_ptr<int32_t>(), max_depth,              \
+      accept_len.data_ptr<int32_t>())
+  switch (word_size) {
     case 1: FV_LAUNCH_COMPACT(uint8_t); break;
     case 2: FV_LAUNCH_COMPACT(uint16_t); break;
     case 4: FV_LAUNCH_COMPACT(uint32_t); break;
     case 8: FV_LAUNCH_COMPACT(uint64_t); break;
-    case 16: FV_LAUNCH_COMPACT(uint4); break;
-    default: TORCH_CHECK(false, "compact_cache: unsupported element size ", es);
+    default: FV_LAUNCH_COMPACT(uint4); break;  // 16 (prepare_compact allows no other size)
   }
 #undef FV_LAUNCH_COMPACT
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -334,8 +365,8 @@ void check_cache_pair(const at::Tensor& k0, const at::Tensor& k, const at::Tenso
               v.sizes());
 }
 
-// compact_cache over every layer of a cache in one call: the arguments checked once, two launches per layer from
-// here (no Python between them).
+// compact_cache over every layer of a cache in one call: the arguments checked once, then one launch for every
+// kBatchTensors tensors of one word size (no Python between them).
 void compact_cache_layers_cuda(at::TensorList k, at::TensorList v, const at::Tensor& prefix_len, int64_t draft_start,
                                const at::Tensor& accepted, const at::Tensor& accept_len) {
   TORCH_CHECK(k.size() == v.size(), "k, v: expected as many value tensors as key tensors, got ", k.size(), " and ",
@@ -346,12 +377,41 @@ void compact_cache_layers_cuda(at::TensorList k, at::TensorList v, const at::Ten
   for (size_t i = 0; i < k.size(); ++i) check_cache_pair(k[0], k[i], v[i]);
   check_compact_args(k[0], prefix_len, draft_start, accepted, accept_len);
   const c10::cuda::CUDAGuard guard(k[0].device());
+  if (accepted.size(1) == 0) return;
   auto pre = prefix_len.contiguous();
   auto acc = accepted.contiguous();
   auto len = accept_len.contiguous();
-  for (size_t i = 0; i < k.size(); ++i) {
-    compact_one(k[i], pre, draft_start, acc, len);
-    compact_one(v[i], pre, draft_start, acc, len);
+  const int64_t S = k[0].size(2), max_depth = accepted.size(1);
+  // the tensors by word size, each group in launches of up to kBatchTensors (a cache's layers share one: one or two
+  // launches for all of them, where a launch per tensor cost the host a few microseconds each); past kStagedRows
+  // moves each tensor takes its own scratch, as its launch's record holds
+  std::vector<CompactTensor> tensors;
+  std::vector<int64_t> word_sizes;
+  std::vector<at::Tensor> scratch;
+  for (size_t i = 0; i < 2 * k.size(); ++i) {
+    const at::Tensor& cache = i % 2 ? v[i / 2] : k[i / 2];
+    int64_t word_size = 0;
+    CompactTensor t = prepare_compact(cache, word_size);
+    if (t.total == 0) continue;
+    if (max_depth > kStagedRows) {
+      scratch.push_back(at::empty({max_depth, t.total * word_size}, cache.options().dtype(at::kByte)));
+      t.scratch = scratch.back().data_ptr();
+    }
+    tensors.push_back(t);
+    word_sizes.push_back(word_size);
+  }
+  for (const int64_t size : {16, 8, 4, 2, 1}) {
+    CompactBatch batch{};
+    int count = 0;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (word_sizes[i] != size) continue;
+      batch.t[count++] = tensors[i];
+      if (count == kBatchTensors) {
+        launch_compact(batch, count, size, S, pre, draft_start, acc, len);
+        count = 0;
+      }
+    }
+    launch_compact(batch, count, size, S, pre, draft_start, acc, len);
   }
 }
 
