@@ -418,13 +418,10 @@ class HeadsDrafter(Drafter):
                     logp.append(lp)
             if not rows:
                 break
-            if levels is not None:
-                tokens = [path[-1] for path in paths]
-                continue
-            # the expanded nodes' rows and their tokens in one copy to the device
-            sel = torch.tensor([rows, [path[-1] for path in paths]], dtype=torch.int64).to(self.device)
-            tokens = sel[1]
-            state = self._grow_select(state, sel[0])
+            tokens = [path[-1] for path in paths]  # the expanded nodes' tokens
+            if levels is None:  # their rows and tokens in one copy to the device (the buffers take them as lists)
+                sel = torch.tensor([rows, tokens], dtype=torch.int64).to(self.device)
+                tokens, state = sel[1], self._grow_select(state, sel[0])
         for b in reqs:
             out[b] = sorted(out[b], key=lambda item: (-item[1], len(item[0])))[:min(buds[b], self.max_nodes)]
         return out
@@ -529,16 +526,10 @@ class _LevelGraphs:
         dev = drafter.device
         self.root = torch.zeros(rows, drafter.heads.hidden_size, device=dev)
         self.sel = torch.zeros(drafter.depth, 2, rows, dtype=torch.int64, device=dev)
-        self.state, self.out = [], []  # per depth: the level's last outputs (a graph's: its static outputs)
-        self.graphs, self.uses = [], [0] * drafter.depth  # the graphs of depths 0, 1, ...; each depth's runs
+        # per depth: the level's last outputs (a graph's: its static outputs), its runs; the graphs of depths 0, 1, ...
+        self.state, self.out, self.uses = [None] * drafter.depth, [None] * drafter.depth, [0] * drafter.depth
+        self.graphs = []
         self.pool = None
-
-    def _keep(self, d: int, state, out) -> None:
-        if d < len(self.state):
-            self.state[d], self.out[d] = state, out
-        else:
-            self.state.append(state)
-            self.out.append(out)
 
     def _level(self, d: int):
         """Level d on the buffers -> (its output state [rows, D], its candidates, ``_packed`` [rows, 2 width])."""
@@ -550,7 +541,7 @@ class _LevelGraphs:
         """Graph d, captured on a side stream after one run there outside the capture (lazy initialisation: cuBLAS,
         the scoring tables). Through capture_begin / capture_end: ``torch.cuda.graph`` would also synchronise the
         device, collect Python's garbage and empty the allocator's cache at every capture (a fresh drafter captures
-        its levels within its first generate)."""
+        within a generate)."""
         dev = self.drafter.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -566,7 +557,7 @@ class _LevelGraphs:
                 graph.capture_end()
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graphs.append(graph)
-        self._keep(d, state, out)
+        self.state[d], self.out[d] = state, out
 
     def run(self, d: int, rows, tokens, roots=None) -> torch.Tensor:
         """Level d on m = len(tokens) rows: rows (indices into level d - 1's rows; level 0: into the roots), tokens
@@ -587,7 +578,7 @@ class _LevelGraphs:
         if self.capture and d < len(self.graphs):
             self.graphs[d].replay()
         else:
-            self._keep(d, *self._level(d))
+            self.state[d], self.out[d] = self._level(d)
         return self.out[d][:m].cpu()
 
 
