@@ -53,30 +53,14 @@ def record_calls(model, tokenizer, questions, max_new_tokens, node_cost):
 def replay(drafter, calls, passes):
     """(seconds per call, levels per call, each call's nodes) of ``drafter`` over the recorded calls, ``passes`` times
     after one untimed pass (in which a depth used three times is captured on a GPU)."""
-    from fastverify.hf.bpd import HeadsDrafter
     levels = [0]
-    grow = HeadsDrafter._grow_level
-    lazy = type(drafter)._level_buffers
+    from_host = drafter._from_host
 
-    def counted(*args):
+    def counted(both):  # each level's candidates reach the host once, by either path
         levels[0] += 1
-        return grow(*args)
+        return from_host(both)
 
-    def counted_buffers(self, batch_size):
-        buffers = lazy(self, batch_size)
-        if not getattr(buffers, "counted", False):
-            run = buffers.run
-
-            def run_counted(*args, **kwargs):
-                levels[0] += 1
-                return run(*args, **kwargs)
-            buffers.run, buffers.counted = run_counted, True
-        return buffers
-
-    if drafter.level_graphs:  # a level is a run of the buffers (whose _grow_level runs only at a capture on a GPU)
-        drafter._level_buffers = counted_buffers.__get__(drafter)
-    else:
-        drafter._grow_level = counted.__get__(drafter)
+    drafter._from_host = counted
     nodes, elapsed = [], 0.0
     with torch.no_grad():
         for p in range(passes + 1):
