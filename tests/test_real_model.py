@@ -223,6 +223,9 @@ def _bench(name):
     return mod
 
 
+ONE_QUESTION = [{"question_id": 0, "category": "a", "prompt": PROMPTS[0]}]  # a benchmark script's questions
+
+
 def _e2e():
     return _bench("e2e")
 
@@ -400,13 +403,12 @@ def test_profile_step_attributes_host_time(smollm2, tmp_path):
     with pytest.raises(SystemExit):
         prof.parse_args(["medusa"])
     model, tok = smollm2
-    questions = [{"question_id": 0, "category": "a", "prompt": PROMPTS[0]}]
-    phases, steps, stats, table = prof.profile_variant(model, tok, questions, "bpd+ngram", 12, 4)
+    phases, steps, stats, table = prof.profile_variant(model, tok, ONE_QUESTION, "bpd+ngram", 12, 4)
     assert 1 <= steps <= 12 and set(phases) >= {"forward", "draft", "inputs", "verify", "commit", "cache"}
     assert all(v >= 0 for v in phases.values()) and phases["forward"] > 0
     assert "_sequential_nodes" in prof.top_functions(stats, "cumulative", 40)  # the heads' drafting was profiled
     assert "Self CPU" in table and "fastverify::" in table  # the loop's ops, in the torch.profiler call
-    assert prof.profile_variant(model, tok, questions, "ngram", 4, 0)[3] == ""  # --torch-tokens 0: no such call
+    assert prof.profile_variant(model, tok, ONE_QUESTION, "ngram", 4, 0)[3] == ""  # --torch-tokens 0: no such call
     with pytest.raises(SystemExit):
         prof.parse_args(["ngram", "--torch-tokens", "-1"])
 
@@ -420,9 +422,8 @@ def test_op_count_counts_the_functions_ops(smollm2):
     with pytest.raises(SystemExit):
         ops.parse_args(["--functions", "forward"])
     model, tok = smollm2
-    questions = [{"question_id": 0, "category": "a", "prompt": PROMPTS[0]}]
     before = (loop.step_inputs, HeadsDrafter._grow_level)
-    counts = ops.count_ops(model, tok, questions, "bpd+ngram", ["step_inputs", "_grow_level", "_top"], 12)
+    counts = ops.count_ops(model, tok, ONE_QUESTION, "bpd+ngram", ["step_inputs", "_grow_level", "_top"], 12)
     assert (loop.step_inputs, HeadsDrafter._grow_level) == before
     calls, computing, other = counts["step_inputs"]
     assert calls >= 1 and computing["tree_mask_bool"] == calls and "view" not in computing
@@ -439,9 +440,8 @@ def test_heads_levels_replays_the_recorded_calls(smollm2):
     with pytest.raises(SystemExit):
         bench.parse_args(["--passes", "0"])
     model, tok = smollm2
-    questions = [{"question_id": 0, "category": "a", "prompt": PROMPTS[0]}]
     before = HeadsDrafter._sequential_nodes
-    calls = bench.record_calls(model, tok, questions, 16, 0.01)
+    calls = bench.record_calls(model, tok, ONE_QUESTION, 16, 0.01)
     assert HeadsDrafter._sequential_nodes is before and calls
     e2e = _e2e()
     results = [bench.replay(e2e.heads_drafter(model, "bpd+ngram", None, {"options": {"node_cost": 0.01,
