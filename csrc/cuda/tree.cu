@@ -385,8 +385,7 @@ void compact_cache_layers_cuda(at::TensorList k, at::TensorList v, const at::Ten
   // the tensors by word size, each group in launches of up to kBatchTensors (a cache's layers share one: one or two
   // launches for all of them, where a launch per tensor cost the host a few microseconds each); past kStagedRows
   // moves each tensor takes its own scratch, as its launch's record holds
-  std::vector<CompactTensor> tensors;
-  std::vector<int64_t> word_sizes;
+  std::vector<std::pair<int64_t, CompactTensor>> tensors;  // (word size, launch record)
   std::vector<at::Tensor> scratch;
   for (size_t i = 0; i < 2 * k.size(); ++i) {
     const at::Tensor& cache = i % 2 ? v[i / 2] : k[i / 2];
@@ -397,15 +396,14 @@ void compact_cache_layers_cuda(at::TensorList k, at::TensorList v, const at::Ten
       scratch.push_back(at::empty({max_depth, t.total * word_size}, cache.options().dtype(at::kByte)));
       t.scratch = scratch.back().data_ptr();
     }
-    tensors.push_back(t);
-    word_sizes.push_back(word_size);
+    tensors.emplace_back(word_size, t);
   }
   for (const int64_t size : {16, 8, 4, 2, 1}) {
     CompactBatch batch{};
     int count = 0;
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (word_sizes[i] != size) continue;
-      batch.t[count++] = tensors[i];
+    for (const auto& [word_size, t] : tensors) {
+      if (word_size != size) continue;
+      batch.t[count++] = t;
       if (count == kBatchTensors) {
         launch_compact(batch, count, size, S, pre, draft_start, acc, len);
         count = 0;
