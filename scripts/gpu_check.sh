@@ -354,6 +354,14 @@ EOF
   esac
 }
 
+# Whether the model step $1 runs: asked for, and the carried model ready (e2e_prepare); else 1 (saying so when asked).
+model_step() {
+  has "$1" || return 1
+  e2e_prepare && return 0
+  echo "$1: skipped"
+  return 1
+}
+
 # A training recipe on the GPU (python -m fastverify.train RECIPE --device cuda) from the carried prompts, its data
 # in $STASH/heads-data (shared by the recipes, as on a CPU), its checkpoint in $STASH/<name> (kept for a later e2e
 # on this machine) and in $OUT/<name>/ (what comes back). train_recipe NAME RECIPE FILE DEFAULT_ARGS [ARGS_VAR].
@@ -393,111 +401,87 @@ has ptp && train_recipe ptp ptp slots.safetensors \
   "--num-prompts 20000 --gen-batch 192 --data-minutes 3 --minutes 4" PTP_ARGS "--steps 4"
 
 # e2e8 first: the shorter of the two, so that a call cut short has measured it
-if has e2e8; then
-  if e2e_prepare; then
-    dev=cuda; batch=(--batch "${E2E8_BATCH:-8}" --batches 5)
-    [ -n "$DRY" ] && dev=cpu && batch=(--batch 2 --batches 1 --max-new-tokens 8 --threads 1)
+if model_step e2e8; then
+  dev=cuda; batch=(--batch "${E2E8_BATCH:-8}" --batches 5)
+  [ -n "$DRY" ] && dev=cpu && batch=(--batch 2 --batches 1 --max-new-tokens 8 --threads 1)
+  start=$(date +%s)
+  $PY benchmarks/e2e_batch.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" \
+    --methods ${E2E8_METHODS:-generate fastverify bpd+ngram} "${batch[@]}" >"$OUT/e2e_batch.log" 2>&1
+  echo "e2e batch ${batch[1]}: rc=$? in $(( $(date +%s) - start )) s"
+  tail -6 "$OUT/e2e_batch.log" | cut -c1-400
+fi
+
+if model_step e2e; then
+  if [ -n "$DRY" ]; then
+    dev=cpu
+    one=(--per-category 1 --categories writing --max-new-tokens 8 --threads 1)
+  else
+    dev=cuda
+    one=(--per-category "${E2E_PER_CATEGORY:-3}" --offset "${E2E_OFFSET:-0}")
+  fi
+  # shellcheck disable=SC2206  # E2E_METHODS is a word list
+  [ -n "${E2E_METHODS:-}" ] && one+=(--methods $E2E_METHODS)
+  start=$(date +%s)
+  heads=${E2E_HEADS:-}
+  [ -z "$heads" ] && [ -f "$STASH/heads/heads.safetensors" ] && heads="$STASH/heads"
+  # shellcheck disable=SC2206  # E2E_DRAFTERS is a word list
+  one+=(--drafter ${E2E_DRAFTERS:-ngram bpd+ngram})
+  [ -n "$heads" ] && one+=(--heads "$heads") && echo "e2e: heads from $heads"
+  $PY benchmarks/e2e.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" --no-progress \
+    --no-plot --out "$OUT/e2e.json" --out-dir "$OUT" >"$OUT/e2e.log" 2>&1
+  echo "e2e batch 1: rc=$? in $(( $(date +%s) - start )) s"
+  grep -E "^(gpu|model):|^\| \*\*overall|identical|vs generate|vs prompt lookup|Error" "$OUT/e2e.log" | cut -c1-400
+fi
+
+if model_step tune; then
+  dev=cuda; one=(--per-category 1 --passes "${TUNE_PASSES:-1}")
+  [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --threads 1)
+  start=$(date +%s)
+  # shellcheck disable=SC2206  # TUNE_VARIANTS is a word list
+  variants=(${TUNE_VARIANTS:-bpd+ngram bpd+ngram:graphs=False ngram})
+  $PY benchmarks/drafters.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
+    --out "$OUT/drafters.json" "${variants[@]}" >"$OUT/drafters.log" 2>&1
+  echo "tune (drafters side by side): rc=$? in $(( $(date +%s) - start )) s"
+  grep -E "^\||per category|identical|Error" "$OUT/drafters.log" | cut -c1-400
+fi
+
+if model_step levels; then
+  dev=cuda; one=()
+  [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --passes 1 --threads 1)
+  start=$(date +%s)
+  $PY benchmarks/heads_levels.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
+    >"$OUT/levels.log" 2>&1
+  echo "levels (the heads' tree, eager against CUDA graphs): rc=$? in $(( $(date +%s) - start )) s"
+  grep -E "^\||recorded|Error" "$OUT/levels.log" | cut -c1-300
+fi
+
+if model_step profile; then
+  dev=cuda; one=()
+  [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --torch-tokens 4 --threads 1)
+  : >"$OUT/profile.log"
+  for variant in ${PROFILE_VARIANTS:-ngram bpd+ngram}; do  # one process each, each within PROFILE_SECONDS
     start=$(date +%s)
-    $PY benchmarks/e2e_batch.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" \
-      --methods ${E2E8_METHODS:-generate fastverify bpd+ngram} "${batch[@]}" >"$OUT/e2e_batch.log" 2>&1
-    echo "e2e batch ${batch[1]}: rc=$? in $(( $(date +%s) - start )) s"
-    tail -6 "$OUT/e2e_batch.log" | cut -c1-400
-  else
-    echo "e2e8: skipped"
-  fi
+    timeout "${PROFILE_SECONDS:-110}" $PY benchmarks/profile_step.py --device $dev --dtype "$E2E_DTYPE" \
+      --questions "$QUESTIONS" --out-dir "$OUT" ${one[@]+"${one[@]}"} "$variant" >>"$OUT/profile.log" 2>&1
+    echo "profile $variant: rc=$? in $(( $(date +%s) - start )) s"
+  done
+  grep -E "steps; ms per step|cProfile over|torch.profiler over|Error" "$OUT/profile.log" | cut -c1-400
 fi
 
-if has e2e; then
-  if e2e_prepare; then
-    if [ -n "$DRY" ]; then
-      dev=cpu
-      one=(--per-category 1 --categories writing --max-new-tokens 8 --threads 1)
-    else
-      dev=cuda
-      one=(--per-category "${E2E_PER_CATEGORY:-3}" --offset "${E2E_OFFSET:-0}")
-    fi
-    # shellcheck disable=SC2206  # E2E_METHODS is a word list
-    [ -n "${E2E_METHODS:-}" ] && one+=(--methods $E2E_METHODS)
+if model_step sampling; then
+  dev=cuda; one=(--per-category "${SAMPLING_PER_CATEGORY:-1}")
+  [ -n "$DRY" ] && dev=cpu && one=(--per-category 1 --max-new-tokens 8 --threads 1)
+  # shellcheck disable=SC2206  # SAMPLING_METHODS is a word list
+  one+=(--methods ${SAMPLING_METHODS:-generate ar ngram bpd+ngram})
+  for way in default off; do
+    opt=()
+    [ $way = off ] && opt=(--patch-option invariant_sampling=false)
     start=$(date +%s)
-    heads=${E2E_HEADS:-}
-    [ -z "$heads" ] && [ -f "$STASH/heads/heads.safetensors" ] && heads="$STASH/heads"
-    # shellcheck disable=SC2206  # E2E_DRAFTERS is a word list
-    one+=(--drafter ${E2E_DRAFTERS:-ngram bpd+ngram})
-    [ -n "$heads" ] && one+=(--heads "$heads") && echo "e2e: heads from $heads"
-    $PY benchmarks/e2e.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" --no-progress \
-      --no-plot --out "$OUT/e2e.json" --out-dir "$OUT" >"$OUT/e2e.log" 2>&1
-    echo "e2e batch 1: rc=$? in $(( $(date +%s) - start )) s"
-    grep -E "^(gpu|model):|^\| \*\*overall|identical|vs generate|vs prompt lookup|Error" "$OUT/e2e.log" | cut -c1-400
-  else
-    echo "e2e: skipped"
-  fi
-fi
-
-if has tune; then
-  if e2e_prepare; then
-    dev=cuda; one=(--per-category 1 --passes "${TUNE_PASSES:-1}")
-    [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --threads 1)
-    start=$(date +%s)
-    # shellcheck disable=SC2206  # TUNE_VARIANTS is a word list
-    variants=(${TUNE_VARIANTS:-bpd+ngram bpd+ngram:graphs=False ngram})
-    $PY benchmarks/drafters.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
-      --out "$OUT/drafters.json" "${variants[@]}" >"$OUT/drafters.log" 2>&1
-    echo "tune (drafters side by side): rc=$? in $(( $(date +%s) - start )) s"
-    grep -E "^\||per category|identical|Error" "$OUT/drafters.log" | cut -c1-400
-  else
-    echo "tune: skipped"
-  fi
-fi
-
-if has levels; then
-  if e2e_prepare; then
-    dev=cuda; one=()
-    [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --passes 1 --threads 1)
-    start=$(date +%s)
-    $PY benchmarks/heads_levels.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
-      >"$OUT/levels.log" 2>&1
-    echo "levels (the heads' tree, eager against CUDA graphs): rc=$? in $(( $(date +%s) - start )) s"
-    grep -E "^\||recorded|Error" "$OUT/levels.log" | cut -c1-300
-  else
-    echo "levels: skipped"
-  fi
-fi
-
-if has profile; then
-  if e2e_prepare; then
-    dev=cuda; one=()
-    [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --torch-tokens 4 --threads 1)
-    : >"$OUT/profile.log"
-    for variant in ${PROFILE_VARIANTS:-ngram bpd+ngram}; do  # one process each, each within PROFILE_SECONDS
-      start=$(date +%s)
-      timeout "${PROFILE_SECONDS:-110}" $PY benchmarks/profile_step.py --device $dev --dtype "$E2E_DTYPE" \
-        --questions "$QUESTIONS" --out-dir "$OUT" ${one[@]+"${one[@]}"} "$variant" >>"$OUT/profile.log" 2>&1
-      echo "profile $variant: rc=$? in $(( $(date +%s) - start )) s"
-    done
-    grep -E "steps; ms per step|cProfile over|torch.profiler over|Error" "$OUT/profile.log" | cut -c1-400
-  else
-    echo "profile: skipped"
-  fi
-fi
-
-if has sampling; then
-  if e2e_prepare; then
-    dev=cuda; one=(--per-category "${SAMPLING_PER_CATEGORY:-1}")
-    [ -n "$DRY" ] && dev=cpu && one=(--per-category 1 --max-new-tokens 8 --threads 1)
-    # shellcheck disable=SC2206  # SAMPLING_METHODS is a word list
-    one+=(--methods ${SAMPLING_METHODS:-generate ar ngram bpd+ngram})
-    for way in default off; do
-      opt=()
-      [ $way = off ] && opt=(--patch-option invariant_sampling=false)
-      start=$(date +%s)
-      $PY benchmarks/e2e_sampling.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
-        ${opt[@]+"${opt[@]}"} --out "$OUT/sampling_$way.json" >"$OUT/sampling_$way.log" 2>&1
-      echo "sampling ($way): rc=$? in $(( $(date +%s) - start )) s"
-      grep -E "^\||questions|Error" "$OUT/sampling_$way.log" | cut -c1-400
-    done
-  else
-    echo "sampling: skipped"
-  fi
+    $PY benchmarks/e2e_sampling.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
+      ${opt[@]+"${opt[@]}"} --out "$OUT/sampling_$way.json" >"$OUT/sampling_$way.log" 2>&1
+    echo "sampling ($way): rc=$? in $(( $(date +%s) - start )) s"
+    grep -E "^\||questions|Error" "$OUT/sampling_$way.log" | cut -c1-400
+  done
 fi
 
 # The device machine returns at most 8 files from $OUT: pack the logs when a run leaves more.
