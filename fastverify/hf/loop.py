@@ -20,7 +20,6 @@ autoregressive sampling with the same seed (a drafter that proposes nothing).
 """
 
 import contextlib
-import struct
 import time
 from dataclasses import dataclass, field
 
@@ -28,10 +27,11 @@ import torch
 
 from fastverify.hf.attention import (cache_kwargs, cache_pairs, crop_cache, eager_attention, forward_takes,
                                      gqa_attention, new_cache, prefill_inputs, step_inputs, upload_lists)
-from fastverify.hf.drafters import empty_tree, penalized
+from fastverify.hf.drafters import empty_tree
 from fastverify.hf.experts import skinny_experts
 from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
 from fastverify.hf.linear import MAX_ROWS, row_gelu, skinny_linears, walked
+from fastverify.hf.processors import RowProcessors
 from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
 from fastverify.tree import Tree
@@ -153,7 +153,7 @@ class DecodeSettings:
     # sampling with a warper the verify op does not have (typical_p, epsilon / eta cutoff, top_h): generate's whole
     # warper chain (a LogitsProcessorList) on the verify rows after the processors; ``warp`` is then the identity
     warp_rows: object = None
-    # generate's prefix_allowed_tokens_fn(batch id, sequence) -> allowed token ids, on every verify row (``_constrain``)
+    # generate's prefix_allowed_tokens_fn(batch id, sequence) -> allowed token ids, on every verify row (``RowProcessors._constrain``)
     prefix_allowed: object = None
     # exponential_decay_length_penalty: generate's ExponentialDecayLengthPenalty (an instance), on every verify row
     length_decay: object = None
@@ -161,13 +161,13 @@ class DecodeSettings:
 
     @property
     def bans(self) -> bool:
-        """Whether a processor sets tokens to -inf on some rows (``Decoder.banned``); min_tokens needs an eos too."""
+        """Whether a processor sets tokens to -inf on some rows (``RowProcessors.banned``); min_tokens needs an eos too."""
         return bool(self.no_repeat_ngram_size or self.bad_words or self.suppress or self.begin_suppress
                     or (self.min_tokens > 0 and self.eos_token_ids))
 
     @property
     def processes(self) -> bool:
-        """Whether generate's logits processors change the verify rows' logits (``Decoder._process``)."""
+        """Whether generate's logits processors change the verify rows' logits (``RowProcessors.process``)."""
         return bool(self.repetition_penalty != 1.0 or self.bans or self.sequence_bias or self.forced_eos
                     or self.logits_processor is not None or self.prefix_allowed is not None
                     or self.length_decay is not None or self.remove_invalid)
@@ -175,8 +175,8 @@ class DecodeSettings:
     @property
     def bans_apart(self) -> bool:
         """Whether the bans before PrefixConstrained / InfNanRemove in generate's list are applied where those come
-        (``Decoder._early_bans``): the constraint may allow again what they banned, and the removal turns their -inf
-        into the dtype's smallest value; ``Decoder.banned`` then names only the suppressed tokens."""
+        (``RowProcessors._early_bans``): the constraint may allow again what they banned, and the removal turns their -inf
+        into the dtype's smallest value; ``RowProcessors.banned`` then names only the suppressed tokens."""
         return self.prefix_allowed is not None or self.remove_invalid
 
 
@@ -276,11 +276,9 @@ class Decoder:
         # stop strings without eos (StopStrings): each request's length where one first ended it, and the length
         # every request ends at once all have (generate stops when every row has, its rows all as long)
         self.stop_at, self.limit = [None] * B, settings.max_new_tokens
-        # repetition_penalty: the tokens of each request's sequence (prompt without padding, tokens so far)
-        self.seen = [set(c) for c in self.contexts] if settings.repetition_penalty != 1.0 else None
-        # no_repeat_ngram_size, bad_words_ids, stop strings: each request's generate row (padded prompt, tokens so
-        # far); and its n-grams, first n - 1 tokens -> the last tokens that followed them
-        self.full = self.follow = None
+        # no_repeat_ngram_size, bad_words_ids, stop strings, processors and criteria that read generate's rows: each
+        # request's generate row (padded prompt, tokens so far)
+        self.full = None
         if (settings.no_repeat_ngram_size or settings.bad_words or settings.sequence_bias or settings.stop is not None
                 or settings.logits_processor is not None or settings.stopping_criteria is not None
                 or settings.prefix_allowed is not None):
@@ -299,10 +297,7 @@ class Decoder:
         # bit of any request's logits (tests/test_hf_generate.py). Past it, torch's GEMM would take the forward.
         self.row_cap = (max(MAX_ROWS // B - 1, 0) if self.device.type == "cpu"
                         and (settings.skinny_linear or settings.lean_layers) else None)
-        if settings.no_repeat_ngram_size:
-            self.follow = [{} for _ in range(B)]
-            for b in range(B):
-                self._add_ngrams(b, 0)
+        self.proc = RowProcessors(settings, input_ids, self.contexts, self.generated, self.full)
         self.pad_len = (L - mask.sum(-1)).tolist()
         self.cache = new_cache()
         self.cache_len = [L - 1] * B  # committed slots per request (left padding included)
@@ -321,7 +316,7 @@ class Decoder:
             drafter.set_device(self.device)
         if callable(getattr(drafter, "set_processors", None)):  # drafts that follow the processed target
             drafter.set_processors(repetition_penalty=settings.repetition_penalty,
-                                   banned=self.banned if settings.bans else None)
+                                   banned=self.proc.banned if settings.bans else None)
         drafter.reset(B)
 
     def _sync(self):
@@ -447,180 +442,6 @@ class Decoder:
         need = max(remaining[b] * steps / (len(self.generated[b]) + 1) for b in active)
         return [0 if 0 < remaining[b] <= PACE_MARGIN * need else bud for b, bud in enumerate(budget)]
 
-    def _process(self, logits, trees, cu, remaining):
-        """generate's logits processors that the loop runs, on the verify rows (logits [N + B, V] in verify's layout,
-        in place; request b's rows are cu[b] + b, its root's, then its nodes' in order), each row as generate would
-        see it: the request's tokens so far followed by the row's path of draft tokens. In generate's order:
-        SequenceBiasLogitsProcessor (``_bias``); RepetitionPenaltyLogitsProcessor: a token of the row's sequence (the
-        prompt without its left padding, the tokens so far, the path) scores s < 0 ? s * penalty : s / penalty; the
-        bans of NoRepeatNGram, NoBadWords and the minimum lengths at -inf (``_early_bans``);
-        PrefixConstrainedLogitsProcessor (``_constrain``); ForcedEOSTokenLogitsProcessor: the row that picks the last
-        new token keeps only forced_eos, at 0 (none of the bans before it); InfNanRemoveLogitsProcessor;
-        ExponentialDecayLengthPenalty (both generate's own, the decay called with each row's length); the suppressed
-        tokens at -inf (``_late_bans``); then the call's own ``logits_processor``, each row a batch of one, its
-        sequence as input_ids, as transformers' assisted decoding calls it on each candidate position."""
-        s, V = self.s, logits.shape[-1]
-        p = s.repetition_penalty
-        rows, early, constrained, forced, decay, late, custom = [], [], [], [], [], [], []
-        for b, tree in enumerate(trees):
-            if remaining[b] <= 0:
-                continue
-            first, n = cu[b] + b, len(tree)
-            paths = [()] + _node_paths(tree)  # the root's row, then the nodes'
-            if s.sequence_bias:
-                bias = [(first + j, t, v) for j, path in enumerate(paths) for t, v in self._bias(b, path).items()]
-                if bias:
-                    r, c = upload_lists([[x[0] for x in bias], [x[1] for x in bias]], torch.int64, logits.device)
-                    logits[r, c] += torch.tensor([x[2] for x in bias], dtype=torch.float32).to(logits)
-            if p != 1.0:
-                seen = self.seen[b]
-                sub = logits[first:first + n + 1]  # the request's rows (a view)
-                base = torch.tensor(sorted(t for t in seen if t < V), dtype=torch.int64, device=logits.device)
-                sub[:, base] = penalized(sub[:, base], p)
-                for j, path in enumerate(paths[1:]):  # the path's tokens the sequence does not hold yet
-                    rows += [(first + 1 + j, c) for c in set(path) if c < V and c not in seen]
-            if s.bans:  # (the row ForcedEOS replaces gets only the bans after it)
-                early += [(first + j, t) for j, path in enumerate(paths) if not self._forced(b, path)
-                          for t in self._early_bans(b, path) if t < V]
-                late += [(first + j, t) for j, path in enumerate(paths) for t in self._late_bans(b, path) if t < V]
-            if s.prefix_allowed is not None:
-                constrained.append((b, first, paths))
-            if s.forced_eos:
-                forced += [first + j for j, path in enumerate(paths) if self._forced(b, path)]
-            if s.length_decay is not None:  # each row's length as generate's input_ids
-                done = self.input_ids.shape[1] + len(self.generated[b])
-                decay += [(first + j, done + len(path)) for j, path in enumerate(paths)]
-            if s.logits_processor is not None:
-                custom += [(first + j, self.full[b] + list(path)) for j, path in enumerate(paths)]
-        if rows:
-            r, c = upload_lists([[r for r, _ in rows], [c for _, c in rows]], torch.int64, logits.device)
-            logits[r, c] = penalized(logits[r, c], p)
-        _ban(logits, early)
-        for b, first, paths in constrained:
-            self._constrain(logits, b, first, paths)
-        if forced:
-            r = torch.tensor(forced, dtype=torch.int64).to(logits.device)
-            logits[r] = float("-inf")
-            logits[r[:, None], torch.tensor(s.forced_eos, dtype=torch.int64).to(logits.device)] = 0.0
-        if s.remove_invalid:  # generate's InfNanRemoveLogitsProcessor, on every row
-            from transformers.generation.logits_process import InfNanRemoveLogitsProcessor
-            logits = InfNanRemoveLogitsProcessor()(None, logits)
-        for length in sorted({n for _, n in decay}):  # one call per sequence length (the processor reads it)
-            at = [r for r, n in decay if n == length]
-            ids = torch.zeros((len(at), length), dtype=torch.int64, device=logits.device)  # (only its length read)
-            logits[at] = s.length_decay(ids, logits[at]).to(logits.dtype)
-        _ban(logits, late)
-        for r, seq in custom:  # each row a batch of one
-            ids = torch.tensor([seq], dtype=torch.int64, device=logits.device)
-            logits[r] = s.logits_processor(ids, logits[r:r + 1].float())[0]
-        return logits
-
-    def _constrain(self, logits, b, first, paths) -> None:
-        """PrefixConstrainedLogitsProcessor on request b's rows (logits[first + j] after ``paths[j]``; the bans
-        before it in generate's list applied), in place: -inf on every token ``prefix_allowed_tokens_fn(b,
-        sequence)`` does not allow; a row left all -inf gets the allowed tokens at 0 instead, as generate's does. The
-        row ForcedEOS replaces is left to it."""
-        fn, V = self.s.prefix_allowed, logits.shape[-1]
-        for j, path in enumerate(paths):
-            sent = torch.tensor(self.full[b] + list(path), dtype=torch.int64, device=logits.device)
-            allowed = fn(b, sent)
-            allowed = allowed.tolist() if isinstance(allowed, torch.Tensor) else list(allowed)
-            if len(allowed) == 0:  # generate's own error, its message as it is
-                raise ValueError(f"`prefix_allowed_tokens_fn` returned an empty list for batch ID {b}.This means "
-                                 f"that the constraint is unsatisfiable. Please check your implementationof "
-                                 f"`prefix_allowed_tokens_fn` ")
-            if not all(isinstance(t, int) and 0 <= t < V for t in allowed):
-                raise ValueError(f"prefix_allowed_tokens_fn: expected token ids in [0, {V}) for batch ID {b}, got "
-                                 f"{sorted(set(allowed))[:8]}...")
-            if self._forced(b, path):
-                continue
-            row = logits[first + j]
-            mask = torch.full_like(row, float("-inf"))
-            mask[allowed] = 0.0
-            row = row + mask
-            logits[first + j] = mask if bool(row.amax().isneginf()) else row
-
-    def _drop_banned(self, b, tree):
-        """Request b's tree without the nodes whose token ``banned`` sets to -inf on their parent's row (and their
-        subtrees): no rule accepts them, so their rows would be verified for nothing."""
-        banned = [self.banned(b, path) for path in [()] + _node_paths(tree)]  # per row: the root's, the nodes'
-        toks, par = tree.tokens.tolist(), tree.parents.tolist()
-        index = {}  # kept node -> its index in the new tree
-        for j, (t, q) in enumerate(zip(toks, par)):
-            if (q < 0 or q in index) and t not in banned[0 if q < 0 else 1 + q]:
-                index[j] = len(index)
-        if len(index) == len(toks):
-            return tree
-        kept = list(index)
-        return Tree(tree.tokens[kept], torch.tensor([index[par[j]] if par[j] >= 0 else -1 for j in kept],
-                                                    dtype=tree.parents.dtype), validate=False)
-
-    def _add_ngrams(self, b, start):
-        """Record request b's n-grams that end at positions >= start of its generate row."""
-        k, seq, follow = self.s.no_repeat_ngram_size, self.full[b], self.follow[b]
-        for i in range(max(start, k - 1), len(seq)):
-            follow.setdefault(tuple(seq[i - k + 1:i]), set()).add(seq[i])
-
-    def banned(self, b: int, path=()) -> set:
-        """The tokens generate's processors set to -inf on request b's row whose sequence is generate's row (left
-        padding, prompt, tokens so far: ``self.full``) followed by the draft tokens ``path``:
-
-        - NoRepeatNGramLogitsProcessor: where the sequence ends in the first n - 1 tokens of one of its n-grams, that
-          n-gram's last token (the n-grams of the tokens so far kept in ``self.follow``, those ending in the path
-          found here);
-        - NoBadWordsLogitsProcessor: a bad word's last token where the sequence ends in the tokens before it;
-        - SuppressTokens / SuppressTokensAtBegin: its tokens everywhere / on the row that picks the first token;
-        - MinNewTokensLength / MinLength: eos on a row that picks a token numbered below min_tokens (the row picks
-          token len(generated) + len(path)).
-
-        On the row ForcedEOSTokenLogitsProcessor replaces (``_forced``), only those of the processors after it:
-        SuppressTokens and SuppressTokensAtBegin; likewise on every row under a ``prefix_allowed_tokens_fn`` or
-        ``remove_invalid_values``, which come between them (``DecodeSettings.bans_apart``). Handed
-        to the drafter (``set_processors``): a draft model's chain avoids what the target's rows ban."""
-        late = self._late_bans(b, path)
-        if self._forced(b, path) or self.s.bans_apart:
-            return late
-        return late | self._early_bans(b, path)
-
-    def _late_bans(self, b: int, path) -> set:
-        """``banned``'s tokens of the processors after ForcedEOS in generate's list: SuppressTokens everywhere,
-        SuppressTokensAtBegin on the row that picks the first token."""
-        s = self.s
-        return set(s.suppress) | (s.begin_suppress if len(self.generated[b]) + len(path) == 0 else set())
-
-    def _early_bans(self, b: int, path) -> set:
-        """``banned``'s tokens of the processors before PrefixConstrainedLogitsProcessor in generate's list: the
-        minimum length's eos, no-repeat n-grams, bad words."""
-        s, ban = self.s, set()
-        k, done = s.no_repeat_ngram_size, len(self.generated[b])
-        seq = self.full[b] if self.full is not None else []
-        if done + len(path) < s.min_tokens:
-            ban |= self.eos
-        if k and len(seq) + len(path) >= k:
-            x = seq[max(len(seq) - k + 1, 0):] + list(path)  # the tail holding the n-grams ending in the path
-            prefix = tuple(x[len(x) - k + 1:])
-            ban |= self.follow[b].get(prefix, set())
-            for i in range(max(len(x) - len(path), k - 1), len(x)):  # the n-grams ending in the path
-                if tuple(x[i - k + 1:i]) == prefix:
-                    ban.add(x[i])
-        ban.update(last for before, last in s.bad_words if _ends_in(seq, path, before))
-        return ban
-
-    def _forced(self, b: int, path) -> bool:
-        """Whether request b's row after the draft path picks the last new token (generate's max_length - 1), the
-        row ForcedEOSTokenLogitsProcessor keeps only the forced eos tokens on."""
-        return bool(self.s.forced_eos) and len(self.generated[b]) + len(path) == self.s.max_new_tokens - 1
-
-    def _bias(self, b: int, path) -> dict:
-        """SequenceBiasLogitsProcessor on request b's row after the draft path: {token: the sum of the biases of the
-        sequences ending in it whose tokens before it end the row's sequence (generate's row, then the path)},
-        summed in float32 in generate's order."""
-        out = {}
-        for before, last, value in self.s.sequence_bias:
-            if _ends_in(self.full[b], path, before):
-                out[last] = _float32(out.get(last, 0.0) + value)
-        return out
-
     def remaining(self, b: int) -> int:
         return 0 if self.finished[b] else max(self.limit - len(self.generated[b]), 0)
 
@@ -642,7 +463,7 @@ class Decoder:
         trees = [_prune(t, r - 1) if r > 0 else empty_tree() for t, r in zip(trees, remaining)]
         trees = [t if len(t) <= bud else _prune_nodes(t, bud) for t, bud in zip(trees, budget)]
         if s.bans:  # nodes a processor bans cannot be accepted
-            trees = [self._drop_banned(b, t) if remaining[b] > 0 and len(t) else t for b, t in enumerate(trees)]
+            trees = [self.proc.drop_banned(b, t) if remaining[b] > 0 and len(t) else t for b, t in enumerate(trees)]
         # Lexical Unit Decoding (rule "confidence" with a drafter that knows its confidence): the lookahead tokens
         # it is sure of are accepted unchecked, and every other token is the target's argmax, LUD's normal-position
         # token (fastverify.hf.slots); other drafters get the verify op's confidence rule on the target's p.
@@ -682,7 +503,7 @@ class Decoder:
             logits = step_logits[inp.row_batch, inp.row_local]  # [N + B, V], verify's batch layout
         raw = logits
         if s.processes:
-            logits = self._process(logits.clone(), trees, inp.cu_host, remaining)
+            logits = self.proc.process(logits.clone(), trees, inp.cu_host, remaining)
         if s.warp_rows is not None:  # (row-wise warpers: they read no input_ids)
             logits = s.warp_rows(self.input_ids, logits.float())
         self._sync()
@@ -758,12 +579,9 @@ class Decoder:
                 self.rows[b].append((logits[at] if s.output_scores else None, raw[at] if s.output_logits else None))
             self.generated[b].extend(new)
             self.contexts[b].extend(new)
-            if self.seen is not None:
-                self.seen[b].update(new)
             if self.full is not None:
                 self.full[b].extend(new)
-                if self.follow is not None:
-                    self._add_ngrams(b, len(self.full[b]) - len(new))
+            self.proc.committed(b, new)
             st.new_tokens[b] += len(new)
             keep[b] = accept_len[b] + 1 if self.remaining(b) > 0 else 0
         if s.stopping_criteria is not None:
@@ -1166,32 +984,6 @@ def _forced_first(tree: Tree, f: int):
     new_index = {j: i for i, j in enumerate(keep)}
     par = [-1 if i == 0 else new_index[parents[j]] for i, j in enumerate(keep)]
     return Tree(tree.tokens[keep], torch.tensor(par, dtype=tree.parents.dtype), validate=False), len(chain)
-
-
-def _ban(logits, pairs) -> None:
-    """-inf at the (row, token) pairs, in one copy of the indices to the device."""
-    if pairs:
-        r, c = upload_lists([[r for r, _ in pairs], [c for _, c in pairs]], torch.int64, logits.device)
-        logits[r, c] = float("-inf")
-
-
-def _ends_in(seq: list, path, before: tuple) -> bool:
-    """Whether the sequence ``seq`` followed by ``path`` ends in the tokens ``before`` (always, when it is empty)."""
-    n = len(before)
-    return n == 0 or (n <= len(seq) + len(path) and tuple((seq[max(len(seq) - n, 0):] + list(path))[-n:]) == before)
-
-
-def _float32(x: float) -> float:
-    """x rounded to float32 (a sum of two float32 values rounded so is their float32 sum)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def _node_paths(tree: Tree) -> list:
-    """Per draft node, the tokens from the root's child down to it (a tuple), in node order."""
-    paths = []
-    for t, q in zip(tree.tokens.tolist(), tree.parents.tolist()):
-        paths.append((paths[q] if q >= 0 else ()) + (t,))
-    return paths
 
 
 def _prune_nodes(tree: Tree, n: int) -> Tree:
