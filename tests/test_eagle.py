@@ -124,8 +124,13 @@ def test_training_learns_a_synthetic_pattern(tmp_path):
 
 
 def test_recipe_rejects_bad_options(model, tmp_path):
+    """Out-of-range options are refused as the config is made, and again by the recipe (a config changed since)."""
     for bad, match in (({"passes": 0}, "passes"), ({"save_dtype": "int8"}, "save_dtype")):
-        cfg = recipe.EagleConfig(out=str(tmp_path / "o"), data_dir=str(tmp_path / "d"), progress=False, **bad)
+        with pytest.raises(ValueError, match=match):
+            recipe.EagleConfig(out=str(tmp_path / "o"), data_dir=str(tmp_path / "d"), progress=False, **bad)
+        cfg = recipe.EagleConfig(out=str(tmp_path / "o"), data_dir=str(tmp_path / "d"), progress=False, exclude="")
+        for key, value in bad.items():
+            setattr(cfg, key, value)
         with pytest.raises(ValueError, match=match):
             recipe.train_eagle(model, None, cfg, prompts=[[3, 4, 5]])
 

@@ -41,3 +41,52 @@ def test_flags_parse_into_the_config():
     assert cfg.epochs == HeadsConfig(out="x").epochs
     with pytest.raises(SystemExit):
         parse_config(HeadsConfig, [], "prog", "desc")  # --out is required
+
+
+@pytest.mark.parametrize("cls,argv,message", [
+    (HeadsConfig, ["--num-heads", "0"], "--num-heads: expected >= 1, got 0"),
+    (HeadsConfig, ["--arch", "hydra"], "--arch: expected 'parallel' or 'sequential', got 'hydra'"),
+    (HeadsConfig, ["--data-worker", "2", "--data-workers", "2"], "--data-worker: expected 0 <= data_worker < "),
+    (HeadsConfig, ["--prompts", "/no/such/prompts.jsonl"], "--prompts: no such file '/no/such/prompts.jsonl'"),
+    (HeadsConfig, ["--exclude", "/no/such/questions.jsonl"], "--exclude: no such file '/no/such/questions.jsonl'"),
+    (HeadsConfig, ["--device", "gpu0"], "--device: expected a torch device"),
+    (HeadsConfig, ["--epochs", "0"], "--epochs: expected > 0, got 0.0"),
+    (EagleConfig, ["--save-dtype", "int8"], "--save-dtype: expected one of"),
+    (SlotsConfig, ["--method", "ptp"], "--method: expected 'gad' or 'lud', got 'ptp'"),
+    (SlotsConfig, ["--unit-alpha", "1.5"], "--unit-alpha: expected a confidence in [0, 1], got 1.5"),
+    (PTPConfig, ["--variant", "x"], "--variant: expected one of ('o', 'c'), got 'x'"),
+    (PTPConfig, ["--top-p", "0"], "--top-p: expected 0 < top_p <= 1, got 0.0"),
+    (PTPConfig, ["--calibrate"], "--calibrate: slot temperatures are for the gad / lud slot drafters"),
+], ids=lambda x: x.__name__ if isinstance(x, type) else None)
+def test_a_bad_flag_ends_the_command_naming_it(cls, argv, message, capsys):
+    """Before anything loads: argparse's usage and the flag's message on stderr, exit status 2."""
+    with pytest.raises(SystemExit) as stop:
+        parse_config(cls, ["--out", "d"] + argv, "prog", "desc")
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: prog") and f"prog: error: {message}" in err, err
+
+
+def test_the_config_refuses_bad_options_when_made(tmp_path):
+    with pytest.raises(ValueError, match="exclude: no such file"):
+        HeadsConfig(out=str(tmp_path), exclude=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="gen_batch: expected >= 1, got 0"):
+        SlotsConfig(out=str(tmp_path), exclude="", gen_batch=0)
+    cfg = HeadsConfig(out=str(tmp_path), exclude="")
+    cfg.lr = -1.0  # a dataclass field changed later: the recipe's own check() refuses it as it starts
+    with pytest.raises(ValueError, match="lr: expected > 0"):
+        cfg.check()
+
+
+def test_an_unknown_model_ends_the_command_without_a_traceback(tmp_path, monkeypatch, capsys):
+    import fastverify.train.heads as heads
+    from fastverify.train.cli import run_recipe
+
+    def unreachable(name, device):
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}.\nCheck your connection.")
+    monkeypatch.setattr(heads, "load_target", unreachable)
+    with pytest.raises(SystemExit) as stop:
+        run_recipe(HeadsConfig, lambda *a, **k: None, ["--out", str(tmp_path), "--exclude", "", "--model", "nosuch"],
+                   "prog", "desc")
+    assert stop.value.code == ("prog: error: --model: cannot load 'nosuch' (\"smollm2\", a local folder or a Hugging "
+                               "Face model name): We couldn't connect to 'https://huggingface.co' to load nosuch.")

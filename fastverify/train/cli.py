@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import io
 import re
+import sys
 import tokenize
 
 __all__ = ["parse_config", "run_recipe"]
@@ -45,7 +46,8 @@ def field_comments(cls) -> dict:
 
 def parse_config(cls, argv, prog: str, description: str):
     """An instance of the dataclass ``cls`` from command-line arguments ``argv`` (fields without a default are
-    required flags)."""
+    required flags). An option the config rejects (its ValueError: out of range, a file that does not exist) ends
+    the command as argparse ends it for a malformed flag: usage and the message, exit status 2."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     helps = field_comments(cls)
     for f in dataclasses.fields(cls):
@@ -60,7 +62,12 @@ def parse_config(cls, argv, prog: str, description: str):
         else:
             typ = {"int": int, "float": float}.get(getattr(f.type, "__name__", str(f.type)), str)
             p.add_argument(name, type=typ, default=f.default, help=text)
-    return cls(**vars(p.parse_args(argv)))
+    args = vars(p.parse_args(argv))
+    try:
+        return cls(**args)
+    except ValueError as e:  # "field: what was expected", told as its flag's
+        name, sep, rest = str(e).partition(": ")
+        p.error(f"--{name.replace('_', '-')}: {rest}" if sep and name in args else str(e))
 
 
 def run_recipe(cls, train, argv, prog: str, description: str):
@@ -73,5 +80,10 @@ def run_recipe(cls, train, argv, prog: str, description: str):
     cfg = parse_config(cls, argv, prog, description)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model, tokenizer, base = load_target(cfg.model, cfg.device)
+    try:
+        model, tokenizer, base = load_target(cfg.model, cfg.device)
+    except (OSError, ValueError) as e:  # transformers' own errors for a name it cannot resolve, without a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        sys.exit(f"{prog}: error: --model: cannot load {cfg.model!r} (\"smollm2\", a local folder or a Hugging Face "
+                 f"model name): {first}")
     return train(model, tokenizer, cfg, base_name=base)

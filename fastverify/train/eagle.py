@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from fastverify.eagle import EagleLayer, save_eagle
 from fastverify.heads import WEIGHT_DTYPES, fingerprint, output_projection
 from fastverify.train.cli import run_recipe
-from fastverify.train.heads import (CALIBRATION_BINS, RecipeOptions, _eval_targets, _input_embedding, _projection,
+from fastverify.train.heads import (CALIBRATION_BINS, RecipeOptions, _above, _at_least, _eval_targets, _input_embedding, _projection,
                                     _remap, _round_to, build_vocab_subset, recipe_shards, run_training)
 
 __all__ = ["EagleConfig", "train_eagle", "build_sequences", "main"]
@@ -47,6 +47,17 @@ class EagleConfig(RecipeOptions):
     decay: float = 0.8                         # pass d weighs decay^(d-1)
     reg: float = 0.1                           # weight of the feature regression (smooth L1)
     save_dtype: str = "float16"                # of the checkpoint's weights
+
+    def check(self) -> None:
+        super().check()
+        if self.save_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"save_dtype: expected one of {list(WEIGHT_DTYPES)}, got {self.save_dtype!r}")
+        for name in ("num_heads", "intermediate_size", "passes", "batch_size"):
+            _at_least(self, name, 1)
+        for name in ("vocab_subset", "warmup", "weight_decay", "decay", "reg"):
+            _at_least(self, name, 0)
+        for name in ("epochs", "lr"):
+            _above(self, name, 0)
 
 
 def build_sequences(paths, T: int = None):
@@ -168,12 +179,9 @@ def train_eagle(model, tokenizer, cfg: EagleConfig, base_name: str = None, promp
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
+    cfg.check()  # (the options may have changed since the config was made)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.passes < 1:
-        raise ValueError(f"passes: expected >= 1, got {cfg.passes}")
-    if cfg.save_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"save_dtype: expected one of {list(WEIGHT_DTYPES)}, got {cfg.save_dtype!r}")
     model.requires_grad_(False).eval()
     base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
     os.makedirs(cfg.out, exist_ok=True)

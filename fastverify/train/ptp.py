@@ -59,6 +59,24 @@ class PTPConfig(SlotsConfig):
     beta_a: float = 2.0                        # v ~ Beta(a, a) inside a token's bin; 0: uniform
     lr: float = 2e-3                           # AdamW's peak learning rate (warmup, then cosine to 0)
 
+    METHODS = ("ptp",)
+
+    def check(self) -> None:
+        super().check()
+        if self.variant not in PTPSlotDrafter.VARIANTS:
+            raise ValueError(f"variant: expected one of {PTPSlotDrafter.VARIANTS}, got {self.variant!r}")
+        if self.calibrate:
+            raise ValueError("calibrate: slot temperatures are for the gad / lud slot drafters; a PTP slot drafts the "
+                             "token its auxiliary variable selects, not by its confidence")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: expected > 0 (the teacher samples), got {self.temperature}")
+        if not self.top_k >= 0:
+            raise ValueError(f"top_k: expected >= 0 (0: no top-k), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected 0 < top_p <= 1, got {self.top_p}")
+        if not self.beta_a >= 0:
+            raise ValueError(f"beta_a: expected >= 0 (0: uniform), got {self.beta_a}")
+
     @property
     def warp(self) -> dict:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
@@ -149,11 +167,7 @@ def train_ptp(model, tokenizer, cfg: PTPConfig, base_name: str = None, prompts=N
     """The Python API: train a PTP slot drafter for ``model`` and its ``tokenizer``. Writes cfg.out/
     {slots.safetensors, config.json, train_state.pt}; returns (PTPSlotDrafter, config dict)."""
     t_start = time.perf_counter()
-    if cfg.variant not in PTPSlotDrafter.VARIANTS:
-        raise ValueError(f"variant: expected one of {PTPSlotDrafter.VARIANTS}, got {cfg.variant!r}")
-    if cfg.calibrate:
-        raise ValueError("calibrate: slot temperatures are for the gad / lud slot drafters; a PTP slot drafts the "
-                         "token its auxiliary variable selects, not by its confidence")
+    cfg.check()  # (the options may have changed since the config was made)
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

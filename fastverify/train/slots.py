@@ -50,8 +50,8 @@ from fastverify.hf.attention import cache_kwargs
 from fastverify.hf.slots import BlockSlotDrafter, save_slot_drafter
 from fastverify.lora import slot_gate
 from fastverify.train.cli import parse_config, run_recipe
-from fastverify.train.heads import (RecipeOptions, data_folder, generate_data, recipe_shards, shard_prompts,
-                                    _rng_state, _set_rng_state)
+from fastverify.train.heads import (RecipeOptions, _above, _at_least, _rng_state, _set_rng_state, data_folder,
+                                    generate_data, recipe_shards, shard_prompts)
 
 __all__ = ["SlotsConfig", "train_slots", "slot_batch", "main"]
 
@@ -75,6 +75,21 @@ class SlotsConfig(RecipeOptions):
     curve_every: int = 0                       # > 0: held-out mean accepted every this many steps (a curve)
     curve_sequences: int = 12                  # held-out sequences per curve point
     calibrate: bool = False                    # only fit the slot temperatures of the checkpoint in --out
+
+    METHODS = ("gad", "lud")  # what ``method`` may be (a subclass's recipe: its own)
+
+    def check(self) -> None:
+        super().check()
+        if self.method not in self.METHODS:
+            raise ValueError(f"method: expected {' or '.join(map(repr, self.METHODS))}, got {self.method!r}")
+        for name in ("num_slots", "rank", "attach_every", "eval_sequences", "curve_sequences"):
+            _at_least(self, name, 1)
+        for name in ("minutes", "steps", "warmup", "curve_every"):
+            _at_least(self, name, 0)
+        for name in ("alpha", "lr"):
+            _above(self, name, 0)
+        if not 0 <= self.unit_alpha <= 1:
+            raise ValueError(f"unit_alpha: expected a confidence in [0, 1], got {self.unit_alpha}")
 
 
 # ----------------------------------------------------------------------------------------------- 3. train
@@ -450,8 +465,7 @@ def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, promp
     """The Python API: train a GAD / LUD slot drafter for ``model`` and its ``tokenizer``. Writes cfg.out/
     {slots.safetensors, config.json, train_state.pt}; returns (BlockSlotDrafter, config dict)."""
     t_start = time.perf_counter()
-    if cfg.method not in ("gad", "lud"):
-        raise ValueError(f"method: expected 'gad' or 'lud', got {cfg.method!r}")
+    cfg.check()  # (the options may have changed since the config was made)
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
