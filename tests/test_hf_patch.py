@@ -268,6 +268,13 @@ def test_registry_and_bad_arguments(model, monkeypatch):
         patch(model, skinny_linear="yes")
     with pytest.raises(TypeError, match="pack_weights: expected a bool"):
         patch(model, pack_weights="yes")
+    with pytest.raises(TypeError, match="sync: expected a bool"):
+        patch(model, sync="yes")
+    for draft in (2.5, "3", True):
+        with pytest.raises(TypeError, match="max_draft: expected an int"):
+            patch(model, max_draft=draft)
+    with pytest.raises(ValueError, match=r"max_draft: expected >= 0 \(0: no drafts\), got -1"):
+        patch(model, max_draft=-1)
     assert not is_patched(model)
 
 

@@ -611,6 +611,12 @@ def test_input_ids_outside_the_vocabulary_raise_naming_them():
         ids_bad[1, -2] = bad
         with pytest.raises(ValueError, match=rf"input_ids: token ids must lie in \[0, {V}\).*got {bad} at \[1, "):
             model.generate(ids_bad, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4)
+    # ids of a float or bool dtype: refused, a one-token prompt too (its one token reaches no embedding as it is)
+    for prompt in (ids, ids[:, -1:]):
+        for dtype in (torch.float32, torch.bool):
+            with pytest.raises(TypeError, match=f"input_ids: expected an integer tensor of token ids, got dtype "
+                                                f"{dtype}"):
+                model.generate(prompt.to(dtype), pad_token_id=PAD, max_new_tokens=4)
 
 
 def test_forced_eos_every_token_suppressed_gives_token_0():

@@ -254,9 +254,14 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         raise TypeError(f"fastverify.patch: unknown option(s) {sorted(unknown)}; expected rule parameters "
                         f"{RULE_PARAMS} or {', '.join(extra)}")
     for name in ("skinny_linear", "pack_weights", "lean_layers", "live_rows", "pace_batch", "row_processors",
-                 "invariant_sampling"):
+                 "invariant_sampling", "sync", "allow_unknown_model"):
         if options.get(name, True) not in (True, False):
             raise TypeError(f"{name}: expected a bool, got {options[name]!r}")
+    draft = options.get("max_draft", 32)
+    if isinstance(draft, bool) or not isinstance(draft, int):
+        raise TypeError(f"max_draft: expected an int (the most draft nodes per request and step), got {draft!r}")
+    if draft < 0:
+        raise ValueError(f"max_draft: expected >= 0 (0: no drafts), got {draft}")
     if rule is not None and rule not in RULES:
         raise ValueError(f"rule: expected one of {RULES} or None, got {rule!r}")
     _check_rule_options(rule, options)
@@ -491,10 +496,11 @@ def _custom_lists(gc, processors, criteria, batch_size, eos, prefix_allowed=None
 
 
 def _check_token_ids(model, inputs):
-    """input_ids outside the model's input embedding (generate's own error is the embedding's IndexError): a
-    ValueError naming the argument, the range and the first such id."""
-    if inputs.is_floating_point() or inputs.is_complex():
-        return  # generate's own error names the dtype
+    """input_ids of a dtype other than an integer one: a TypeError (generate's own error is the embedding's, and a
+    one-token prompt never reaches the embedding as it is); ids outside the model's input embedding (generate's is
+    the embedding's IndexError): a ValueError naming the argument, the range and the first such id."""
+    if inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
+        raise TypeError(f"input_ids: expected an integer tensor of token ids, got dtype {inputs.dtype}")
     rows = embedding_rows(model)
     if rows is None or inputs.numel() == 0:
         return
