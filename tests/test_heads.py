@@ -1015,6 +1015,18 @@ def test_q8_0_checkpoint_round_trip_streams_packed(model, tmp_path, ffn_size):
     assert st.drafted_tokens > 0
 
 
+def test_heads_drafter_rejects_bad_options(model):
+    heads = _random_heads(subset=torch.arange(3, V))
+    with pytest.raises(ValueError, match=r"max_depth: expected >= 1 .the most tree levels the heads grow. or None, "
+                                         r"got 0"):
+        HeadsDrafter(model, heads, max_depth=0)
+    with pytest.raises(TypeError, match="width: expected an int, got '4'"):
+        HeadsDrafter(model, heads, width="4")
+    with pytest.raises(ValueError, match="width, max_nodes, frontier: expected >= 1"):
+        HeadsDrafter(model, heads, frontier=0)
+    assert HeadsDrafter(model, heads, max_depth=2).depth == 2
+
+
 def test_q8_0_checkpoint_refusals(model, tmp_path):
     from safetensors.torch import load_file, save_file
     path = tmp_path / "q8"

@@ -189,6 +189,9 @@ def test_ngram_bad_arguments():
         NGramDrafter(node_cost=-0.1)
     with pytest.raises(ValueError, match="min_gain"):
         NGramDrafter(min_gain=0)
+    for name, value in (("depth", "4"), ("max_nodes", 2.0), ("scan", True)):
+        with pytest.raises(TypeError, match=f"{name}: expected an int, got {value!r}"):
+            NGramDrafter(**{name: value})
 
 
 def test_ngram_cost_aware_drafts_only_when_it_pays():
@@ -288,6 +291,10 @@ def test_draft_model_bad_arguments(tiny):
         DraftModelDrafter(tiny, k=0)
     with pytest.raises(ValueError, match="tree_topk"):
         DraftModelDrafter(tiny, tree_topk=0)
+    with pytest.raises(TypeError, match="k: expected an int, got 2.5"):
+        DraftModelDrafter(tiny, k=2.5)
+    with pytest.raises(TypeError, match="draft_model: expected a transformers causal LM .a torch.nn.Module., got str"):
+        DraftModelDrafter("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 def test_ngram_calibrates_the_fixed_cost_from_step_times():

@@ -75,7 +75,8 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.heads import ProposalHeads, load_heads, output_projection, unit_rms
-from fastverify.hf.drafters import MERGE_RULES, Drafter, batch_drafting, cut_scored, empty_tree, merge_scored
+from fastverify.hf.drafters import (MERGE_RULES, Drafter, batch_drafting, check_ints, cut_scored, empty_tree,
+                                    merge_scored)
 from fastverify.hf.linear import skinny_available
 from fastverify.ops.linear import PackedWeight, pack_blocks, skinny_linear, skinny_linear_packed
 from fastverify.tree import Tree
@@ -174,6 +175,12 @@ class HeadsDrafter(Drafter):
             raise ValueError("score='rank' needs head_acceptance (the checkpoint's measured acceptance by rank)")
         if score == "calibrated" and calibration is None:
             raise ValueError("score='calibrated' needs calibration (the checkpoint's calibration table)")
+        check_ints(width=width, max_nodes=max_nodes, frontier=frontier)
+        if max_depth is not None:
+            check_ints(max_depth=max_depth)
+            if max_depth < 1:
+                raise ValueError(f"max_depth: expected >= 1 (the most tree levels the heads grow) or None, got "
+                                 f"{max_depth}")
         if width < 1 or max_nodes < 1 or frontier < 1:
             raise ValueError(f"width, max_nodes, frontier: expected >= 1, got {width}, {max_nodes}, {frontier}")
         if not temperature > 0:

@@ -40,6 +40,7 @@ Drafters here:
                      the draft's top-k alternatives as sibling leaves at each depth.
 """
 
+import numbers
 import time
 
 import torch
@@ -49,6 +50,13 @@ from fastverify.tree import Tree
 
 __all__ = ["Drafter", "NGramDrafter", "DraftModelDrafter", "empty_tree", "merge_scored", "cut_scored",
            "GPU_NODE_COST", "device_node_cost"]
+
+
+def check_ints(**values) -> None:
+    """TypeError naming the first of the keyword arguments that is not an integer (a bool is not one)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}: expected an int, got {value!r}")
 
 
 def penalized(scores: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -299,6 +307,8 @@ class NGramDrafter(Drafter):
                  width: int = 2, max_width: int = 4, max_nodes: int = 16, scan: int = 32,
                  fixed_cost: float = 0.05, node_cost: float = None, min_gain: float = 1.0,
                  calibrate: bool = False):
+        check_ints(min_n=min_n, max_n=max_n, depth=depth, max_depth=max_depth, min_depth=min_depth, width=width,
+                   max_width=max_width, max_nodes=max_nodes, scan=scan)
         if not (1 <= min_n <= max_n):
             raise ValueError(f"min_n, max_n: expected 1 <= min_n <= max_n, got {min_n}, {max_n}")
         if not (1 <= min_depth <= depth <= max_depth):
@@ -536,6 +546,10 @@ class DraftModelDrafter(Drafter):
     K = 4  # the default draft depth
 
     def __init__(self, draft_model, k: int = K, tree_topk: int = 1):
+        if not isinstance(draft_model, torch.nn.Module):
+            raise TypeError(f"draft_model: expected a transformers causal LM (a torch.nn.Module), got "
+                            f"{type(draft_model).__name__}")
+        check_ints(k=k, tree_topk=tree_topk)
         if k < 1:
             raise ValueError(f"k: expected >= 1, got {k}")
         if tree_topk < 1:
