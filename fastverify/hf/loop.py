@@ -153,7 +153,8 @@ class DecodeSettings:
     # sampling with a warper the verify op does not have (typical_p, epsilon / eta cutoff, top_h): generate's whole
     # warper chain (a LogitsProcessorList) on the verify rows after the processors; ``warp`` is then the identity
     warp_rows: object = None
-    # generate's prefix_allowed_tokens_fn(batch id, sequence) -> allowed token ids, on every verify row (``RowProcessors._constrain``)
+    # generate's prefix_allowed_tokens_fn(batch id, sequence) -> allowed token ids, on every verify row
+    # (``RowProcessors._constrain``)
     prefix_allowed: object = None
     # exponential_decay_length_penalty: generate's ExponentialDecayLengthPenalty (an instance), on every verify row
     length_decay: object = None
@@ -161,7 +162,8 @@ class DecodeSettings:
 
     @property
     def bans(self) -> bool:
-        """Whether a processor sets tokens to -inf on some rows (``RowProcessors.banned``); min_tokens needs an eos too."""
+        """Whether a processor sets tokens to -inf on some rows (``RowProcessors.banned``); min_tokens needs an eos
+        too."""
         return bool(self.no_repeat_ngram_size or self.bad_words or self.suppress or self.begin_suppress
                     or (self.min_tokens > 0 and self.eos_token_ids))
 
@@ -175,8 +177,8 @@ class DecodeSettings:
     @property
     def bans_apart(self) -> bool:
         """Whether the bans before PrefixConstrained / InfNanRemove in generate's list are applied where those come
-        (``RowProcessors._early_bans``): the constraint may allow again what they banned, and the removal turns their -inf
-        into the dtype's smallest value; ``RowProcessors.banned`` then names only the suppressed tokens."""
+        (``RowProcessors._early_bans``): the constraint may allow again what they banned, and the removal turns their
+        -inf into the dtype's smallest value; ``RowProcessors.banned`` then names only the suppressed tokens."""
         return self.prefix_allowed is not None or self.remove_invalid
 
 

@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from fastverify.hf.attention import GQA_ATTENTION
-from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter
+from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter, check_ints
 from fastverify.hf.linear import pack_model
 from fastverify.hf.loop import (SAMPLING_RULES, DecodeSettings, StopStrings, decode, embedding_rows, model_dtype,
                                  model_vocab_size)
@@ -257,11 +257,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
                  "invariant_sampling", "sync", "allow_unknown_model"):
         if options.get(name, True) not in (True, False):
             raise TypeError(f"{name}: expected a bool, got {options[name]!r}")
-    draft = options.get("max_draft", 32)
-    if isinstance(draft, bool) or not isinstance(draft, int):
-        raise TypeError(f"max_draft: expected an int (the most draft nodes per request and step), got {draft!r}")
-    if draft < 0:
-        raise ValueError(f"max_draft: expected >= 0 (0: no drafts), got {draft}")
+    check_ints(max_draft=options.get("max_draft", 32))  # the most draft nodes per request and step
+    if options.get("max_draft", 32) < 0:
+        raise ValueError(f"max_draft: expected >= 0 (0: no drafts), got {options['max_draft']}")
     if rule is not None and rule not in RULES:
         raise ValueError(f"rule: expected one of {RULES} or None, got {rule!r}")
     _check_rule_options(rule, options)

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from fastverify.eagle import EagleLayer, save_eagle
 from fastverify.heads import WEIGHT_DTYPES, fingerprint, output_projection
 from fastverify.train.cli import run_recipe
-from fastverify.train.heads import (CALIBRATION_BINS, RecipeOptions, _above, _at_least, _eval_targets, _input_embedding, _projection,
-                                    _remap, _round_to, build_vocab_subset, recipe_shards, run_training)
+from fastverify.train.heads import (CALIBRATION_BINS, RecipeOptions, _above, _at_least, _eval_targets,
+                                    _input_embedding, _projection, _remap, _round_to, build_vocab_subset, recipe_shards,
+                                    run_training)
 
 __all__ = ["EagleConfig", "train_eagle", "build_sequences", "main"]
 

