@@ -123,3 +123,28 @@ def test_gpt2_conv1d_layers(benchmark, read_bandwidth, M, impl):
 
     benchmark.pedantic(run, rounds=5, warmup_rounds=1, iterations=1)
     report_bytes(benchmark, sum(w.numel() for w in ws) * 4, read_bandwidth, M=M, impl=impl)
+
+
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_heads_levels_linears(benchmark, read_bandwidth, M):
+    """A tree level of the shipped proposal heads' shape, five in turn (fastverify.hf.bpd: a sequential head's step
+    [1152, 1152] and output [576, 1152] linears, then the 8192-token projection [8192, 576]; Q8_0 values streamed
+    packed, 1.25 bytes a weight; 42 MB in all, so that each level's weights come from memory, as a step's first
+    level reads them after the model's forward) at the frontier's row counts."""
+    if "cpp" not in implemented_backends("skinny_linear_packed"):
+        pytest.skip("cpp backend: fastverify._C has no skinny_linear_packed kernel")
+    from fastverify.ops.linear import pack_blocks
+    g = torch.Generator().manual_seed(0)
+    levels = [[pack_blocks(gguf_like(n, k, 8, g)) for n, k in ((1152, 1152), (576, 1152), (8192, 576))]
+              for _ in range(5)]
+    xs = {k: torch.randn(1, M, k, generator=g) for k in (576, 1152)}
+    op = torch.ops.fastverify.skinny_linear_packed
+    nbytes = sum(p.q.numel() + 4 * (p.d.numel() + p.m.numel()) for level in levels for p in level)
+
+    def run():
+        for level in levels:
+            for p in level:
+                op(xs[p.d.shape[1] * 32], p.q, p.d, p.m, p.bits, None)
+
+    benchmark.pedantic(run, rounds=15, warmup_rounds=1, iterations=1)
+    report_bytes(benchmark, nbytes, read_bandwidth, M=M, impl="packed")
