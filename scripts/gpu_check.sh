@@ -28,10 +28,12 @@
 #          bpd+ngram", the n-gram drafter and the shipped heads; E2E8_BATCH=4 for the heads' batch-4 protocol, 5
 #          batches of 4). Needs the carried model.
 #   tune   drafter variants side by side on the tuning questions (question 1 of each category; benchmarks/drafters.py
-#          -> drafters.log, drafters.json): TUNE_VARIANTS, default "bpd+ngram bpd+ngram:graphs=False ngram", the
-#          heads' tree levels replayed as CUDA graphs (a HeadsDrafter's default on a GPU) against the same levels
-#          launched op by op, and n-gram fastverify, TUNE_PASSES passes (default 1). Needs the carried model. (The
-#          GPU node cost against the CPU fits, the default until 2026-11-30, ran on an H200 on 2026-11-29.)
+#          -> drafters.log, drafters.json): TUNE_VARIANTS, default "bpd+ngram bpd+ngram:graphs=False
+#          bpd+ngram:width=8 ngram", the heads' tree levels replayed as CUDA graphs (a HeadsDrafter's default on a
+#          GPU) against the same levels launched op by op, wider levels (8 candidates a node: +2.4% tokens a step
+#          at the GPU node cost on the CPU, 2026-11-30), and n-gram fastverify, TUNE_PASSES passes (default 1).
+#          Needs the carried model. (The GPU node cost against the CPU fits, the default until 2026-11-30, ran on an
+#          H200 on 2026-11-29.)
 #   levels the proposal heads' tree alone, its levels launched op by op against the same levels as CUDA graphs
 #          (benchmarks/heads_levels.py: the drafting calls of patched generates of question 1 of four categories,
 #          replayed to each; ms per call and per level, the nodes compared -> levels.log). Needs the carried model;
@@ -111,10 +113,11 @@
 #                               2026-11-30: the heads' level graphs, captured and replayed; compact_cache_layers'
 #                               one launch per 32 tensors of a word size, compiled here, not yet run on a GPU)
 #   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
-#   3. carry p2, timeout_s 300: PROFILE_SECONDS=60 bash scripts/gpu_check.sh levels tune profile   (checkpoint
+#   3. carry p2, timeout_s 330: PROFILE_SECONDS=60 bash scripts/gpu_check.sh levels tune profile   (checkpoint
 #                               ~31 s; levels ~40 s: the heads' tree, eager against CUDA graphs, the default on a GPU
-#                               since 2026-11-30; tune's default, the same end to end with n-gram fastverify beside,
-#                               13 questions, ~90 s; then the two profile variants, at most 60 s each)
+#                               since 2026-11-30; tune's default, the same end to end, wider levels and n-gram
+#                               fastverify beside, 13 questions, ~120 s; then the two profile variants, at most 60 s
+#                               each)
 #   4. no carry, timeout_s 300: E2E_METHODS=generate bash scripts/gpu_check.sh e2e                  (q 1-3, ~270 s)
 #   5. no carry, timeout_s 300, with >= 290 s left: E2E_OFFSET=3 E2E_METHODS=generate bash scripts/gpu_check.sh e2e
 # Held on an H200 (2026-11-30; 753 s in all): call 1 with the cache tests 75 s of command (110 s held with the
@@ -438,7 +441,7 @@ if model_step tune; then
   [ -n "$DRY" ] && dev=cpu && one=(--categories writing --max-new-tokens 8 --threads 1)
   start=$(date +%s)
   # shellcheck disable=SC2206  # TUNE_VARIANTS is a word list
-  variants=(${TUNE_VARIANTS:-bpd+ngram bpd+ngram:graphs=False ngram})
+  variants=(${TUNE_VARIANTS:-bpd+ngram bpd+ngram:graphs=False bpd+ngram:width=8 ngram})
   $PY benchmarks/drafters.py --device $dev --dtype "$E2E_DTYPE" --questions "$QUESTIONS" "${one[@]}" \
     --out "$OUT/drafters.json" "${variants[@]}" >"$OUT/drafters.log" 2>&1
   echo "tune (drafters side by side): rc=$? in $(( $(date +%s) - start )) s"
