@@ -9,12 +9,11 @@ decay, the removal of invalid values) and a call's own ``logits_processor``, in 
 (``RowProcessors.process``).
 """
 
-import struct
-
 import torch
 
 from fastverify.hf.attention import upload_lists
 from fastverify.hf.drafters import penalized
+from fastverify.ops.sampling import _float32
 from fastverify.tree import Tree
 
 __all__ = ["RowProcessors"]
@@ -217,7 +216,7 @@ class RowProcessors:
         out = {}
         for before, last, value in self.s.sequence_bias:
             if _ends_in(self.full[b], path, before):
-                out[last] = _float32(out.get(last, 0.0) + value)
+                out[last] = _float32(out.get(last, 0.0) + value)  # (two float32 values: their float32 sum)
         return out
 
 
@@ -232,11 +231,6 @@ def _ends_in(seq: list, path, before: tuple) -> bool:
     """Whether the sequence ``seq`` followed by ``path`` ends in the tokens ``before`` (always, when it is empty)."""
     n = len(before)
     return n == 0 or (n <= len(seq) + len(path) and tuple((seq[max(len(seq) - n, 0):] + list(path))[-n:]) == before)
-
-
-def _float32(x: float) -> float:
-    """x rounded to float32 (a sum of two float32 values rounded so is their float32 sum)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _node_paths(tree: Tree) -> list:
