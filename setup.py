@@ -115,8 +115,8 @@ setup(
     install_requires=["torch>=2.4"],
     extras_require={
         "triton": ["triton"],
-        "hf": ["transformers>=4.57", "gguf", "accelerate"],
-        "test": ["pytest", "pytest-benchmark", "transformers>=4.57", "gguf", "accelerate"],
+        "hf": ["transformers>=5.17,<6", "gguf", "accelerate"],
+        "test": ["pytest", "pytest-benchmark", "transformers>=5.17,<6", "gguf", "accelerate"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -4,7 +4,8 @@
 # architectures and the real SmolLM2-135M model. Tests that need a GPU are skipped here, with the reason.
 # Then the C++ kernels' portable scalar paths (FASTVERIFY_NO_SIMD=1), which AVX2 machines otherwise never take, and
 # skinny_linear's and masked_attention's AVX2 paths (FASTVERIFY_NO_AVX512=1), which AVX-512 machines otherwise
-# never take.
+# never take; and the Hugging Face tests on the oldest transformers the integration supports
+# (fastverify.hf.patch.SUPPORTED_TRANSFORMERS), installed beside .venv's own (.venv/transformers-MIN, on PYTHONPATH).
 # Arguments go to the first pytest run only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,4 +20,13 @@ if [ "$#" -eq 0 ]; then
     tests/test_masked_attention.py
   FASTVERIFY_NO_SIMD=1 .venv/bin/python -m pytest -q -rs -k cpp tests/test_verify.py tests/test_sampling.py \
     tests/test_tree_attention.py tests/test_masks.py tests/test_masked_attention.py
+  oldest=$(.venv/bin/python -c "from fastverify.hf.patch import SUPPORTED_TRANSFORMERS; print(SUPPORTED_TRANSFORMERS[0])")
+  echo "--- the Hugging Face tests on transformers $oldest.*, the oldest supported"
+  site=.venv/transformers-$oldest
+  if [ ! -f "$site/.complete" ]; then
+    rm -rf "$site"
+    .venv/bin/python -m pip install -q --target "$site" "transformers==$oldest.*"
+    touch "$site/.complete"
+  fi
+  PYTHONPATH="$site" .venv/bin/python -m pytest -q -rs tests/test_hf_*.py tests/test_real_model.py
 fi

@@ -280,6 +280,23 @@ TYPE_CONFIGS = {
 }
 
 
+def known_type(model_type: str) -> bool:
+    """Whether the installed transformers has ``model_type`` (the registry names types added up to its newest
+    release; an older supported release lacks some)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    return model_type in CONFIG_MAPPING
+
+
+def decay_keeps_inf() -> bool:
+    """Whether the installed ExponentialDecayLengthPenalty leaves an eos score of -inf -inf (transformers 5.19 and
+    later) rather than making it NaN (|-inf| times the factor, added to -inf): before, generate's argmax takes the
+    NaN's token where a minimum length holds eos back, and the loop refuses the row (InvalidLogitsError)."""
+    from transformers.generation.logits_process import ExponentialDecayLengthPenalty
+    out = ExponentialDecayLengthPenalty((0, 2.0), 1, 0)(torch.zeros(1, 2, dtype=torch.int64),
+                                                         torch.tensor([[0.0, float("-inf")]]))
+    return not bool(out.isnan().any())
+
+
 def latent_sizes(head_dim: int, heads: int) -> dict:
     """Multi-head latent attention's sizes (DeepSeek-V2 / V3 and their kin: configs with a kv_lora_rank) for a tiny
     config of ``heads`` query heads of ``head_dim``: one key / value head per query head, the rotary part of a head

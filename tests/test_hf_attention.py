@@ -177,7 +177,9 @@ def test_buffered_cache_follows_a_dynamic_cache():
     same()
     for cache in (ref, buf):
         cache.layers[1].reset()
-    assert buf.layers[1].keys is None and buf.layers[1].values is None
+    for a, b in ((ref.layers[1].keys, buf.layers[1].keys), (ref.layers[1].values, buf.layers[1].values)):
+        # as the release's DynamicLayer resets: dropped (5.18 and later), or zeroed in place (before)
+        assert (a is None and b is None) or (torch.equal(a, b) and not b.any())
 
 
 @pytest.mark.skipif(fastverify_layers._append_op is None, reason="fastverify._C has no append_attention")

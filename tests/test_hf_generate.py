@@ -12,8 +12,9 @@ import torch
 
 import fastverify
 from fastverify.hf import DraftModelDrafter, Drafter, NGramDrafter, patch, stats, unpatch
+from fastverify.hf.loop import InvalidLogitsError
 
-from conftest import assert_drafts_change_no_bit, left_padded, letter_tokenizer, logits_equal
+from conftest import assert_drafts_change_no_bit, decay_keeps_inf, left_padded, letter_tokenizer, logits_equal
 
 transformers = pytest.importorskip("transformers")
 
@@ -210,6 +211,32 @@ def test_greedy_repetition_penalty_and_no_repeat_ngram_size(model, lengths):
     assert _options_match_generate(model, ids, mask, cases) >= 4  # the processors moved the output
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # (tiny Gemma picks a prompt token first on every prompt)
+def test_repetition_penalty_on_left_padding_as_the_release_counts_it(arch, monkeypatch):
+    """generate's repetition penalty leaves each row's left padding out from transformers 5.23 (it counted the
+    padding's tokens before): the loop follows the installed release. The padding holds the token the most padded
+    row picks first (not in its prompt), and a case is kept where the other releases' way gives another output."""
+    from fastverify.hf import processors
+    model = _tiny(arch)
+    at_least = processors._at_least
+    kw = dict(max_new_tokens=8, repetition_penalty=100.0)
+    for seed in range(3, 13):
+        ids, mask = _batch([14, 6, 2], seed=seed)
+        first = int(_reference(model, ids, mask, max_new_tokens=1)[2, ids.shape[1]])
+        if first in ids[2][mask[2] == 1].tolist():
+            continue
+        ids = ids.masked_fill(mask == 0, first)
+        ref = _reference(model, ids, mask, **kw)
+        out, st = _patched(model, ids, mask, drafter=NGramDrafter(), **kw)
+        assert st is not None and torch.equal(out, ref), (seed, out.tolist(), ref.tolist())
+        with monkeypatch.context() as m:  # the other releases' way
+            m.setattr(processors, "_at_least", lambda release: not at_least(release))
+            other, _ = _patched(model, ids, mask, drafter=NGramDrafter(), **kw)
+        if not torch.equal(other, ref):
+            return
+    pytest.fail("no prompts in ten where counting the padding changes the output")
+
+
 def _options_match_generate(model, ids, mask, cases):
     """Each generate option set of ``cases``: the patched output (n-gram and draft-model drafters) is generate's and
     the loop ran. Returns how many of them changed generate's output."""
@@ -265,13 +292,20 @@ def test_greedy_exponential_decay_length_penalty(model, lengths):
     free = _reference(model, ids, mask, max_new_tokens=20)
     g = free[0, L:].tolist()
     eos = [g[12], g[15]]  # tokens request 0 emits late: the growing bonus may pull them earlier
+    held = {"exponential_decay_length_penalty": (2, 4.0), "eos_token_id": eos, "min_new_tokens": 7}
     cases = [{"exponential_decay_length_penalty": (2, 1.5), "eos_token_id": eos},
              {"exponential_decay_length_penalty": (0, 3.0), "eos_token_id": eos[0]},
              {"exponential_decay_length_penalty": (1, 0.5), "eos_token_id": [g[2], g[4]]},
-             {"exponential_decay_length_penalty": (2, 4.0), "eos_token_id": eos, "min_new_tokens": 7},
              {"exponential_decay_length_penalty": (1, 2.0), "eos_token_id": eos, "forced_eos_token_id": eos[0],
               "suppress_tokens": [t for t in (eos[1], g[3], 5) if t != eos[0]][:1], "repetition_penalty": 1.2}]
+    if decay_keeps_inf():
+        cases.append(held)
+    else:  # the release's penalty turns the held-back eos's -inf into NaN: generate's argmax takes the NaN's token,
+        # the loop refuses the row
+        with pytest.raises(InvalidLogitsError, match="invalid"):
+            _patched(model, ids, mask, drafter=NGramDrafter(), max_new_tokens=20, **held)
     assert _options_match_generate(model, ids, mask, cases) >= 3
+
 
 
 def test_greedy_remove_invalid_values(model):

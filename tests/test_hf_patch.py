@@ -245,9 +245,35 @@ def test_version_refused(model, monkeypatch):
     with pytest.raises(RuntimeError, match="transformers 4.40.0 is not supported"):
         patch(model)
     monkeypatch.setattr("transformers.__version__", "6.0.0")
-    with pytest.raises(RuntimeError, match=">= 4.57, < 6"):
+    with pytest.raises(RuntimeError, match=">= 5.17, < 6"):
+        patch(model)
+    monkeypatch.setattr("transformers.__version__", "5.16.2")
+    with pytest.raises(RuntimeError, match="transformers 5.16.2 is not supported"):
         patch(model)
     assert not is_patched(model)
+
+
+def test_type_registered_from_a_later_release(model, monkeypatch):
+    """A registered type whose ``min_transformers`` the installed release is below counts as unregistered: patch
+    refuses it, naming the release, and with allow_unknown_model the loop is checked against the model first."""
+    monkeypatch.setitem(hf_patch.MODEL_REGISTRY, "llama", hf_patch.ModelSpec("llama", min_transformers="5.999"))
+    with pytest.raises(ValueError, match="'llama' is registered for transformers >= 5.999"):
+        patch(model)
+    assert not is_patched(model)
+    ref = model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    patch(model, allow_unknown_model=True)
+    try:
+        assert model.__dict__[hf_patch._STATE_ATTR].unregistered
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+        assert torch.equal(out, ref) and not _fallback_warnings(record) and stats(model) is not None
+    finally:
+        unpatch(model)
+    monkeypatch.setitem(hf_patch.MODEL_REGISTRY, "llama", hf_patch.ModelSpec("llama", min_transformers="5.17"))
+    patch(model)
+    assert not model.__dict__[hf_patch._STATE_ATTR].unregistered
+    unpatch(model)
 
 
 def test_registry_and_bad_arguments(model, monkeypatch):

@@ -69,7 +69,7 @@ def skinny_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
     h = _project(h, self.down_proj, getattr(self, "down_proj_bias", None) if self.has_bias else None, experts,
                  self.is_transposed)
-    if self.has_post_expert_norm:
+    if getattr(self, "has_post_expert_norm", False):  # (transformers >= 5.18)
         h = self.post_expert_norm(h)
     h = (h * top_k_weights.reshape(-1, 1).to(h.dtype)).view(tokens, k, -1)
     out = h[:, 0]

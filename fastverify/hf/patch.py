@@ -38,7 +38,8 @@ from fastverify.hf.probe import check_key, check_model, check_rows
 __all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
            "SUPPORTED_TRANSFORMERS"]
 
-SUPPORTED_TRANSFORMERS = ("4.57", "6")  # [min, max): versions this integration was tested against
+# [min, max): the releases this integration is tested on (scripts/test.sh runs the transformers tests on the oldest)
+SUPPORTED_TRANSFORMERS = ("5.17", "6")
 _STATE_ATTR = "_fastverify_patch"
 RULES = ("greedy", "topk", "distance", "gad", "typical", "confidence", "speculative", "coupled")
 RULE_PARAMS = ("k", "eps", "beta", "tau", "delta", "min_accept")
@@ -60,6 +61,17 @@ class ModelSpec:
     model_type: str
     attn_implementations: tuple = ("eager", "sdpa")
     sliding_window_attr: str = None
+    # the first transformers release whose own generate the loop reproduces for this type (None: every supported
+    # one); before it the type counts as unregistered
+    min_transformers: str = None
+
+    def supported(self) -> bool:
+        """Whether the installed transformers is at least ``min_transformers``."""
+        if self.min_transformers is None:
+            return True
+        import transformers
+        from packaging.version import Version
+        return Version(transformers.__version__) >= Version(self.min_transformers)
 
 
 MODEL_REGISTRY = {}
@@ -81,13 +93,15 @@ for _type in ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "ol
               "olmoe", "glm", "glm4", "helium", "granitemoe", "nemotron", "persimmon", "exaone4", "arcee",
               "apertus", "seed_oss", "ministral", "smollm3", "gpt_oss", "ministral3", "glm4_moe", "hunyuan_v1_dense",
               "ernie4_5", "ernie4_5_moe", "internlm3", "vaultgemma", "phimoe", "jetmoe", "granitemoeshared", "bitnet",
-              "doge", "diffllama", "gemma3", "deepseek_v2", "deepseek_v3", "minicpm3", "longcat_flash", "dots1",
+              "diffllama", "gemma3", "deepseek_v2", "deepseek_v3", "minicpm3", "longcat_flash", "dots1",
               "dbrx", "glm4_moe_lite", "youtu", "sarvam_mla", "afmoe", "apertus1p5_text", "aria_text", "biogpt",
               "cohere2_moe", "ctrl", "cwm", "exaone", "exaone_moe", "flex_olmo", "flint",
               "gpt_neox_japanese", "granite_swa", "granitemoe_swa", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
               "iquestcoder", "jais2", "kolibri1", "laguna", "llama4_text", "mellum", "mimo_v2_flash", "minimax_m2",
               "nanochat", "sarvam_moe", "solar_open", "xglm", "modernbert-decoder"):
     register_model_type(ModelSpec(_type))
+# Doge before 5.18 drops the causal mask under its dynamic mask when generate passes no padding mask
+register_model_type(ModelSpec("doge", min_transformers="5.18"))
 
 
 def _check_transformers_version():
@@ -269,6 +283,15 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         raise TypeError(f"model: expected a transformers causal LM, got {type(model).__name__}")
     model_type = getattr(model.config, "model_type", None)
     spec = MODEL_REGISTRY.get(model_type)
+    registered = spec is not None and spec.supported()
+    if spec is not None and not registered:
+        import transformers
+        if not options.get("allow_unknown_model", False):
+            raise ValueError(f"fastverify.patch: model type {model_type!r} is registered for transformers >= "
+                             f"{spec.min_transformers} (the loop does not reproduce transformers "
+                             f"{transformers.__version__}'s own generate for it); upgrade transformers, or pass "
+                             f"allow_unknown_model=True to have the loop checked against the model first")
+        spec = None
     if spec is None:
         if not options.get("allow_unknown_model", False):
             raise ValueError(f"fastverify.patch: model type {model_type!r} is not in the registry "
@@ -286,7 +309,7 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     state = _PatchState(spec=spec, drafter=drafter if drafter is not None else NGramDrafter(), rule=rule,
                         options=dict(options), had_instance_generate=had,
                         instance_generate=model.__dict__.get("generate"),
-                        unregistered=model_type not in MODEL_REGISTRY)
+                        unregistered=not registered)
     model.__dict__[_STATE_ATTR] = state
     model.__dict__["generate"] = PatchedGenerate(model)
     if options.get("skinny_linear", True) and options.get("pack_weights", True):

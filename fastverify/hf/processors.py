@@ -9,6 +9,8 @@ decay, the removal of invalid values) and a call's own ``logits_processor``, in 
 (``RowProcessors.process``).
 """
 
+import functools
+
 import torch
 
 from fastverify.hf.attention import upload_lists
@@ -17,6 +19,25 @@ from fastverify.ops.sampling import _float32
 from fastverify.tree import Tree
 
 __all__ = ["RowProcessors"]
+
+
+@functools.cache
+def _at_least(release: str) -> bool:
+    """Whether the installed transformers is ``release`` or later (for what its processors do otherwise before)."""
+    import transformers
+    from packaging.version import Version
+    return Version(transformers.__version__) >= Version(release)
+
+
+@functools.cache
+def _prefix_rescues() -> bool:
+    """Whether transformers' PrefixConstrainedLogitsProcessor gives a row that it and the processors before it leave
+    all -inf its allowed tokens at 0 (transformers 5.18 and later), rather than leaving it all -inf for generate's
+    argmax to take token 0 (earlier releases): asked of the class itself, once."""
+    from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+    out = PrefixConstrainedLogitsProcessor(lambda batch_id, sent: [1], num_beams=1)(
+        torch.zeros(1, 1, dtype=torch.int64), torch.full((1, 2), float("-inf")))
+    return bool(out[0, 1] == 0)
 
 
 class RowProcessors:
@@ -28,8 +49,12 @@ class RowProcessors:
     def __init__(self, settings, input_ids, contexts, generated, full):
         self.s, self.input_ids, self.generated, self.full = settings, input_ids, generated, full
         self.eos = set(settings.eos_token_ids)
-        # repetition_penalty: the tokens of each request's sequence (prompt without padding, tokens so far)
-        self.seen = [set(c) for c in contexts] if settings.repetition_penalty != 1.0 else None
+        # repetition_penalty: the tokens of each request's sequence, tokens so far included: its prompt without the
+        # left padding (transformers 5.23 and later leave it out), or with it (earlier releases count it)
+        self.seen = None
+        if settings.repetition_penalty != 1.0:
+            self.seen = ([set(c) for c in contexts] if _at_least("5.23")
+                         else [set(row.tolist()) for row in input_ids])
         # no_repeat_ngram_size: each request's n-grams of its generate row, first n - 1 tokens -> the last tokens that
         # followed them
         self.follow = None
@@ -116,8 +141,8 @@ class RowProcessors:
     def _constrain(self, logits, b, first, paths) -> None:
         """PrefixConstrainedLogitsProcessor on request b's rows (logits[first + j] after ``paths[j]``; the bans
         before it in generate's list applied), in place: -inf on every token ``prefix_allowed_tokens_fn(b,
-        sequence)`` does not allow; a row left all -inf gets the allowed tokens at 0 instead, as generate's does. The
-        row ForcedEOS replaces is left to it."""
+        sequence)`` does not allow; a row left all -inf gets the allowed tokens at 0 instead where generate's does
+        (``_prefix_rescues``). The row ForcedEOS replaces is left to it."""
         fn, V = self.s.prefix_allowed, logits.shape[-1]
         for j, path in enumerate(paths):
             sent = torch.tensor(self.full[b] + list(path), dtype=torch.int64, device=logits.device)
@@ -136,7 +161,7 @@ class RowProcessors:
             mask = torch.full_like(row, float("-inf"))
             mask[allowed] = 0.0
             row = row + mask
-            logits[first + j] = mask if bool(row.amax().isneginf()) else row
+            logits[first + j] = mask if _prefix_rescues() and bool(row.amax().isneginf()) else row
 
     def drop_banned(self, b, tree):
         """Request b's tree without the nodes whose token ``banned`` sets to -inf on their parent's row (and their
