@@ -218,7 +218,7 @@ def test_repetition_penalty_on_left_padding_as_the_release_counts_it(arch, monke
     row picks first (not in its prompt), and a case is kept where the other releases' way gives another output."""
     from fastverify.hf import processors
     model = _tiny(arch)
-    at_least = processors._at_least
+    at_least = processors.transformers_at_least
     kw = dict(max_new_tokens=8, repetition_penalty=100.0)
     for seed in range(3, 13):
         ids, mask = _batch([14, 6, 2], seed=seed)
@@ -230,7 +230,7 @@ def test_repetition_penalty_on_left_padding_as_the_release_counts_it(arch, monke
         out, st = _patched(model, ids, mask, drafter=NGramDrafter(), **kw)
         assert st is not None and torch.equal(out, ref), (seed, out.tolist(), ref.tolist())
         with monkeypatch.context() as m:  # the other releases' way
-            m.setattr(processors, "_at_least", lambda release: not at_least(release))
+            m.setattr(processors, "transformers_at_least", lambda release: not at_least(release))
             other, _ = _patched(model, ids, mask, drafter=NGramDrafter(), **kw)
         if not torch.equal(other, ref):
             return

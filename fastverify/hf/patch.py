@@ -34,6 +34,7 @@ from fastverify.hf.loop import (SAMPLING_RULES, DecodeSettings, StopStrings, dec
                                  model_vocab_size)
 from fastverify.hf.model_limits import loop_window, position_limit, sequence_limit
 from fastverify.hf.probe import check_key, check_model, check_rows
+from fastverify.hf.processors import transformers_at_least
 
 __all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
            "SUPPORTED_TRANSFORMERS"]
@@ -67,11 +68,7 @@ class ModelSpec:
 
     def supported(self) -> bool:
         """Whether the installed transformers is at least ``min_transformers``."""
-        if self.min_transformers is None:
-            return True
-        import transformers
-        from packaging.version import Version
-        return Version(transformers.__version__) >= Version(self.min_transformers)
+        return self.min_transformers is None or transformers_at_least(self.min_transformers)
 
 
 MODEL_REGISTRY = {}

@@ -21,8 +21,7 @@ from fastverify.tree import Tree
 __all__ = ["RowProcessors"]
 
 
-@functools.cache
-def _at_least(release: str) -> bool:
+def transformers_at_least(release: str) -> bool:
     """Whether the installed transformers is ``release`` or later (for what its processors do otherwise before)."""
     import transformers
     from packaging.version import Version
@@ -53,7 +52,7 @@ class RowProcessors:
         # left padding (transformers 5.23 and later leave it out), or with it (earlier releases count it)
         self.seen = None
         if settings.repetition_penalty != 1.0:
-            self.seen = ([set(c) for c in contexts] if _at_least("5.23")
+            self.seen = ([set(c) for c in contexts] if transformers_at_least("5.23")
                          else [set(row.tolist()) for row in input_ids])
         # no_repeat_ngram_size: each request's n-grams of its generate row, first n - 1 tokens -> the last tokens that
         # followed them
