@@ -97,7 +97,7 @@ for _type in ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "ol
               "iquestcoder", "jais2", "kolibri1", "laguna", "llama4_text", "mellum", "mimo_v2_flash", "minimax_m2",
               "nanochat", "sarvam_moe", "solar_open", "xglm", "modernbert-decoder"):
     register_model_type(ModelSpec(_type))
-# Doge before 5.18 drops the causal mask under its dynamic mask when generate passes no padding mask
+# Doge before 5.18: its forward under its dynamic mask is not causal (a position's logits depend on later tokens)
 register_model_type(ModelSpec("doge", min_transformers="5.18"))
 
 
