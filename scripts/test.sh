@@ -20,7 +20,7 @@ if [ "$#" -eq 0 ]; then
     tests/test_masked_attention.py
   FASTVERIFY_NO_SIMD=1 .venv/bin/python -m pytest -q -rs -k cpp tests/test_verify.py tests/test_sampling.py \
     tests/test_tree_attention.py tests/test_masks.py tests/test_masked_attention.py
-  oldest=$(.venv/bin/python -c "from fastverify.hf.patch import SUPPORTED_TRANSFORMERS; print(SUPPORTED_TRANSFORMERS[0])")
+  oldest=$(.venv/bin/python -c "from fastverify.hf.patch import SUPPORTED_TRANSFORMERS as s; print(s[0])")
   echo "--- the Hugging Face tests on transformers $oldest.*, the oldest supported"
   site=.venv/transformers-$oldest
   if [ ! -f "$site/.complete" ]; then

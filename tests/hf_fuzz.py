@@ -91,7 +91,8 @@ def registered_archs():
     a text and a vision config (tests/test_hf_model_types.py covers it), and those the installed transformers does
     not have or the registry leaves to a later release (``ModelSpec.min_transformers``)."""
     from fastverify.hf import MODEL_REGISTRY
-    return tuple(sorted(t for t in MODEL_REGISTRY if t != "gemma3" and known_type(t) and MODEL_REGISTRY[t].supported()))
+    return tuple(sorted(t for t in MODEL_REGISTRY
+                        if t != "gemma3" and known_type(t) and MODEL_REGISTRY[t].supported()))
 
 
 def _generic_config(arch, common, window):

@@ -307,7 +307,6 @@ def test_greedy_exponential_decay_length_penalty(model, lengths):
     assert _options_match_generate(model, ids, mask, cases) >= 3
 
 
-
 def test_greedy_remove_invalid_values(model):
     """remove_invalid_values: NaN scores become 0 and -inf ones the dtype's smallest value, after the bans before
     it, as generate's InfNanRemoveLogitsProcessor does: a token whose output row is NaN scores 0 everywhere, and a

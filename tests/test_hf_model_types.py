@@ -123,11 +123,10 @@ def _skip_where_an_older_release_varies(model):
     (``probe.check_rows``: what seeded sampling asks before it drafts) finds varying: such a release's modeling code
     computes some of these types with torch's GEMMs or its own attention (CodeGen before 5.24). On later releases,
     and wherever the check passes, the bits are asserted."""
-    from packaging.version import Version
-
     from fastverify.hf.loop import DecodeSettings
     from fastverify.hf.probe import check_rows
-    if Version(transformers.__version__) >= Version(ROW_INVARIANT_FROM):
+    from fastverify.hf.processors import transformers_at_least
+    if transformers_at_least(ROW_INVARIANT_FROM):
         return
     reason = check_rows(model, DecodeSettings(max_new_tokens=1, eos_token_ids=[], pad_token_id=0))
     if reason is not None:
