@@ -103,10 +103,8 @@ register_model_type(ModelSpec("doge", min_transformers="5.18"))
 
 def _check_transformers_version():
     import transformers
-    from packaging.version import Version
-    v = Version(transformers.__version__)
     lo, hi = SUPPORTED_TRANSFORMERS
-    if not (Version(lo) <= v < Version(hi)):
+    if not transformers_at_least(lo) or transformers_at_least(hi):
         raise RuntimeError(f"fastverify.patch: transformers {transformers.__version__} is not supported; the "
                            f"integration is tested with transformers >= {lo}, < {hi}. Install a version in "
                            f"that range (pip install 'transformers>={lo},<{hi}').")
