@@ -266,9 +266,10 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
                  "invariant_sampling", "sync", "allow_unknown_model"):
         if options.get(name, True) not in (True, False):
             raise TypeError(f"{name}: expected a bool, got {options[name]!r}")
-    check_ints(max_draft=options.get("max_draft", 32))  # the most draft nodes per request and step
-    if options.get("max_draft", 32) < 0:
-        raise ValueError(f"max_draft: expected >= 0 (0: no drafts), got {options['max_draft']}")
+    draft = options.get("max_draft", 32)  # the most draft nodes per request and step
+    check_ints(max_draft=draft)
+    if draft < 0:
+        raise ValueError(f"max_draft: expected >= 0 (0: no drafts), got {draft}")
     if rule is not None and rule not in RULES:
         raise ValueError(f"rule: expected one of {RULES} or None, got {rule!r}")
     _check_rule_options(rule, options)
