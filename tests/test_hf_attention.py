@@ -122,6 +122,56 @@ def test_gqa_attention_restores_on_error():
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("Hkv,groups", [(1, 4), (4, 1), (2, 2)])
+def test_sdpa_rows_against_torch_sdpa(Hkv, groups):
+    """The SDPA a modeling file calls itself (Falcon, under gqa_attention): float32 rows with an additive mask are
+    masked_attention's bits (one key head broadcast over the query heads: Falcon's multi-query layout), torch's to
+    float32 rounding; a causal call, a boolean mask, more rows than the kernel takes or bfloat16 are torch's own."""
+    from fastverify.hf.attention import _sdpa_rows
+    F = torch.nn.functional
+    for q, dtype in ((1, torch.float32), (5, torch.float32), (attention.MASKED_ATTENTION_ROWS + 1, torch.float32),
+                     (5, torch.bfloat16)):
+        query, key, value, mask = _inputs(2, Hkv, groups, q, 23, 16, dtype)
+        gqa = dict(enable_gqa=True) if Hkv > 1 and groups > 1 else {}  # torch broadcasts one head, groups no more
+        want = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, **gqa)
+        got = _sdpa_rows(query, key, value, attn_mask=mask, **gqa)
+        if (dtype == torch.float32 and q <= attention.MASKED_ATTENTION_ROWS
+                and attention._masked_attention_op() is not None):
+            assert torch.equal(got, torch.ops.fastverify.masked_attention(query, key, value, mask, 0.25))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+        else:
+            assert torch.equal(got, want)
+        for kwargs in (dict(attn_mask=mask == 0, **gqa), dict(is_causal=True, **gqa),
+                       dict(attn_mask=mask, scale=0.1, **gqa)):
+            want = F.scaled_dot_product_attention(query, key, value, **kwargs)
+            got = _sdpa_rows(query, key, value, **kwargs)
+            if "scale" in kwargs and dtype == torch.float32 and q <= attention.MASKED_ATTENTION_ROWS:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+            else:
+                assert torch.equal(got, want)
+
+
+def test_gqa_attention_leaves_falcon_at_sdpa_and_binds_its_file():
+    """Falcon's attention calls torch's SDPA itself under sdpa (its eager branch: matmuls over the query rows): its
+    config keeps sdpa, its file's ``torch`` is the one whose SDPA is ``_sdpa_rows``, nested loops restore it once,
+    and the logits stay SDPA's to float32 rounding."""
+    import sys
+    from test_hf_model_types import tiny
+    model = tiny("falcon")
+    mod = sys.modules[type(model).__module__]
+    ids = torch.tensor([[5, 9, 3, 7, 2]])
+    with torch.no_grad():
+        want = model(ids).logits
+        with gqa_attention(model) as on:
+            assert on and model.config._attn_implementation == "sdpa" and mod.torch is attention._SDPA_TORCH
+            with gqa_attention(model):
+                assert mod.torch is attention._SDPA_TORCH
+            assert mod.torch is attention._SDPA_TORCH
+            got = model(ids).logits
+    assert mod.torch is torch and model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _layer_pairs(cache):
     return [(layer.keys, layer.values) for layer in cache.layers]
 

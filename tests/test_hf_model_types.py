@@ -112,7 +112,7 @@ def test_registered_type_matches_generate(model_type):
 # eager types too.)
 ROW_INVARIANT = ["gpt2", "mixtral", "qwen3_moe", "olmoe", "granitemoe", "qwen2_moe", "deepseek_v3", "deepseek_v2",
                  "minicpm3", "glm4_moe_lite", "sarvam_moe", "aria_text", "gemma2", "gpt_oss", "flint", "mimo_v2_flash", "opt", "gpt_neox", "phi", "cohere", "gemma3_text", "starcoder2", "olmo2", "stablelm", "gpt_bigcode",
-                 "codegen", "nemotron", "persimmon", "modernbert-decoder"]
+                 "codegen", "nemotron", "persimmon", "modernbert-decoder", "falcon"]
 
 
 ROW_INVARIANT_FROM = "5.24"  # the release ROW_INVARIANT was surveyed on: older ones compute some types otherwise
@@ -138,6 +138,19 @@ def test_dense_types_draft_without_changing_a_bit(model_type):
     """Drafted decoding returns the undrafted loop's logits bit for bit (the loop's forwards are row-invariant on the
     CPU: test_hf_generate.test_drafts_change_no_bit_of_the_logits), at batch 1 and 3."""
     model = _sdpa_or_eager(model_type)
+    _skip_where_an_older_release_varies(model)
+    for B in (1, 3):
+        ids, mask = _prompts(B)
+        assert_drafts_change_no_bit(model, DraftModelDrafter(model, k=3, tree_topk=2), ids, attention_mask=mask,
+                                    pad_token_id=PAD, max_new_tokens=12, do_sample=False)
+
+
+@pytest.mark.parametrize("config", [{"multi_query": False, "num_kv_heads": 4}, {"new_decoder_architecture": True, "num_kv_heads": 2}])
+def test_falcon_layouts_draft_without_changing_a_bit(config):
+    """Falcon's attention, which calls torch's SDPA itself (fastverify.hf.attention._sdpa_rows under the loop), in its
+    other head layouts (ROW_INVARIANT has its multi-query default): one key / value head per query head, and the
+    new decoder architecture's grouped heads."""
+    model = tiny("falcon", **config)
     _skip_where_an_older_release_varies(model)
     for B in (1, 3):
         ids, mask = _prompts(B)

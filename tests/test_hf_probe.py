@@ -156,10 +156,13 @@ def _sample(model, ids, mask, drafter, **kw):
         unpatch(model)
 
 
-def test_sampling_drafts_where_the_loop_is_row_invariant():
-    """Llama through the loop's kernels: its rows are the same bits beside draft rows, so sampled calls draft."""
+@pytest.mark.parametrize("model_type", ["llama", "falcon"])
+def test_sampling_drafts_where_the_loop_is_row_invariant(model_type):
+    """Llama through the loop's kernels, and Falcon, whose attention calls torch's SDPA itself (under the loop
+    ``fastverify.hf.attention._sdpa_rows``): their rows are the same bits beside draft rows, so sampled calls
+    draft."""
     from fastverify.hf.loop import DecodeSettings
-    model = tiny("llama")
+    model = tiny(model_type)
     assert probe.check_rows(model, DecodeSettings(max_new_tokens=1, eos_token_ids=[], pad_token_id=0)) is None
     ids, mask = _prompts(2)
     out, st, messages = _sample(model, ids, mask, NGramDrafter())

@@ -6,7 +6,8 @@ explicit ``position_ids`` [B, q]; the keys and values live in a ``DynamicCache``
 into preallocated buffers instead of concatenating). On the CPU an ``sdpa`` model runs, for the loop's duration,
 under ``gqa_attention``: transformers' sdpa attention registered through its ``AttentionInterface``, except that
 float32 verify rows go to fastverify's ``masked_attention`` and grouped-query heads are not repeated
-(``_gqa_sdpa``).
+(``_gqa_sdpa``); a modeling file that calls torch's SDPA itself (Falcon's) keeps sdpa, and its calls take the same
+route (``_sdpa_rows``).
 
 Cache layout (one physical length S for the whole batch, as a DynamicCache requires):
 
@@ -32,6 +33,7 @@ import functools
 import inspect
 import sys
 import threading
+import types
 from dataclasses import dataclass
 
 import torch
@@ -424,6 +426,42 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
                                   is_causal=is_causal, **kwargs)
 
 
+# modeling files whose attention calls torch's scaled_dot_product_attention itself under sdpa, not through
+# transformers' attention functions (Falcon's ``torch.nn.functional.scaled_dot_product_attention``): ``gqa_attention``
+# leaves their configs at sdpa and binds their global ``torch`` to ``_SDPA_TORCH`` instead
+_OWN_SDPA_FILES = ("transformers.models.falcon.modeling_falcon",)
+
+
+def _sdpa_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """torch's ``scaled_dot_product_attention`` as a file of ``_OWN_SDPA_FILES`` calls it while the loop runs on the
+    CPU: float32 verify rows with an additive mask (``masked_rows``) through ``fastverify::masked_attention``, so that
+    a row's result is a function of that row alone; anything else through torch's, as called (key / value heads
+    grouped under the query heads only with enable_gqa, else one or as many as the query's, as torch takes them)."""
+    fits = (not is_causal and query.dim() == key.dim() == value.dim() == 4 and key.shape[0] == query.shape[0]
+            and value.shape[:3] == key.shape[:3] and (enable_gqa or key.shape[1] in (1, query.shape[1])))
+    if fits and masked_rows(query, key.shape[1], key.shape[2], key.dtype if key.dtype == value.dtype else None,
+                            attn_mask, dropout_p, {}):
+        return _masked_attention_op()(query, key, value, attn_mask,
+                                      query.shape[-1] ** -0.5 if scale is None else scale, True, 0.0, None)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+class _Delegate(types.ModuleType):
+    """The module ``base`` but for the attributes given (``own``)."""
+
+    def __init__(self, base, **own):
+        super().__init__(base.__name__)
+        self.__dict__.update(own, _base=base)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_base"], name)
+
+
+# ``torch`` with nn.functional.scaled_dot_product_attention bound to ``_sdpa_rows``
+_SDPA_TORCH = _Delegate(torch, nn=_Delegate(torch.nn, functional=_Delegate(F, scaled_dot_product_attention=_sdpa_rows)))
+
+
 @functools.cache
 def _masked_attention_op():
     """torch.ops.fastverify.masked_attention where the cpp kernels are built, else None."""
@@ -448,19 +486,20 @@ def _register_gqa_attention() -> bool:
 @contextlib.contextmanager
 def gqa_attention(model):
     """For the loop's duration, a CPU model whose attention is transformers' ``sdpa`` runs ``_gqa_sdpa`` instead
-    (its configs' ``_attn_implementation`` switched to the registered name, then restored). Other models and
-    devices are left as they are."""
-    configs = []
+    (its configs' ``_attn_implementation`` switched to the registered name, then restored); one whose modeling file
+    calls torch's SDPA itself (``_OWN_SDPA_FILES``: Falcon) keeps sdpa, and the file's ``torch`` is ``_SDPA_TORCH``
+    (``module_globals``), whose SDPA is ``_sdpa_rows``. Other models and devices are left as they are. Yields
+    whether anything was switched."""
+    configs, files = [], []
     if next(model.parameters()).device.type == "cpu" and _register_gqa_attention():
-        seen = set()
-        for m in modules(model):
-            cfg = config_of(m)
-            if cfg is not None and id(cfg) not in seen:
-                seen.add(id(cfg))
-                if getattr(cfg, "_attn_implementation", None) == "sdpa":
-                    configs.append(cfg)
-    with switched(configs, "_attn_implementation", GQA_ATTENTION):
-        yield bool(configs)
+        sdpa = [(type(m).__module__, cfg) for m in modules(model) for cfg in (config_of(m),)
+                if cfg is not None and getattr(cfg, "_attn_implementation", None) == "sdpa"]
+        own = {id(cfg) for name, cfg in sdpa if name in _OWN_SDPA_FILES}
+        configs = list({id(cfg): cfg for _, cfg in sdpa if id(cfg) not in own}.values())
+        if _masked_attention_op() is not None:
+            files = list({sys.modules[name] for name, _ in sdpa if name in _OWN_SDPA_FILES})
+    with switched(configs, "_attn_implementation", GQA_ATTENTION), module_globals(files, "torch", _SDPA_TORCH):
+        yield bool(configs or files)
 
 
 @contextlib.contextmanager
