@@ -147,3 +147,36 @@ def test_seeded_sampling_drafts_on_a_mixture_of_experts_model():
     st = stats(model)
     unpatch(model)
     assert torch.equal(out, ref) and st.drafted_tokens > 0
+
+
+def test_experts_of_a_files_own_code_on_the_kernels_and_restored():
+    """DBRX's expert GLU (``x.matmul`` of its expert's weights) runs ``_glu_rows`` within skinny_experts, nested ones
+    too, and its own forward after; on float32 rows its output is the kernels' bits (act(x w1^T) * x v1^T, then
+    skinny_linear_t by w2) and its own forward's to float32 rounding. JetMoE's and LongCat-Flash's files, whose experts
+    call ``F.linear`` per expert, have ``F`` bound to the row proxy, then restored."""
+    import sys
+    from fastverify.hf import experts
+    model = tiny("dbrx")
+    glu = [m for m in model.modules() if type(m).__name__ == "DbrxExpertGLU"][0]
+    ffn = glu.w1.shape[0] // glu.moe_num_experts
+    w1, v1, w2 = (getattr(glu, n).view(-1, ffn, glu.hidden_size)[1] for n in ("w1", "v1", "w2"))
+    x = torch.randn(5, glu.hidden_size)
+    with torch.no_grad():
+        want = glu(x, w1, v1, w2)
+        with skinny_experts(model):
+            with skinny_experts(model):
+                assert glu.forward.__func__ is experts._glu_rows
+            assert glu.forward.__func__ is experts._glu_rows
+            got = glu(x, w1, v1, w2)
+        assert "forward" not in glu.__dict__
+        ops = torch.ops.fastverify
+        h = glu.activation_fn(ops.skinny_linear(x, w1, None)) * ops.skinny_linear(x, v1, None)
+    assert torch.equal(got, ops.skinny_linear_t(h, w2, None))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for model_type in ("jetmoe", "longcat_flash"):
+        model = tiny(model_type)
+        mod = sys.modules[type(model).__module__]
+        before = mod.F
+        with skinny_experts(model):
+            assert mod.F is experts._ROW_F
+        assert mod.F is before is torch.nn.functional

@@ -16,8 +16,10 @@ for the same duration, with the ``F`` of their modeling file bound to ``torch.nn
 which takes few float32 CPU rows to ``skinny_linear`` (``_RowFunctional``, bound by ``attention.module_globals``:
 process-wide for that file while any loop runs such a model; another call of the file's ``F.linear`` then computes
 the same to float32 rounding), its outputs of fewer than 32 columns row-aligned (``linear.row_aligned``: the sigmoid
-that some routers take of their logits then computes each row alone). So a row's result is a function of that row
-alone, as the rest of the loop's forward is on the CPU.
+that some routers take of their logits then computes each row alone). Experts layers of a modeling file's own code
+take the same kernels: the files whose experts call ``F.linear`` per expert (JetMoE, LongCat-Flash) have their ``F``
+bound likewise, and DBRX's expert GLU, which multiplies with tensor methods, runs ``_glu_rows`` for the duration.
+So a row's result is a function of that row alone, as the rest of the loop's forward is on the CPU.
 """
 
 import contextlib
@@ -119,6 +121,25 @@ class _RowNN(types.ModuleType):
 _ROW_NN = _RowNN()
 
 
+# modeling files whose experts layers are their own code calling ``F.linear`` per expert (JetMoE's parallel experts,
+# LongCat-Flash's experts and router): their ``F`` is bound to ``_ROW_F`` as routers' files are
+_OWN_EXPERTS_FILES = ("transformers.models.jetmoe.modeling_jetmoe",
+                      "transformers.models.longcat_flash.modeling_longcat_flash")
+# expert GLU modules of their own code that multiply with tensor methods (``x.matmul(w1.T)``: DBRX's), run by
+# ``_glu_rows`` instead
+_GLU_CLASSES = (("transformers.models.dbrx.modeling_dbrx", "DbrxExpertGLU"),)
+
+
+def _glu_rows(self, x, expert_w1, expert_v1, expert_w2):
+    """An expert GLU of ``_GLU_CLASSES`` (act(x w1^T) * x v1^T, then @ w2, w2 [ffn, hidden]) with few float32 CPU rows
+    on the skinny kernels, outputs row-aligned as ``_ROW_F``'s; anything else through the class's own forward."""
+    if not (skinny_available() and all(_few_rows(x, w) for w in (expert_w1, expert_v1))
+            and streamable(expert_w2) and expert_w2.shape[0] == expert_w1.shape[0]):
+        return type(self).forward(self, x, expert_w1, expert_v1, expert_w2)
+    h = self.activation_fn(_ROW_F.linear(x, expert_w1)) * _ROW_F.linear(x, expert_v1)
+    return row_aligned(torch.ops.fastverify.skinny_linear_t(h, expert_w2, None))
+
+
 def _router_files(model, name: str, module, proxy) -> list:
     """The modeling modules of ``model``'s router classes (a class name ending in "Router") whose global ``name`` is
     ``module`` (``F``: torch.nn.functional; ``nn``: torch.nn) or already its ``proxy``."""
@@ -158,14 +179,29 @@ def _experts_configs(model) -> list:
 def skinny_experts(model):
     """For the loop's duration, a CPU model's experts modules run ``skinny_experts_forward`` (their configs'
     ``_experts_implementation`` switched to ``EXPERTS_IMPLEMENTATION``, then restored) and its routers' ``F.linear``
-    the skinny kernel; yields how many configs were switched. Other models and devices are left as they are."""
-    configs, f_files, nn_files = [], [], []
+    the skinny kernel; experts of a modeling file's own code too: the ``F.linear`` of the files in
+    ``_OWN_EXPERTS_FILES`` (JetMoE, LongCat-Flash) and the GLU modules of ``_GLU_CLASSES`` (DBRX: ``_glu_rows``).
+    Yields how many configs were switched. Other models and devices are left as they are."""
+    configs, f_files, nn_files, glus = [], [], [], []
     if (skinny_available() and "cpp" in implemented_backends("skinny_linear_t")
-            and next(model.parameters()).device.type == "cpu" and _register()):
-        configs = _experts_configs(model)
+            and next(model.parameters()).device.type == "cpu"):
+        configs = _experts_configs(model) if _register() else []
         if configs:
             f_files = _router_files(model, "F", F, _ROW_F)
             nn_files = _router_files(model, "nn", torch.nn, _ROW_NN)
-    with (switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION), module_globals(f_files, "F", _ROW_F),
-          module_globals(nn_files, "nn", _ROW_NN)):
-        yield len(configs)
+        for m in modules(model):
+            mod = sys.modules.get(type(m).__module__)
+            if (type(m).__module__ in _OWN_EXPERTS_FILES and mod not in f_files
+                    and getattr(mod, "F", None) in (F, _ROW_F)):
+                f_files.append(mod)
+            if (type(m).__module__, type(m).__qualname__) in _GLU_CLASSES and "forward" not in m.__dict__:
+                glus.append(m)
+    for m in glus:
+        m.forward = types.MethodType(_glu_rows, m)
+    try:
+        with (switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION),
+              module_globals(f_files, "F", _ROW_F), module_globals(nn_files, "nn", _ROW_NN)):
+            yield len(configs)
+    finally:
+        for m in glus:
+            m.__dict__.pop("forward", None)
