@@ -111,9 +111,9 @@ def test_registered_type_matches_generate(model_type):
 # runs masked_attention too (fastverify.hf.attention.eager_attention): mixture-of-experts, latent-attention and
 # eager types too.)
 ROW_INVARIANT = ["gpt2", "mixtral", "qwen3_moe", "olmoe", "granitemoe", "qwen2_moe", "deepseek_v3", "deepseek_v2",
-                 "minicpm3", "glm4_moe_lite", "sarvam_moe", "aria_text", "gemma2", "gpt_oss", "flint", "mimo_v2_flash", "opt", "gpt_neox", "phi", "cohere", "gemma3_text", "starcoder2", "olmo2", "stablelm", "gpt_bigcode",
-                 "codegen", "nemotron", "persimmon", "modernbert-decoder", "falcon",
-                 "dbrx", "jetmoe", "longcat_flash"]
+                 "minicpm3", "glm4_moe_lite", "sarvam_moe", "aria_text", "gemma2", "gpt_oss", "flint", "mimo_v2_flash",
+                 "opt", "gpt_neox", "phi", "cohere", "gemma3_text", "starcoder2", "olmo2", "stablelm", "gpt_bigcode",
+                 "codegen", "nemotron", "persimmon", "modernbert-decoder", "falcon", "dbrx", "jetmoe", "longcat_flash"]
 
 
 ROW_INVARIANT_FROM = "5.24"  # the release ROW_INVARIANT was surveyed on: older ones compute some types otherwise
@@ -146,7 +146,8 @@ def test_dense_types_draft_without_changing_a_bit(model_type):
                                     pad_token_id=PAD, max_new_tokens=12, do_sample=False)
 
 
-@pytest.mark.parametrize("config", [{"multi_query": False, "num_kv_heads": 4}, {"new_decoder_architecture": True, "num_kv_heads": 2}])
+@pytest.mark.parametrize("config", [{"multi_query": False, "num_kv_heads": 4},
+                                    {"new_decoder_architecture": True, "num_kv_heads": 2}])
 def test_falcon_layouts_draft_without_changing_a_bit(config):
     """Falcon's attention, which calls torch's SDPA itself (fastverify.hf.attention._sdpa_rows under the loop), in its
     other head layouts (ROW_INVARIANT has its multi-query default): one key / value head per query head, and the

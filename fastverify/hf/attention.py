@@ -44,7 +44,8 @@ from fastverify.ops.cache import cache_layers
 from fastverify.ops.tree import tree_mask
 
 __all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length", "cache_kwargs",
-           "forward_takes", "new_cache", "gqa_attention", "eager_attention", "module_globals", "switched"]
+           "forward_takes", "new_cache", "gqa_attention", "eager_attention", "module_globals", "switched",
+           "ModuleWith"]
 
 _FORWARD_PARAMS = {}  # model class -> the parameter names of its forward (reading a signature costs ~25 us)
 
@@ -447,8 +448,9 @@ def _sdpa_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
-class _Delegate(types.ModuleType):
-    """The module ``base`` but for the attributes given (``own``)."""
+class ModuleWith(types.ModuleType):
+    """The module ``base`` but for the attributes given (``own``): what ``module_globals`` binds in a modeling file
+    in place of ``torch``, ``torch.nn`` or ``torch.nn.functional``."""
 
     def __init__(self, base, **own):
         super().__init__(base.__name__)
@@ -459,7 +461,8 @@ class _Delegate(types.ModuleType):
 
 
 # ``torch`` with nn.functional.scaled_dot_product_attention bound to ``_sdpa_rows``
-_SDPA_TORCH = _Delegate(torch, nn=_Delegate(torch.nn, functional=_Delegate(F, scaled_dot_product_attention=_sdpa_rows)))
+_SDPA_TORCH = ModuleWith(torch, nn=ModuleWith(torch.nn, functional=ModuleWith(
+    F, scaled_dot_product_attention=_sdpa_rows)))
 
 
 @functools.cache

@@ -13,7 +13,7 @@ the routing weights, the sum over the top k), each expert's float32 rows through
 order. The routers that choose each token's experts (``*TopKRouter``: ``F.linear`` on a weight of their own) run,
 for the same duration, with the ``F`` of their modeling file bound to ``torch.nn.functional`` but for ``linear``
 (and its ``nn`` to ``torch.nn`` but for that ``functional``, for routers that call ``nn.functional.linear``),
-which takes few float32 CPU rows to ``skinny_linear`` (``_RowFunctional``, bound by ``attention.module_globals``:
+which takes few float32 CPU rows to ``skinny_linear`` (``_row_linear``, bound by ``attention.module_globals``:
 process-wide for that file while any loop runs such a model; another call of the file's ``F.linear`` then computes
 the same to float32 rounding), its outputs of fewer than 32 columns row-aligned (``linear.row_aligned``: the sigmoid
 that some routers take of their logits then computes each row alone). Experts layers of a modeling file's own code
@@ -29,7 +29,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from fastverify.hf.attention import module_globals, switched
+from fastverify.hf.attention import ModuleWith, module_globals, switched
 from fastverify.hf.linear import (MAX_ROWS, config_of, modules, row_aligned, skinny_available, streamable,
                                   takes_skinny)
 from fastverify.ops.tree import implemented_backends
@@ -87,38 +87,15 @@ def _few_rows(x, weight, bias=None) -> bool:
     return x.device.type == "cpu" and streamable(weight, bias) and takes_skinny(x, weight, MAX_ROWS)
 
 
-class _RowFunctional(types.ModuleType):
-    """``torch.nn.functional`` with ``linear`` taking few float32 CPU rows (``_few_rows``) to ``skinny_linear``."""
-
-    def __init__(self):
-        super().__init__("torch.nn.functional")
-
-    def __getattr__(self, name):
-        return getattr(F, name)
-
-    @staticmethod
-    def linear(x, weight, bias=None):
-        if _few_rows(x, weight, bias):
-            return row_aligned(torch.ops.fastverify.skinny_linear(x, weight, bias))
-        return F.linear(x, weight, bias)
+def _row_linear(x, weight, bias=None):
+    """``F.linear``, with few float32 CPU rows (``_few_rows``) on ``skinny_linear``, its output row-aligned."""
+    if _few_rows(x, weight, bias):
+        return row_aligned(torch.ops.fastverify.skinny_linear(x, weight, bias))
+    return F.linear(x, weight, bias)
 
 
-_ROW_F = _RowFunctional()
-
-
-class _RowNN(types.ModuleType):
-    """``torch.nn`` with ``functional`` bound to ``_ROW_F`` (for routers that call ``nn.functional.linear``: Aria)."""
-
-    functional = _ROW_F
-
-    def __init__(self):
-        super().__init__("torch.nn")
-
-    def __getattr__(self, name):
-        return getattr(torch.nn, name)
-
-
-_ROW_NN = _RowNN()
+_ROW_F = ModuleWith(F, linear=_row_linear)  # torch.nn.functional but for linear
+_ROW_NN = ModuleWith(torch.nn, functional=_ROW_F)  # torch.nn, for routers that call nn.functional.linear (Aria)
 
 
 # modeling files whose experts layers are their own code calling ``F.linear`` per expert (JetMoE's parallel experts,
