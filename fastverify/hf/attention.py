@@ -440,8 +440,7 @@ def _sdpa_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     grouped under the query heads only with enable_gqa, else one or as many as the query's, as torch takes them)."""
     fits = (not is_causal and query.dim() == key.dim() == value.dim() == 4 and key.shape[0] == query.shape[0]
             and value.shape[:3] == key.shape[:3] and (enable_gqa or key.shape[1] in (1, query.shape[1])))
-    if fits and masked_rows(query, key.shape[1], key.shape[2], key.dtype if key.dtype == value.dtype else None,
-                            attn_mask, dropout_p, {}):
+    if fits and _masked_fits(query, key, value, attn_mask, dropout_p, {}):
         return _masked_attention_op()(query, key, value, attn_mask,
                                       query.shape[-1] ** -0.5 if scale is None else scale, True, 0.0, None)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,

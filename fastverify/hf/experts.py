@@ -113,19 +113,29 @@ def _glu_rows(self, x, expert_w1, expert_v1, expert_w2):
     if not (skinny_available() and all(_few_rows(x, w) for w in (expert_w1, expert_v1))
             and streamable(expert_w2) and expert_w2.shape[0] == expert_w1.shape[0]):
         return type(self).forward(self, x, expert_w1, expert_v1, expert_w2)
-    h = self.activation_fn(_ROW_F.linear(x, expert_w1)) * _ROW_F.linear(x, expert_v1)
-    return row_aligned(torch.ops.fastverify.skinny_linear_t(h, expert_w2, None))
+    ops = torch.ops.fastverify
+    h = self.activation_fn(row_aligned(ops.skinny_linear(x, expert_w1, None))) * row_aligned(
+        ops.skinny_linear(x, expert_v1, None))
+    return row_aligned(ops.skinny_linear_t(h, expert_w2, None))
 
 
-def _router_files(model, name: str, module, proxy) -> list:
-    """The modeling modules of ``model``'s router classes (a class name ending in "Router") whose global ``name`` is
-    ``module`` (``F``: torch.nn.functional; ``nn``: torch.nn) or already its ``proxy``."""
+def _is_router(m) -> bool:
+    return type(m).__name__.lower().endswith("router")
+
+
+def _has_own_experts(m) -> bool:
+    return type(m).__module__ in _OWN_EXPERTS_FILES
+
+
+def _files_of(model, pick, name: str, module, proxy) -> list:
+    """The modeling modules of ``model``'s modules that ``pick`` (routers: ``_is_router``; ``_has_own_experts``) whose
+    global ``name`` is ``module`` (``F``: torch.nn.functional; ``nn``: torch.nn) or already its ``proxy``."""
     files = []
     for m in modules(model):
-        mod = sys.modules.get(type(m).__module__)
-        if (type(m).__name__.lower().endswith("router") and mod is not None and mod not in files
-                and getattr(mod, name, None) in (module, proxy)):
-            files.append(mod)
+        if pick(m):
+            mod = sys.modules.get(type(m).__module__)
+            if mod is not None and mod not in files and getattr(mod, name, None) in (module, proxy):
+                files.append(mod)
     return files
 
 
@@ -164,15 +174,11 @@ def skinny_experts(model):
             and next(model.parameters()).device.type == "cpu"):
         configs = _experts_configs(model) if _register() else []
         if configs:
-            f_files = _router_files(model, "F", F, _ROW_F)
-            nn_files = _router_files(model, "nn", torch.nn, _ROW_NN)
-        for m in modules(model):
-            mod = sys.modules.get(type(m).__module__)
-            if (type(m).__module__ in _OWN_EXPERTS_FILES and mod not in f_files
-                    and getattr(mod, "F", None) in (F, _ROW_F)):
-                f_files.append(mod)
-            if (type(m).__module__, type(m).__qualname__) in _GLU_CLASSES and "forward" not in m.__dict__:
-                glus.append(m)
+            f_files = _files_of(model, _is_router, "F", F, _ROW_F)
+            nn_files = _files_of(model, _is_router, "nn", torch.nn, _ROW_NN)
+        f_files += [mod for mod in _files_of(model, _has_own_experts, "F", F, _ROW_F) if mod not in f_files]
+        glus = [m for m in modules(model) if (type(m).__module__, type(m).__qualname__) in _GLU_CLASSES
+                and "forward" not in m.__dict__]
     for m in glus:
         m.forward = types.MethodType(_glu_rows, m)
     try:
