@@ -77,7 +77,11 @@ def _extensions():
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         extra["cxx"] = cxx + ["-DFASTVERIFY_WITH_CUDA"]
         extra["nvcc"] = opt + ["-std=c++20", "-DFASTVERIFY_WITH_CUDA", "--expt-relaxed-constexpr", "-lineinfo"]
-        # torch's CUDA headers include cuBLAS/cuSPARSE headers; those ship in torch's own nvidia wheels.
+        # torch's CUDA headers include cuBLAS/cuSPARSE headers; those ship in torch's own nvidia wheels. The wheels
+        # also carry their CUDA runtime's headers, of torch's CUDA release, which may be newer than nvcc's (torch
+        # 2.15's 13.2 against a 13.0 toolkit): nvcc refuses to mix them. The toolkit's own include directory goes
+        # first, so the wheels only supply what the toolkit lacks (cuBLAS, cuSPARSE, cuSOLVER, cuFFT).
+        include_dirs.append(os.path.join(cpp_extension.CUDA_HOME, "include"))
         for site in sys.path:
             for inc in glob.glob(os.path.join(site, "nvidia", "*", "include")):
                 if os.path.isdir(inc) and inc not in include_dirs:
