@@ -116,7 +116,7 @@ setup(
     package_data={"fastverify": ["checkpoints/*/config.json", "checkpoints/*/heads.safetensors",
                                  "checkpoints/*/slots.safetensors"]},
     python_requires=">=3.10",
-    # the oldest torch the tests ran on (2.11: the GPU machine's; 2.13 and 2.14 here)
+    # the oldest torch the tests ran on (2.11: the GPU machine's; 2.13, 2.14 and 2.15 here)
     install_requires=["torch>=2.11"],
     extras_require={
         "triton": ["triton"],
