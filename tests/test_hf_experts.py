@@ -180,3 +180,40 @@ def test_experts_of_a_files_own_code_on_the_kernels_and_restored():
         with skinny_experts(model):
             assert mod.F is experts._ROW_F
         assert mod.F is before is torch.nn.functional
+
+
+def test_llama4_experts_and_router_on_the_kernels_and_restored():
+    """Llama 4's experts (``torch.bmm`` over each expert's rows) and router (``nn.Linear.forward``, then the sigmoid of
+    the top k) run ``_bmm_experts_rows`` / ``_router_rows`` within skinny_experts and their own forwards after. On
+    float32 rows their outputs are the kernels' bits, each row the same alone as beside others, and their own
+    forwards' to float32 rounding."""
+    from fastverify.hf import experts
+    model = tiny("llama4_text")
+    moe = [m for m in model.modules() if type(m).__name__ == "Llama4TextMoe"][0]
+    ex, router = moe.experts, moe.router
+    E = ex.gate_up_proj.shape[0]
+    x = torch.randn(5, ex.hidden_size)
+    routed = torch.randn(E * 5, ex.hidden_size)
+    with torch.no_grad():
+        want_scores, want_logits = router(x)
+        want = ex(routed)
+        with skinny_experts(model):
+            assert ex.forward.__func__ is experts._bmm_experts_rows
+            assert router.forward.__func__ is experts._router_rows
+            scores, logits = router(x)
+            got = ex(routed)
+            one_scores, one_logits = router(x[3:4])
+            one = ex(routed.view(E, 5, -1)[:, 3].contiguous())
+        assert "forward" not in ex.__dict__ and "forward" not in router.__dict__
+        ops = torch.ops.fastverify
+        assert torch.equal(logits, ops.skinny_linear(x, router.weight, None))
+        per_expert = []
+        for e, rows in enumerate(routed.view(E, 5, -1)):
+            gate, up = ops.skinny_linear_t(rows, ex.gate_up_proj[e], None).chunk(2, dim=-1)
+            per_expert.append(ops.skinny_linear_t(up * ex.act_fn(gate), ex.down_proj[e], None))
+    assert torch.equal(got, torch.cat(per_expert))
+    assert torch.equal(one_logits, logits[3:4]) and torch.equal(one_scores, scores[3:4])
+    assert torch.equal(one, got.view(E, 5, -1)[:, 3])
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scores, want_scores, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

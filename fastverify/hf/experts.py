@@ -18,7 +18,9 @@ process-wide for that file while any loop runs such a model; another call of the
 the same to float32 rounding), its outputs of fewer than 32 columns row-aligned (``linear.row_aligned``: the sigmoid
 that some routers take of their logits then computes each row alone). Experts layers of a modeling file's own code
 take the same kernels: the files whose experts call ``F.linear`` per expert (JetMoE, LongCat-Flash) have their ``F``
-bound likewise, and DBRX's expert GLU, which multiplies with tensor methods, runs ``_glu_rows`` for the duration.
+bound likewise; DBRX's expert GLU, which multiplies with tensor methods, runs ``_glu_rows`` for the duration, and
+Llama 4's experts (``torch.bmm`` over each expert's rows) and router (``nn.Linear.forward``, then a sigmoid of the
+scores it makes) run ``_bmm_experts_rows`` and ``_router_rows``.
 So a row's result is a function of that row alone, as the rest of the loop's forward is on the CPU.
 """
 
@@ -102,14 +104,11 @@ _ROW_NN = ModuleWith(torch.nn, functional=_ROW_F)  # torch.nn, for routers that 
 # LongCat-Flash's experts and router): their ``F`` is bound to ``_ROW_F`` as routers' files are
 _OWN_EXPERTS_FILES = ("transformers.models.jetmoe.modeling_jetmoe",
                       "transformers.models.longcat_flash.modeling_longcat_flash")
-# expert GLU modules of their own code that multiply with tensor methods (``x.matmul(w1.T)``: DBRX's), run by
-# ``_glu_rows`` instead
-_GLU_CLASSES = (("transformers.models.dbrx.modeling_dbrx", "DbrxExpertGLU"),)
 
 
 def _glu_rows(self, x, expert_w1, expert_v1, expert_w2):
-    """An expert GLU of ``_GLU_CLASSES`` (act(x w1^T) * x v1^T, then @ w2, w2 [ffn, hidden]) with few float32 CPU rows
-    on the skinny kernels, outputs row-aligned as ``_ROW_F``'s; anything else through the class's own forward."""
+    """DBRX's expert GLU (``DbrxExpertGLU``: act(x w1^T) * x v1^T, then @ w2, w2 [ffn, hidden]) with few float32 CPU
+    rows on the skinny kernels, outputs row-aligned as ``_ROW_F``'s; anything else through the class's own forward."""
     if not (skinny_available() and all(_few_rows(x, w) for w in (expert_w1, expert_v1))
             and streamable(expert_w2) and expert_w2.shape[0] == expert_w1.shape[0]):
         return type(self).forward(self, x, expert_w1, expert_v1, expert_w2)
@@ -117,6 +116,43 @@ def _glu_rows(self, x, expert_w1, expert_v1, expert_w2):
     h = self.activation_fn(row_aligned(ops.skinny_linear(x, expert_w1, None))) * row_aligned(
         ops.skinny_linear(x, expert_v1, None))
     return row_aligned(ops.skinny_linear_t(h, expert_w2, None))
+
+
+def _bmm_experts_rows(self, hidden_states):
+    """Llama 4's experts (``Llama4TextExperts``: every token's row once per expert, [E * tokens, hidden], through
+    ``torch.bmm`` with gate_up_proj [E, hidden, 2 * ffn] and down_proj [E, ffn, hidden]), each expert's few float32
+    CPU rows on ``skinny_linear_t``; anything else through the class's own forward."""
+    experts, gate_up, down = self.gate_up_proj.shape[0], self.gate_up_proj, self.down_proj
+    x = hidden_states.view(experts, -1, self.hidden_size)
+    if not (skinny_available() and x.device.type == "cpu" and streamable(gate_up[0]) and streamable(down[0])
+            and takes_skinny(x[0], gate_up, MAX_ROWS) and takes_skinny(x[0], down, MAX_ROWS)):
+        return type(self).forward(self, hidden_states)
+    ops = torch.ops.fastverify
+    out = []
+    for e in range(experts):
+        gate, up = ops.skinny_linear_t(x[e], gate_up[e], None).chunk(2, dim=-1)
+        out.append(ops.skinny_linear_t(up * self.act_fn(gate), down[e], None))
+    return torch.cat(out)
+
+
+def _router_rows(self, hidden_states):
+    """Llama 4's router (``Llama4Router``, an ``nn.Linear`` with a forward of its own: the logits, the top k kept,
+    their sigmoid), its logits from ``skinny_linear`` and the sigmoid taken of row-aligned scores, with few float32 CPU
+    rows; anything else through the class's own forward."""
+    if not (skinny_available() and _few_rows(hidden_states, self.weight, self.bias)):
+        return type(self).forward(self, hidden_states)
+    logits = row_aligned(torch.ops.fastverify.skinny_linear(hidden_states, self.weight, self.bias))
+    top_value, top_index = torch.topk(logits, self.top_k, dim=1)
+    scores = torch.full_like(logits, float("-inf")).scatter_(1, top_index, top_value)
+    return torch.sigmoid(row_aligned(scores.float())).to(scores.dtype), logits
+
+
+# modules of a modeling file's own code whose arithmetic depends on the number of rows, and the forward each runs
+# instead while the loop does: DBRX's expert GLU (tensor methods, ``x.matmul(w1.T)``), Llama 4's experts
+# (``torch.bmm`` over every expert's rows) and router (``nn.Linear.forward``, then a sigmoid of new scores)
+_OWN_FORWARDS = {("transformers.models.dbrx.modeling_dbrx", "DbrxExpertGLU"): _glu_rows,
+                 ("transformers.models.llama4.modeling_llama4", "Llama4TextExperts"): _bmm_experts_rows,
+                 ("transformers.models.llama4.modeling_llama4", "Llama4Router"): _router_rows}
 
 
 def _is_router(m) -> bool:
@@ -167,9 +203,10 @@ def skinny_experts(model):
     """For the loop's duration, a CPU model's experts modules run ``skinny_experts_forward`` (their configs'
     ``_experts_implementation`` switched to ``EXPERTS_IMPLEMENTATION``, then restored) and its routers' ``F.linear``
     the skinny kernel; experts of a modeling file's own code too: the ``F.linear`` of the files in
-    ``_OWN_EXPERTS_FILES`` (JetMoE, LongCat-Flash) and the GLU modules of ``_GLU_CLASSES`` (DBRX: ``_glu_rows``).
+    ``_OWN_EXPERTS_FILES`` (JetMoE, LongCat-Flash) and the modules of ``_OWN_FORWARDS`` (DBRX's expert GLU, Llama 4's
+    experts and router).
     Yields how many configs were switched. Other models and devices are left as they are."""
-    configs, f_files, nn_files, glus = [], [], [], []
+    configs, f_files, nn_files, own = [], [], [], []
     if (skinny_available() and "cpp" in implemented_backends("skinny_linear_t")
             and next(model.parameters()).device.type == "cpu"):
         configs = _experts_configs(model) if _register() else []
@@ -177,14 +214,14 @@ def skinny_experts(model):
             f_files = _files_of(model, _is_router, "F", F, _ROW_F)
             nn_files = _files_of(model, _is_router, "nn", torch.nn, _ROW_NN)
         f_files += [mod for mod in _files_of(model, _has_own_experts, "F", F, _ROW_F) if mod not in f_files]
-        glus = [m for m in modules(model) if (type(m).__module__, type(m).__qualname__) in _GLU_CLASSES
-                and "forward" not in m.__dict__]
-    for m in glus:
-        m.forward = types.MethodType(_glu_rows, m)
+        own = [m for m in modules(model) if (type(m).__module__, type(m).__qualname__) in _OWN_FORWARDS
+               and "forward" not in m.__dict__]
+    for m in own:
+        m.forward = types.MethodType(_OWN_FORWARDS[type(m).__module__, type(m).__qualname__], m)
     try:
         with (switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION),
               module_globals(f_files, "F", _ROW_F), module_globals(nn_files, "nn", _ROW_NN)):
             yield len(configs)
     finally:
-        for m in glus:
+        for m in own:
             m.__dict__.pop("forward", None)
