@@ -124,8 +124,7 @@ def _bmm_experts_rows(self, hidden_states):
     CPU rows on ``skinny_linear_t``; anything else through the class's own forward."""
     experts, gate_up, down = self.gate_up_proj.shape[0], self.gate_up_proj, self.down_proj
     x = hidden_states.view(experts, -1, self.hidden_size)
-    if not (skinny_available() and x.device.type == "cpu" and streamable(gate_up[0]) and streamable(down[0])
-            and takes_skinny(x[0], gate_up, MAX_ROWS) and takes_skinny(x[0], down, MAX_ROWS)):
+    if not (skinny_available() and all(_few_rows(x[0], w) for w in (gate_up[0], down[0]))):
         return type(self).forward(self, hidden_states)
     ops = torch.ops.fastverify
     out = []
