@@ -217,3 +217,28 @@ def test_llama4_experts_and_router_on_the_kernels_and_restored():
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(scores, want_scores, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_kolibri_router_on_the_kernels_and_restored():
+    """Kolibri's router (the sigmoid of its logits gathered at the top k, a tensor method on a new contiguous tensor)
+    runs ``_gathered_router_rows`` within skinny_experts and its own forward after: its logits the kernel's bits, the
+    same choices, its scores each row's alone, and its own forward's to float32 rounding."""
+    from fastverify.hf import experts
+    model = tiny("kolibri1")
+    router = [m for m in model.modules() if type(m).__name__ == "Kolibri1TopKRouter"][0]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(torch.randn_like(router.e_score_correction_bias) * 0.1)
+        x = torch.randn(1, 40, router.hidden_dim)  # [batch, tokens, hidden], as the MoE block hands it: 80 scores
+        want_logits, want_scores, want_index = router(x)
+        with skinny_experts(model):
+            assert router.forward.__func__ is experts._gathered_router_rows
+            logits, scores, index = router(x)
+            alone = [router(x[:, i:i + 1]) for i in range(40)]
+        assert "forward" not in router.__dict__
+    assert torch.equal(logits, torch.ops.fastverify.skinny_linear(x[0], router.weight, None))
+    assert torch.equal(index, want_index)
+    for i, (l, s, k) in enumerate(alone):
+        assert torch.equal(l, logits[i:i + 1]) and torch.equal(s, scores[i:i + 1]) and torch.equal(k, index[i:i + 1])
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scores, want_scores, rtol=1e-5, atol=1e-6)

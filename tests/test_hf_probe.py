@@ -172,11 +172,13 @@ def test_sampling_drafts_where_the_loop_is_row_invariant(model_type):
 
 
 def test_check_rows_batch_finds_a_router_that_rounds_by_the_row_count():
-    """A tiny Laguna's router divides its logits by a soft cap before their tanh and sigmoid (new tensors, so which
-    rows take torch's scalar tail depends on how many there are): check_rows's batch of three requests and 12 tokens
-    finds it, where the greedy probe's batch (two requests, 7 tokens) does not."""
+    """A tiny Laguna's router with a soft cap divides its logits, four per row, by the cap before their tanh and
+    sigmoid (new contiguous tensors, so which rows take torch's scalar tail depends on how many there are; without the
+    cap, as Laguna's release ships, its rows are the same alone as beside others): check_rows's batch of three requests
+    and 12 tokens finds it, where the greedy probe's batch (two requests, 7 tokens) does not."""
     from fastverify.hf.loop import DecodeSettings
-    model = tiny("laguna")
+    assert probe.check_rows(tiny("laguna"), DecodeSettings(max_new_tokens=1, eos_token_ids=[], pad_token_id=0)) is None
+    model = tiny("laguna", moe_router_logit_softcapping=30.0)
     settings = DecodeSettings(max_new_tokens=1, eos_token_ids=[], pad_token_id=0)
     assert probe.check_rows(model, settings).startswith("with draft rows beside them")
     assert probe.check_rows(tiny("qwen3_moe"), settings) is None

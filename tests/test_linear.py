@@ -306,6 +306,31 @@ def test_skinny_linears_hands_out_narrow_outputs_row_aligned(N):
         assert row_aligned(wide) is wide  # ROW_ALIGN columns or more: as it is
 
 
+@pytest.mark.parametrize("N", [48, 5, 77, 64])
+def test_row_padded_computes_each_row_alone_at_any_width(N):
+    """An elementwise function of a contiguous [rows, N] tensor takes its scalar tail at the last numel mod 32
+    elements, which fall on other elements of the last row as the rows change (Laguna's attention gate: a softplus of
+    48 columns, one per head). ``row_padded`` lays the rows a multiple of ROW_ALIGN floats apart, so each row computes
+    as it does alone, under any leading dims; a width that is a multiple of ROW_ALIGN comes back as it is."""
+    from fastverify.hf.linear import ROW_ALIGN, row_padded
+    torch.manual_seed(N)
+    x = torch.randn(2, 9, N) * 4
+    padded = row_padded(x)
+    assert torch.equal(padded, x)
+    if N % ROW_ALIGN == 0:
+        assert padded is x
+    else:
+        assert padded.stride()[-2] % ROW_ALIGN == 0 and padded.stride()[-2] >= N
+    for f in (F.softplus, torch.sigmoid, torch.tanh, torch.exp, F.silu):
+        together = f(padded)
+        for b in range(2):
+            for i in range(9):  # each row alone, and the first i + 1 rows of a batch of one
+                for rows in ((slice(b, b + 1), slice(i, i + 1)), (slice(b, b + 1), slice(0, i + 1))):
+                    assert torch.equal(f(row_padded(x[rows].contiguous())), together[rows]), (f, b, i)
+    empty = torch.empty(0, N)
+    assert row_padded(empty) is empty
+
+
 def test_row_gelu_computes_a_glu_slice_as_one_row_alone():
     """A GLU's chunk of a [rows, 2N] output is contiguous at one row and strided at several, and torch's GELU (erf)
     rounds a strided input otherwise than a contiguous one (so does a narrow output handed out ``row_aligned``).

@@ -20,7 +20,9 @@ that some routers take of their logits then computes each row alone). Experts la
 take the same kernels: the files whose experts call ``F.linear`` per expert (JetMoE, LongCat-Flash) have their ``F``
 bound likewise; DBRX's expert GLU, which multiplies with tensor methods, runs ``_glu_rows`` for the duration, and
 Llama 4's experts (``torch.bmm`` over each expert's rows) and router (``nn.Linear.forward``, then a sigmoid of the
-scores it makes) run ``_bmm_experts_rows`` and ``_router_rows``.
+scores it makes) run ``_bmm_experts_rows`` and ``_router_rows``, and Kolibri's router (the sigmoid of gathered
+logits, a tensor method) ``_gathered_router_rows``. One file's own code beside experts takes the same ``F``: Laguna's
+attention, whose softplus of a gate 48 columns wide would otherwise round the last row's tail by the rows before it.
 So a row's result is a function of that row alone, as the rest of the loop's forward is on the CPU.
 """
 
@@ -32,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.hf.attention import ModuleWith, module_globals, switched
-from fastverify.hf.linear import (MAX_ROWS, config_of, modules, row_aligned, skinny_available, streamable,
-                                  takes_skinny)
+from fastverify.hf.linear import (MAX_ROWS, config_of, modules, row_aligned, row_padded, skinny_available,
+                                  streamable, takes_skinny)
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_experts", "skinny_experts_forward", "EXPERTS_IMPLEMENTATION"]
@@ -96,14 +98,21 @@ def _row_linear(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
-_ROW_F = ModuleWith(F, linear=_row_linear)  # torch.nn.functional but for linear
+def _row_softplus(x, beta=1.0, threshold=20.0):
+    """``F.softplus``, of a CPU input's rows one at a time (``row_padded``)."""
+    return F.softplus(row_padded(x) if x.device.type == "cpu" else x, beta, threshold)
+
+
+_ROW_F = ModuleWith(F, linear=_row_linear, softplus=_row_softplus)  # torch.nn.functional but for these
 _ROW_NN = ModuleWith(torch.nn, functional=_ROW_F)  # torch.nn, for routers that call nn.functional.linear (Aria)
 
 
-# modeling files whose experts layers are their own code calling ``F.linear`` per expert (JetMoE's parallel experts,
-# LongCat-Flash's experts and router): their ``F`` is bound to ``_ROW_F`` as routers' files are
-_OWN_EXPERTS_FILES = ("transformers.models.jetmoe.modeling_jetmoe",
-                      "transformers.models.longcat_flash.modeling_longcat_flash")
+# modeling files whose own code needs ``_ROW_F`` and whose ``F`` is bound to it as routers' files are: experts layers
+# calling ``F.linear`` per expert (JetMoE's parallel experts, LongCat-Flash's experts and router), and Laguna's
+# attention, which gates each head by the softplus of a linear layer's output one column per head (48 in its release)
+_OWN_CODE_FILES = ("transformers.models.jetmoe.modeling_jetmoe",
+                   "transformers.models.longcat_flash.modeling_longcat_flash",
+                   "transformers.models.laguna.modeling_laguna")
 
 
 def _glu_rows(self, x, expert_w1, expert_v1, expert_w2):
@@ -146,24 +155,42 @@ def _router_rows(self, hidden_states):
     return torch.sigmoid(row_aligned(scores.float())).to(scores.dtype), logits
 
 
+def _gathered_router_rows(self, hidden_states):
+    """Kolibri's router (``Kolibri1TopKRouter``: float32 logits, the top k of the logits plus a correction bias, the
+    sigmoid of the logits gathered there, as a tensor method, normalised if asked), its logits from ``skinny_linear``
+    and the sigmoid taken of row-padded scores, with few float32 CPU rows; anything else through the class's own
+    forward."""
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    if not (skinny_available() and _few_rows(x, self.weight)):
+        return type(self).forward(self, hidden_states)
+    logits = row_aligned(torch.ops.fastverify.skinny_linear(x, self.weight, None))
+    index = torch.topk(logits + self.e_score_correction_bias, self.top_k, dim=-1)[1]
+    scores = row_padded(logits.gather(1, index)).sigmoid()
+    if self.norm_topk_prob:
+        scores = scores / scores.sum(dim=-1, keepdim=True)
+    return logits, scores, index
+
+
 # modules of a modeling file's own code whose arithmetic depends on the number of rows, and the forward each runs
 # instead while the loop does: DBRX's expert GLU (tensor methods, ``x.matmul(w1.T)``), Llama 4's experts
-# (``torch.bmm`` over every expert's rows) and router (``nn.Linear.forward``, then a sigmoid of new scores)
+# (``torch.bmm`` over every expert's rows) and router (``nn.Linear.forward``, then a sigmoid of new scores), Kolibri's
+# router (the sigmoid of gathered logits, a tensor method)
 _OWN_FORWARDS = {("transformers.models.dbrx.modeling_dbrx", "DbrxExpertGLU"): _glu_rows,
                  ("transformers.models.llama4.modeling_llama4", "Llama4TextExperts"): _bmm_experts_rows,
-                 ("transformers.models.llama4.modeling_llama4", "Llama4Router"): _router_rows}
+                 ("transformers.models.llama4.modeling_llama4", "Llama4Router"): _router_rows,
+                 ("transformers.models.kolibri1.modeling_kolibri1", "Kolibri1TopKRouter"): _gathered_router_rows}
 
 
 def _is_router(m) -> bool:
     return type(m).__name__.lower().endswith("router")
 
 
-def _has_own_experts(m) -> bool:
-    return type(m).__module__ in _OWN_EXPERTS_FILES
+def _has_own_code(m) -> bool:
+    return type(m).__module__ in _OWN_CODE_FILES
 
 
 def _files_of(model, pick, name: str, module, proxy) -> list:
-    """The modeling modules of ``model``'s modules that ``pick`` (routers: ``_is_router``; ``_has_own_experts``) whose
+    """The modeling modules of ``model``'s modules that ``pick`` (routers: ``_is_router``; ``_has_own_code``) whose
     global ``name`` is ``module`` (``F``: torch.nn.functional; ``nn``: torch.nn) or already its ``proxy``."""
     files = []
     for m in modules(model):
@@ -201,9 +228,9 @@ def _experts_configs(model) -> list:
 def skinny_experts(model):
     """For the loop's duration, a CPU model's experts modules run ``skinny_experts_forward`` (their configs'
     ``_experts_implementation`` switched to ``EXPERTS_IMPLEMENTATION``, then restored) and its routers' ``F.linear``
-    the skinny kernel; experts of a modeling file's own code too: the ``F.linear`` of the files in
-    ``_OWN_EXPERTS_FILES`` (JetMoE, LongCat-Flash) and the modules of ``_OWN_FORWARDS`` (DBRX's expert GLU, Llama 4's
-    experts and router).
+    the skinny kernel; a modeling file's own code too: the ``F.linear`` and ``F.softplus`` of the files in
+    ``_OWN_CODE_FILES`` (JetMoE's and LongCat-Flash's experts, Laguna's attention gate) and the modules of
+    ``_OWN_FORWARDS`` (DBRX's expert GLU, Llama 4's experts and router, Kolibri's router).
     Yields how many configs were switched. Other models and devices are left as they are."""
     configs, f_files, nn_files, own = [], [], [], []
     if (skinny_available() and "cpp" in implemented_backends("skinny_linear_t")
@@ -212,7 +239,7 @@ def skinny_experts(model):
         if configs:
             f_files = _files_of(model, _is_router, "F", F, _ROW_F)
             nn_files = _files_of(model, _is_router, "nn", torch.nn, _ROW_NN)
-        f_files += [mod for mod in _files_of(model, _has_own_experts, "F", F, _ROW_F) if mod not in f_files]
+        f_files += [mod for mod in _files_of(model, _has_own_code, "F", F, _ROW_F) if mod not in f_files]
         own = [m for m in modules(model) if (type(m).__module__, type(m).__qualname__) in _OWN_FORWARDS
                and "forward" not in m.__dict__]
     for m in own:

@@ -33,7 +33,8 @@ from fastverify.ops.linear import PackedWeight, pack_blocks
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_linears", "skinny_available", "streamable", "takes_skinny", "packed_weight", "packed_group",
-           "pack_model", "row_aligned", "row_gelu", "modules", "walked", "config_of", "MAX_ROWS", "ROW_ALIGN"]
+           "pack_model", "row_aligned", "row_padded", "row_gelu", "modules", "walked", "config_of", "MAX_ROWS",
+           "ROW_ALIGN"]
 
 # SmolLM2-135M's linear layers (30 layers + the LM head, fp32, 2 threads, 2-core AMD EPYC (Zen 5) VM), skinny
 # vs torch's GEMM: 2.4x faster at M = 1, 2.4x at 17, 2.4x at 33, 2.0x at 128, 1.7x at 256 (benchmarks/RESULTS.md,
@@ -97,10 +98,18 @@ def row_aligned(out: torch.Tensor) -> torch.Tensor:
     """``out`` [..., N] as it is when N >= ``ROW_ALIGN``, else a copy whose rows lie ROW_ALIGN floats apart in a wider
     buffer (a view [..., N] of [..., ROW_ALIGN]): torch's elementwise functions then compute each row alone, the same
     bits whatever the rows beside it."""
-    n = out.shape[-1]
-    if n >= ROW_ALIGN or out.numel() == 0:
-        return out
-    return out.new_empty(out.shape[:-1] + (ROW_ALIGN,))[..., :n].copy_(out)
+    return out if out.shape[-1] >= ROW_ALIGN else row_padded(out)
+
+
+def row_padded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., N] as it is when N is a multiple of ``ROW_ALIGN``, else a copy whose rows lie N rounded up to one
+    apart: ``row_aligned`` for any width, for an elementwise function a modeling file applies to an output of, say, 48
+    columns, whose contiguous tail (the last numel mod 32 elements) would otherwise fall on different elements of the
+    last row as the rows change."""
+    n = x.shape[-1]
+    if n % ROW_ALIGN == 0 or x.numel() == 0:
+        return x
+    return x.new_empty(x.shape[:-1] + (-(-n // ROW_ALIGN) * ROW_ALIGN,))[..., :n].copy_(x)
 
 
 def _gelu(x, approximate: str = "none"):

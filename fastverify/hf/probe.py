@@ -39,7 +39,7 @@ PROMPTS = (9, 6)  # the probe batch's prompt lengths (left padded)
 NEW_TOKENS = 7  # steps of 3, 1 and 3 tokens (``ProbeDrafter``)
 # check_rows's batches: three requests and more steps, so that more of the forwards' rows take both of the vector
 # and scalar paths of torch's elementwise kernels where a layer's rounding depends on them (a tiny Laguna's router
-# passes (9, 6) and 7 tokens and fails this batch); and one request alone, whose undrafted forwards have one row: a
+# with a soft cap passes (9, 6) and 7 tokens and fails this batch); and one request alone, whose undrafted forwards have one row: a
 # one-row slice of a wider output is contiguous where several rows are strided, and torch's GELU (erf) computes a
 # strided input on another path (ModernBERT's decoder chunks its MLP's output before it), which only such a batch
 # compares with the drafted forwards' rows
@@ -176,9 +176,9 @@ def check_rows(model, settings: DecodeSettings):
     draft rows where a layer's arithmetic depends on the number of rows: attention a modeling file computes itself
     with torch's matmul over the query rows (XGLM; Falcon under eager attention), scores or gates a modeling file
     computes into new tensors, whose elementwise kernels take their scalar tail at a position that depends on the
-    row count (Kolibri's router, Laguna's attention gate), an elementwise kernel whose path depends on a slice's
-    layout (GELU; the loop's ``row_gelu`` makes transformers' and torch's GELU modules agree), on a GPU any of torch's
-    GEMMs (README: "Exactness")."""
+    row count (a tiny Laguna's router with a soft cap on logits over four experts), an elementwise kernel whose path
+    depends on a slice's layout (GELU; the loop's ``row_gelu`` makes transformers' and torch's GELU modules agree), on
+    a GPU any of torch's GEMMs (README: "Exactness")."""
     device = model.get_input_embeddings().weight.device
     probe = _probe_settings(settings, ROW_NEW_TOKENS)
     for prompts in ROW_BATCHES:
