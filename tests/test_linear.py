@@ -311,7 +311,8 @@ def test_row_padded_computes_each_row_alone_at_any_width(N):
     """An elementwise function of a contiguous [rows, N] tensor takes its scalar tail at the last numel mod 32
     elements, which fall on other elements of the last row as the rows change (Laguna's attention gate: a softplus of
     48 columns, one per head). ``row_padded`` lays the rows a multiple of ROW_ALIGN floats apart, so each row computes
-    as it does alone, under any leading dims; a width that is a multiple of ROW_ALIGN comes back as it is."""
+    as it does alone, under any leading dims; a width that is a multiple of ROW_ALIGN, or one row, comes back as it
+    is."""
     from fastverify.hf.linear import ROW_ALIGN, row_padded
     torch.manual_seed(N)
     x = torch.randn(2, 9, N) * 4
@@ -327,8 +328,8 @@ def test_row_padded_computes_each_row_alone_at_any_width(N):
             for i in range(9):  # each row alone, and the first i + 1 rows of a batch of one
                 for rows in ((slice(b, b + 1), slice(i, i + 1)), (slice(b, b + 1), slice(0, i + 1))):
                     assert torch.equal(f(row_padded(x[rows].contiguous())), together[rows]), (f, b, i)
-    empty = torch.empty(0, N)
-    assert row_padded(empty) is empty
+    for same in (torch.empty(0, N), x[:1, :1], x[1, 4]):  # nothing, or one row: as it is
+        assert row_padded(same) is same
 
 
 def test_row_gelu_computes_a_glu_slice_as_one_row_alone():

@@ -102,12 +102,12 @@ def row_aligned(out: torch.Tensor) -> torch.Tensor:
 
 
 def row_padded(x: torch.Tensor) -> torch.Tensor:
-    """``x`` [..., N] as it is when N is a multiple of ``ROW_ALIGN``, else a copy whose rows lie N rounded up to one
-    apart: ``row_aligned`` for any width, for an elementwise function a modeling file applies to an output of, say, 48
-    columns, whose contiguous tail (the last numel mod 32 elements) would otherwise fall on different elements of the
-    last row as the rows change."""
+    """``x`` [..., N] as it is when N is a multiple of ``ROW_ALIGN`` or ``x`` is one row (which torch's kernels run
+    as they run one of such rows), else a copy whose rows lie N rounded up to one apart: ``row_aligned`` for any
+    width, for an elementwise function a modeling file applies to an output of, say, 48 columns, whose contiguous tail
+    (the last numel mod 32 elements) would otherwise fall on different elements of the last row as the rows change."""
     n = x.shape[-1]
-    if n % ROW_ALIGN == 0 or x.numel() == 0:
+    if n % ROW_ALIGN == 0 or x.numel() <= n:
         return x
     return x.new_empty(x.shape[:-1] + (-(-n // ROW_ALIGN) * ROW_ALIGN,))[..., :n].copy_(x)
 
