@@ -433,3 +433,54 @@ def test_eager_models_draft_without_changing_a_bit(model_type, one_thread):
         ids, mask = _prompts(B)
         assert_drafts_change_no_bit(model, DraftModelDrafter(model, k=3, tree_topk=2), ids, attention_mask=mask,
                                     pad_token_id=PAD, max_new_tokens=12, do_sample=False)
+
+
+@pytest.mark.parametrize("model_type", ["xglm", "gpt_neox_japanese"])
+def test_own_attention_runs_masked_attention_and_restores(model_type, monkeypatch):
+    """XGLM's and GPT-NeoX-Japanese's attention is their modeling files' own code (torch's bmm / baddbmm over the
+    query rows). Within own_attention(model) each attention module runs its rows on masked_attention (the method of
+    ``_OWN_ATTENTION`` bound on the instance): the model's logits its own attention's to float32 rounding, a cached
+    step's rows each the same alone as beside others; a forward of more rows falls back to the class's own code, bit
+    for bit; after the block (an error inside too) the instances are as they were."""
+    from transformers import DynamicCache
+    from fastverify.hf.linear import skinny_linears
+    from test_hf_model_types import tiny
+    model = tiny(model_type, "eager")
+    own = [m for m in model.modules() if (type(m).__module__, type(m).__qualname__) in attention._OWN_ATTENTION]
+    method = attention._OWN_ATTENTION[type(own[0]).__module__, type(own[0]).__qualname__][0]
+    op, calls = attention._masked_attention_op(), []
+    monkeypatch.setattr(attention, "_masked_attention_op", lambda: (lambda *a: calls.append(1) or op(*a)))
+    g = torch.Generator().manual_seed(0)
+    prompt, step = torch.randint(3, 60, (1, 9), generator=g), torch.randint(3, 60, (1, 5), generator=g)
+    with torch.no_grad():
+        ref = model(torch.cat([prompt, step], 1)).logits
+        with attention.own_attention(model) as n:
+            assert n == len(own) > 0 and all(method in m.__dict__ for m in own)
+            out = model(torch.cat([prompt, step], 1)).logits
+            assert len(calls) == len(own)
+        rows = []  # the step's rows after a cached prompt, the layers on the skinny kernels: all five, each alone
+        with attention.own_attention(model), skinny_linears(model):
+            calls.clear()
+            for cut in (None, 0, 1, 2, 3, 4):
+                cache = DynamicCache(config=model.config)
+                model(prompt, past_key_values=cache)
+                part = step if cut is None else step[:, cut:cut + 1]
+                ids = part if cut is None else torch.cat([step[:, :cut], part], 1)[:, -1:]
+                if cut:  # the rows before it in the cache first, one call
+                    model(step[:, :cut], past_key_values=cache)
+                rows.append(model(ids, past_key_values=cache).logits)
+            assert len(calls) == len(own) * 16  # every forward's attention: 6 prompts, 4 rows before, 6 steps
+        assert not any(method in m.__dict__ for m in own)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        for i in range(5):
+            assert torch.equal(rows[1 + i][0, -1], rows[0][0, i]), i
+        long = torch.randint(3, 60, (1, attention.MASKED_ATTENTION_ROWS + 1), generator=g)
+        with attention.own_attention(model):
+            calls.clear()
+            twice = model(long).logits
+            assert not calls  # more rows than masked_attention takes: the class's own code
+        assert torch.equal(twice, model(long).logits)
+        with pytest.raises(RuntimeError, match="inside"):
+            with attention.own_attention(model):
+                raise RuntimeError("inside")
+        assert not any(method in m.__dict__ for m in own)

@@ -114,7 +114,7 @@ ROW_INVARIANT = ["gpt2", "mixtral", "qwen3_moe", "olmoe", "granitemoe", "qwen2_m
                  "minicpm3", "glm4_moe_lite", "sarvam_moe", "aria_text", "gemma2", "gpt_oss", "flint", "mimo_v2_flash",
                  "opt", "gpt_neox", "phi", "cohere", "gemma3_text", "starcoder2", "olmo2", "stablelm", "gpt_bigcode",
                  "codegen", "nemotron", "persimmon", "modernbert-decoder", "falcon", "dbrx", "jetmoe", "longcat_flash",
-                 "llama4_text", "kolibri1", "laguna"]
+                 "llama4_text", "kolibri1", "laguna", "xglm", "gpt_neox_japanese"]
 
 
 ROW_INVARIANT_FROM = "5.24"  # the release ROW_INVARIANT was surveyed on: older ones compute some types otherwise

@@ -233,13 +233,14 @@ def test_a_verdict_holds_for_the_attention_implementation_it_was_made_under(monk
 
 
 def test_sampling_without_drafts_where_the_loop_is_not_row_invariant(monkeypatch):
-    """XGLM's attention computes its scores with torch's bmm over the query rows, so a row's logits round
-    differently beside draft rows: sampled calls decode without drafts, with a warning, and draw what undrafted
-    decoding draws; greedy calls still draft. The verdict is kept for the patch: one check."""
+    """Falcon's attention under eager (its own code, not transformers' attention functions) computes its scores
+    with torch's matmul over the query rows, so a row's logits round differently beside draft rows: sampled calls
+    decode without drafts, with a warning, and draw what undrafted decoding draws; greedy calls still draft. The
+    verdict is kept for the patch: one check."""
     calls = []
     check = probe.check_rows
     monkeypatch.setattr(sys.modules["fastverify.hf.patch"], "check_rows", lambda *a: calls.append(1) or check(*a))
-    model = tiny("xglm", attn="eager")
+    model = tiny("falcon", attn="eager")
     ids, mask = _prompts(2)
     out, st, messages = _sample(model, ids, mask, NGramDrafter())
     assert st.drafted_tokens == 0

@@ -44,8 +44,8 @@ from fastverify.ops.cache import cache_layers
 from fastverify.ops.tree import tree_mask
 
 __all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length", "cache_kwargs",
-           "forward_takes", "new_cache", "gqa_attention", "eager_attention", "module_globals", "switched",
-           "ModuleWith"]
+           "forward_takes", "new_cache", "gqa_attention", "eager_attention", "own_attention", "bound_methods",
+           "module_globals", "switched", "ModuleWith"]
 
 _FORWARD_PARAMS = {}  # model class -> the parameter names of its forward (reading a signature costs ~25 us)
 
@@ -632,6 +632,24 @@ def _eager_files(model) -> list:
 
 
 @contextlib.contextmanager
+def bound_methods(model, table):
+    """For the block, each module of ``model`` whose class is a key of ``table`` ((modeling module, class name) ->
+    (method name, function)) has that method bound on the instance to the function, then removed again; a module
+    with such a method of its own is left as it is. Yields how many modules were bound."""
+    bound = []
+    for m in modules(model):
+        method, fn = table.get((type(m).__module__, type(m).__qualname__), (None, None))
+        if method is not None and method not in m.__dict__:
+            setattr(m, method, types.MethodType(fn, m))
+            bound.append((m, method))
+    try:
+        yield len(bound)
+    finally:
+        for m, method in bound:
+            m.__dict__.pop(method, None)
+
+
+@contextlib.contextmanager
 def eager_attention(model):
     """For the loop's duration, a CPU model whose attention is eager (Gemma 2, gpt-oss: transformers has no sdpa
     path for their soft cap and sinks; or a model loaded with attn_implementation="eager") runs ``_eager_rows`` as
@@ -642,3 +660,57 @@ def eager_attention(model):
         files = _eager_files(model)
     with module_globals(files, "eager_attention_forward", _eager_rows):
         yield len(files)
+
+
+def _xglm_rows(self, hidden_states, key_value_states=None, attention_mask=None, **kwargs):
+    """XGLM's attention (``XGLMAttention``, its own code: ``torch.bmm`` of the scaled queries with every key, the
+    mask, a softmax over them, ``torch.bmm`` with the values, each rounding by the rows and keys beside a row) with
+    float32 CPU rows under an additive mask (``masked_rows``) on ``masked_attention``: its projections and cache
+    update as the class makes them, then softmax(q k^T + mask) v per row. Cross-attention, a cache of two parts,
+    training and anything else through the class's own forward."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    B, n, E = hidden_states.shape
+    query_shaped = hidden_states.unsqueeze(1).expand(B, self.num_heads, n, E)  # what masked_rows reads: [B, H, n]
+    from transformers.cache_utils import EncoderDecoderCache
+    if (key_value_states is not None or self.training or isinstance(cache, EncoderDecoderCache)
+            or attention_mask is None or not masked_rows(query_shaped, self.num_heads, attention_mask.shape[-1],
+                                                         hidden_states.dtype, attention_mask, 0.0, kwargs)):
+        return type(self).forward(self, hidden_states, key_value_states=key_value_states,
+                                  attention_mask=attention_mask, **kwargs)
+    q = (self.q_proj(hidden_states) * self.scaling).view(B, n, self.num_heads, self.head_dim).transpose(1, 2)
+    k = self.k_proj(hidden_states).view(B, n, -1, self.head_dim).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(B, n, -1, self.head_dim).transpose(1, 2)
+    if cache is not None:
+        rest = {key: value for key, value in kwargs.items() if key not in ("cache", "past_key_values")}
+        k, v = cache.update(k, v, self.layer_idx, kwargs=rest)
+    out = _masked_attention_op()(q, k, v, attention_mask, 1.0, True, 0.0, None)  # the queries come scaled
+    return self.out_proj(out.transpose(1, 2).reshape(B, n, self.embed_dim)), None
+
+
+def _neox_japanese_rows(self, query, key, value, attention_mask=None):
+    """GPT-NeoX-Japanese's attention (``GPTNeoXJapaneseAttention._attn``, its own code: ``torch.baddbmm`` of the
+    queries with every key scaled by 1 / norm_factor, the mask, a softmax, ``torch.matmul`` with the values) with
+    float32 CPU rows under an additive mask (``masked_rows``) on ``masked_attention``; anything else through the
+    class's own."""
+    dropout = self.attention_dropout.p if self.training else 0.0
+    if not _masked_fits(query, key, value, attention_mask, dropout, {}):
+        return type(self)._attn(self, query, key, value, attention_mask)
+    return _masked_attention_op()(query, key, value, attention_mask, 1.0 / self.norm_factor, True, 0.0, None), None
+
+
+# attention modules whose attention is their modeling file's own code, outside transformers' attention functions,
+# and the method each runs in its place while the loop does on the CPU (``own_attention``)
+_OWN_ATTENTION = {
+    ("transformers.models.xglm.modeling_xglm", "XGLMAttention"): ("forward", _xglm_rows),
+    ("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese", "GPTNeoXJapaneseAttention"):
+        ("_attn", _neox_japanese_rows)}
+
+
+@contextlib.contextmanager
+def own_attention(model):
+    """For the loop's duration, a CPU model's attention modules of ``_OWN_ATTENTION`` (XGLM's, GPT-NeoX-Japanese's)
+    run their rows on ``masked_attention`` (``bound_methods``), as ``gqa_attention`` and ``eager_attention`` run
+    transformers' attention functions; yields how many modules. Other models and devices are left as they are."""
+    cpu = next(model.parameters()).device.type == "cpu" and _masked_attention_op() is not None
+    with bound_methods(model, _OWN_ATTENTION if cpu else {}) as n:
+        yield n

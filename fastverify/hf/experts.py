@@ -28,12 +28,11 @@ So a row's result is a function of that row alone, as the rest of the loop's for
 
 import contextlib
 import sys
-import types
 
 import torch
 import torch.nn.functional as F
 
-from fastverify.hf.attention import ModuleWith, module_globals, switched
+from fastverify.hf.attention import ModuleWith, bound_methods, module_globals, switched
 from fastverify.hf.linear import (MAX_ROWS, config_of, modules, row_aligned, row_padded, skinny_available,
                                   streamable, takes_skinny)
 from fastverify.ops.tree import implemented_backends
@@ -175,10 +174,11 @@ def _gathered_router_rows(self, hidden_states):
 # instead while the loop does: DBRX's expert GLU (tensor methods, ``x.matmul(w1.T)``), Llama 4's experts
 # (``torch.bmm`` over every expert's rows) and router (``nn.Linear.forward``, then a sigmoid of new scores), Kolibri's
 # router (the sigmoid of gathered logits, a tensor method)
-_OWN_FORWARDS = {("transformers.models.dbrx.modeling_dbrx", "DbrxExpertGLU"): _glu_rows,
-                 ("transformers.models.llama4.modeling_llama4", "Llama4TextExperts"): _bmm_experts_rows,
-                 ("transformers.models.llama4.modeling_llama4", "Llama4Router"): _router_rows,
-                 ("transformers.models.kolibri1.modeling_kolibri1", "Kolibri1TopKRouter"): _gathered_router_rows}
+_OWN_FORWARDS = {("transformers.models.dbrx.modeling_dbrx", "DbrxExpertGLU"): ("forward", _glu_rows),
+                 ("transformers.models.llama4.modeling_llama4", "Llama4TextExperts"): ("forward", _bmm_experts_rows),
+                 ("transformers.models.llama4.modeling_llama4", "Llama4Router"): ("forward", _router_rows),
+                 ("transformers.models.kolibri1.modeling_kolibri1", "Kolibri1TopKRouter"):
+                     ("forward", _gathered_router_rows)}
 
 
 def _is_router(m) -> bool:
@@ -232,7 +232,7 @@ def skinny_experts(model):
     ``_OWN_CODE_FILES`` (JetMoE's and LongCat-Flash's experts, Laguna's attention gate) and the modules of
     ``_OWN_FORWARDS`` (DBRX's expert GLU, Llama 4's experts and router, Kolibri's router).
     Yields how many configs were switched. Other models and devices are left as they are."""
-    configs, f_files, nn_files, own = [], [], [], []
+    configs, f_files, nn_files, own = [], [], [], {}
     if (skinny_available() and "cpp" in implemented_backends("skinny_linear_t")
             and next(model.parameters()).device.type == "cpu"):
         configs = _experts_configs(model) if _register() else []
@@ -240,14 +240,7 @@ def skinny_experts(model):
             f_files = _files_of(model, _is_router, "F", F, _ROW_F)
             nn_files = _files_of(model, _is_router, "nn", torch.nn, _ROW_NN)
         f_files += [mod for mod in _files_of(model, _has_own_code, "F", F, _ROW_F) if mod not in f_files]
-        own = [m for m in modules(model) if (type(m).__module__, type(m).__qualname__) in _OWN_FORWARDS
-               and "forward" not in m.__dict__]
-    for m in own:
-        m.forward = types.MethodType(_OWN_FORWARDS[type(m).__module__, type(m).__qualname__], m)
-    try:
-        with (switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION),
-              module_globals(f_files, "F", _ROW_F), module_globals(nn_files, "nn", _ROW_NN)):
-            yield len(configs)
-    finally:
-        for m in own:
-            m.__dict__.pop("forward", None)
+        own = _OWN_FORWARDS
+    with (switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION), bound_methods(model, own),
+          module_globals(f_files, "F", _ROW_F), module_globals(nn_files, "nn", _ROW_NN)):
+        yield len(configs)

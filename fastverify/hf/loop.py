@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fastverify.hf.attention import (cache_kwargs, cache_pairs, crop_cache, eager_attention, forward_takes,
-                                     gqa_attention, new_cache, prefill_inputs, step_inputs, upload_lists)
+                                     gqa_attention, new_cache, own_attention, prefill_inputs, step_inputs,
+                                     upload_lists)
 from fastverify.hf.drafters import empty_tree
 from fastverify.hf.experts import skinny_experts
 from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
@@ -1010,7 +1011,8 @@ def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, 
     layers = (lean_layers(model, pack=settings.skinny_linear and settings.pack_weights, live=live)
               if settings.lean_layers else contextlib.nullcontext())
     gelu = row_gelu(model) if input_ids.device.type == "cpu" else contextlib.nullcontext()
-    with installed, walked(model), gqa_attention(model), eager_attention(model), linears, experts, layers, gelu:
+    with (installed, walked(model), gqa_attention(model), eager_attention(model), own_attention(model), linears,
+          experts, layers, gelu):
         head = _LiveHead(model, live) if live is not None else None
         dec = Decoder(model, input_ids, attention_mask, drafter, settings, streamer, live=live)
         try:

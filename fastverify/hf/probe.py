@@ -174,7 +174,7 @@ def check_rows(model, settings: DecodeSettings):
     ``ROW_BATCHES`` through the loop without drafts, then with ``ProbeDrafter``'s trees on those tokens, and compare
     every new token's logits bit for bit. None when they are the same, else the reason. Rows round differently beside
     draft rows where a layer's arithmetic depends on the number of rows: attention a modeling file computes itself
-    with torch's matmul over the query rows (XGLM; Falcon under eager attention), scores or gates a modeling file
+    with torch's matmul over the query rows (Falcon under eager attention), scores or gates a modeling file
     computes into new tensors, whose elementwise kernels take their scalar tail at a position that depends on the
     row count (a tiny Laguna's router with a soft cap on logits over four experts), an elementwise kernel whose path
     depends on a slice's layout (GELU; the loop's ``row_gelu`` makes transformers' and torch's GELU modules agree), on
