@@ -484,3 +484,36 @@ def test_own_attention_runs_masked_attention_and_restores(model_type, monkeypatc
             with attention.own_attention(model):
                 raise RuntimeError("inside")
         assert not any(method in m.__dict__ for m in own)
+
+
+def test_polar_rows_rotate_each_position_as_alone():
+    """Llama 4's rotary embedding before transformers 5.19 makes its angles a matmul's output transposed, and torch's
+    polar keeps that layout: the complex product that rotates the queries then rounds a position by how many
+    positions stand beside it. ``_polar_rows`` (Llama 4's file's ``torch.polar`` within own_attention, restored after)
+    lays its output out position by position, and each position rotates as it does alone."""
+    import sys
+    from test_hf_model_types import tiny
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    g = torch.Generator().manual_seed(0)
+
+    def rotated(x, pos, polar):  # as the 5.17 / 5.18 modeling file computes it
+        angles = (inv_freq[None, :, None].expand(pos.shape[0], -1, 1) @ pos[:, None, :].float()).transpose(1, 2)
+        freqs_cis = polar(torch.ones_like(angles), angles)
+        x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(x_ * freqs_cis[:, :, None, :]).flatten(3)
+
+    differ = {}
+    for polar in (torch.polar, attention._polar_rows):
+        differ[polar] = 0
+        for T in (2, 5, 13, 17):
+            pos, x = torch.arange(3 * T).view(3, T) * 7 + 11, torch.randn(3, T, 4, 16, generator=g)
+            together = rotated(x, pos, polar)
+            differ[polar] += sum(not torch.equal(together[b, i], rotated(x[b:b + 1, i:i + 1], pos[b:b + 1, i:i + 1],
+                                                                          polar)[0, 0])
+                                 for b in range(3) for i in range(T))
+    assert differ[attention._polar_rows] == 0 and differ[torch.polar] > 0
+    model = tiny("llama4_text")
+    mod = sys.modules[type(model.model.rotary_emb).__module__]
+    with attention.own_attention(model):
+        assert mod.torch is attention._POLAR_TORCH and mod.torch.polar is attention._polar_rows
+    assert mod.torch is torch

@@ -706,11 +706,28 @@ _OWN_ATTENTION = {
         ("_attn", _neox_japanese_rows)}
 
 
+def _polar_rows(magnitude, angle):
+    """``torch.polar`` of contiguous copies, its output laid out position by position. Llama 4's rotary embedding
+    before transformers 5.19 takes its angles as a matmul's output transposed ([B, positions, D / 2], positions
+    innermost in memory); polar's output keeps that layout, and the complex product that rotates the queries and
+    keys by it then rounds a position's values by how many positions the forward has."""
+    return torch.polar(magnitude.contiguous(), angle.contiguous())
+
+
+# ``torch`` with polar bound to ``_polar_rows``, for the files of ``_OWN_POLAR_FILES``
+_POLAR_TORCH = ModuleWith(torch, polar=_polar_rows)
+_OWN_POLAR_FILES = ("transformers.models.llama4.modeling_llama4",)
+
+
 @contextlib.contextmanager
 def own_attention(model):
     """For the loop's duration, a CPU model's attention modules of ``_OWN_ATTENTION`` (XGLM's, GPT-NeoX-Japanese's)
     run their rows on ``masked_attention`` (``bound_methods``), as ``gqa_attention`` and ``eager_attention`` run
-    transformers' attention functions; yields how many modules. Other models and devices are left as they are."""
+    transformers' attention functions, and the files of ``_OWN_POLAR_FILES`` (Llama 4's rotary embedding) take
+    ``_polar_rows`` as their ``torch.polar``; yields how many modules were bound. Other models and devices are left
+    as they are."""
     cpu = next(model.parameters()).device.type == "cpu" and _masked_attention_op() is not None
-    with bound_methods(model, _OWN_ATTENTION if cpu else {}) as n:
+    files = list({type(m).__module__: sys.modules[type(m).__module__] for m in modules(model)
+                  if type(m).__module__ in _OWN_POLAR_FILES}.values()) if cpu else []
+    with bound_methods(model, _OWN_ATTENTION if cpu else {}) as n, module_globals(files, "torch", _POLAR_TORCH):
         yield n
