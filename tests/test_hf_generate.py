@@ -237,6 +237,27 @@ def test_repetition_penalty_on_left_padding_as_the_release_counts_it(arch, monke
     pytest.fail("no prompts in ten where counting the padding changes the output")
 
 
+@pytest.mark.parametrize("lengths", [[2], [3, 2]], ids=["batch1", "batch2"])
+def test_sequence_bias_longer_than_the_row_as_the_release_counts_it(lengths, monkeypatch):
+    """A sequence_bias sequence one token longer than generate's rows: from transformers 5.18 it counts where its
+    tokens before the last end a row; before, generate leaves such a sequence out. The loop follows the installed
+    release; the other releases' way gives another output here (the sequence bans the first token generate picks)."""
+    from fastverify.hf import processors
+    model = _tiny("llama")
+    at_least = processors.transformers_at_least
+    ids, mask = _batch(lengths, seed=5)
+    first = int(_reference(model, ids, mask, max_new_tokens=1)[0, ids.shape[1]])
+    kw = dict(max_new_tokens=6, sequence_bias=[[ids[0].tolist() + [first], -100.0]])
+    ref = _reference(model, ids, mask, **kw)
+    out, st = _patched(model, ids, mask, drafter=NGramDrafter(), **kw)
+    assert st is not None and torch.equal(out, ref), (out.tolist(), ref.tolist())
+    with monkeypatch.context() as m:  # the other releases' way
+        m.setattr(processors, "transformers_at_least", lambda release: not at_least(release))
+        other, _ = _patched(model, ids, mask, drafter=NGramDrafter(), **kw)
+    assert not torch.equal(other, ref)
+    assert (int(ref[0, ids.shape[1]]) == first) == (not at_least("5.18"))
+
+
 def _options_match_generate(model, ids, mask, cases):
     """Each generate option set of ``cases``: the patched output (n-gram and draft-model drafters) is generate's and
     the loop ran. Returns how many of them changed generate's output."""

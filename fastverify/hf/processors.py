@@ -54,6 +54,9 @@ class RowProcessors:
         if settings.repetition_penalty != 1.0:
             self.seen = ([set(c) for c in contexts] if transformers_at_least("5.23")
                          else [set(row.tolist()) for row in input_ids])
+        # sequence_bias: a sequence counts where its tokens before the last fit in the row (transformers 5.18 and
+        # later), or only where all of its tokens do (earlier releases leave out a sequence longer than the row)
+        self.whole_bias_fits = not transformers_at_least("5.18")
         # no_repeat_ngram_size: each request's n-grams of its generate row, first n - 1 tokens -> the last tokens that
         # followed them
         self.follow = None
@@ -235,11 +238,11 @@ class RowProcessors:
 
     def _bias(self, b: int, path) -> dict:
         """SequenceBiasLogitsProcessor on request b's row after the draft path: {token: the sum of the biases of the
-        sequences ending in it whose tokens before it end the row's sequence (generate's row, then the path)},
-        summed in float32 in generate's order."""
-        out = {}
+        sequences ending in it whose tokens before it end the row's sequence (generate's row, then the path; before
+        transformers 5.18 only sequences no longer than it)}, summed in float32 in generate's order."""
+        out, length = {}, len(self.full[b]) + len(path)
         for before, last, value in self.s.sequence_bias:
-            if _ends_in(self.full[b], path, before):
+            if _ends_in(self.full[b], path, before) and not (self.whole_bias_fits and len(before) >= length):
                 out[last] = _float32(out.get(last, 0.0) + value)  # (two float32 values: their float32 sum)
         return out
 
