@@ -635,11 +635,12 @@ def _eager_files(model) -> list:
 def bound_methods(model, table):
     """For the block, each module of ``model`` whose class is a key of ``table`` ((modeling module, class name) ->
     (method name, function)) has that method bound on the instance to the function, then removed again; a module
-    with such a method of its own is left as it is. Yields how many modules were bound."""
+    with such a method of its own, or whose class has no such method (another release's), is left as it is. Yields
+    how many modules were bound."""
     bound = []
     for m in modules(model):
         method, fn = table.get((type(m).__module__, type(m).__qualname__), (None, None))
-        if method is not None and method not in m.__dict__:
+        if method is not None and method not in m.__dict__ and hasattr(type(m), method):
             setattr(m, method, types.MethodType(fn, m))
             bound.append((m, method))
     try:
@@ -687,23 +688,27 @@ def _xglm_rows(self, hidden_states, key_value_states=None, attention_mask=None, 
     return self.out_proj(out.transpose(1, 2).reshape(B, n, self.embed_dim)), None
 
 
-def _neox_japanese_rows(self, query, key, value, attention_mask=None):
-    """GPT-NeoX-Japanese's attention (``GPTNeoXJapaneseAttention._attn``, its own code: ``torch.baddbmm`` of the
-    queries with every key scaled by 1 / norm_factor, the mask, a softmax, ``torch.matmul`` with the values) with
-    float32 CPU rows under an additive mask (``masked_rows``) on ``masked_attention``; anything else through the
-    class's own."""
-    dropout = self.attention_dropout.p if self.training else 0.0
-    if not _masked_fits(query, key, value, attention_mask, dropout, {}):
+def _attn_rows(self, query, key, value, attention_mask=None):
+    """An attention class's own ``_attn`` (GPT-NeoX-Japanese's: ``torch.baddbmm`` of the queries with every key
+    scaled by 1 / norm_factor, the mask, a softmax, ``torch.matmul`` with the values; CodeGen's before transformers
+    5.24: ``torch.matmul``, the mask, then 1 / scale_attn, which for the loop's masks of zeros and large negatives
+    gives the same weights) with float32 CPU rows under an additive mask (``masked_rows``) on ``masked_attention``;
+    anything else through the class's own."""
+    dropout = getattr(self, "attention_dropout", getattr(self, "attn_dropout", None))
+    if not _masked_fits(query, key, value, attention_mask, dropout.p if self.training else 0.0, {}):
         return type(self)._attn(self, query, key, value, attention_mask)
-    return _masked_attention_op()(query, key, value, attention_mask, 1.0 / self.norm_factor, True, 0.0, None), None
+    scale = 1.0 / (self.norm_factor if hasattr(self, "norm_factor") else self.scale_attn)
+    return _masked_attention_op()(query, key, value, attention_mask, scale, True, 0.0, None), None
 
 
 # attention modules whose attention is their modeling file's own code, outside transformers' attention functions,
-# and the method each runs in its place while the loop does on the CPU (``own_attention``)
+# and the method each runs in its place while the loop does on the CPU (``own_attention``; CodeGen's has an ``_attn``
+# before transformers 5.24 only)
 _OWN_ATTENTION = {
     ("transformers.models.xglm.modeling_xglm", "XGLMAttention"): ("forward", _xglm_rows),
     ("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese", "GPTNeoXJapaneseAttention"):
-        ("_attn", _neox_japanese_rows)}
+        ("_attn", _attn_rows),
+    ("transformers.models.codegen.modeling_codegen", "CodeGenAttention"): ("_attn", _attn_rows)}
 
 
 def _polar_rows(magnitude, angle):
@@ -721,8 +726,8 @@ _OWN_POLAR_FILES = ("transformers.models.llama4.modeling_llama4",)
 
 @contextlib.contextmanager
 def own_attention(model):
-    """For the loop's duration, a CPU model's attention modules of ``_OWN_ATTENTION`` (XGLM's, GPT-NeoX-Japanese's)
-    run their rows on ``masked_attention`` (``bound_methods``), as ``gqa_attention`` and ``eager_attention`` run
+    """For the loop's duration, a CPU model's attention modules of ``_OWN_ATTENTION`` (XGLM's, GPT-NeoX-Japanese's,
+    CodeGen's before transformers 5.24) run their rows on ``masked_attention`` (``bound_methods``), as ``gqa_attention`` and ``eager_attention`` run
     transformers' attention functions, and the files of ``_OWN_POLAR_FILES`` (Llama 4's rotary embedding) take
     ``_polar_rows`` as their ``torch.polar``; yields how many modules were bound. Other models and devices are left
     as they are."""
