@@ -690,9 +690,9 @@ def _xglm_rows(self, hidden_states, key_value_states=None, attention_mask=None, 
 
 def _attn_rows(self, query, key, value, attention_mask=None):
     """An attention class's own ``_attn`` (GPT-NeoX-Japanese's: ``torch.baddbmm`` of the queries with every key
-    scaled by 1 / norm_factor, the mask, a softmax, ``torch.matmul`` with the values; CodeGen's before transformers
-    5.24: ``torch.matmul``, the mask, then 1 / scale_attn, which for the loop's masks of zeros and large negatives
-    gives the same weights) with float32 CPU rows under an additive mask (``masked_rows``) on ``masked_attention``;
+    scaled by 1 / norm_factor, the mask, a softmax, ``torch.matmul`` with the values; GPT-J's before transformers
+    5.24 the same with ``torch.matmul`` and 1 / scale_attn; CodeGen's before 5.24 adds the mask before the scale,
+    which for the loop's masks of zeros and large negatives gives the same weights) with float32 CPU rows under an additive mask (``masked_rows``) on ``masked_attention``;
     anything else through the class's own."""
     dropout = getattr(self, "attention_dropout", getattr(self, "attn_dropout", None))
     if not _masked_fits(query, key, value, attention_mask, dropout.p if self.training else 0.0, {}):
@@ -702,13 +702,14 @@ def _attn_rows(self, query, key, value, attention_mask=None):
 
 
 # attention modules whose attention is their modeling file's own code, outside transformers' attention functions,
-# and the method each runs in its place while the loop does on the CPU (``own_attention``; CodeGen's has an ``_attn``
-# before transformers 5.24 only)
+# and the method each runs in its place while the loop does on the CPU (``own_attention``; CodeGen's and GPT-J's have
+# an ``_attn`` before transformers 5.24 only)
 _OWN_ATTENTION = {
     ("transformers.models.xglm.modeling_xglm", "XGLMAttention"): ("forward", _xglm_rows),
     ("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese", "GPTNeoXJapaneseAttention"):
         ("_attn", _attn_rows),
-    ("transformers.models.codegen.modeling_codegen", "CodeGenAttention"): ("_attn", _attn_rows)}
+    ("transformers.models.codegen.modeling_codegen", "CodeGenAttention"): ("_attn", _attn_rows),
+    ("transformers.models.gptj.modeling_gptj", "GPTJAttention"): ("_attn", _attn_rows)}
 
 
 def _polar_rows(magnitude, angle):
@@ -726,11 +727,11 @@ _OWN_POLAR_FILES = ("transformers.models.llama4.modeling_llama4",)
 
 @contextlib.contextmanager
 def own_attention(model):
-    """For the loop's duration, a CPU model's attention modules of ``_OWN_ATTENTION`` (XGLM's, GPT-NeoX-Japanese's,
-    CodeGen's before transformers 5.24) run their rows on ``masked_attention`` (``bound_methods``), as ``gqa_attention`` and ``eager_attention`` run
-    transformers' attention functions, and the files of ``_OWN_POLAR_FILES`` (Llama 4's rotary embedding) take
-    ``_polar_rows`` as their ``torch.polar``; yields how many modules were bound. Other models and devices are left
-    as they are."""
+    """For the loop's duration, a CPU model's attention modules of ``_OWN_ATTENTION`` (XGLM's, GPT-NeoX-Japanese's;
+    CodeGen's and GPT-J's before transformers 5.24) run their rows on ``masked_attention`` (``bound_methods``), as
+    ``gqa_attention`` and ``eager_attention`` run transformers' attention functions, and the files of
+    ``_OWN_POLAR_FILES`` (Llama 4's rotary embedding) take ``_polar_rows`` as their ``torch.polar``; yields how many
+    modules were bound. Other models and devices are left as they are."""
     cpu = next(model.parameters()).device.type == "cpu" and _masked_attention_op() is not None
     files = list({type(m).__module__: sys.modules[type(m).__module__] for m in modules(model)
                   if type(m).__module__ in _OWN_POLAR_FILES}.values()) if cpu else []
