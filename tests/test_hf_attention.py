@@ -438,11 +438,11 @@ def test_eager_models_draft_without_changing_a_bit(model_type, one_thread):
 @pytest.mark.parametrize("model_type", ["xglm", "gpt_neox_japanese", "codegen", "gptj"])
 def test_own_attention_runs_masked_attention_and_restores(model_type, monkeypatch):
     """XGLM's, GPT-NeoX-Japanese's and (before transformers 5.24) CodeGen's and GPT-J's attention is their modeling
-    files' own code (torch's bmm / baddbmm / matmul over the query rows). Within own_attention(model) each attention module runs
-    its rows on masked_attention (the method of ``_OWN_ATTENTION`` bound on the instance): the model's logits its own
-    attention's to float32 rounding, a cached step's rows each the same alone as beside others; a forward of more
-    rows falls back to the class's own code, bit for bit; after the block (an error inside too) the instances are as
-    they were."""
+    files' own code (torch's bmm / baddbmm / matmul over the query rows). Within own_attention(model) each attention
+    module runs its rows on masked_attention (the method of ``_OWN_ATTENTION`` bound on the instance): the model's
+    logits its own attention's to float32 rounding, a cached step's rows each the same alone as beside others; a
+    forward of more rows falls back to the class's own code, bit for bit; after the block (an error inside too) the
+    instances are as they were."""
     from transformers import DynamicCache
     from fastverify.hf.linear import skinny_linears
     from test_hf_model_types import tiny

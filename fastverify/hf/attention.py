@@ -689,11 +689,11 @@ def _xglm_rows(self, hidden_states, key_value_states=None, attention_mask=None, 
 
 
 def _attn_rows(self, query, key, value, attention_mask=None):
-    """An attention class's own ``_attn`` (GPT-NeoX-Japanese's: ``torch.baddbmm`` of the queries with every key
-    scaled by 1 / norm_factor, the mask, a softmax, ``torch.matmul`` with the values; GPT-J's before transformers
-    5.24 the same with ``torch.matmul`` and 1 / scale_attn; CodeGen's before 5.24 adds the mask before the scale,
-    which for the loop's masks of zeros and large negatives gives the same weights) with float32 CPU rows under an additive mask (``masked_rows``) on ``masked_attention``;
-    anything else through the class's own."""
+    """An attention class's own ``_attn`` (GPT-NeoX-Japanese's: ``torch.baddbmm`` of the queries with every key scaled
+    by 1 / norm_factor, the mask, a softmax, ``torch.matmul`` with the values; GPT-J's before transformers 5.24 the
+    same with ``torch.matmul`` and 1 / scale_attn; CodeGen's before 5.24 adds the mask before the scale, which for
+    the loop's masks of zeros and large negatives gives the same weights) with float32 CPU rows under an additive
+    mask (``masked_rows``) on ``masked_attention``; anything else through the class's own."""
     dropout = getattr(self, "attention_dropout", getattr(self, "attn_dropout", None))
     if not _masked_fits(query, key, value, attention_mask, dropout.p if self.training else 0.0, {}):
         return type(self)._attn(self, query, key, value, attention_mask)

@@ -39,10 +39,10 @@ PROMPTS = (9, 6)  # the probe batch's prompt lengths (left padded)
 NEW_TOKENS = 7  # steps of 3, 1 and 3 tokens (``ProbeDrafter``)
 # check_rows's batches: three requests and more steps, so that more of the forwards' rows take both of the vector
 # and scalar paths of torch's elementwise kernels where a layer's rounding depends on them (a tiny Laguna's router
-# with a soft cap passes (9, 6) and 7 tokens and fails this batch); and one request alone, whose undrafted forwards have one row: a
-# one-row slice of a wider output is contiguous where several rows are strided, and torch's GELU (erf) computes a
-# strided input on another path (ModernBERT's decoder chunks its MLP's output before it), which only such a batch
-# compares with the drafted forwards' rows
+# with a soft cap passes (9, 6) and 7 tokens and fails this batch); and one request alone, whose undrafted forwards
+# have one row: a one-row slice of a wider output is contiguous where several rows are strided, and torch's GELU
+# (erf) computes a strided input on another path (ModernBERT's decoder chunks its MLP's output before it), which
+# only such a batch compares with the drafted forwards' rows
 ROW_BATCHES, ROW_NEW_TOKENS = ((9, 6, 4), (7,)), 12
 # the settings of the call that the probe decodes with too: how the loop computes, and the model's own limits
 _KEPT = ("backend", "skinny_linear", "pack_weights", "lean_layers", "live_rows", "max_positions", "window")
