@@ -242,3 +242,42 @@ def test_kolibri_router_on_the_kernels_and_restored():
         assert torch.equal(l, logits[i:i + 1]) and torch.equal(s, scores[i:i + 1]) and torch.equal(k, index[i:i + 1])
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(scores, want_scores, rtol=1e-5, atol=1e-6)
+
+
+def test_aria_grouped_gemm_on_the_kernels_before_5_18():
+    """Aria's experts before transformers 5.18 are its own code: ``AriaGroupedExpertsGemm``, each expert's rows
+    (sorted by expert) through ``torch.matmul``. Within skinny_experts they run ``_grouped_gemm_rows``: each expert's
+    rows the kernel's bits, each row the same alone as beside the others, the class's own forward to float32
+    rounding, and more than MAX_ROWS rows for one expert back on the class's own forward; restored after."""
+    from fastverify.hf import experts
+    model = tiny("aria_text")
+    gemms = [m for m in model.modules() if type(m).__name__ == "AriaGroupedExpertsGemm"]
+    if not gemms:
+        import transformers
+        pytest.skip(f"transformers {transformers.__version__} builds Aria's experts as transformers' experts modules")
+    gemm = gemms[0]
+    E = gemm.weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, 5] + [2] * (E - 3))
+    x = torch.randn(int(counts.sum()), gemm.weight.shape[1], generator=g)
+    with torch.no_grad():
+        want = gemm(x, counts)
+        with skinny_experts(model):
+            assert gemm.forward.__func__ is experts._grouped_gemm_rows
+            got = gemm(x, counts)
+            alone = [gemm(x[i:i + 1], (torch.arange(E) == e).long()) for i, e in
+                     enumerate(torch.repeat_interleave(torch.arange(E), counts).tolist())]
+            many = torch.zeros(E, dtype=torch.long)
+            many[1] = MAX_ROWS + 1
+            big = torch.randn(MAX_ROWS + 1, gemm.weight.shape[1], generator=g)
+            assert torch.equal(gemm(big, many), type(gemm).forward(gemm, big, many))
+        assert "forward" not in gemm.__dict__
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            assert torch.equal(got[start:start + n],
+                               torch.ops.fastverify.skinny_linear_t(x[start:start + n], gemm.weight[e], None))
+        start += n
+    for i, row in enumerate(alone):
+        assert torch.equal(row, got[i:i + 1]), i
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

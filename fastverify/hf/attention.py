@@ -399,6 +399,19 @@ def _masked(query, key, value, attention_mask, scaling, softcap=None, sinks=None
     return out.transpose(1, 2).contiguous()
 
 
+@functools.cache
+def _sdpa_drops_softcap() -> bool:
+    """Whether transformers' sdpa attention function computes a call with a soft cap as one without it (releases
+    before 5.21, where Gemma 2 could load with sdpa; later ones refuse the call): asked of the function once."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    q = torch.zeros(1, 1, 1, 2)
+    try:
+        sdpa_attention_forward(torch.nn.Module(), q, q, q, None, softcap=1.0)
+    except ValueError:
+        return False
+    return True
+
+
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' ``sdpa`` attention, except on the CPU with a mask:
 
@@ -414,7 +427,10 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
       ``repeat_kv`` (which copies every layer's keys and values at every step): the same result bit for bit
       (tests/test_hf_attention.py).
 
-    Anything else goes to transformers' own function."""
+    Anything else goes to transformers' own function. A soft cap, which transformers' function refuses or (before
+    5.21) leaves out, is left out here too where it does."""
+    if kwargs.get("softcap") is not None and _sdpa_drops_softcap():
+        kwargs = {k: v for k, v in kwargs.items() if k != "softcap"}
     if _masked_fits(query, key, value, attention_mask, dropout, kwargs):
         return _masked(query, key, value, attention_mask, scaling), None
     if (_masked_cpu_call(query, key.shape[1], attention_mask, dropout, kwargs)
@@ -713,16 +729,17 @@ _OWN_ATTENTION = {
 
 
 def _polar_rows(magnitude, angle):
-    """``torch.polar`` of contiguous copies, its output laid out position by position. Llama 4's rotary embedding
-    before transformers 5.19 takes its angles as a matmul's output transposed ([B, positions, D / 2], positions
-    innermost in memory); polar's output keeps that layout, and the complex product that rotates the queries and
-    keys by it then rounds a position's values by how many positions the forward has."""
+    """``torch.polar`` of contiguous copies, its output laid out position by position. Llama 4's and DeepSeek-V2's
+    rotary embeddings before transformers 5.19 take their angles as a matmul's output transposed ([B, positions, D / 2],
+    positions innermost in memory); polar's output keeps that layout, and the complex product that rotates the queries
+    and keys by it then rounds a position's values by how many positions the forward has."""
     return torch.polar(magnitude.contiguous(), angle.contiguous())
 
 
 # ``torch`` with polar bound to ``_polar_rows``, for the files of ``_OWN_POLAR_FILES``
 _POLAR_TORCH = ModuleWith(torch, polar=_polar_rows)
-_OWN_POLAR_FILES = ("transformers.models.llama4.modeling_llama4",)
+_OWN_POLAR_FILES = ("transformers.models.llama4.modeling_llama4",
+                    "transformers.models.deepseek_v2.modeling_deepseek_v2")
 
 
 @contextlib.contextmanager
@@ -730,8 +747,8 @@ def own_attention(model):
     """For the loop's duration, a CPU model's attention modules of ``_OWN_ATTENTION`` (XGLM's, GPT-NeoX-Japanese's;
     CodeGen's and GPT-J's before transformers 5.24) run their rows on ``masked_attention`` (``bound_methods``), as
     ``gqa_attention`` and ``eager_attention`` run transformers' attention functions, and the files of
-    ``_OWN_POLAR_FILES`` (Llama 4's rotary embedding) take ``_polar_rows`` as their ``torch.polar``; yields how many
-    modules were bound. Other models and devices are left as they are."""
+    ``_OWN_POLAR_FILES`` (Llama 4's and DeepSeek-V2's rotary embeddings) take ``_polar_rows`` as their ``torch.polar``;
+    yields how many modules were bound. Other models and devices are left as they are."""
     cpu = next(model.parameters()).device.type == "cpu" and _masked_attention_op() is not None
     files = list({type(m).__module__: sys.modules[type(m).__module__] for m in modules(model)
                   if type(m).__module__ in _OWN_POLAR_FILES}.values()) if cpu else []

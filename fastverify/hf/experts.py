@@ -170,15 +170,31 @@ def _gathered_router_rows(self, hidden_states):
     return logits, scores, index
 
 
+def _grouped_gemm_rows(self, x, tokens_per_expert):
+    """Aria's expert GEMM before transformers 5.18 (``AriaGroupedExpertsGemm``: the tokens' rows sorted by expert,
+    each expert's through ``torch.matmul`` with its weight [in, out]), each expert's float32 CPU rows on
+    ``skinny_linear_t`` where no expert has more than MAX_ROWS; anything else through the class's own forward."""
+    counts = tokens_per_expert.tolist() if x.device.type == "cpu" else []
+    if not (skinny_available() and counts and max(counts) <= MAX_ROWS and _few_rows(x[:1], self.weight[0])):
+        return type(self).forward(self, x, tokens_per_expert)
+    out, start = x.new_zeros(x.shape[0], self.weight.shape[-1]), 0
+    for e, n in enumerate(counts):
+        if n:
+            out[start:start + n] = torch.ops.fastverify.skinny_linear_t(x[start:start + n], self.weight[e], None)
+        start += n
+    return out
+
+
 # modules of a modeling file's own code whose arithmetic depends on the number of rows, and the forward each runs
 # instead while the loop does: DBRX's expert GLU (tensor methods, ``x.matmul(w1.T)``), Llama 4's experts
 # (``torch.bmm`` over every expert's rows) and router (``nn.Linear.forward``, then a sigmoid of new scores), Kolibri's
-# router (the sigmoid of gathered logits, a tensor method)
+# router (the sigmoid of gathered logits, a tensor method), Aria's expert GEMM before transformers 5.18
 _OWN_FORWARDS = {("transformers.models.dbrx.modeling_dbrx", "DbrxExpertGLU"): ("forward", _glu_rows),
                  ("transformers.models.llama4.modeling_llama4", "Llama4TextExperts"): ("forward", _bmm_experts_rows),
                  ("transformers.models.llama4.modeling_llama4", "Llama4Router"): ("forward", _router_rows),
                  ("transformers.models.kolibri1.modeling_kolibri1", "Kolibri1TopKRouter"):
-                     ("forward", _gathered_router_rows)}
+                     ("forward", _gathered_router_rows),
+                 ("transformers.models.aria.modeling_aria", "AriaGroupedExpertsGemm"): ("forward", _grouped_gemm_rows)}
 
 
 def _is_router(m) -> bool:
