@@ -522,3 +522,21 @@ def test_polar_rows_rotate_each_position_as_alone():
     with attention.own_attention(model):
         assert mod.torch is attention._POLAR_TORCH and mod.torch.polar is attention._polar_rows
     assert mod.torch is torch
+
+
+def test_gqa_sdpa_leaves_a_soft_cap_out_where_the_release_does():
+    """transformers' sdpa function leaves a soft cap out before 5.21 (where Gemma 2 loads with sdpa) and refuses one
+    from 5.21. ``_gqa_sdpa`` does as the installed release does: before 5.21 a float32 call with a soft cap runs
+    masked_attention without it (the release's function's result to float32 rounding, the bits of a call without
+    the cap); from 5.21 it reaches transformers' function, which raises."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    query, key, value, mask = _inputs(1, 2, 2, 5, 19, 16)
+    module = _Attn(2)
+    if attention._sdpa_drops_softcap():
+        out, _ = _gqa_sdpa(module, query, key, value, mask, softcap=50.0)
+        want, _ = sdpa_attention_forward(module, query, key, value, mask, softcap=50.0)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out, _gqa_sdpa(module, query, key, value, mask)[0])
+    else:
+        with pytest.raises(ValueError, match="softcap"):
+            _gqa_sdpa(module, query, key, value, mask, softcap=50.0)
