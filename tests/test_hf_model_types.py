@@ -122,9 +122,10 @@ ROW_INVARIANT_FROM = "5.24"  # the release ROW_INVARIANT was surveyed on: older 
 
 def _skip_where_an_older_release_varies(model):
     """On a transformers release before ROW_INVARIANT_FROM, skip a model whose rows the loop's own check
-    (``probe.check_rows``: what seeded sampling asks before it drafts) finds varying: such a release's modeling code
-    computes some of these types with torch's GEMMs or its own attention (CodeGen before 5.24). On later releases,
-    and wherever the check passes, the bits are asserted."""
+    (``probe.check_rows``: what seeded sampling asks before it drafts) finds varying: an older release's modeling code
+    may compute a type with torch's GEMMs or its own attention where the loop has no route for it (on 5.17, 5.19 and
+    5.21 every type was row-invariant when last surveyed). On later releases, and wherever the check passes, the bits
+    are asserted."""
     from fastverify.hf.loop import DecodeSettings
     from fastverify.hf.probe import check_rows
     from fastverify.hf.processors import transformers_at_least
