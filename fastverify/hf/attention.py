@@ -653,16 +653,18 @@ def bound_methods(model, table):
     (method name, function)) has that method bound on the instance to the function, then removed again; a module
     with such a method of its own, or whose class has no such method (another release's), is left as it is. Yields
     how many modules were bound."""
-    bound = []
-    for m in modules(model):
-        method, fn = table.get((type(m).__module__, type(m).__qualname__), (None, None))
-        if method is not None and method not in m.__dict__ and hasattr(type(m), method):
-            setattr(m, method, types.MethodType(fn, m))
-            bound.append((m, method))
+    mods, hits = modules(model), {}  # hits: the model's classes in table that have the method -> (method, function)
+    for cls in {type(m) for m in mods} if table else ():
+        method, fn = table.get((cls.__module__, cls.__qualname__), (None, None))
+        if method is not None and hasattr(cls, method):
+            hits[cls] = (method, fn)
+    bound = [(m, hits[type(m)]) for m in mods if type(m) in hits and hits[type(m)][0] not in m.__dict__]
+    for m, (method, fn) in bound:
+        setattr(m, method, types.MethodType(fn, m))
     try:
         yield len(bound)
     finally:
-        for m, method in bound:
+        for m, (method, _) in bound:
             m.__dict__.pop(method, None)
 
 
@@ -750,7 +752,7 @@ def own_attention(model):
     ``_OWN_POLAR_FILES`` (Llama 4's and DeepSeek-V2's rotary embeddings) take ``_polar_rows`` as their ``torch.polar``;
     yields how many modules were bound. Other models and devices are left as they are."""
     cpu = next(model.parameters()).device.type == "cpu" and _masked_attention_op() is not None
-    files = list({type(m).__module__: sys.modules[type(m).__module__] for m in modules(model)
-                  if type(m).__module__ in _OWN_POLAR_FILES}.values()) if cpu else []
+    files = list({sys.modules[name] for name in {type(m).__module__ for m in modules(model)}
+                  if name in _OWN_POLAR_FILES}) if cpu else []
     with bound_methods(model, _OWN_ATTENTION if cpu else {}) as n, module_globals(files, "torch", _POLAR_TORCH):
         yield n
