@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import fastverify
-from fastverify.hf.linear import (MAX_ROWS, modules, row_aligned, row_gelu, skinny_available, skinny_linears,
-                                  walked)
+from fastverify.hf.linear import (MAX_ROWS, module_classes, modules, row_aligned, row_gelu, skinny_available,
+                                  skinny_linears, walked)
 from fastverify.ops.tree import implemented_backends
 
 needs_cpp = pytest.mark.skipif("cpp" not in implemented_backends("skinny_linear"),
@@ -367,7 +367,7 @@ def test_row_gelu_computes_a_glu_slice_as_one_row_alone():
 def test_modules_walks_as_model_modules_and_walked_keeps_one_walk():
     """``modules(model)`` is ``list(model.modules())``: the same modules in the same order, a module held twice
     (tied) once. Within ``walked(model)`` it is the one list made on entering, for that model only; after the block
-    a module added since is seen."""
+    a module added since is seen. ``module_classes(model)`` is the set of their classes, likewise."""
     shared = torch.nn.Linear(2, 2)
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(shared, torch.nn.ReLU(), None), shared)
     other = torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -379,9 +379,12 @@ def test_modules_walks_as_model_modules_and_walked_keeps_one_walk():
             assert modules(other) is modules(other)  # the inner block's walk
             assert modules(model) is not first and modules(model) == first  # not its block: walked afresh
         assert modules(model) is first
+        classes = module_classes(model)
+        assert classes == {torch.nn.Sequential, torch.nn.Linear, torch.nn.ReLU} and module_classes(model) is classes
         model.append(torch.nn.Tanh())
-        assert modules(model) is first  # not walked again within the block
+        assert modules(model) is first and module_classes(model) is classes  # not walked again within the block
     assert modules(model) == list(model.modules()) and len(modules(model)) == 6
+    assert torch.nn.Tanh in module_classes(model)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastverify.hf.linear import MAX_ROWS, config_of, modules
+from fastverify.hf.linear import MAX_ROWS, config_of, module_classes, modules
 from fastverify.ops.cache import cache_layers
 from fastverify.ops.tree import tree_mask
 
@@ -653,12 +653,13 @@ def bound_methods(model, table):
     (method name, function)) has that method bound on the instance to the function, then removed again; a module
     with such a method of its own, or whose class has no such method (another release's), is left as it is. Yields
     how many modules were bound."""
-    mods, hits = modules(model), {}  # hits: the model's classes in table that have the method -> (method, function)
-    for cls in {type(m) for m in mods} if table else ():
+    hits = {}  # the model's classes in table that have the method -> (method, function)
+    for cls in module_classes(model) if table else ():
         method, fn = table.get((cls.__module__, cls.__qualname__), (None, None))
         if method is not None and hasattr(cls, method):
             hits[cls] = (method, fn)
-    bound = [(m, hits[type(m)]) for m in mods if type(m) in hits and hits[type(m)][0] not in m.__dict__]
+    bound = [(m, hits[type(m)]) for m in (modules(model) if hits else ())
+             if type(m) in hits and hits[type(m)][0] not in m.__dict__]
     for m, (method, fn) in bound:
         setattr(m, method, types.MethodType(fn, m))
     try:
@@ -752,7 +753,7 @@ def own_attention(model):
     ``_OWN_POLAR_FILES`` (Llama 4's and DeepSeek-V2's rotary embeddings) take ``_polar_rows`` as their ``torch.polar``;
     yields how many modules were bound. Other models and devices are left as they are."""
     cpu = next(model.parameters()).device.type == "cpu" and _masked_attention_op() is not None
-    files = list({sys.modules[name] for name in {type(m).__module__ for m in modules(model)}
-                  if name in _OWN_POLAR_FILES}) if cpu else []
+    files = list({sys.modules[cls.__module__] for cls in module_classes(model)
+                  if cls.__module__ in _OWN_POLAR_FILES}) if cpu else []
     with bound_methods(model, _OWN_ATTENTION if cpu else {}) as n, module_globals(files, "torch", _POLAR_TORCH):
         yield n

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.hf.attention import ModuleWith, bound_methods, module_globals, switched
-from fastverify.hf.linear import (MAX_ROWS, config_of, modules, row_aligned, row_padded, skinny_available,
-                                  streamable, takes_skinny)
+from fastverify.hf.linear import (MAX_ROWS, config_of, module_classes, modules, row_aligned, row_padded,
+                                  skinny_available, streamable, takes_skinny)
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_experts", "skinny_experts_forward", "EXPERTS_IMPLEMENTATION"]
@@ -197,21 +197,21 @@ _OWN_FORWARDS = {("transformers.models.dbrx.modeling_dbrx", "DbrxExpertGLU"): ("
                  ("transformers.models.aria.modeling_aria", "AriaGroupedExpertsGemm"): ("forward", _grouped_gemm_rows)}
 
 
-def _is_router(m) -> bool:
-    return type(m).__name__.lower().endswith("router")
+def _is_router(cls) -> bool:
+    return cls.__name__.lower().endswith("router")
 
 
-def _has_own_code(m) -> bool:
-    return type(m).__module__ in _OWN_CODE_FILES
+def _has_own_code(cls) -> bool:
+    return cls.__module__ in _OWN_CODE_FILES
 
 
 def _files_of(model, pick, name: str, module, proxy) -> list:
-    """The modeling modules of ``model``'s modules that ``pick`` (routers: ``_is_router``; ``_has_own_code``) whose
-    global ``name`` is ``module`` (``F``: torch.nn.functional; ``nn``: torch.nn) or already its ``proxy``."""
+    """The modeling modules of ``model``'s module classes that ``pick`` (routers: ``_is_router``; ``_has_own_code``)
+    whose global ``name`` is ``module`` (``F``: torch.nn.functional; ``nn``: torch.nn) or already its ``proxy``."""
     files = []
-    for m in modules(model):
-        if pick(m):
-            mod = sys.modules.get(type(m).__module__)
+    for cls in module_classes(model):
+        if pick(cls):
+            mod = sys.modules.get(cls.__module__)
             if mod is not None and mod not in files and getattr(mod, name, None) in (module, proxy):
                 files.append(mod)
     return files
@@ -229,11 +229,14 @@ def _register() -> bool:
 
 
 def _experts_configs(model) -> list:
-    """The configs that a CPU model's experts modules dispatch by (each once)."""
+    """The configs that a CPU model's experts modules dispatch by (each once). Such a module's ``has_gate`` and
+    ``is_transposed`` are instance attributes (``use_experts_implementation``'s ``__init__`` sets them): looked up in
+    its ``__dict__``, as ``config_of`` looks up the config (``hasattr`` on a module without them raises and catches in
+    nn.Module's ``__getattr__``, ~250 us a call over a 30-layer model's modules)."""
     configs, seen = [], set()
     for m in modules(model):
         cfg = config_of(m)
-        if (cfg is not None and id(cfg) not in seen and hasattr(m, "has_gate") and hasattr(m, "is_transposed")
+        if (cfg is not None and id(cfg) not in seen and "has_gate" in m.__dict__ and "is_transposed" in m.__dict__
                 and getattr(cfg, "_experts_implementation", None) is not None):
             seen.add(id(cfg))
             configs.append(cfg)

@@ -33,8 +33,8 @@ from fastverify.ops.linear import PackedWeight, pack_blocks
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_linears", "skinny_available", "streamable", "takes_skinny", "packed_weight", "packed_group",
-           "pack_model", "row_aligned", "row_padded", "row_gelu", "modules", "walked", "config_of", "MAX_ROWS",
-           "ROW_ALIGN"]
+           "pack_model", "row_aligned", "row_padded", "row_gelu", "modules", "module_classes", "walked",
+           "config_of", "MAX_ROWS", "ROW_ALIGN"]
 
 # SmolLM2-135M's linear layers (30 layers + the LM head, fp32, 2 threads, 2-core AMD EPYC (Zen 5) VM), skinny
 # vs torch's GEMM: 2.4x faster at M = 1, 2.4x at 17, 2.4x at 33, 2.0x at 128, 1.7x at 256 (benchmarks/RESULTS.md,
@@ -43,7 +43,7 @@ __all__ = ["skinny_linears", "skinny_available", "streamable", "takes_skinny", "
 MAX_ROWS = 128
 
 
-_WALKED = threading.local()  # .walk: (model, its modules) while this thread is inside ``walked(model)``
+_WALKED = threading.local()  # .walk: (model, its modules, their classes) while this thread is in ``walked(model)``
 
 
 def _walk(module, out: list, seen: set) -> list:
@@ -64,6 +64,14 @@ def modules(model) -> list:
     return _walk(model, [], set())
 
 
+def module_classes(model) -> set:
+    """The classes of ``modules(model)``; inside ``walked(model)`` the set made on entering it."""
+    walk = getattr(_WALKED, "walk", None)
+    if walk is not None and walk[0] is model:
+        return walk[2]
+    return {type(m) for m in modules(model)}
+
+
 def config_of(module):
     """The module's own ``config`` attribute, or None: read from its ``__dict__``, where transformers' modules keep
     it (``getattr`` goes through nn.Module's ``__getattr__``, which raises and catches for every module without one)."""
@@ -76,7 +84,8 @@ def walked(model):
     loop's contexts each look through the model's modules as they enter (~400 for SmolLM2-135M, each walk ~0.2 ms
     through ``model.modules()``), and none adds or removes one. Enter it after anything that does."""
     saved = getattr(_WALKED, "walk", None)
-    _WALKED.walk = (model, _walk(model, [], set()))
+    mods = _walk(model, [], set())
+    _WALKED.walk = (model, mods, {type(m) for m in mods})
     try:
         yield
     finally:
