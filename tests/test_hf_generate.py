@@ -644,10 +644,12 @@ class _BanAll(transformers.LogitsProcessor):
         return torch.full_like(scores, float("-inf")) if input_ids.shape[1] % 4 == 0 else scores
 
 
+@pytest.mark.parametrize("rule", [None, "speculative", "coupled"])
 @pytest.mark.parametrize("lengths", [[13], [14, 6, 2]], ids=["batch1", "batch3"])
-def test_a_row_the_processors_ban_entirely_takes_token_0_as_generate_does(model, lengths):
+def test_a_row_the_processors_ban_entirely_takes_token_0_as_generate_does(model, lengths, rule):
     """A processor leaving a row -inf everywhere (the model's own logits finite): greedy generate emits token 0
-    there, and so does the loop, whatever the drafts; sampling from such a row raises in both."""
+    there, and so does the loop, whatever the drafts, and whatever the patch's rule (a sampling rule decodes a call
+    without do_sample greedily); sampling from such a row raises in both."""
     ids, mask = _batch(lengths, seed=5)
     kw = dict(pad_token_id=PAD, max_new_tokens=20)
     unpatch(model)
@@ -656,7 +658,7 @@ def test_a_row_the_processors_ban_entirely_takes_token_0_as_generate_does(model,
                              logits_processor=transformers.LogitsProcessorList([_BanAll()]), **kw)
     assert (ref[:, ids.shape[1]:] == 0).sum() >= 4 * len(lengths)
     for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
-        patch(model, drafter=drafter, row_processors=len(lengths) > 1)
+        patch(model, drafter=drafter, row_processors=len(lengths) > 1, **({"rule": rule} if rule else {}))
         try:
             out = model.generate(ids, attention_mask=mask, do_sample=False,
                                  logits_processor=transformers.LogitsProcessorList([_BanAll()]), **kw)

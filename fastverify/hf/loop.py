@@ -526,7 +526,8 @@ class Decoder:
                      max_depth=deepest, **kw)
         accept_len, next_token, accepted = _to_host(res)
         judged = logits  # the rows verify judges: the processed ones, but for rows the processors banned entirely
-        if any(a < 0 and r > 0 for a, r in zip(accept_len, remaining)) and rule == "greedy" and s.processes:
+        greedy = rule == "greedy" or s.warp.get("temperature") == 0.0  # (a sampling rule without do_sample: greedy)
+        if any(a < 0 and r > 0 for a, r in zip(accept_len, remaining)) and greedy and s.processes:
             judged = _banned_rows_to_zero(logits, raw)
             if judged is not logits:
                 res = verify(judged, draft_tokens, cu_nodes, parents, rule=rule, backend=s.backend, validate=False,
