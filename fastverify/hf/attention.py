@@ -45,7 +45,7 @@ from fastverify.ops.tree import tree_mask
 
 __all__ = ["StepInputs", "prefill_inputs", "step_inputs", "crop_cache", "cache_length", "cache_kwargs",
            "forward_takes", "new_cache", "gqa_attention", "eager_attention", "own_attention", "bound_methods",
-           "module_globals", "switched", "ModuleWith"]
+           "files_of", "module_globals", "switched", "ModuleWith"]
 
 _FORWARD_PARAMS = {}  # model class -> the parameter names of its forward (reading a signature costs ~25 us)
 
@@ -562,6 +562,19 @@ def module_globals(files, name: str, value):
                     setattr(mod, name, held[1])
 
 
+def files_of(model, pick, name: str, module, proxy) -> list:
+    """The modeling modules of ``model``'s module classes that ``pick`` (a function of the class) whose global
+    ``name`` is ``module`` (``torch``, ``torch.nn``, ``torch.nn.functional``) or already its ``proxy``: the files that
+    ``module_globals`` may bind to the proxy (a file whose global something else holds is left alone)."""
+    files = []
+    for cls in module_classes(model):
+        if pick(cls):
+            mod = sys.modules.get(cls.__module__)
+            if mod is not None and mod not in files and getattr(mod, name, None) in (module, proxy):
+                files.append(mod)
+    return files
+
+
 def _original(mod, name: str):
     """A module's global ``name`` as it is outside ``module_globals`` (None for no module)."""
     with _GLOBALS_LOCK:
@@ -753,7 +766,6 @@ def own_attention(model):
     ``_OWN_POLAR_FILES`` (Llama 4's and DeepSeek-V2's rotary embeddings) take ``_polar_rows`` as their ``torch.polar``;
     yields how many modules were bound. Other models and devices are left as they are."""
     cpu = next(model.parameters()).device.type == "cpu" and _masked_attention_op() is not None
-    files = list({sys.modules[cls.__module__] for cls in module_classes(model)
-                  if cls.__module__ in _OWN_POLAR_FILES}) if cpu else []
+    files = files_of(model, lambda cls: cls.__module__ in _OWN_POLAR_FILES, "torch", torch, _POLAR_TORCH) if cpu else []
     with bound_methods(model, _OWN_ATTENTION if cpu else {}) as n, module_globals(files, "torch", _POLAR_TORCH):
         yield n

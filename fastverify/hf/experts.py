@@ -27,14 +27,13 @@ So a row's result is a function of that row alone, as the rest of the loop's for
 """
 
 import contextlib
-import sys
 
 import torch
 import torch.nn.functional as F
 
-from fastverify.hf.attention import ModuleWith, bound_methods, module_globals, switched
-from fastverify.hf.linear import (MAX_ROWS, config_of, module_classes, modules, row_aligned, row_padded,
-                                  skinny_available, streamable, takes_skinny)
+from fastverify.hf.attention import ModuleWith, bound_methods, files_of, module_globals, switched
+from fastverify.hf.linear import (MAX_ROWS, config_of, modules, row_aligned, row_padded, skinny_available,
+                                  streamable, takes_skinny)
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_experts", "skinny_experts_forward", "EXPERTS_IMPLEMENTATION"]
@@ -205,18 +204,6 @@ def _has_own_code(cls) -> bool:
     return cls.__module__ in _OWN_CODE_FILES
 
 
-def _files_of(model, pick, name: str, module, proxy) -> list:
-    """The modeling modules of ``model``'s module classes that ``pick`` (routers: ``_is_router``; ``_has_own_code``)
-    whose global ``name`` is ``module`` (``F``: torch.nn.functional; ``nn``: torch.nn) or already its ``proxy``."""
-    files = []
-    for cls in module_classes(model):
-        if pick(cls):
-            mod = sys.modules.get(cls.__module__)
-            if mod is not None and mod not in files and getattr(mod, name, None) in (module, proxy):
-                files.append(mod)
-    return files
-
-
 def _register() -> bool:
     """Register ``skinny_experts_forward`` once; False where this transformers has no experts interface."""
     try:
@@ -256,9 +243,9 @@ def skinny_experts(model):
             and next(model.parameters()).device.type == "cpu"):
         configs = _experts_configs(model) if _register() else []
         if configs:
-            f_files = _files_of(model, _is_router, "F", F, _ROW_F)
-            nn_files = _files_of(model, _is_router, "nn", torch.nn, _ROW_NN)
-        f_files += [mod for mod in _files_of(model, _has_own_code, "F", F, _ROW_F) if mod not in f_files]
+            f_files = files_of(model, _is_router, "F", F, _ROW_F)
+            nn_files = files_of(model, _is_router, "nn", torch.nn, _ROW_NN)
+        f_files += [mod for mod in files_of(model, _has_own_code, "F", F, _ROW_F) if mod not in f_files]
         own = _OWN_FORWARDS
     with (switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION), bound_methods(model, own),
           module_globals(f_files, "F", _ROW_F), module_globals(nn_files, "nn", _ROW_NN)):
