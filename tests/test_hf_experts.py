@@ -251,11 +251,8 @@ def test_aria_grouped_gemm_on_the_kernels_before_5_18():
     rounding, and more than MAX_ROWS rows for one expert back on the class's own forward; restored after."""
     from fastverify.hf import experts
     model = tiny("aria_text")
-    gemms = [m for m in model.modules() if type(m).__name__ == "AriaGroupedExpertsGemm"]
-    if not gemms:
-        import transformers
-        pytest.skip(f"transformers {transformers.__version__} builds Aria's experts as transformers' experts modules")
-    gemm = gemms[0]
+    gemm = _found([m for m in model.modules() if type(m).__name__ == "AriaGroupedExpertsGemm"], "aria_text",
+                  "AriaGroupedExpertsGemm")[0]
     E = gemm.weight.shape[0]
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor([3, 0, 5] + [2] * (E - 3))
