@@ -3,6 +3,8 @@ function (bit for bit where it runs torch's SDPA, to float32 rounding where fast
 switch and restore of the attention implementation; the buffered cache layer against a DynamicLayer under the
 loop's updates, crops and compactions; patched generate exact with both in place."""
 
+import types
+
 import pytest
 import torch
 
@@ -154,7 +156,7 @@ def test_sdpa_rows_against_torch_sdpa(Hkv, groups):
 def test_gqa_attention_leaves_falcon_at_sdpa_and_binds_its_file():
     """Falcon's attention calls torch's SDPA itself under sdpa (its eager branch: matmuls over the query rows): its
     config keeps sdpa, its file's ``torch`` is the one whose SDPA is ``_sdpa_rows``, nested loops restore it once,
-    and the logits stay SDPA's to float32 rounding."""
+    and the logits stay SDPA's to float32 rounding; a file whose ``torch`` something else holds is left to it."""
     import sys
     from test_hf_model_types import tiny
     model = tiny("falcon")
@@ -170,6 +172,15 @@ def test_gqa_attention_leaves_falcon_at_sdpa_and_binds_its_file():
             got = model(ids).logits
     assert mod.torch is torch and model.config._attn_implementation == "sdpa"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a file whose torch something else holds (a user's own stand-in) is left to it
+    theirs = types.SimpleNamespace(**vars(torch))
+    mod.torch = theirs
+    try:
+        with gqa_attention(model) as on:
+            assert not on and mod.torch is theirs
+        assert mod.torch is theirs
+    finally:
+        mod.torch = torch
 
 
 def _layer_pairs(cache):

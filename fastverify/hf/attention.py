@@ -506,7 +506,7 @@ def gqa_attention(model):
     """For the loop's duration, a CPU model whose attention is transformers' ``sdpa`` runs ``_gqa_sdpa`` instead
     (its configs' ``_attn_implementation`` switched to the registered name, then restored); one whose modeling file
     calls torch's SDPA itself (``_OWN_SDPA_FILES``: Falcon) keeps sdpa, and the file's ``torch`` is ``_SDPA_TORCH``
-    (``module_globals``), whose SDPA is ``_sdpa_rows``. Other models and devices are left as they are. Yields
+    (``module_globals``; ``files_of``: not where something else holds it), whose SDPA is ``_sdpa_rows``. Other models and devices are left as they are. Yields
     whether anything was switched."""
     configs, files = [], []
     if next(model.parameters()).device.type == "cpu" and _register_gqa_attention():
@@ -515,7 +515,8 @@ def gqa_attention(model):
         own = {id(cfg) for name, cfg in sdpa if name in _OWN_SDPA_FILES}
         configs = list({id(cfg): cfg for _, cfg in sdpa if id(cfg) not in own}.values())
         if _masked_attention_op() is not None:
-            files = list({sys.modules[name] for name, _ in sdpa if name in _OWN_SDPA_FILES})
+            names = {name for name, _ in sdpa if name in _OWN_SDPA_FILES}
+            files = files_of(model, lambda cls: cls.__module__ in names, "torch", torch, _SDPA_TORCH)
     with switched(configs, "_attn_implementation", GQA_ATTENTION), module_globals(files, "torch", _SDPA_TORCH):
         yield bool(configs or files)
 
