@@ -15,12 +15,14 @@ Inference on float32 CPU tensors does the gather, the two rank-r products and th
 training (autograd on) and other devices take the torch path.
 
 The gate is a bool tensor [..., rows] over the leading dimensions of the layer's input, set for one forward by
-``slot_gate(gate)``; outside that context (or with an all-False gate) the adapters do nothing. The base layer
-stays the module's child ``base`` (the skinny-linear routing of fastverify.hf.linear still reaches it).
+``slot_gate(gate)`` on the forward's thread; outside that context (or with an all-False gate) the adapters do
+nothing. The base layer stays the module's child ``base`` (the skinny-linear routing of fastverify.hf.linear still
+reaches it).
 """
 
 import contextlib
 import math
+import threading
 
 import torch
 from torch import nn
@@ -35,22 +37,25 @@ __all__ = ["GatedLoRALinear", "add_gated_lora", "remove_gated_lora", "gated_lora
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                    "gate_up_proj")
 
-_GATE = [None]  # (gate bool [..., rows], its flat row indices int64 [n]) of the forward in progress, or None
+# .value: (gate bool [..., rows], its flat row indices int64 [n]) of this thread's forward in progress, or None
+# (another thread's forward of the model meanwhile, a plain ``model(...)`` call, runs without the adapters; so
+# would a forward recomputed on autograd's device threads: the recipes do not checkpoint activations)
+_GATE = threading.local()
 
 
 @contextlib.contextmanager
 def slot_gate(gate):
     """Within this context the gated adapters act on the rows where ``gate`` (bool, the leading shape of the
-    layers' inputs, e.g. [B, q]) is True. Nests; restores the previous gate on exit."""
+    layers' inputs, e.g. [B, q]) is True, in forwards on this thread. Nests; restores the previous gate on exit."""
     if gate is not None and gate.dtype != torch.bool:
         raise TypeError(f"gate: expected a bool tensor, got {gate.dtype}")
-    previous = _GATE[0]
+    previous = getattr(_GATE, "value", None)
     # the selected rows' flat indices, found once per forward rather than once per adapted layer
-    _GATE[0] = None if gate is None else (gate, gate.reshape(-1).nonzero().squeeze(1))
+    _GATE.value = None if gate is None else (gate, gate.reshape(-1).nonzero().squeeze(1))
     try:
         yield
     finally:
-        _GATE[0] = previous
+        _GATE.value = previous
 
 
 class GatedLoRALinear(nn.Module):
@@ -89,7 +94,7 @@ class GatedLoRALinear(nn.Module):
 
     def forward(self, x):
         y = self.base(x)
-        state = _GATE[0]
+        state = getattr(_GATE, "value", None)
         if state is None or state[0].shape != x.shape[:-1] or state[1].numel() == 0:
             return y
         idx = state[1]

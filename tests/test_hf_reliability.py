@@ -1,10 +1,12 @@
 """Patched generate never returns a wrong token silently: attention windows and position-dependent RoPE, invalid
 logits, sampling with a deterministic rule, seeds on the fallback path, arguments that used to crash the
-fallback check, pickling, drafter output, rule options checked at patch time, and the fallback messages."""
+fallback check, pickling, drafter output, rule options checked at patch time, the fallback messages, and calls
+from two threads at once."""
 
 import copy
 import io
 import pickle
+import threading
 import warnings
 
 import pytest
@@ -661,3 +663,106 @@ def test_stop_strings_run_in_the_loop_and_need_the_tokenizer():
     # the tokenizer alone asks for nothing the loop does not do
     out, messages = _run(model, ids, mask, max_new_tokens=8, tokenizer=tok)
     assert not _fallbacks(messages)
+
+
+# ------------------------------------------------------------------------------------ 11. threads
+
+class _Meanwhile(transformers.StoppingCriteria):
+    """At its first call (the first token committed) starts ``other`` on a thread and waits up to ``seconds`` for
+    it to end; records whether it had."""
+
+    def __init__(self, other, seconds):
+        self.other, self.seconds, self.thread, self.ended_meanwhile = other, seconds, None, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.other)
+            self.thread.start()
+            self.thread.join(self.seconds)
+            self.ended_meanwhile = not self.thread.is_alive()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_a_second_thread_waits_for_the_first_threads_call():
+    """The loop's contexts rebind the model's own modules for a call's duration, so a second thread's patched call
+    on the same model waits for the first to end (``hf.loop.model_lock``; on SmolLM2, three threads at once
+    crashed in the decoder stack before: a layer run twice, its cache appended twice), and both give generate's
+    output. Without the wait, the second call (a tiny model's 12 tokens) ends well within the 2 s given it."""
+    model = _llama()
+    a, mask_a = _prompts(1)
+    b, mask_b = _prompts(2, seed=1)
+    want_a = model.generate(a, attention_mask=mask_a, pad_token_id=PAD, max_new_tokens=12)
+    want_b = model.generate(b, attention_mask=mask_b, pad_token_id=PAD, max_new_tokens=12)
+    patch(model)
+    got = {}
+
+    def second():
+        got["b"] = model.generate(b, attention_mask=mask_b, pad_token_id=PAD, max_new_tokens=12)
+
+    meanwhile = _Meanwhile(second, seconds=2.0)
+    got["a"] = model.generate(a, attention_mask=mask_a, pad_token_id=PAD, max_new_tokens=12,
+                              stopping_criteria=transformers.StoppingCriteriaList([meanwhile]))
+    meanwhile.thread.join()
+    assert meanwhile.ended_meanwhile is False
+    assert torch.equal(got["a"], want_a) and torch.equal(got["b"], want_b)
+
+
+def test_another_threads_forward_meanwhile_is_its_own():
+    """While a batch call's forward runs (its live rows set: the padding rows skipped in the layers and the output
+    projection, ``LiveRows`` and the loop's hooks on the projection), a plain forward of the model on another
+    thread with as many rows computes every row as it would outside the call, and the call's output is generate's:
+    what the loop sets is its thread's. The other forward runs in a hook on the output projection, after its
+    input's live rows were gathered and before its output is laid out again."""
+    model = _llama()
+    ids, mask = _prompts(2)  # left padded: the first step's forward skips the padding rows
+    want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16)
+    patch(model)
+    seen, main = {"total": 0}, threading.get_ident()
+
+    def meanwhile(module, args, output):  # registered before the loop's own hooks: runs before its scatter
+        rows = output.shape[0] * output.shape[1]
+        if threading.get_ident() != main or "x" in seen or rows == seen["total"]:
+            return None  # (the first forward whose live rows were gathered)
+        seen["x"] = torch.randint(3, V, (1, seen["total"]), generator=torch.Generator().manual_seed(1))
+
+        def plain():
+            with torch.no_grad():
+                seen["logits"] = model(seen["x"]).logits
+
+        thread = threading.Thread(target=plain)
+        thread.start()
+        thread.join()
+        return None
+
+    def rows(module, args):  # the forward's [B, q] rows, before the loop gathers the live ones
+        if threading.get_ident() == main:
+            seen["total"] = args[0].shape[0] * args[0].shape[1]
+
+    handles = [model.lm_head.register_forward_hook(meanwhile), model.lm_head.register_forward_pre_hook(rows)]
+    try:
+        out, _ = _run(model, ids, mask, max_new_tokens=16)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(out, want) and "x" in seen
+    with torch.no_grad():
+        ref = model(seen["x"]).logits
+    torch.testing.assert_close(seen["logits"], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_the_hidden_state_kept_for_drafters_is_from_the_calls_thread():
+    """The final hidden state the loop keeps for drafters that read it (``_HiddenCapture``) is its own thread's
+    latest forward's, never another thread's forward of the model meanwhile."""
+    from fastverify.hf.loop import _HiddenCapture
+    model = _llama()
+    capture = _HiddenCapture(model)
+    try:
+        with torch.no_grad():
+            thread = threading.Thread(target=lambda: model(torch.tensor([[5, 6, 7, 8]])))
+            thread.start()
+            thread.join()
+            assert capture.value is None
+            model(torch.tensor([[5, 6, 7]]))
+        assert capture.value.shape[:2] == (1, 3)
+    finally:
+        capture.close()

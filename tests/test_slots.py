@@ -2,6 +2,7 @@
 blocks, verify rows untouched by slots and adapters, greedy exactness with a slot drafter on tiny models."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -106,6 +107,14 @@ def test_gated_lora_touches_only_the_gated_rows():
     assert torch.equal(y[~gate], ref[~gate])
     delta = layer.scale * (x[gate] @ layer.lora_A.t()) @ layer.lora_B.t()
     torch.testing.assert_close(y[gate], ref[gate] + delta)
+    # the gate is the thread's own: another thread's forward of the layer meanwhile is the base layer's
+    other = {}
+    with slot_gate(gate):
+        thread = threading.Thread(target=lambda: other.setdefault("y", layer(x)))
+        thread.start()
+        thread.join()
+        assert torch.equal(layer(x), y)
+    assert torch.equal(other["y"], ref)
 
 
 def test_add_and_remove_gated_lora_restore_the_model():

@@ -343,9 +343,10 @@ class _Rotary:
         return last[2:]
 
 
-class LiveRows:
+class LiveRows(threading.local):
     """The rows of the next forward that matter (module docstring): ``index`` int64 [M] of flat row indices into
-    its [B, q] hidden states, with ``total`` = B * q; None: every row. Set by the caller around a forward."""
+    its [B, q] hidden states, with ``total`` = B * q; None: every row. Set by the caller around a forward, for its
+    own thread: another thread's forward of the model meanwhile (a plain ``model(...)`` call) sees None."""
 
     def __init__(self):
         self.index, self.total = None, 0

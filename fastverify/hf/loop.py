@@ -20,7 +20,9 @@ autoregressive sampling with the same seed (a drafter that proposes nothing).
 """
 
 import contextlib
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -903,27 +905,29 @@ def _request_kwargs(kw, b, batch_size, repeat=1):
 class _LiveHead:
     """Hooks on the model's output projection: while ``live.index`` is set and its input holds ``live.total`` rows,
     the projection computes those rows only (fastverify.hf.layers.LiveRows), and its output is laid out as the
-    input was, zeros in the other rows: the model's logits keep their [B, q, V] layout."""
+    input was, zeros in the other rows: the model's logits keep their [B, q, V] layout. Only on the loop's own
+    thread (``live`` is per thread): another thread's forward of the model meanwhile runs as it would."""
 
     def __init__(self, model, live: LiveRows):
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.live, self.handles = live, []
         if isinstance(head, torch.nn.Module):
             self.handles = [head.register_forward_pre_hook(self._gather), head.register_forward_hook(self._scatter)]
-        self.shape = None
+        self.shape = threading.local()  # .value: the gathered input's [B, q], from the pre-hook to the hook
 
     def _gather(self, module, args):
         index, x = self.live.index, args[0] if args else None
-        self.shape = None
+        self.shape.value = None
         if index is None or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[:2].numel() != self.live.total:
             return None
-        self.shape = x.shape[:2]
+        self.shape.value = x.shape[:2]
         return (x.reshape(-1, x.shape[-1]).index_select(0, index).unsqueeze(0),) + tuple(args[1:])
 
     def _scatter(self, module, args, output):
-        if self.shape is None or not isinstance(output, torch.Tensor):
+        shape = getattr(self.shape, "value", None)
+        if shape is None or not isinstance(output, torch.Tensor):
             return None
-        shape, self.shape = self.shape, None
+        self.shape.value = None
         return scatter_rows(output[0], self.live.index, shape.numel()).view(*shape, -1)
 
     def close(self):
@@ -933,20 +937,22 @@ class _LiveHead:
 
 class _HiddenCapture:
     """Forward pre-hook on the model's output projection keeping a reference to its input (the final hidden states,
-    [B, S, D]) of the latest forward: the verify forward's, read by drafters with ``wants_hidden``. No copy and
-    no extra forward; installed only for such drafters and removed when the generate call ends. It runs before
-    every other pre-hook, so it sees the input in its [B, S] layout, before ``_LiveHead`` gathers the live rows."""
+    [B, S, D]) of the latest forward on the thread that made it: the verify forward's, read by drafters with
+    ``wants_hidden`` (another thread's forward of the model meanwhile is not kept). No copy and no extra forward;
+    installed only for such drafters and removed when the generate call ends. It runs before every other pre-hook,
+    so it sees the input in its [B, S] layout, before ``_LiveHead`` gathers the live rows."""
 
     def __init__(self, model):
         head = model.get_output_embeddings()
         if head is None:
             raise ValueError(f"{type(model).__name__} has no output projection (get_output_embeddings() is None); "
                              f"a drafter that reads the target's hidden state needs one")
-        self.value = None
+        self.value, self.thread = None, threading.get_ident()
         self.handle = head.register_forward_pre_hook(self._hook, prepend=True)
 
     def _hook(self, module, args):
-        self.value = args[0]
+        if threading.get_ident() == self.thread:
+            self.value = args[0]
 
     def close(self):
         self.handle.remove()
@@ -995,11 +1001,33 @@ def _prune_nodes(tree: Tree, n: int) -> Tree:
     return Tree(tree.tokens[:n], tree.parents[:n], validate=False)
 
 
+_LOCKS = weakref.WeakKeyDictionary()  # model -> the lock its loops hold (``model_lock``)
+_LOCKS_LOCK = threading.Lock()
+
+
+def model_lock(model) -> threading.RLock:
+    """The lock that ``decode`` holds on ``model`` for a call's duration. The loop's contexts rebind the model's own
+    modules (their forwards, configs, modeling files' globals) and restore them on exit, so two loops over one
+    model at once would see each other's bindings come and go mid-call (a decoder stack's layers run twice, a
+    cache appended twice): a second thread's call waits for the first. Re-entrant: a call that decodes within a
+    call on the same thread (the probe's checks) goes on."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+    return lock
+
+
 @torch.no_grad()
 def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, streamer=None, record=None):
     """Run the loop. input_ids int64 [B, L] (left padded), attention_mask [B, L]. Returns (sequences
     [B, L + T], LoopStats). record: a dict that gets "scores" and "logits" (``Decoder.scored``) where the settings
-    ask for output_scores / output_logits."""
+    ask for output_scores / output_logits. One call at a time per model (``model_lock``)."""
+    with model_lock(model):
+        return _decode(model, input_ids, attention_mask, drafter, settings, streamer, record)
+
+
+def _decode(model, input_ids, attention_mask, drafter, settings, streamer, record):
     t0 = time.perf_counter()
     if streamer is not None:
         streamer.put(input_ids.cpu())

@@ -31,7 +31,7 @@ from fastverify.hf.attention import GQA_ATTENTION
 from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter, check_ints
 from fastverify.hf.linear import pack_model
 from fastverify.hf.loop import (SAMPLING_RULES, DecodeSettings, StopStrings, decode, embedding_rows, model_dtype,
-                                 model_vocab_size)
+                                 model_lock, model_vocab_size)
 from fastverify.hf.model_limits import loop_window, position_limit, sequence_limit
 from fastverify.hf.probe import check_key, check_model, check_rows
 from fastverify.hf.processors import transformers_at_least
@@ -250,10 +250,12 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     ValueError naming the request and the step (plain greedy ``generate`` would emit an arbitrary token there),
     after that step has run again without drafts where it had some (a draft token's non-finite activations reach
     the other rows' attention as 0 x NaN); a greedy row that the processors leave all -inf gives token 0, as
-    ``generate``'s argmax does. A verify forward (several rows) rounds differently from one-row decoding: in
-    float32 by float32 rounding (no greedy output has differed in any measurement), in float16 / bfloat16 enough
-    that near-ties may resolve the other way (as in transformers' assisted decoding); a half-precision model's first
-    greedy / coupled generate warns once.
+    ``generate``'s argmax does. The loop's forwards run other kernels than ``generate``'s and round otherwise: in
+    float32 by float32 rounding (greedy output can differ only at a near-tie of two logits within it), in float16 /
+    bfloat16, where a verify forward's rows are not row-invariant either, enough that near-ties may resolve the
+    other way (as in transformers' assisted decoding); a half-precision model's first greedy / coupled generate
+    warns once. One patched call at a time per model: a second thread's call waits for the first
+    (``fastverify.hf.loop.model_lock``).
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
@@ -795,8 +797,8 @@ def _warn_precision(model, state, rule):
     warnings.warn(f"fastverify: model dtype {name}: a verify forward scores several rows at once and rounds "
                   f"differently from one-row decoding, so where two tokens' logits lie within {name} rounding of "
                   f"each other (ties are common at this precision) the output may take the other token, as "
-                  f"transformers' assisted decoding may; in float32 the differences are of float32 rounding and no "
-                  f"output has differed in any measurement (warned once per patch)", UserWarning, stacklevel=4)
+                  f"transformers' assisted decoding may; in float32 the differences are of float32 rounding "
+                  f"(warned once per patch)", UserWarning, stacklevel=4)
 
 
 def _sample_row_invariant(model, state, plan):
@@ -825,20 +827,24 @@ def _patched_generate(self, *args, **kwargs):
     plan, reason = _plan(self, state, args, kwargs)
     if plan is None:
         return _fallback(self, state, reason, args, kwargs)
-    if state.unregistered:
-        key = check_key(self, plan["settings"])
-        checks = state.__dict__.setdefault("checks", {})  # a model pickled with an earlier state has none
-        if key not in checks:
-            checks[key] = check_model(self, _original_generate(self, state), plan["settings"]) or ""
-        if checks[key]:
-            return _fallback(self, state, f"model type {self.config.model_type!r} is not registered and failed the "
-                                          f"loop's check of it (fastverify.hf.probe): {checks[key]}", args, kwargs)
-    _warn_precision(self, state, plan["settings"].rule)
-    _sample_row_invariant(self, state, plan)
-    record = {}
-    sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], plan["drafter"], plan["settings"],
-                                   plan["streamer"], record=record)
-    state.last_stats = loop_stats
+    with model_lock(self):  # the check's own generate and decode calls too, never beside another thread's loop
+        failed = ""
+        if state.unregistered:
+            key = check_key(self, plan["settings"])
+            checks = state.__dict__.setdefault("checks", {})  # a model pickled with an earlier state has none
+            if key not in checks:
+                checks[key] = check_model(self, _original_generate(self, state), plan["settings"]) or ""
+            failed = checks[key]
+        if not failed:
+            _warn_precision(self, state, plan["settings"].rule)
+            _sample_row_invariant(self, state, plan)
+            record = {}
+            sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], plan["drafter"],
+                                           plan["settings"], plan["streamer"], record=record)
+            state.last_stats = loop_stats
+    if failed:
+        return _fallback(self, state, f"model type {self.config.model_type!r} is not registered and failed the "
+                                      f"loop's check of it (fastverify.hf.probe): {failed}", args, kwargs)
     if plan["return_dict"]:  # generate's output (no cache: the loop's is in its own per-request layout)
         from transformers.generation.utils import GenerateDecoderOnlyOutput
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=record.get("scores"),
