@@ -609,6 +609,7 @@ def test_skinny_linear_packed_opcheck_and_bad_input():
 
 @needs_packed
 def test_skinny_linears_streams_packed_weights_and_repacks_a_changed_weight():
+    from fastverify.hf import linear as hf_linear
     g = torch.Generator().manual_seed(11)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32), torch.nn.Linear(32, 16))
     with torch.no_grad():
@@ -631,6 +632,23 @@ def test_skinny_linears_streams_packed_weights_and_repacks_a_changed_weight():
             unpacked = model(x)
         with skinny_linears(model):
             assert torch.equal(model(x), unpacked)  # the new packed copy, not the stale one
+        # in-place writes through .data leave the version counter as it was; the sample of values sees them
+        for write in (lambda w: w.data.mul_(-0.5), lambda w: w.data.copy_(gguf_quantised(96, 64, "q4_1", g))):
+            before, version = packed_weight(model[0]), model[0].weight._version
+            write(model[0].weight)
+            assert model[0].weight._version == version
+            p0c = packed_weight(model[0])
+            assert p0c is not before and torch.equal(unpack_blocks(p0c.q, p0c.d, p0c.m, 4), model[0].weight)
+        # one element off the sample (given its block neighbour's value, so that the weight still packs): not seen
+        # until forget_packed
+        flat, sample = model[0].weight.view(-1), set(hf_linear._sample_index(96 * 64).tolist())
+        i = next(i for i in range(flat.numel()) if i % 32 and i not in sample and flat[i] != flat[i - 1])
+        before = packed_weight(model[0])
+        model[0].weight.data.view(-1)[i] = flat[i - 1].item()
+        assert packed_weight(model[0]) is before
+        hf_linear.forget_packed(model)
+        p0d = packed_weight(model[0])
+        assert p0d is not before and torch.equal(unpack_blocks(p0d.q, p0d.d, p0d.m, 4), model[0].weight)
 
 
 @needs_packed

@@ -26,6 +26,7 @@ import threading
 import types
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -193,12 +194,40 @@ def takes_skinny(x, weight, max_rows: int) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-_PACKED = weakref.WeakKeyDictionary()  # nn.Linear -> ((weight's data_ptr, _version, shape), PackedWeight or None)
+_PACKED = weakref.WeakKeyDictionary()  # nn.Linear -> (its weight's ``_key``, PackedWeight or None)
+_SAMPLES = {}  # numel -> the flat indices of ``_key``'s sample of a weight of that many elements
+SAMPLE = 32  # elements of a weight in ``_key``'s sample
+
+
+def _sample_index(numel: int):
+    """``SAMPLE`` flat indices spread over a tensor of ``numel`` elements (a multiplicative hash of 0, 1, ...; all
+    of them when there are no more)."""
+    idx = _SAMPLES.get(numel)
+    if idx is None:
+        i = np.arange(min(numel, SAMPLE), dtype=np.int64)
+        idx = _SAMPLES[numel] = i if numel <= SAMPLE else (i * 2654435761 + 12345) % numel
+    return idx
 
 
 def _key(module):
+    """What a packed copy of ``module.weight`` was made from: the tensor (its storage, shape and version counter)
+    and the bytes of ``SAMPLE`` of its values spread over it. An in-place write through ``weight.data``
+    (``.data.copy_``, ``.data.mul_``, an old-style optimizer step) leaves the version counter as it was; the sample
+    sees such a write to the whole tensor, so the next call packs the weight again instead of streaming the stale
+    copy. A write to a few rows or elements may miss the sample: ``forget_packed`` after one."""
     w = module.weight
-    return (w.data_ptr(), w._version, tuple(w.shape))
+    sample = None
+    if streamable(w):
+        sample = w.detach().numpy().reshape(-1)[_sample_index(w.numel())].tobytes()
+    return (w.data_ptr(), w._version, tuple(w.shape), sample)
+
+
+def forget_packed(model) -> None:
+    """Drop the packed copies of ``model``'s weights: the next call packs them again. For a write to a weight that
+    ``_key`` cannot see (single elements through ``weight.data``)."""
+    for m in modules(model):
+        _PACKED.pop(m, None)
+        _GROUPS.pop(m, None)
 
 
 def packed_weight(module):
