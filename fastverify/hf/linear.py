@@ -44,7 +44,9 @@ __all__ = ["skinny_linears", "skinny_available", "streamable", "takes_skinny", "
 MAX_ROWS = 128
 
 
-_WALKED = threading.local()  # .walk: (model, its modules, their classes) while this thread is in ``walked(model)``
+# .walk: (model, its modules, their classes, the ``_key`` of each weight asked so far) while this thread is in
+# ``walked(model)``
+_WALKED = threading.local()
 
 
 def _walk(module, out: list, seen: set) -> list:
@@ -83,10 +85,11 @@ def config_of(module):
 def walked(model):
     """For the block, ``modules(model)`` on this thread is the list of the model's modules made on entering it: the
     loop's contexts each look through the model's modules as they enter (~400 for SmolLM2-135M, each walk ~0.2 ms
-    through ``model.modules()``), and none adds or removes one. Enter it after anything that does."""
+    through ``model.modules()``), and none adds or removes one. Enter it after anything that does. Each layer's
+    ``_key`` is read once in the block, too (the contexts ask for a layer's packed weight two or three times)."""
     saved = getattr(_WALKED, "walk", None)
     mods = _walk(model, [], set())
-    _WALKED.walk = (model, mods, {type(m) for m in mods})
+    _WALKED.walk = (model, mods, {type(m) for m in mods}, {})
     try:
         yield
     finally:
@@ -196,7 +199,7 @@ def takes_skinny(x, weight, max_rows: int) -> bool:
 
 _PACKED = weakref.WeakKeyDictionary()  # nn.Linear -> (its weight's ``_key``, PackedWeight or None)
 _SAMPLES = {}  # numel -> the flat indices of ``_key``'s sample of a weight of that many elements
-SAMPLE = 32  # elements of a weight in ``_key``'s sample
+SAMPLE = 16  # elements of a weight in ``_key``'s sample
 
 
 def _sample_index(numel: int):
@@ -214,12 +217,19 @@ def _key(module):
     and the bytes of ``SAMPLE`` of its values spread over it. An in-place write through ``weight.data``
     (``.data.copy_``, ``.data.mul_``, an old-style optimizer step) leaves the version counter as it was; the sample
     sees such a write to the whole tensor, so the next call packs the weight again instead of streaming the stale
-    copy. A write to a few rows or elements may miss the sample: ``forget_packed`` after one."""
-    w = module.weight
-    sample = None
-    if streamable(w):
-        sample = w.detach().numpy().reshape(-1)[_sample_index(w.numel())].tobytes()
-    return (w.data_ptr(), w._version, tuple(w.shape), sample)
+    copy. A write to a few rows or elements may miss the sample: ``forget_packed`` after one. Within
+    ``walked(model)``, read once per layer."""
+    walk = getattr(_WALKED, "walk", None)
+    key = walk[3].get(module) if walk is not None else None
+    if key is None:
+        w = module.weight
+        sample = None
+        if streamable(w):
+            sample = w.detach().numpy().reshape(-1)[_sample_index(w.numel())].tobytes()
+        key = (w.data_ptr(), w._version, tuple(w.shape), sample)
+        if walk is not None:
+            walk[3][module] = key
+    return key
 
 
 def forget_packed(model) -> None:
