@@ -506,8 +506,8 @@ def gqa_attention(model):
     """For the loop's duration, a CPU model whose attention is transformers' ``sdpa`` runs ``_gqa_sdpa`` instead
     (its configs' ``_attn_implementation`` switched to the registered name, then restored); one whose modeling file
     calls torch's SDPA itself (``_OWN_SDPA_FILES``: Falcon) keeps sdpa, and the file's ``torch`` is ``_SDPA_TORCH``
-    (``module_globals``; ``files_of``: not where something else holds it), whose SDPA is ``_sdpa_rows``. Other models and devices are left as they are. Yields
-    whether anything was switched."""
+    (``module_globals``; ``files_of``: not where something else holds it), whose SDPA is ``_sdpa_rows``. Other
+    models and devices are left as they are. Yields whether anything was switched."""
     configs, files = [], []
     if next(model.parameters()).device.type == "cpu" and _register_gqa_attention():
         sdpa = [(type(m).__module__, cfg) for m in modules(model) for cfg in (config_of(m),)
