@@ -685,7 +685,7 @@ class _Meanwhile(transformers.StoppingCriteria):
 
 def test_a_second_thread_waits_for_the_first_threads_call():
     """The loop's contexts rebind the model's own modules for a call's duration, so a second thread's patched call
-    on the same model waits for the first to end (``hf.loop.model_lock``; on SmolLM2, three threads at once
+    on the same model waits for the first to end (``hf.linear.model_lock``; on SmolLM2, three threads at once
     crashed in the decoder stack before: a layer run twice, its cache appended twice), and both give generate's
     output. Without the wait, the second call (a tiny model's 12 tokens) ends well within the 2 s given it."""
     model = _llama()
@@ -766,3 +766,41 @@ def test_the_hidden_state_kept_for_drafters_is_from_the_calls_thread():
         assert capture.value.shape[:2] == (1, 3)
     finally:
         capture.close()
+
+
+def test_a_draft_model_that_another_threads_loop_holds_is_left_as_it_is():
+    """A ``DraftModelDrafter`` binds its draft model's layers (skinny linears) for its own forwards; where another
+    thread's loop holds that model (it decodes with it as its target), the drafter runs the model as bound by that
+    loop instead, never binding or restoring it under the other call."""
+    from fastverify.hf.linear import model_lock
+    target, small = _llama(), _llama(num_hidden_layers=1)
+    ids, mask = _prompts(1)
+    want = target.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=10)
+    drafter = DraftModelDrafter(small, k=3)
+    bound, propose = [], drafter._propose
+
+    def seen(contexts, budget):  # whether the draft model's linears run the drafter's bound forward
+        bound.append(all("forward" in m.__dict__ for m in small.modules() if type(m) is torch.nn.Linear))
+        return propose(contexts, budget)
+
+    drafter._propose = seen
+    patch(target, drafter=drafter)
+    held, release = threading.Event(), threading.Event()
+
+    def other_loop():  # stands for another thread's loop over the draft model
+        with model_lock(small):
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=other_loop)
+    thread.start()
+    held.wait(30)
+    try:
+        out, _ = _run(target, ids, mask, max_new_tokens=10)
+    finally:
+        release.set()
+        thread.join()
+    assert torch.equal(out, want) and bound and not any(bound)
+    bound.clear()
+    out, _ = _run(target, ids, mask, max_new_tokens=10)
+    assert torch.equal(out, want) and bound and all(bound)

@@ -574,11 +574,17 @@ class DraftModelDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, contexts, budget):
-        from fastverify.hf.linear import skinny_linears
+        from fastverify.hf.linear import model_lock, skinny_linears
         if len(self.caches) != len(contexts):
             self.reset(len(contexts))
-        with skinny_linears(self.model):  # the draft's 1-token forwards too: its weights streamed once per token
+        lock = model_lock(self.model)
+        if not lock.acquire(blocking=False):  # another thread's loop has the draft model's layers bound: as they are
             return self._propose(contexts, budget)
+        try:
+            with skinny_linears(self.model):  # the draft's 1-token forwards too: its weights streamed once per token
+                return self._propose(contexts, budget)
+        finally:
+            lock.release()
 
     def _propose(self, contexts, budget):
         from fastverify.hf.attention import crop_cache

@@ -75,6 +75,24 @@ def module_classes(model) -> set:
     return {type(m) for m in modules(model)}
 
 
+_LOCKS = weakref.WeakKeyDictionary()  # model -> the lock its loops hold (``model_lock``)
+_LOCKS_LOCK = threading.Lock()
+
+
+def model_lock(model) -> threading.RLock:
+    """The lock that ``decode`` holds on ``model`` for a call's duration. The loop's contexts rebind the model's own
+    modules (their forwards, configs, modeling files' globals) and restore them on exit, so two loops over one
+    model at once would see each other's bindings come and go mid-call (a decoder stack's layers run twice, a
+    cache appended twice): a second thread's call waits for the first. Re-entrant: a call that decodes within a
+    call on the same thread (the probe's checks) goes on. A drafter that binds a draft model's layers for its own
+    forwards takes it without waiting, and binds nothing where another thread's loop holds it."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+    return lock
+
+
 def config_of(module):
     """The module's own ``config`` attribute, or None: read from its ``__dict__``, where transformers' modules keep
     it (``getattr`` goes through nn.Module's ``__getattr__``, which raises and catches for every module without one)."""

@@ -22,7 +22,6 @@ autoregressive sampling with the same seed (a drafter that proposes nothing).
 import contextlib
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +32,7 @@ from fastverify.hf.attention import (cache_kwargs, cache_pairs, crop_cache, eage
 from fastverify.hf.drafters import empty_tree
 from fastverify.hf.experts import skinny_experts
 from fastverify.hf.layers import LiveRows, lean_layers, scatter_rows
-from fastverify.hf.linear import MAX_ROWS, row_gelu, skinny_linears, walked
+from fastverify.hf.linear import MAX_ROWS, model_lock, row_gelu, skinny_linears, walked
 from fastverify.hf.processors import RowProcessors
 from fastverify.ops.cache import compact_cache
 from fastverify.ops.verify import verify
@@ -999,23 +998,6 @@ def _forced_first(tree: Tree, f: int):
 def _prune_nodes(tree: Tree, n: int) -> Tree:
     """Keep the first n nodes (parents precede children, so the prefix of the node list is a tree)."""
     return Tree(tree.tokens[:n], tree.parents[:n], validate=False)
-
-
-_LOCKS = weakref.WeakKeyDictionary()  # model -> the lock its loops hold (``model_lock``)
-_LOCKS_LOCK = threading.Lock()
-
-
-def model_lock(model) -> threading.RLock:
-    """The lock that ``decode`` holds on ``model`` for a call's duration. The loop's contexts rebind the model's own
-    modules (their forwards, configs, modeling files' globals) and restore them on exit, so two loops over one
-    model at once would see each other's bindings come and go mid-call (a decoder stack's layers run twice, a
-    cache appended twice): a second thread's call waits for the first. Re-entrant: a call that decodes within a
-    call on the same thread (the probe's checks) goes on."""
-    with _LOCKS_LOCK:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
-    return lock
 
 
 @torch.no_grad()

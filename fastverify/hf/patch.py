@@ -29,9 +29,9 @@ import torch
 
 from fastverify.hf.attention import GQA_ATTENTION
 from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter, check_ints
-from fastverify.hf.linear import pack_model
+from fastverify.hf.linear import model_lock, pack_model
 from fastverify.hf.loop import (SAMPLING_RULES, DecodeSettings, StopStrings, decode, embedding_rows, model_dtype,
-                                 model_lock, model_vocab_size)
+                                 model_vocab_size)
 from fastverify.hf.model_limits import loop_window, position_limit, sequence_limit
 from fastverify.hf.probe import check_key, check_model, check_rows
 from fastverify.hf.processors import transformers_at_least
@@ -255,7 +255,7 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     bfloat16, where a verify forward's rows are not row-invariant either, enough that near-ties may resolve the
     other way (as in transformers' assisted decoding); a half-precision model's first greedy / coupled generate
     warns once. One patched call at a time per model: a second thread's call waits for the first
-    (``fastverify.hf.loop.model_lock``).
+    (``fastverify.hf.linear.model_lock``).
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
