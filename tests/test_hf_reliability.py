@@ -683,21 +683,23 @@ class _Meanwhile(transformers.StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def test_a_second_thread_waits_for_the_first_threads_call():
+@pytest.mark.parametrize("second_kw", [{}, {"num_beams": 2}], ids=["loop", "fallback"])
+def test_a_second_thread_waits_for_the_first_threads_call(second_kw):
     """The loop's contexts rebind the model's own modules for a call's duration, so a second thread's patched call
     on the same model waits for the first to end (``hf.linear.model_lock``; on SmolLM2, three threads at once
-    crashed in the decoder stack before: a layer run twice, its cache appended twice), and both give generate's
-    output. Without the wait, the second call (a tiny model's 12 tokens) ends well within the 2 s given it."""
+    crashed in the decoder stack before: a layer run twice, its cache appended twice), a call that falls back to
+    the original generate too (it would run through the rebound modules), and both give generate's output. Without
+    the wait, the second call (a tiny model's 12 tokens) ends well within the 2 s given it."""
     model = _llama()
     a, mask_a = _prompts(1)
     b, mask_b = _prompts(2, seed=1)
     want_a = model.generate(a, attention_mask=mask_a, pad_token_id=PAD, max_new_tokens=12)
-    want_b = model.generate(b, attention_mask=mask_b, pad_token_id=PAD, max_new_tokens=12)
+    want_b = model.generate(b, attention_mask=mask_b, pad_token_id=PAD, max_new_tokens=12, **second_kw)
     patch(model)
     got = {}
 
-    def second():
-        got["b"] = model.generate(b, attention_mask=mask_b, pad_token_id=PAD, max_new_tokens=12)
+    def second():  # (the fallback's warning is left to pytest: catch_warnings is not thread-safe)
+        got["b"] = model.generate(b, attention_mask=mask_b, pad_token_id=PAD, max_new_tokens=12, **second_kw)
 
     meanwhile = _Meanwhile(second, seconds=2.0)
     got["a"] = model.generate(a, attention_mask=mask_a, pad_token_id=PAD, max_new_tokens=12,

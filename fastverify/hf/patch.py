@@ -769,7 +769,8 @@ def _fallback(model, state, reason, args, kwargs):
     """Run the original generate. A ``seed`` (fastverify's own argument) seeds torch's generators for that call
     only (``torch.random.fork_rng``): two calls with one seed give one output, though not the tokens of the
     loop's own seeded sampling (another random stream). Per-request seeds cannot be honoured: the first one
-    seeds the whole batch, and the warning says so."""
+    seeds the whole batch, and the warning says so. Under ``model_lock``, as the loop: a call falling back waits for
+    another thread's loop over the model, whose rebound modules it would otherwise run through."""
     seed = kwargs.pop("seed", None)
     seeds = None if seed is None else _seed_list(seed)
     if seeds:
@@ -777,14 +778,15 @@ def _fallback(model, state, reason, args, kwargs):
         if len(set(seeds)) > 1:
             reason += " (one seed for the whole batch: the first of the per-request seeds)"
     warnings.warn(f"fastverify: falling back to the original generate: {reason}", UserWarning, stacklevel=4)
-    state.last_stats = None
     original = _original_generate(model, state)
-    if not seeds:
-        return original(*args, **kwargs)
-    device = getattr(model, "device", torch.device("cpu"))
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seeds[0])
-        return original(*args, **kwargs)
+    with model_lock(model):  # on the model's own modules, never under another thread's loop
+        state.last_stats = None
+        if not seeds:
+            return original(*args, **kwargs)
+        device = getattr(model, "device", torch.device("cpu"))
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seeds[0])
+            return original(*args, **kwargs)
 
 
 def _warn_precision(model, state, rule):
