@@ -541,6 +541,20 @@ def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
         unpatch(model)
         if "exponential_decay_length_penalty" in opts and not decay_keeps_inf():  # generate's NaN row
             return dict(desc, outcome="error", reason=f"the length decay's NaN, refused: {str(e)[:80]}")
+        if sampling and rule != "speculative":
+            # the seeded draws may reach a row the processors leave without any token to sample where generate's
+            # own draws did not (seed 623724 on 5.17: a prefix constraint, no-repeat n-grams and typical_p): the
+            # loop's own autoregressive sampling with that seed must then raise the same
+            patch(model, drafter=Drafter(), rule=None if rule == "greedy" else rule, **extra)
+            try:
+                _generate(model, ids, mask, opts)
+            except InvalidLogitsError as again:
+                unpatch(model)
+                if str(again) == str(e):
+                    return dict(desc, outcome="error", reason=f"seeded call / {str(e)[:80]}")
+                return dict(desc, outcome="NOT-REPRODUCED", detail=f"{e!r}, then {again!r}")
+            unpatch(model)
+            return dict(desc, outcome="REFUSED", detail=f"{str(e)[:160]}; the undrafted seeded call returned")
         return dict(desc, outcome="REFUSED", detail=str(e)[:200])
     except (RuntimeError, ValueError) as e:
         # a sampled call draws from its seed, the reference from torch's stream: its own draws can reach a row

@@ -536,7 +536,7 @@ class Decoder:
                 accept_len, next_token, accepted = _to_host(res)
         if any(a < 0 and r > 0 for a, r in zip(accept_len, remaining)):  # NaN / inf logits somewhere
             try:
-                res = self._verify_around_invalid_rows(res, judged, trees, rule, kw, remaining)
+                res = self._verify_around_invalid_rows(res, judged, trees, rule, kw, remaining, raw)
             except InvalidLogitsError:
                 if self.plain or not (any(len(t) for t in trees) or any(blocks or [])):
                     raise
@@ -694,14 +694,15 @@ class Decoder:
         with slot_gate(gate):
             return self._forward(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, **kw)
 
-    def _verify_around_invalid_rows(self, res, logits, trees, rule, kw, remaining):
+    def _verify_around_invalid_rows(self, res, logits, trees, rule, kw, remaining, raw):
         """verify reports accept_len = -1 for a request any of whose rows is invalid (NaN, +inf, all -inf). Plain
         decoding would only have read the rows along the committed path, so an invalid row elsewhere (the row of a
         rejected draft node, which the target never scores when decoding one token at a time) must not stop it.
         Each such request is verified again with the children of its invalid rows dropped (they cannot be judged)
         and those rows zeroed; if the accepted path then needs an invalid row (the root row, or the row after
-        its last node, which gives the next token), a ValueError names the request and the step. Rare path:
-        never taken while the logits are finite."""
+        its last node, which gives the next token), a ValueError names the request, the step and the cause (the
+        model's own row, ``raw``, invalid, or the processors leaving no token). Rare path: never taken while the
+        logits are finite."""
         s, B = self.s, self.B
         accept_len = res.accept_len.tolist()
         accepted = res.accepted.tolist()
@@ -713,6 +714,7 @@ class Decoder:
             row0 += n + 1
             if accept_len[b] >= 0 or remaining[b] <= 0:
                 continue
+            raw_rows = raw[row0 - n - 1:row0]
             kw_b = _request_kwargs(kw, b, B)
             # which rows are invalid under this rule and warping: each row verified as a request with no draft
             probe = verify(rows, torch.zeros(0, dtype=torch.int64, device=self.device),
@@ -720,7 +722,7 @@ class Decoder:
                            validate=False, **_request_kwargs(kw, b, B, repeat=n + 1))
             bad = [a < 0 for a in probe.accept_len.tolist()]
             if bad[0]:
-                self._invalid_logits_error(b, "its root row")
+                self._invalid_logits_error(b, "its root row", raw_rows[0])
             par = tree.parents.tolist()
             kept, new_index = [], {}
             for j, p in enumerate(par):  # a node is judged at its parent's row: keep it while that row is valid
@@ -737,7 +739,8 @@ class Decoder:
             a = int(sub.accept_len[0])
             path = [kept[i] for i in sub.accepted[0, :a].tolist()]
             if a < 0 or (path and bad[path[-1] + 1]):
-                self._invalid_logits_error(b, f"the row of accepted draft node {path[-1]}" if path else "a row")
+                self._invalid_logits_error(b, f"the row of accepted draft node {path[-1]}" if path else "a row",
+                                           raw_rows[path[-1] + 1] if path else None)
             accept_len[b] = a
             accepted[b] = path + [-1] * (len(accepted[b]) - a)
             next_token[b] = int(sub.next_token[0])
@@ -774,10 +777,18 @@ class Decoder:
             row0 += n + 1
         return _replaced(res, accept_len, accepted, next_token)
 
-    def _invalid_logits_error(self, b, where):
+    def _invalid_logits_error(self, b, where, raw_row=None):
+        """Raise InvalidLogitsError for request b's row ``where``; raw_row: the model's own logits of that row, when
+        known: where they are finite, the processors left the row without a token (every one -inf)."""
+        at = f"for request {b} at decoding step {self.stats.steps + 1} (after {len(self.generated[b])} new tokens)"
+        if raw_row is not None and bool(torch.isfinite(raw_row).all()):
+            raise InvalidLogitsError(
+                f"fastverify: the logits {at} are invalid on {where}, which the next token depends on: generate's "
+                f"logits processors leave no token there (every one -inf; the model's own logits are finite), so "
+                f"there is none to sample, as in generate (bans, a prefix constraint, n-gram and length rules "
+                f"together excluding every token).")
         raise InvalidLogitsError(
-            f"fastverify: the model's logits for request {b} at decoding step {self.stats.steps + 1} (after "
-            f"{len(self.generated[b])} new tokens) are invalid (NaN, +inf, or -inf everywhere) on {where}, which "
+            f"fastverify: the model's logits {at} are invalid (NaN, +inf, or -inf everywhere) on {where}, which "
             f"the next token depends on. Plain greedy generate would emit an arbitrary token there (argmax of a "
             f"NaN row). Check the model's weights and dtype (float16 overflow is the usual cause).")
 
