@@ -663,7 +663,8 @@ def test_a_row_the_processors_ban_entirely_takes_token_0_as_generate_does(model,
             out = model.generate(ids, attention_mask=mask, do_sample=False,
                                  logits_processor=transformers.LogitsProcessorList([_BanAll()]), **kw)
             st = stats(model)
-            with pytest.raises(ValueError, match="logits processors leave no token there"):
+            with pytest.raises(ValueError, match="own logits are finite, and generate's logits processors leave no "
+                                                 "token there"):
                 model.generate(ids, attention_mask=mask, do_sample=True, seed=1,
                                logits_processor=transformers.LogitsProcessorList([_BanAll()]), **kw)
         finally:

@@ -722,7 +722,7 @@ class Decoder:
                            validate=False, **_request_kwargs(kw, b, B, repeat=n + 1))
             bad = [a < 0 for a in probe.accept_len.tolist()]
             if bad[0]:
-                self._invalid_logits_error(b, "its root row", raw_rows[0])
+                self._invalid_logits_error(b, "its root row", raw_rows[0], rows[0])
             par = tree.parents.tolist()
             kept, new_index = [], {}
             for j, p in enumerate(par):  # a node is judged at its parent's row: keep it while that row is valid
@@ -740,7 +740,7 @@ class Decoder:
             path = [kept[i] for i in sub.accepted[0, :a].tolist()]
             if a < 0 or (path and bad[path[-1] + 1]):
                 self._invalid_logits_error(b, f"the row of accepted draft node {path[-1]}" if path else "a row",
-                                           raw_rows[path[-1] + 1] if path else None)
+                                           *((raw_rows[path[-1] + 1], rows[path[-1] + 1]) if path else ()))
             accept_len[b] = a
             accepted[b] = path + [-1] * (len(accepted[b]) - a)
             next_token[b] = int(sub.next_token[0])
@@ -777,16 +777,17 @@ class Decoder:
             row0 += n + 1
         return _replaced(res, accept_len, accepted, next_token)
 
-    def _invalid_logits_error(self, b, where, raw_row=None):
-        """Raise InvalidLogitsError for request b's row ``where``; raw_row: the model's own logits of that row, when
-        known: where they are finite, the processors left the row without a token (every one -inf)."""
+    def _invalid_logits_error(self, b, where, raw_row=None, row=None):
+        """Raise InvalidLogitsError for request b's row ``where``; raw_row / row: the model's own logits of that row
+        and the processed ones, when known: where the model's are finite, the processors made the row invalid."""
         at = f"for request {b} at decoding step {self.stats.steps + 1} (after {len(self.generated[b])} new tokens)"
         if raw_row is not None and bool(torch.isfinite(raw_row).all()):
+            what = ("leave no token there (every one -inf), so there is none to sample, as in generate (bans, a "
+                    "prefix constraint, n-gram and length rules together excluding every token)"
+                    if row is not None and bool((row == float("-inf")).all()) else "make it NaN or +inf")
             raise InvalidLogitsError(
-                f"fastverify: the logits {at} are invalid on {where}, which the next token depends on: generate's "
-                f"logits processors leave no token there (every one -inf; the model's own logits are finite), so "
-                f"there is none to sample, as in generate (bans, a prefix constraint, n-gram and length rules "
-                f"together excluding every token).")
+                f"fastverify: the logits {at} are invalid on {where}, which the next token depends on: the model's "
+                f"own logits are finite, and generate's logits processors {what}.")
         raise InvalidLogitsError(
             f"fastverify: the model's logits {at} are invalid (NaN, +inf, or -inf everywhere) on {where}, which "
             f"the next token depends on. Plain greedy generate would emit an arbitrary token there (argmax of a "
