@@ -546,15 +546,7 @@ def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
             # own draws did not (seed 623724 on 5.17: a prefix constraint, no-repeat n-grams and typical_p): the
             # loop's own autoregressive sampling with that seed must then raise the same
             patch(model, drafter=Drafter(), rule=None if rule == "greedy" else rule, **extra)
-            try:
-                _generate(model, ids, mask, opts)
-            except InvalidLogitsError as again:
-                unpatch(model)
-                if str(again) == str(e):
-                    return dict(desc, outcome="error", reason=f"seeded call / {str(e)[:80]}")
-                return dict(desc, outcome="NOT-REPRODUCED", detail=f"{e!r}, then {again!r}")
-            unpatch(model)
-            return dict(desc, outcome="REFUSED", detail=f"{str(e)[:160]}; the undrafted seeded call returned")
+            return _raised_again(desc, model, ids, mask, opts, e, InvalidLogitsError, "REFUSED")
         return dict(desc, outcome="REFUSED", detail=str(e)[:200])
     except (RuntimeError, ValueError) as e:
         # a sampled call draws from its seed, the reference from torch's stream: its own draws can reach a row
@@ -562,15 +554,7 @@ def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
         # the seed must reproduce the same error (seed 155069: a fallback, generate's own sampler)
         if not sampling:
             raise
-        try:
-            _generate(model, ids, mask, opts)
-        except (RuntimeError, ValueError) as again:
-            unpatch(model)
-            if str(again) == str(e):
-                return dict(desc, outcome="error", reason=f"seeded call / {type(e).__name__}: {str(e)[:80]}")
-            return dict(desc, outcome="NOT-REPRODUCED", detail=f"{e!r}, then {again!r}")
-        unpatch(model)
-        return dict(desc, outcome="NOT-REPRODUCED", detail=f"{e!r}, then no error")
+        return _raised_again(desc, model, ids, mask, opts, e, (RuntimeError, ValueError), "NOT-REPRODUCED")
     if fallback:
         desc["reason"] = fallback[0].split(FALLBACK + ": ", 1)[-1]
     if sampling:
@@ -599,6 +583,21 @@ def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
         return dict(desc, outcome="DIFFERENT", detail=f"shapes {tuple(out.shape)} / {tuple(ref.shape)}, first "
                                                       f"difference at {first}")
     return dict(desc, outcome="fallback" if fallback else "identical")
+
+
+def _raised_again(desc, model, ids, mask, opts, e, types, otherwise):
+    """The outcome of a seeded call that raised ``e``, called again as the model is now patched (and then
+    unpatched): "error" where it raises the same (``types``), else "NOT-REPRODUCED", or ``otherwise`` where it
+    returns."""
+    try:
+        _generate(model, ids, mask, opts)
+    except types as again:
+        unpatch(model)
+        if str(again) == str(e):
+            return dict(desc, outcome="error", reason=f"seeded call / {type(e).__name__}: {str(e)[:80]}")
+        return dict(desc, outcome="NOT-REPRODUCED", detail=f"{e!r}, then {again!r}")
+    unpatch(model)
+    return dict(desc, outcome=otherwise, detail=f"{e!r}, then no error")
 
 
 def sweep(cases: int, start: int = 0, kinds=DRAFTERS, archs=ARCHS):
