@@ -830,23 +830,21 @@ def _patched_generate(self, *args, **kwargs):
     if plan is None:
         return _fallback(self, state, reason, args, kwargs)
     with model_lock(self):  # the check's own generate and decode calls too, never beside another thread's loop
-        failed = ""
         if state.unregistered:
             key = check_key(self, plan["settings"])
             checks = state.__dict__.setdefault("checks", {})  # a model pickled with an earlier state has none
             if key not in checks:
                 checks[key] = check_model(self, _original_generate(self, state), plan["settings"]) or ""
-            failed = checks[key]
-        if not failed:
-            _warn_precision(self, state, plan["settings"].rule)
-            _sample_row_invariant(self, state, plan)
-            record = {}
-            sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], plan["drafter"],
-                                           plan["settings"], plan["streamer"], record=record)
-            state.last_stats = loop_stats
-    if failed:
-        return _fallback(self, state, f"model type {self.config.model_type!r} is not registered and failed the "
-                                      f"loop's check of it (fastverify.hf.probe): {failed}", args, kwargs)
+            if checks[key]:
+                return _fallback(self, state, f"model type {self.config.model_type!r} is not registered and failed "
+                                              f"the loop's check of it (fastverify.hf.probe): {checks[key]}", args,
+                                 kwargs)
+        _warn_precision(self, state, plan["settings"].rule)
+        _sample_row_invariant(self, state, plan)
+        record = {}
+        sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], plan["drafter"],
+                                       plan["settings"], plan["streamer"], record=record)
+        state.last_stats = loop_stats
     if plan["return_dict"]:  # generate's output (no cache: the loop's is in its own per-request layout)
         from transformers.generation.utils import GenerateDecoderOnlyOutput
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=record.get("scores"),
