@@ -916,29 +916,30 @@ def _request_kwargs(kw, b, batch_size, repeat=1):
 class _LiveHead:
     """Hooks on the model's output projection: while ``live.index`` is set and its input holds ``live.total`` rows,
     the projection computes those rows only (fastverify.hf.layers.LiveRows), and its output is laid out as the
-    input was, zeros in the other rows: the model's logits keep their [B, q, V] layout. Only on the loop's own
-    thread (``live`` is per thread): another thread's forward of the model meanwhile runs as it would."""
+    input was, zeros in the other rows: the model's logits keep their [B, q, V] layout. Only on the thread that made
+    it, as ``_HiddenCapture``: another thread's forward of the model meanwhile runs as it would."""
 
     def __init__(self, model, live: LiveRows):
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self.live, self.handles = live, []
+        self.live, self.handles, self.thread = live, [], threading.get_ident()
         if isinstance(head, torch.nn.Module):
             self.handles = [head.register_forward_pre_hook(self._gather), head.register_forward_hook(self._scatter)]
-        self.shape = threading.local()  # .value: the gathered input's [B, q], from the pre-hook to the hook
+        self.shape = None
 
     def _gather(self, module, args):
+        if threading.get_ident() != self.thread:
+            return None
         index, x = self.live.index, args[0] if args else None
-        self.shape.value = None
+        self.shape = None
         if index is None or not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[:2].numel() != self.live.total:
             return None
-        self.shape.value = x.shape[:2]
+        self.shape = x.shape[:2]
         return (x.reshape(-1, x.shape[-1]).index_select(0, index).unsqueeze(0),) + tuple(args[1:])
 
     def _scatter(self, module, args, output):
-        shape = getattr(self.shape, "value", None)
-        if shape is None or not isinstance(output, torch.Tensor):
+        if threading.get_ident() != self.thread or self.shape is None or not isinstance(output, torch.Tensor):
             return None
-        self.shape.value = None
+        shape, self.shape = self.shape, None
         return scatter_rows(output[0], self.live.index, shape.numel()).view(*shape, -1)
 
     def close(self):
