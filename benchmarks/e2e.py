@@ -125,7 +125,8 @@ def encode(tokenizer, prompt):
 # ----------------------------------------------------------------------------------------------- running
 
 class ForwardCounter:
-    """Counts forward calls of the target model (a pre-hook on the top-level module)."""
+    """Counts forward calls of the target model (a pre-hook on the top-level module: a recorder, so the patched
+    methods declare it with ``row_hooks=True``, else the patched generate would fall back)."""
 
     def __init__(self, model):
         self.count = 0
@@ -199,13 +200,13 @@ def run_method(model, method, input_ids, max_new_tokens, counter, ngram=None, bp
     if method in SLOT_METHODS:
         slots = slots or {}
         fastverify.patch(model, drafter=slot_drafter(model, method, slots, ngram), rule=slots.get("rule"),
-                         **slots.get("params", {}))
+                         row_hooks=True, **slots.get("params", {}))
     elif method in HEAD_METHODS:
-        fastverify.patch(model, drafter=heads_drafter(model, method, ngram, bpd))
+        fastverify.patch(model, drafter=heads_drafter(model, method, ngram, bpd), row_hooks=True)
     elif method == "fastverify":
-        fastverify.patch(model, drafter=fastverify.NGramDrafter(**ngram) if ngram else None)
+        fastverify.patch(model, drafter=fastverify.NGramDrafter(**ngram) if ngram else None, row_hooks=True)
     elif method == "no_draft":
-        fastverify.patch(model, drafter=fastverify.Drafter())
+        fastverify.patch(model, drafter=fastverify.Drafter(), row_hooks=True)
     try:
         if method == "prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = 10

@@ -73,7 +73,7 @@ def main(argv=None):
             for ids in prompts:
                 drafter = Recording(model, heads, ngram=NGramDrafter(), calibration=cfg.get("calibration"),
                                     node_cost=node_cost, min_gain=0.0)
-                fastverify.patch(model, drafter=drafter)
+                fastverify.patch(model, drafter=drafter, row_hooks=True)  # its hooks record
                 try:
                     with torch.no_grad():
                         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,

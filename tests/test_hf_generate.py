@@ -107,7 +107,8 @@ def test_long_prompts_prefill_in_chunks(model, lengths):
     try:
         for drafter in (NGramDrafter(), DraftModelDrafter(model, k=3, tree_topk=2)):
             forwards.clear()
-            out, st = _patched(model, ids, mask, drafter=drafter, do_sample=False, max_new_tokens=24)
+            out, st = _patched(model, ids, mask, drafter=drafter, options={"row_hooks": True}, do_sample=False,
+                               max_new_tokens=24)  # (the counting hook: a recorder)
             assert torch.equal(out, ref), (type(drafter).__name__, out.tolist(), ref.tolist())
             assert st.drafted_tokens > 0
             if isinstance(drafter, NGramDrafter):  # (the draft model's forwards count too)

@@ -154,7 +154,8 @@ def test_patched_batch_computes_the_verify_rows_only_and_is_exact(family):
                model.register_forward_hook(lambda m, a, kw, o: layouts.append(
                    (kw["input_ids"].shape, o.logits.shape[:2])), with_kwargs=True)]
     try:
-        got, st = patched_generate(model, fastverify.NGramDrafter(), ids, do_sample=False, max_new_tokens=20)
+        got, st = patched_generate(model, fastverify.NGramDrafter(), ids, options={"row_hooks": True},
+                                   do_sample=False, max_new_tokens=20)  # (the hooks record)
     finally:
         for h in handles:
             h.remove()
@@ -183,8 +184,8 @@ def test_left_padded_prompts_skip_their_padding_in_the_first_forward():
     seen = []
     handle = model.model.norm.register_forward_hook(lambda m, a, o: seen.append(a[0].clone()))
     try:
-        got, _ = patched_generate(model, fastverify.NGramDrafter(), ids, attention_mask=mask, do_sample=False,
-                                  max_new_tokens=16, pad_token_id=0)
+        got, _ = patched_generate(model, fastverify.NGramDrafter(), ids, options={"row_hooks": True},
+                                  attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
     finally:
         handle.remove()
     first = seen[0]
@@ -254,7 +255,8 @@ def test_patched_generate_runs_the_layers_as_one_stack(family):
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     try:
         with prof:
-            hooked, stats = patched_generate(model, fastverify.NGramDrafter(), ids, max_new_tokens=12)
+            hooked, stats = patched_generate(model, fastverify.NGramDrafter(), ids, options={"row_hooks": True},
+                                             max_new_tokens=12)
     finally:
         handle.remove()
     counts = {e.key: e.count for e in prof.key_averages()}

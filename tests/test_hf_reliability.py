@@ -1,7 +1,7 @@
 """Patched generate never returns a wrong token silently: attention windows and position-dependent RoPE, invalid
 logits, sampling with a deterministic rule, seeds on the fallback path, arguments that used to crash the
-fallback check, pickling, drafter output, rule options checked at patch time, the fallback messages, and calls
-from two threads at once."""
+fallback check, pickling, drafter output, rule options checked at patch time, the fallback messages, calls from
+two threads at once, a model in training mode and forward hooks."""
 
 import copy
 import io
@@ -371,7 +371,7 @@ def test_invalid_rows_off_the_committed_path_do_not_stop_decoding(backend, sampl
         ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kw)
     assert not (ref[:, ids.shape[1]:] == POISON).any()
     _poison_rows(model)
-    patch(model, drafter=_PoisonDrafter(NGramDrafter()), backend=backend)
+    patch(model, drafter=_PoisonDrafter(NGramDrafter()), backend=backend, row_hooks=True)  # (the hooks: row-wise)
     out, _ = _run(model, ids, mask, **kw)
     assert torch.equal(out, ref)
     if not sampling:
@@ -718,7 +718,7 @@ def test_another_threads_forward_meanwhile_is_its_own():
     model = _llama()
     ids, mask = _prompts(2)  # left padded: the first step's forward skips the padding rows
     want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16)
-    patch(model)
+    patch(model, row_hooks=True)  # (the test's hooks read shapes and start the other forward)
     seen, main = {"total": 0}, threading.get_ident()
 
     def meanwhile(module, args, output):  # registered before the loop's own hooks: runs before its scatter
@@ -806,3 +806,129 @@ def test_a_draft_model_that_another_threads_loop_holds_is_left_as_it_is():
     bound.clear()
     out, _ = _run(target, ids, mask, max_new_tokens=10)
     assert torch.equal(out, want) and bound and all(bound)
+
+
+# ------------------------------------------------------------------------------------ 12. training mode
+
+def _typed(model_type, **kw):
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(model_type, **dict(COMMON, **kw))
+    return _finish(transformers.AutoModelForCausalLM.from_config(cfg))
+
+
+@pytest.mark.parametrize("model_type, config, named", [
+    ("llama", {"attention_dropout": 0.3}, "model.layers.0.self_attn (attention_dropout=0.3)"),
+    ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 4, "resid_pdrop": 0.2, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+     "transformer.h.0.attn.resid_dropout (Dropout(p=0.2))"),
+    ("mixtral", {"num_local_experts": 4, "router_jitter_noise": 0.5}, "(jitter_noise=0.5)"),
+])
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+def test_a_model_in_training_mode_that_draws_at_random_falls_back(model_type, config, named, sampling):
+    """A model in training mode whose forward draws at random (dropout, a router's jitter): plain generate applies
+    them with torch's generator, which drafted forwards (more rows, other steps) cannot follow; the patched call
+    falls back, naming the module and what it draws, and gives generate's output under the same seed. Before, the
+    loop decoded it (a Llama of attention dropout 0.5: another output, silently)."""
+    model = _typed(model_type, **config).train()
+    ids, mask = _prompts(1)
+    kw = dict(max_new_tokens=12, do_sample=sampling)
+    torch.manual_seed(5)
+    want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kw)
+    patch(model)
+    torch.manual_seed(5)
+    out, messages = _run(model, ids, mask, **kw)
+    assert torch.equal(out, want)
+    [message] = _fallbacks(messages)
+    assert "training mode" in message and named in message and "model.eval()" in message
+    model.eval()  # in eval mode its dropouts and jitter draw nothing: the loop runs
+    want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12)
+    out, messages = _run(model, ids, mask, max_new_tokens=12)
+    assert torch.equal(out, want) and not _fallbacks(messages)
+
+
+def test_training_mode_that_draws_nothing_runs_the_loop():
+    """Training mode with every dropout 0 computes as eval mode does: the loop runs it, exact."""
+    model = _llama().train()
+    ids, mask = _prompts(2)
+    want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12)
+    patch(model)
+    out, messages = _run(model, ids, mask, max_new_tokens=12)
+    assert torch.equal(out, want) and not _fallbacks(messages)
+
+
+def test_one_layer_in_training_mode_falls_back():
+    """A model in eval mode with one layer in training mode draws at random in that layer: found there too."""
+    model = _llama(attention_dropout=0.3)
+    model.model.layers[1].train()
+    ids, mask = _prompts(1)
+    patch(model)
+    torch.manual_seed(5)
+    out, messages = _run(model, ids, mask, max_new_tokens=12)
+    [message] = _fallbacks(messages)
+    assert "model.layers.1.self_attn (attention_dropout=0.3)" in message
+    unpatch(model)
+    torch.manual_seed(5)
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12))
+
+
+# ------------------------------------------------------------------------------------ 13. forward hooks
+
+def _last_row_hook(v):
+    """A forward hook adding ``v`` to a layer's last row only (a steering vector at the newest position)."""
+    def hook(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        h = h.clone()
+        h[:, -1] += v
+        return (h,) + tuple(output[1:]) if isinstance(output, tuple) else h
+    return hook
+
+
+def _every_row_hook(v):
+    def hook(module, args, output):
+        return (output[0] + v,) + tuple(output[1:]) if isinstance(output, tuple) else output + v
+    return hook
+
+
+def test_a_forward_hook_falls_back_unless_declared_row_wise():
+    """A hook sees the loop's forwards, whose rows are a request's draft tokens after its committed ones: one that
+    picks a row by position (the last) acts on another token than in generate. Before, the loop ran it and gave
+    another output, silently; now the call falls back, naming the module, unless ``row_hooks=True`` declares every
+    hook row-wise (a row-wise hook then gives generate's output through the loop)."""
+    model = _llama()
+    ids, mask = _prompts(2)
+    v = torch.randn(COMMON["hidden_size"], generator=torch.Generator().manual_seed(3))
+    for make in (_last_row_hook, _every_row_hook):
+        handle = model.model.layers[0].register_forward_hook(make(v))
+        want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16)
+        patch(model)
+        out, messages = _run(model, ids, mask, max_new_tokens=16)
+        assert torch.equal(out, want)
+        [message] = _fallbacks(messages)
+        assert "a forward hook on model.layers.0:" in message and "row_hooks=True" in message
+        patch(model, row_hooks=True)
+        out, messages = _run(model, ids, mask, max_new_tokens=16)
+        assert not _fallbacks(messages) and stats(model).steps > 0
+        assert torch.equal(out, want) == (make is _every_row_hook)  # the declaration is the caller's
+        unpatch(model)
+        handle.remove()
+
+
+def test_a_global_hook_falls_back_and_transformers_own_hooks_do_not():
+    """A global module hook (``torch.nn.modules.module.register_module_forward_hook``) sees every module's call: a
+    fallback too. transformers' output-capturing hooks, installed for good by a call that asks for hidden states,
+    record nothing unless a forward asks: the loop runs."""
+    from torch.nn.modules.module import register_module_forward_hook
+    model = _llama()
+    ids, mask = _prompts(1)
+    with torch.no_grad():
+        model(ids, output_hidden_states=True, output_attentions=True)
+    want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12)
+    patch(model)
+    out, messages = _run(model, ids, mask, max_new_tokens=12)
+    assert torch.equal(out, want) and not _fallbacks(messages)
+    handle = register_module_forward_hook(lambda module, args, output: None)
+    try:
+        out, messages = _run(model, ids, mask, max_new_tokens=12)
+    finally:
+        handle.remove()
+    [message] = _fallbacks(messages)
+    assert torch.equal(out, want) and "global module hook" in message

@@ -29,7 +29,8 @@ import torch
 
 from fastverify.hf.attention import GQA_ATTENTION
 from fastverify.hf.drafters import DraftModelDrafter, Drafter, NGramDrafter, check_ints
-from fastverify.hf.linear import model_lock, pack_model
+from fastverify.hf.layers import _capturing
+from fastverify.hf.linear import config_of, model_lock, modules, pack_model
 from fastverify.hf.loop import (SAMPLING_RULES, DecodeSettings, StopStrings, decode, embedding_rows, model_dtype,
                                  model_vocab_size)
 from fastverify.hf.model_limits import loop_window, position_limit, sequence_limit
@@ -227,7 +228,10 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         rows and save no step), ``row_processors`` (default False: a custom ``logits_processor`` runs at batch size
         1 only, called with one row at a time; True declares that each of its processors computes each row from
         that row alone, without the row's batch index or state kept across calls, and the loop then runs it at any
-        batch size),
+        batch size), ``row_hooks`` (default False: a call on a model with forward hooks or pre-hooks, someone
+        else's, on its modules falls back to the original generate, since a hook sees the loop's forwards, a
+        request's draft rows after its committed ones; True declares that each hook computes each row from that
+        row alone, a row-wise edit or a recorder, and the loop then runs with them),
         ``allow_unknown_model`` (a model type outside the registry: before the first call the loop runs, it decodes
         a small probe batch and compares it with the original generate, fastverify.hf.probe, again after the model
         is cast or moved or a call changes how the loop computes; a type that fails falls back to the original
@@ -259,13 +263,13 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
-             "pace_batch", "row_processors", "allow_unknown_model", "invariant_sampling")
+             "pace_batch", "row_processors", "row_hooks", "allow_unknown_model", "invariant_sampling")
     unknown = set(options) - set(RULE_PARAMS) - set(extra)
     if unknown:
         raise TypeError(f"fastverify.patch: unknown option(s) {sorted(unknown)}; expected rule parameters "
                         f"{RULE_PARAMS} or {', '.join(extra)}")
     for name in ("skinny_linear", "pack_weights", "lean_layers", "live_rows", "pace_batch", "row_processors",
-                 "invariant_sampling", "sync", "allow_unknown_model"):
+                 "row_hooks", "invariant_sampling", "sync", "allow_unknown_model"):
         if options.get(name, True) not in (True, False):
             raise TypeError(f"{name}: expected a bool, got {options[name]!r}")
     draft = options.get("max_draft", 32)  # the most draft nodes per request and step
@@ -530,6 +534,68 @@ def _check_token_ids(model, inputs):
                          f"{int(inputs[b, i])} at [{b}, {i}]")
 
 
+# what a module applies at random in training mode, read from its float attributes (transformers' modeling files
+# keep dropout probabilities as ``dropout``, ``attention_dropout``, ``resid_pdrop``, ``drop_rate``, ...; layer drop as
+# ``layerdrop``; a router's noise as ``jitter_noise``) and from its config's fields that forwards read directly
+_RANDOM_ATTRIBUTES = ("drop", "jitter")
+_RANDOM_CONFIG_FIELDS = ("dropout", "layerdrop")
+
+
+def _random_in_training(model, mods):
+    """Where the model's forward draws at random (``mods``: its modules): the first module in training mode that is
+    a dropout of p > 0, a batch norm (its batch's statistics), or has a positive float attribute whose name holds
+    ``_RANDOM_ATTRIBUTES``, or a config with a positive field named in ``_RANDOM_CONFIG_FIELDS`` or ending in
+    ``_layerdrop``; as "name (what)". None for none: a model in eval mode, or one in training mode whose dropouts
+    are all 0 (it computes as in eval mode)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.dropout import _DropoutNd
+    if not any(m.training for m in mods):
+        return None
+    configs = set()  # ids of the configs read so far (transformers' modules share one config)
+    for name, m in model.named_modules():
+        if not m.training:
+            continue
+        if isinstance(m, _DropoutNd) and m.p > 0:
+            what = f"{type(m).__name__}(p={m.p})"
+        elif isinstance(m, _BatchNorm):
+            what = f"{type(m).__name__}, with its batch's statistics"
+        else:
+            found = [f"{k}={v}" for k, v in m.__dict__.items()
+                     if type(v) is float and v > 0 and any(w in k for w in _RANDOM_ATTRIBUTES)]
+            cfg = config_of(m)
+            if cfg is not None and id(cfg) not in configs:
+                configs.add(id(cfg))
+                found += [f"config.{k}={v}" for k, v in vars(cfg).items() if type(v) is float and v > 0
+                          and (k in _RANDOM_CONFIG_FIELDS or k.endswith("_layerdrop"))]
+            if not found:
+                continue
+            what = found[0]
+        return f"{name or type(m).__name__} ({what})"
+    return None
+
+
+def _foreign(hook) -> bool:
+    """A forward hook of someone else's: not transformers' output capturing (inactive unless a forward asks for
+    hidden states, which the loop never does), not one of fastverify's own (the loop's hooks on the output
+    projection while another thread's call runs)."""
+    return not _capturing(hook) and not getattr(hook, "__module__", "").startswith("fastverify.")
+
+
+def _hooked(model, mods):
+    """Where a forward hook or pre-hook of someone else's (``_foreign``) runs in ``mods``, the model's modules: the
+    first such module's name, or "every module (a global module hook)"; None for none."""
+    from torch.nn.modules import module as nn_module
+    if any(_foreign(h) for hooks in (nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks)
+           for h in hooks.values()):
+        return "every module (a global module hook)"
+    if not any(m._forward_hooks or m._forward_pre_hooks for m in mods):
+        return None
+    for name, m in model.named_modules():
+        if any(_foreign(h) for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())):
+            return name or type(m).__name__
+    return None
+
+
 def _plan(model, state, args, kwargs):
     """Decide whether the loop can run this generate call. Returns (plan dict, None) or (None, reason)."""
     kwargs = dict(kwargs)
@@ -557,6 +623,17 @@ def _plan(model, state, args, kwargs):
     if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.shape[1] == 0:
         return None, "input_ids must be a non-empty [batch, length] tensor"
     _check_token_ids(model, inputs)
+    mods = modules(model)  # ~0.1 ms for SmolLM2's 400 modules
+    random = _random_in_training(model, mods)
+    if random is not None:
+        return None, (f"the model is in training mode, and {random} draws at random in every forward: drafted "
+                      f"forwards cannot follow its draws (model.eval() decodes with the loop)")
+    hooked = None if state.options.get("row_hooks", False) else _hooked(model, mods)
+    if hooked is not None:
+        return None, (f"a forward hook on {hooked}: the loop's forwards hold a request's draft rows after its "
+                      f"committed ones (and a long prompt in chunks), so a hook that picks rows by position acts "
+                      f"otherwise than in generate (patch(model, row_hooks=True) declares hooks that compute each "
+                      f"row from that row alone, and the loop then runs with them)")
     gc, model_kwargs = _generation_config(model, generation_config, kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None and k not in ("use_cache",)}
