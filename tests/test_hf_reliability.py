@@ -932,3 +932,72 @@ def test_a_global_hook_falls_back_and_transformers_own_hooks_do_not():
         handle.remove()
     [message] = _fallbacks(messages)
     assert torch.equal(out, want) and "global module hook" in message
+
+
+# ------------------------------------------------------------------------------------ 14. module classes of one's own
+
+class _CausalAttention(torch.nn.Module):
+    """A user's attention for a Llama layer: causal SDPA over the cache, ignoring the 4D mask it is handed (right
+    for one chain of rows, wrong for a tree's siblings)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kw):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        a, (B, S, _) = self.inner, hidden_states.shape
+        q, k, v = (p(hidden_states).view(B, S, -1, a.head_dim).transpose(1, 2)
+                   for p in (a.q_proj, a.k_proj, a.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        cache = past_key_values if past_key_values is not None else kw.get("cache")
+        if cache is not None:
+            k, v = cache.update(k, v, a.layer_idx)
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+        causal = torch.ones(S, k.shape[2], dtype=torch.bool).tril(k.shape[2] - S)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+        return a.o_proj(out.transpose(1, 2).reshape(B, S, -1)), None
+
+
+class _ScaledLinear(torch.nn.Module):
+    """A user's row-wise wrapper of a linear layer (as an adapter library's layers are)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 1.5
+
+
+def test_module_classes_of_ones_own_are_checked_first():
+    """A registered type vouches for transformers' classes of it only. A model holding module classes from
+    elsewhere (a user's attention, an adapter library's layers, remote code) is checked as an unregistered type is,
+    once per set of such classes (``fastverify.hf.probe``): an attention that ignores the loop's 4D mask fails it
+    and the call falls back, naming the class; a row-wise wrapper passes it and the loop runs. Before, the loop ran
+    the mask-ignoring attention and gave another output, silently (with a self-drafting tree drafter)."""
+    from fastverify.hf.linear import modules
+    from fastverify.hf.patch import _foreign_classes
+    model = _llama()
+    assert _foreign_classes(modules(model)) == ()
+    ids, mask = _prompts(2)
+    for layer in model.model.layers:
+        layer.mlp.down_proj = _ScaledLinear(layer.mlp.down_proj)
+    want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16)
+    patch(model, drafter=DraftModelDrafter(copy.deepcopy(model), k=4, tree_topk=3))
+    out, messages = _run(model, ids, mask, max_new_tokens=16)
+    assert torch.equal(out, want) and not _fallbacks(messages) and stats(model).accepted_tokens > 0
+    state = model._fastverify_patch
+    assert [key[1] for key in state.checks] == [(f"{__name__}._ScaledLinear",)]
+    _run(model, ids, mask, max_new_tokens=16)
+    assert len(state.checks) == 1  # the verdict kept
+    for layer in model.model.layers:
+        layer.self_attn = _CausalAttention(layer.self_attn)
+    unpatch(model)
+    want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16)
+    patch(model, drafter=DraftModelDrafter(copy.deepcopy(model), k=4, tree_topk=3))
+    out, messages = _run(model, ids, mask, max_new_tokens=16)
+    [message] = _fallbacks(messages)
+    assert torch.equal(out, want)
+    assert f"module classes from outside transformers ({__name__}._CausalAttention, {__name__}._ScaledLinear)" in \
+        message and "failed the loop's check" in message

@@ -241,6 +241,10 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
     the whole model) and loads patched.
 
+    A model of a registered type that holds module classes from outside transformers and torch (a user's own
+    attention, an adapter library's layers, a checkpoint's remote code) is checked as an unknown type is, before the
+    first call the loop runs with each set of such classes.
+
     Seeded sampling (the coupled rule) draws what undrafted decoding draws, draw for draw, where the loop's
     forwards are row-invariant; the first sampled call under each dtype, device, attention implementation and
     options checks that on a probe batch (fastverify.hf.probe.check_rows), and where it does not hold sampled calls
@@ -596,6 +600,18 @@ def _hooked(model, mods):
     return None
 
 
+_OWN_PACKAGES = ("transformers.", "torch.", "fastverify.")
+
+
+def _foreign_classes(mods) -> tuple:
+    """The names of the module classes in ``mods`` from outside transformers, torch and fastverify, sorted: a user's
+    own attention, an adapter library's layers, a checkpoint's remote code (``transformers_modules``). A type's
+    registration vouches for transformers' classes of it only, so a model that holds others is checked as a type
+    outside the registry is (fastverify.hf.probe), once per ``check_key`` and set of such classes."""
+    return tuple(sorted({f"{c.__module__}.{c.__qualname__}" for c in {type(m) for m in mods}
+                         if not c.__module__.startswith(_OWN_PACKAGES)}))
+
+
 def _plan(model, state, args, kwargs):
     """Decide whether the loop can run this generate call. Returns (plan dict, None) or (None, reason)."""
     kwargs = dict(kwargs)
@@ -775,7 +791,8 @@ def _plan(model, state, args, kwargs):
             seed_t = _request_seeds(seed, B, copies)
         settings.seed = seed_t.to(inputs.device)
     return {"inputs": inputs, "attention_mask": attention_mask, "settings": settings, "streamer": streamer,
-            "return_dict": bool(gc.return_dict_in_generate), "drafter": drafter or state.drafter}, None
+            "return_dict": bool(gc.return_dict_in_generate), "drafter": drafter or state.drafter,
+            "foreign": _foreign_classes(mods)}, None
 
 
 def _warpers(gc, device):
@@ -907,15 +924,17 @@ def _patched_generate(self, *args, **kwargs):
     if plan is None:
         return _fallback(self, state, reason, args, kwargs)
     with model_lock(self):  # the check's own generate and decode calls too, never beside another thread's loop
-        if state.unregistered:
-            key = check_key(self, plan["settings"])
+        if state.unregistered or plan["foreign"]:
+            key = (check_key(self, plan["settings"]), plan["foreign"])
             checks = state.__dict__.setdefault("checks", {})  # a model pickled with an earlier state has none
             if key not in checks:
                 checks[key] = check_model(self, _original_generate(self, state), plan["settings"]) or ""
             if checks[key]:
-                return _fallback(self, state, f"model type {self.config.model_type!r} is not registered and failed "
-                                              f"the loop's check of it (fastverify.hf.probe): {checks[key]}", args,
-                                 kwargs)
+                what = (f"model type {self.config.model_type!r} is not registered and failed the loop's check of it"
+                        if state.unregistered else
+                        f"a model of type {self.config.model_type!r} with module classes from outside transformers "
+                        f"({', '.join(plan['foreign'])}) failed the loop's check of them")
+                return _fallback(self, state, f"{what} (fastverify.hf.probe): {checks[key]}", args, kwargs)
         _warn_precision(self, state, plan["settings"].rule)
         _sample_row_invariant(self, state, plan)
         record = {}
