@@ -7,6 +7,7 @@ import copy
 import io
 import pickle
 import threading
+import time
 import warnings
 
 import pytest
@@ -806,6 +807,57 @@ def test_a_draft_model_that_another_threads_loop_holds_is_left_as_it_is():
     bound.clear()
     out, _ = _run(target, ids, mask, max_new_tokens=10)
     assert torch.equal(out, want) and bound and all(bound)
+
+
+class _SlowNGram(NGramDrafter):
+    """An n-gram drafter that records which thread each of its calls came from and sleeps in each proposal (so
+    that two calls at once would interleave)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def reset(self, batch_size):
+        self.events.append(("reset", threading.get_ident()))
+        super().reset(batch_size)
+
+    def propose(self, contexts, budget):
+        self.events.append(("propose", threading.get_ident()))
+        time.sleep(0.002)
+        return super().propose(contexts, budget)
+
+
+def test_two_models_patched_with_one_drafter_decode_one_at_a_time():
+    """A drafter keeps a call's requests between its steps (reset, then propose / update per step): two models
+    patched with the same drafter, called from two threads at once, take turns with it (``decode`` holds the
+    drafter's lock as the model's). Before, the calls interleaved on it (a shared DraftModelDrafter: an IndexError
+    in one of them)."""
+    m1, m2 = _llama(), _llama(num_hidden_layers=3)
+    a, mask_a = _prompts(1)
+    b, mask_b = _prompts(3, seed=1)
+    want_a = m1.generate(a, attention_mask=mask_a, pad_token_id=PAD, max_new_tokens=24)
+    want_b = m2.generate(b, attention_mask=mask_b, pad_token_id=PAD, max_new_tokens=24)
+    drafter = _SlowNGram()
+    patch(m1, drafter=drafter)
+    patch(m2, drafter=drafter)
+    got = {}
+
+    def call(key, model, ids, mask):
+        got[key] = [model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=24) for _ in range(2)]
+
+    threads = [threading.Thread(target=call, args=("a", m1, a, mask_a)),
+               threading.Thread(target=call, args=("b", m2, b, mask_b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(out, want_a) for out in got["a"]) and all(torch.equal(out, want_b) for out in got["b"])
+    calls = []  # each call's events: a reset, then its proposals, all from the reset's thread
+    for kind, thread in drafter.events:
+        if kind == "reset":
+            calls.append([])
+        calls[-1].append(thread)
+    assert len(calls) == 4 and len({t for c in calls for t in c}) == 2 and all(len(set(c)) == 1 for c in calls)
 
 
 # ------------------------------------------------------------------------------------ 12. training mode

@@ -75,7 +75,8 @@ def module_classes(model) -> set:
     return {type(m) for m in modules(model)}
 
 
-_LOCKS = weakref.WeakKeyDictionary()  # model -> the lock its loops hold (``model_lock``)
+_LOCKS = weakref.WeakKeyDictionary()  # model or drafter -> the lock the loop's calls hold (``model_lock``)
+_UNHASHABLE_LOCKS = {}  # id -> lock, for a drafter that cannot be a weak dictionary's key (a dataclass: no hash)
 _LOCKS_LOCK = threading.Lock()
 
 
@@ -85,11 +86,16 @@ def model_lock(model) -> threading.RLock:
     model at once would see each other's bindings come and go mid-call (a decoder stack's layers run twice, a
     cache appended twice): a second thread's call waits for the first. Re-entrant: a call that decodes within a
     call on the same thread (the probe's checks) goes on. A drafter that binds a draft model's layers for its own
-    forwards takes it without waiting, and binds nothing where another thread's loop holds it."""
+    forwards takes it without waiting, and binds nothing where another thread's loop holds it. ``decode`` holds its
+    drafter's lock too (a drafter keeps a call's requests between its steps: two models patched with one drafter
+    decode one at a time)."""
     with _LOCKS_LOCK:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
+        try:
+            lock = _LOCKS.get(model)
+            if lock is None:
+                lock = _LOCKS[model] = threading.RLock()
+        except TypeError:
+            lock = _UNHASHABLE_LOCKS.setdefault(id(model), threading.RLock())
     return lock
 
 

@@ -1017,8 +1017,9 @@ def _prune_nodes(tree: Tree, n: int) -> Tree:
 def decode(model, input_ids, attention_mask, drafter, settings: DecodeSettings, streamer=None, record=None):
     """Run the loop. input_ids int64 [B, L] (left padded), attention_mask [B, L]. Returns (sequences
     [B, L + T], LoopStats). record: a dict that gets "scores" and "logits" (``Decoder.scored``) where the settings
-    ask for output_scores / output_logits. One call at a time per model (``model_lock``)."""
-    with model_lock(model):
+    ask for output_scores / output_logits. One call at a time per model and per drafter (``model_lock``: a drafter
+    keeps a call's requests between its steps)."""
+    with model_lock(model), model_lock(drafter):
         return _decode(model, input_ids, attention_mask, drafter, settings, streamer, record)
 
 

@@ -262,8 +262,8 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     float32 by float32 rounding (greedy output can differ only at a near-tie of two logits within it), in float16 /
     bfloat16, where a verify forward's rows are not row-invariant either, enough that near-ties may resolve the
     other way (as in transformers' assisted decoding); a half-precision model's first greedy / coupled generate
-    warns once. One patched call at a time per model: a second thread's call waits for the first
-    (``fastverify.hf.linear.model_lock``).
+    warns once. One patched call at a time per model, and per drafter (models patched with one drafter): a second
+    thread's call waits for the first (``fastverify.hf.linear.model_lock``).
     """
     _check_transformers_version()
     extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
