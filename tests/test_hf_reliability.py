@@ -503,6 +503,26 @@ def test_bad_drafter_output_names_the_drafter(drafter, match):
         model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4)
 
 
+def test_a_drafter_made_for_a_model_of_another_width_is_refused():
+    """Drafters that read the target's hidden state are made for one model (its output projection, its width): a
+    HeadsDrafter made for a model of hidden size 64, patched onto one of 96, raises naming the drafter and both
+    widths before the first step (before, an einsum's shape error deep in the heads). One made for a model of the
+    same width drafts (the output is the target's own, as for any drafter)."""
+    from fastverify.heads import ProposalHeads
+    from fastverify.hf.bpd import HeadsDrafter
+    drafter = HeadsDrafter(_llama(), ProposalHeads(COMMON["hidden_size"], 3))
+    ids, mask = _prompts(1)
+    wide, deep = _llama(hidden_size=96), _llama(num_hidden_layers=3)
+    patch(wide, drafter=drafter)
+    with pytest.raises(ValueError, match="drafter: HeadsDrafter reads hidden states of width 64, and this model's "
+                                         "output projection takes 96"):
+        wide.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=8)
+    want = deep.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=8)
+    patch(deep, drafter=drafter)
+    out, messages = _run(deep, ids, mask, max_new_tokens=8)
+    assert torch.equal(out, want) and not _fallbacks(messages)
+
+
 def test_drafter_returning_no_tree():
     class NotATree(Drafter):
         def propose(self, contexts, budget):

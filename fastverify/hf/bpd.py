@@ -143,6 +143,7 @@ class HeadsDrafter(Drafter):
             raise ValueError(f"heads: hidden size {heads.hidden_size}, the model's output projection takes "
                              f"{weight.shape[1]}")
         self.heads = heads.to(weight.device)
+        self.hidden_size = heads.hidden_size
         if agree not in MERGE_RULES:
             raise ValueError(f"agree: expected one of {MERGE_RULES}, got {agree!r}")
         self.agree = agree

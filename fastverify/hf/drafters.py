@@ -31,6 +31,9 @@ and one with ``wants_path_hidden = True`` as well gets, instead of observe_hidde
                                  path (its root row, then each accepted node's row): the rows that produced the
                                  n_b tokens committed this step (fastverify.hf.eagle reads every generated row).
 
+Such a drafter's ``hidden_size`` (D), where it sets one, is checked against the target's output projection before
+the first step: a drafter made for a model of another width is refused by name.
+
 Drafters here:
 
   NGramDrafter       prompt + output lookup (transformers' prompt_lookup_num_tokens, vLLM's n-gram proposer),
@@ -200,6 +203,7 @@ class Drafter:
 
     wants_hidden = False  # True: the loop calls observe_hidden after every verify (fastverify.hf.bpd)
     wants_path_hidden = False  # and True: observe_path (every accepted row's hidden state) instead
+    hidden_size = None  # the width of the hidden state such a drafter reads, where it knows it (checked by the loop)
 
     def observe_hidden(self, hidden, active) -> None:
         """hidden [B, D]: the target's final hidden state at the row that gave each request's next token (it may

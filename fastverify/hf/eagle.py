@@ -79,6 +79,7 @@ class EagleDrafter(HeadsDrafter):
             acc = list(calibration["acceptance"])
             calibration = dict(calibration, acceptance=(acc + [acc[-1]] * depth)[:depth])
         self.layer = layer.to(weight.device)
+        self.hidden_size = layer.hidden_size
         self._setup(model, layer.vocab_subset, depth, width=width, max_nodes=max_nodes, score=score,
                     head_acceptance=None, calibration=calibration, temperature=temperature, fixed_cost=fixed_cost,
                     node_cost=node_cost, min_gain=min_gain, max_depth=depth, ngram=ngram, frontier=frontier,

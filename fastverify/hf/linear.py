@@ -25,6 +25,7 @@ import contextlib
 import threading
 import types
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,8 +45,14 @@ __all__ = ["skinny_linears", "skinny_available", "streamable", "takes_skinny", "
 MAX_ROWS = 128
 
 
-# .walk: (model, its modules, their classes, the ``_key`` of each weight asked so far) while this thread is in
-# ``walked(model)``
+class _Walk(NamedTuple):
+    """What ``walked(model)`` keeps for its block (``_WALKED.walk`` on the thread in it)."""
+    model: torch.nn.Module
+    mods: list  # the model's modules, in ``model.modules()``'s order
+    classes: set  # their classes
+    keys: dict  # module -> the ``_key`` of its weight, for each one asked so far
+
+
 _WALKED = threading.local()
 
 
@@ -62,16 +69,16 @@ def modules(model) -> list:
     """``list(model.modules())`` (the same modules in the same order); inside ``walked(model)`` the list made on
     entering it."""
     walk = getattr(_WALKED, "walk", None)
-    if walk is not None and walk[0] is model:
-        return walk[1]
+    if walk is not None and walk.model is model:
+        return walk.mods
     return _walk(model, [], set())
 
 
 def module_classes(model) -> set:
     """The classes of ``modules(model)``; inside ``walked(model)`` the set made on entering it."""
     walk = getattr(_WALKED, "walk", None)
-    if walk is not None and walk[0] is model:
-        return walk[2]
+    if walk is not None and walk.model is model:
+        return walk.classes
     return {type(m) for m in modules(model)}
 
 
@@ -113,7 +120,7 @@ def walked(model):
     ``_key`` is read once in the block, too (the contexts ask for a layer's packed weight two or three times)."""
     saved = getattr(_WALKED, "walk", None)
     mods = _walk(model, [], set())
-    _WALKED.walk = (model, mods, {type(m) for m in mods}, {})
+    _WALKED.walk = _Walk(model, mods, {type(m) for m in mods}, {})
     try:
         yield
     finally:
@@ -244,7 +251,7 @@ def _key(module):
     copy. A write to a few rows or elements may miss the sample: ``forget_packed`` after one. Within
     ``walked(model)``, read once per layer."""
     walk = getattr(_WALKED, "walk", None)
-    key = walk[3].get(module) if walk is not None else None
+    key = walk.keys.get(module) if walk is not None else None
     if key is None:
         w = module.weight
         sample = None
@@ -252,7 +259,7 @@ def _key(module):
             sample = w.detach().numpy().reshape(-1)[_sample_index(w.numel())].tobytes()
         key = (w.data_ptr(), w._version, tuple(w.shape), sample)
         if walk is not None:
-            walk[3][module] = key
+            walk.keys[module] = key
     return key
 
 

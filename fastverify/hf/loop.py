@@ -308,7 +308,7 @@ class Decoder:
         self.root = input_ids[:, -1].tolist()
         self.stats = LoopStats(new_tokens=[0] * B)
         self.eos = set(settings.eos_token_ids)
-        self.hidden = _HiddenCapture(model) if getattr(drafter, "wants_hidden", False) else None
+        self.hidden = _HiddenCapture(model, drafter) if getattr(drafter, "wants_hidden", False) else None
         self.vocab_size = model_vocab_size(model)
         self.slots = drafter if getattr(drafter, "wants_slots", False) else None
         # the prompt's prefix (all but its last token): input ids, mask and positions of the first forward's rows
@@ -737,10 +737,12 @@ class Decoder:
                                       device=self.device),
                          rule=rule, backend=s.backend, validate=False, **kw_b)
             a = int(sub.accept_len[0])
+            if a < 0:  # (every row handed over is valid: not reached while verify judges rows as its probe did)
+                self._invalid_logits_error(b, "a row")
             path = [kept[i] for i in sub.accepted[0, :a].tolist()]
-            if a < 0 or (path and bad[path[-1] + 1]):
-                self._invalid_logits_error(b, f"the row of accepted draft node {path[-1]}" if path else "a row",
-                                           *((raw_rows[path[-1] + 1], rows[path[-1] + 1]) if path else ()))
+            if path and bad[path[-1] + 1]:  # the path ends at a node whose row gives the next token
+                row = path[-1] + 1
+                self._invalid_logits_error(b, f"the row of accepted draft node {path[-1]}", raw_rows[row], rows[row])
             accept_len[b] = a
             accepted[b] = path + [-1] * (len(accepted[b]) - a)
             next_token[b] = int(sub.next_token[0])
@@ -952,13 +954,19 @@ class _HiddenCapture:
     [B, S, D]) of the latest forward on the thread that made it: the verify forward's, read by drafters with
     ``wants_hidden`` (another thread's forward of the model meanwhile is not kept). No copy and no extra forward;
     installed only for such drafters and removed when the generate call ends. It runs before every other pre-hook,
-    so it sees the input in its [B, S] layout, before ``_LiveHead`` gathers the live rows."""
+    so it sees the input in its [B, S] layout, before ``_LiveHead`` gathers the live rows. A drafter's
+    ``hidden_size``, where it has one, must be the projection's input width (a drafter made for another model)."""
 
-    def __init__(self, model):
+    def __init__(self, model, drafter=None):
         head = model.get_output_embeddings()
         if head is None:
             raise ValueError(f"{type(model).__name__} has no output projection (get_output_embeddings() is None); "
                              f"a drafter that reads the target's hidden state needs one")
+        width, takes = getattr(drafter, "hidden_size", None), getattr(head, "in_features", None)
+        if width is not None and takes is not None and takes != width:
+            raise ValueError(f"drafter: {type(drafter).__name__} reads hidden states of width {width}, and this "
+                             f"model's output projection takes {takes}: a drafter made for another model (make one "
+                             f"for this model)")
         self.value, self.thread = None, threading.get_ident()
         self.handle = head.register_forward_pre_hook(self._hook, prepend=True)
 

@@ -182,6 +182,10 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
     def wants_hidden(self) -> bool:
         return self.heads is not None
 
+    @property
+    def hidden_size(self):
+        return self.heads.hidden_size if self.heads is not None else None
+
     def observe_hidden(self, hidden, active=None) -> None:
         if self.heads is not None:
             self.heads.observe_hidden(hidden, active)
