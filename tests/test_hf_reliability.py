@@ -987,13 +987,15 @@ def test_a_forward_hook_falls_back_unless_declared_row_wise():
 def test_a_global_hook_falls_back_and_transformers_own_hooks_do_not():
     """A global module hook (``torch.nn.modules.module.register_module_forward_hook``) sees every module's call: a
     fallback too. transformers' output-capturing hooks, installed for good by a call that asks for hidden states,
-    record nothing unless a forward asks: the loop runs."""
+    record nothing unless a forward asks, and ``enable_input_require_grads``'s hook changes no value: the loop
+    runs."""
     from torch.nn.modules.module import register_module_forward_hook
     model = _llama()
     ids, mask = _prompts(1)
     with torch.no_grad():
         model(ids, output_hidden_states=True, output_attentions=True)
     want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12)
+    model.enable_input_require_grads()  # (its hook on the input embedding changes no value)
     patch(model)
     out, messages = _run(model, ids, mask, max_new_tokens=12)
     assert torch.equal(out, want) and not _fallbacks(messages)

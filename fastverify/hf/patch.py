@@ -578,11 +578,18 @@ def _random_in_training(model, mods):
     return None
 
 
+# transformers' own hooks that change no value: ``enable_input_require_grads``'s on the input embedding (left by
+# fine-tuning with adapters: it marks the output as needing gradients, which no_grad ignores)
+_VALUELESS_HOOKS = ("make_inputs_require_grads",)
+
+
 def _foreign(hook) -> bool:
     """A forward hook of someone else's: not transformers' output capturing (inactive unless a forward asks for
-    hidden states, which the loop never does), not one of fastverify's own (the loop's hooks on the output
-    projection while another thread's call runs)."""
-    return not _capturing(hook) and not getattr(hook, "__module__", "").startswith("fastverify.")
+    hidden states, which the loop never does) or ``_VALUELESS_HOOKS``, not one of fastverify's own (the loop's hooks
+    on the output projection while another thread's call runs)."""
+    module = getattr(hook, "__module__", None) or ""
+    return not (_capturing(hook) or module.startswith("fastverify.")
+                or (module.startswith("transformers.") and getattr(hook, "__name__", "") in _VALUELESS_HOOKS))
 
 
 def _hooked(model, mods):
