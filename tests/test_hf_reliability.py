@@ -1075,3 +1075,33 @@ def test_module_classes_of_ones_own_are_checked_first():
     assert torch.equal(out, want)
     assert f"module classes from outside transformers ({__name__}._CausalAttention, {__name__}._ScaledLinear)" in \
         message and "failed the loop's check" in message
+
+
+def test_dynamically_quantized_linears_are_checked_and_fall_back():
+    """torch's dynamic quantization (``torch.ao``) quantizes a linear layer's input with one scale for all of its
+    rows, so a row's result depends on the rows beside it: a verify forward's draft rows move it. Its classes are
+    not torch.nn's, so the model is checked first, fails, and the call falls back (before: 5 of 6 small batches gave
+    another output, silently)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.ao's deprecation)
+        model = torch.ao.quantization.quantize_dynamic(_llama(), {torch.nn.Linear}, dtype=torch.qint8)
+    ids, mask = _prompts(2, seed=1)
+    want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=24)
+    patch(model)
+    out, messages = _run(model, ids, mask, max_new_tokens=24)
+    [message] = _fallbacks(messages)
+    assert torch.equal(out, want) and "torch.ao.nn.quantized.dynamic.modules.linear.Linear" in message
+
+
+def test_a_compiled_model_patches_the_model_it_wraps():
+    """``patch(torch.compile(model))``: the wrapper's ``generate`` is its model's, so the model it wraps is patched
+    (the loop runs its own kernels); ``is_patched``, ``stats`` and ``unpatch`` take the wrapper too. Before,
+    generate raised AttributeError (the wrapper's class has no generate)."""
+    model = _llama()
+    ids, mask = _prompts(1)
+    want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12)
+    compiled = torch.compile(model, backend="eager")
+    assert patch(compiled) is compiled and is_patched(compiled) and is_patched(model)
+    out, messages = _run(compiled, ids, mask, max_new_tokens=12)
+    assert torch.equal(out, want) and not _fallbacks(messages) and stats(compiled).steps > 0
+    assert unpatch(compiled) is compiled and not is_patched(model) and "generate" not in model.__dict__

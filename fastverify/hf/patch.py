@@ -181,14 +181,24 @@ def _check_rule_options(rule, options):
            rule=rules[0], backend="torch", **params, **extra)
 
 
+def _unwrapped(model):
+    """The model that a ``torch.compile`` wrapper (``OptimizedModule``) wraps, else ``model`` itself: the wrapper's
+    ``generate`` is its model's, so patching it patches that model (whose loop runs fastverify's kernels, not the
+    compiled graph)."""
+    inner = getattr(model, "__dict__", {}).get("_modules", {}).get("_orig_mod")
+    if type(model).__name__ == "OptimizedModule" and type(model).__module__.startswith("torch._dynamo"):
+        return inner if inner is not None else model
+    return model
+
+
 def is_patched(model) -> bool:
-    return _STATE_ATTR in getattr(model, "__dict__", {})
+    return _STATE_ATTR in getattr(_unwrapped(model), "__dict__", {})
 
 
 def stats(model):
     """The LoopStats of the last patched ``generate`` call on ``model`` (None before the first / after a
     fallback)."""
-    state = model.__dict__.get(_STATE_ATTR)
+    state = _unwrapped(model).__dict__.get(_STATE_ATTR)
     return None if state is None else state.last_stats
 
 
@@ -239,11 +249,12 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         what undrafted decoding draws, checked as below; False: sampled calls draft on any model, the tokens'
         distribution the same, a draw possibly another at a float near-tie where the forward is not row-invariant).
     Patching a patched model replaces its drafter / rule / options. A patched model pickles (``torch.save`` of
-    the whole model) and loads patched.
+    the whole model) and loads patched. A ``torch.compile`` wrapper of a model: the model it wraps is patched
+    (the loop runs its own kernels, not the compiled graph).
 
-    A model of a registered type that holds module classes from outside transformers and torch (a user's own
-    attention, an adapter library's layers, a checkpoint's remote code) is checked as an unknown type is, before the
-    first call the loop runs with each set of such classes.
+    A model of a registered type that holds module classes from outside transformers and torch.nn (a user's own
+    attention, an adapter library's layers, a checkpoint's remote code, torch.ao's quantized linears) is checked as
+    an unknown type is, before the first call the loop runs with each set of such classes.
 
     Seeded sampling (the coupled rule) draws what undrafted decoding draws, draw for draw, where the loop's
     forwards are row-invariant; the first sampled call under each dtype, device, attention implementation and
@@ -266,6 +277,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     thread's call waits for the first (``fastverify.hf.linear.model_lock``).
     """
     _check_transformers_version()
+    if _unwrapped(model) is not model:  # a torch.compile wrapper: its model, and the wrapper returned
+        patch(_unwrapped(model), drafter, rule, **options)
+        return model
     extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
              "pace_batch", "row_processors", "row_hooks", "allow_unknown_model", "invariant_sampling")
     unknown = set(options) - set(RULE_PARAMS) - set(extra)
@@ -326,6 +340,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
 def unpatch(model):
     """Undo ``patch``: the instance's ``generate`` is again exactly what it was (the class's method, or the
     instance attribute that was there before). Returns the model; a no-op on an unpatched model."""
+    if _unwrapped(model) is not model:
+        unpatch(_unwrapped(model))
+        return model
     state = model.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return model
@@ -607,12 +624,13 @@ def _hooked(model, mods):
     return None
 
 
-_OWN_PACKAGES = ("transformers.", "torch.", "fastverify.")
+_OWN_PACKAGES = ("transformers.", "torch.nn.", "fastverify.")
 
 
 def _foreign_classes(mods) -> tuple:
-    """The names of the module classes in ``mods`` from outside transformers, torch and fastverify, sorted: a user's
-    own attention, an adapter library's layers, a checkpoint's remote code (``transformers_modules``). A type's
+    """The names of the module classes in ``mods`` from outside transformers, torch.nn and fastverify, sorted: a
+    user's own attention, an adapter library's layers, a checkpoint's remote code (``transformers_modules``),
+    torch.ao's dynamically quantized linears (one input scale for all rows: not row-invariant). A type's
     registration vouches for transformers' classes of it only, so a model that holds others is checked as a type
     outside the registry is (fastverify.hf.probe), once per ``check_key`` and set of such classes."""
     return tuple(sorted({f"{c.__module__}.{c.__qualname__}" for c in {type(m) for m in mods}
