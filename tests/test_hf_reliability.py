@@ -523,6 +523,26 @@ def test_a_drafter_made_for_a_model_of_another_width_is_refused():
     assert torch.equal(out, want) and not _fallbacks(messages)
 
 
+@pytest.mark.parametrize("draft_vocab", [V // 2, 2 * V])
+def test_a_draft_model_of_another_vocabulary_is_refused(draft_vocab):
+    """A draft model must read the target's token ids and propose ids of its vocabulary: one of another vocabulary
+    size is refused by ``patch`` (before: an IndexError in the draft's embedding for a smaller one, an error naming
+    the proposed ids mid-call for a larger one), and as ``assistant_model`` the call falls back to generate, whose
+    own error follows (it asks for both tokenizers)."""
+    model, small = _llama(), _llama(vocab_size=draft_vocab, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=f"drafter: the draft model's vocabulary has {draft_vocab} token ids and "
+                                         f"the model's {V}"):
+        patch(model, drafter=DraftModelDrafter(small))
+    assert not is_patched(model)
+    ids, mask = _prompts(1)
+    patch(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="different tokenizers"):
+            model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=8, assistant_model=small)
+    assert any("assistant_model: the draft model's vocabulary" in str(w.message) for w in record)
+
+
 def test_drafter_returning_no_tree():
     class NotATree(Drafter):
         def propose(self, contexts, budget):

@@ -543,8 +543,8 @@ class DraftModelDrafter(Drafter):
     One DynamicCache per request (requests have ragged contexts); draft models are small. Its float32 CPU
     linear layers run through ``fastverify.skinny_linear`` while it drafts (fastverify.hf.linear).
 
-    Args: draft_model: a transformers causal LM (vocabulary must index the target's token ids); k: draft
-    depth; tree_topk: candidates per depth (1 = chain).
+    Args: draft_model: a transformers causal LM with the target's vocabulary (``patch`` refuses another size:
+    ``vocabulary_mismatch``); k: draft depth; tree_topk: candidates per depth (1 = chain).
     """
 
     K = 4  # the default draft depth
@@ -560,6 +560,18 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"tree_topk: expected >= 1, got {tree_topk}")
         self.model, self.k, self.tree_topk = draft_model, k, tree_topk
         self.caches, self.cached = [], []
+
+    def vocabulary_mismatch(self, target):
+        """Why the draft model cannot draft for ``target`` (its vocabulary, as ``model_vocab_size`` reads it, is not
+        the target's: it would read the target's token ids out of its embedding's range, or propose ids outside
+        the target's vocabulary), or None. transformers' assisted generation likewise takes an assistant of
+        another vocabulary size only with both tokenizers."""
+        from fastverify.hf.loop import model_vocab_size
+        mine, theirs = model_vocab_size(self.model), model_vocab_size(target)
+        if mine == theirs:
+            return None
+        return (f"the draft model's vocabulary has {mine} token ids and the model's {theirs}: a draft model must "
+                f"share the model's tokenizer and vocabulary")
 
     def reset(self, batch_size: int) -> None:
         from fastverify.hf.attention import new_cache

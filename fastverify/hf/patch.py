@@ -301,6 +301,9 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
         raise TypeError(f"drafter: expected a fastverify Drafter (propose / update), got {type(drafter).__name__}")
     if not hasattr(model, "generate") or not hasattr(model, "config"):
         raise TypeError(f"model: expected a transformers causal LM, got {type(model).__name__}")
+    mismatch = drafter.vocabulary_mismatch(model) if isinstance(drafter, DraftModelDrafter) else None
+    if mismatch is not None:
+        raise ValueError(f"drafter: {mismatch}")
     model_type = getattr(model.config, "model_type", None)
     spec = MODEL_REGISTRY.get(model_type)
     registered = spec is not None and spec.supported()
@@ -718,6 +721,8 @@ def _plan(model, state, args, kwargs):
         if not (hasattr(assistant, "config") and callable(assistant)):
             return None, f"assistant_model={type(assistant).__name__} (generate's own error follows)"
         drafter = DraftModelDrafter(assistant, k=int(gc.num_assistant_tokens or DraftModelDrafter.K))
+        if drafter.vocabulary_mismatch(model) is not None:
+            return None, f"assistant_model: {drafter.vocabulary_mismatch(model)} (generate's own error follows)"
     elif gc.prompt_lookup_num_tokens is not None:  # prompt lookup: the n-gram drafter
         drafter = state.drafter if isinstance(state.drafter, NGramDrafter) else NGramDrafter()
     if prefix_allowed is not None:
