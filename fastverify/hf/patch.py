@@ -185,10 +185,10 @@ def _unwrapped(model):
     """The model that a ``torch.compile`` wrapper (``OptimizedModule``) wraps, else ``model`` itself: the wrapper's
     ``generate`` is its model's, so patching it patches that model (whose loop runs fastverify's kernels, not the
     compiled graph)."""
-    inner = getattr(model, "__dict__", {}).get("_modules", {}).get("_orig_mod")
-    if type(model).__name__ == "OptimizedModule" and type(model).__module__.startswith("torch._dynamo"):
-        return inner if inner is not None else model
-    return model
+    if type(model).__name__ != "OptimizedModule" or not type(model).__module__.startswith("torch._dynamo"):
+        return model
+    inner = model.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if inner is not None else model
 
 
 def is_patched(model) -> bool:
