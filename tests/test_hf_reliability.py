@@ -8,6 +8,7 @@ import io
 import pickle
 import threading
 import time
+import types
 import warnings
 
 import pytest
@@ -1028,7 +1029,7 @@ def test_a_global_hook_falls_back_and_transformers_own_hooks_do_not():
     assert torch.equal(out, want) and "global module hook" in message
 
 
-# ------------------------------------------------------------------------------------ 14. module classes of one's own
+# ------------------------------------------------------------------------------------ 14. code of one's own
 
 class _CausalAttention(torch.nn.Module):
     """A user's attention for a Llama layer: causal SDPA over the cache, ignoring the 4D mask it is handed (right
@@ -1071,9 +1072,9 @@ def test_module_classes_of_ones_own_are_checked_first():
     and the call falls back, naming the class; a row-wise wrapper passes it and the loop runs. Before, the loop ran
     the mask-ignoring attention and gave another output, silently (with a self-drafting tree drafter)."""
     from fastverify.hf.linear import modules
-    from fastverify.hf.patch import _foreign_classes
+    from fastverify.hf.patch import _foreign_code
     model = _llama()
-    assert _foreign_classes(modules(model)) == ()
+    assert _foreign_code(modules(model)) == ()
     ids, mask = _prompts(2)
     for layer in model.model.layers:
         layer.mlp.down_proj = _ScaledLinear(layer.mlp.down_proj)
@@ -1093,8 +1094,37 @@ def test_module_classes_of_ones_own_are_checked_first():
     out, messages = _run(model, ids, mask, max_new_tokens=16)
     [message] = _fallbacks(messages)
     assert torch.equal(out, want)
-    assert f"module classes from outside transformers ({__name__}._CausalAttention, {__name__}._ScaledLinear)" in \
+    assert f"running code from outside transformers ({__name__}._CausalAttention, {__name__}._ScaledLinear)" in \
         message and "failed the loop's check" in message
+
+
+def _causal_forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kw):
+    """``_CausalAttention``'s forward, bound over a LlamaAttention's own (as long-context patches replace it)."""
+    return _CausalAttention.forward(types.SimpleNamespace(inner=self), hidden_states, position_embeddings,
+                                    attention_mask, past_key_values, **kw)
+
+
+@pytest.mark.parametrize("where", ["class", "instance"])
+def test_a_forward_bound_over_transformers_own_is_checked_first(where, monkeypatch):
+    """A transformers class whose ``forward`` is replaced (as long-context patches replace an attention's), or an
+    instance given a forward of its own, runs code the registration does not vouch for: checked first, as classes
+    of one's own are; the mask-ignoring forward fails and the call falls back, naming it. Before, the loop ran it
+    (another output, silently)."""
+    from transformers.models.llama import modeling_llama
+    model = _llama()
+    ids, mask = _prompts(2)
+    if where == "class":
+        monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", _causal_forward)
+        named = f"LlamaAttention.forward = {__name__}._causal_forward"
+    else:
+        for layer in model.model.layers:
+            layer.self_attn.forward = types.MethodType(_causal_forward, layer.self_attn)
+        named = f"LlamaAttention instance.forward = {__name__}._causal_forward"
+    want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16)
+    patch(model, drafter=DraftModelDrafter(copy.deepcopy(model), k=4, tree_topk=3))
+    out, messages = _run(model, ids, mask, max_new_tokens=16)
+    [message] = _fallbacks(messages)
+    assert torch.equal(out, want) and named in message and "failed the loop's check" in message
 
 
 def test_dynamically_quantized_linears_are_checked_and_fall_back():

@@ -252,9 +252,10 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     the whole model) and loads patched. A ``torch.compile`` wrapper of a model: the model it wraps is patched
     (the loop runs its own kernels, not the compiled graph).
 
-    A model of a registered type that holds module classes from outside transformers and torch.nn (a user's own
-    attention, an adapter library's layers, a checkpoint's remote code, torch.ao's quantized linears) is checked as
-    an unknown type is, before the first call the loop runs with each set of such classes.
+    A model of a registered type that runs code from outside transformers and torch.nn (module classes: a user's
+    own attention, an adapter library's layers, a checkpoint's remote code, torch.ao's quantized linears; a forward
+    bound over a transformers class's or instance's own) is checked as an unknown type is, before the first call
+    the loop runs with each set of such code.
 
     Seeded sampling (the coupled rule) draws what undrafted decoding draws, draw for draw, where the loop's
     forwards are row-invariant; the first sampled call under each dtype, device, attention implementation and
@@ -630,14 +631,33 @@ def _hooked(model, mods):
 _OWN_PACKAGES = ("transformers.", "torch.nn.", "fastverify.")
 
 
-def _foreign_classes(mods) -> tuple:
-    """The names of the module classes in ``mods`` from outside transformers, torch.nn and fastverify, sorted: a
-    user's own attention, an adapter library's layers, a checkpoint's remote code (``transformers_modules``),
-    torch.ao's dynamically quantized linears (one input scale for all rows: not row-invariant). A type's
-    registration vouches for transformers' classes of it only, so a model that holds others is checked as a type
-    outside the registry is (fastverify.hf.probe), once per ``check_key`` and set of such classes."""
-    return tuple(sorted({f"{c.__module__}.{c.__qualname__}" for c in {type(m) for m in mods}
-                         if not c.__module__.startswith(_OWN_PACKAGES)}))
+def _own(module_name) -> bool:
+    return (module_name or "").startswith(_OWN_PACKAGES)
+
+
+def _foreign_code(mods) -> tuple:
+    """The code in ``mods`` from outside transformers, torch.nn and fastverify, by name, sorted: module classes (a
+    user's own attention, an adapter library's layers, a checkpoint's remote code in ``transformers_modules``,
+    torch.ao's dynamically quantized linears, whose one input scale for all rows is not row-invariant), and
+    forwards bound over transformers' own (a class's ``forward`` replaced, as long-context patches do, as
+    "Class.forward = module.function"; an instance's own, as "Class instance.forward = ..."). A type's registration
+    vouches for transformers' code of it only, so a model that runs other code is checked as a type outside the
+    registry is (fastverify.hf.probe), once per ``check_key`` and such code."""
+    names = set()
+    for cls in {type(m) for m in mods}:
+        if not _own(cls.__module__):
+            names.add(f"{cls.__module__}.{cls.__qualname__}")
+            continue
+        forward = cls.__dict__.get("forward")
+        if forward is not None and not _own(getattr(forward, "__module__", None)):
+            names.add(f"{cls.__qualname__}.forward = {forward.__module__}.{forward.__qualname__}")
+    for m in mods:
+        forward = m.__dict__.get("forward")
+        fn = getattr(forward, "__func__", forward)
+        if forward is not None and not _own(getattr(fn, "__module__", None)):
+            names.add(f"{type(m).__qualname__} instance.forward = {getattr(fn, '__module__', None)}."
+                      f"{getattr(fn, '__qualname__', type(fn).__name__)}")
+    return tuple(sorted(names))
 
 
 def _plan(model, state, args, kwargs):
@@ -822,7 +842,7 @@ def _plan(model, state, args, kwargs):
         settings.seed = seed_t.to(inputs.device)
     return {"inputs": inputs, "attention_mask": attention_mask, "settings": settings, "streamer": streamer,
             "return_dict": bool(gc.return_dict_in_generate), "drafter": drafter or state.drafter,
-            "foreign": _foreign_classes(mods)}, None
+            "foreign": _foreign_code(mods)}, None
 
 
 def _warpers(gc, device):
@@ -962,8 +982,8 @@ def _patched_generate(self, *args, **kwargs):
             if checks[key]:
                 what = (f"model type {self.config.model_type!r} is not registered and failed the loop's check of it"
                         if state.unregistered else
-                        f"a model of type {self.config.model_type!r} with module classes from outside transformers "
-                        f"({', '.join(plan['foreign'])}) failed the loop's check of them")
+                        f"a model of type {self.config.model_type!r} running code from outside transformers "
+                        f"({', '.join(plan['foreign'])}) failed the loop's check of it")
                 return _fallback(self, state, f"{what} (fastverify.hf.probe): {checks[key]}", args, kwargs)
         _warn_precision(self, state, plan["settings"].rule)
         _sample_row_invariant(self, state, plan)

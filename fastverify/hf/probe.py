@@ -1,6 +1,6 @@
 """The check a model type outside the registry passes before the patched ``generate`` drives it
 (``patch(model, allow_unknown_model=True)``), and a model of a registered type that holds module classes from
-outside transformers and torch.nn (``patch._foreign_classes``: a user's own attention, an adapter library's layers).
+outside transformers and torch.nn or a forward bound over transformers' own (``patch._foreign_code``).
 
 A registered type was checked by the tests (greedy through the loop equal to its own ``generate``); an unknown one
 may compute something else under the loop's contract (one 4D mask for the whole forward, explicit position_ids, a
