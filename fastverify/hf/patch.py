@@ -643,20 +643,20 @@ def _foreign_code(mods) -> tuple:
     "Class.forward = module.function"; an instance's own, as "Class instance.forward = ..."). A type's registration
     vouches for transformers' code of it only, so a model that runs other code is checked as a type outside the
     registry is (fastverify.hf.probe), once per ``check_key`` and such code."""
+    def foreign(forward):  # a forward's "module.name" where it is from outside, else None
+        fn = getattr(forward, "__func__", forward)  # (a bound method's function)
+        module = getattr(fn, "__module__", None)
+        return None if forward is None or _own(module) else f"{module}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
     names = set()
     for cls in {type(m) for m in mods}:
         if not _own(cls.__module__):
             names.add(f"{cls.__module__}.{cls.__qualname__}")
-            continue
-        forward = cls.__dict__.get("forward")
-        if forward is not None and not _own(getattr(forward, "__module__", None)):
-            names.add(f"{cls.__qualname__}.forward = {forward.__module__}.{forward.__qualname__}")
+        elif foreign(cls.__dict__.get("forward")):
+            names.add(f"{cls.__qualname__}.forward = {foreign(cls.__dict__['forward'])}")
     for m in mods:
-        forward = m.__dict__.get("forward")
-        fn = getattr(forward, "__func__", forward)
-        if forward is not None and not _own(getattr(fn, "__module__", None)):
-            names.add(f"{type(m).__qualname__} instance.forward = {getattr(fn, '__module__', None)}."
-                      f"{getattr(fn, '__qualname__', type(fn).__name__)}")
+        if foreign(m.__dict__.get("forward")):
+            names.add(f"{type(m).__qualname__} instance.forward = {foreign(m.__dict__['forward'])}")
     return tuple(sorted(names))
 
 
