@@ -901,6 +901,28 @@ def test_two_models_patched_with_one_drafter_decode_one_at_a_time():
     assert len(calls) == 4 and len({t for c in calls for t in c}) == 2 and all(len(set(c)) == 1 for c in calls)
 
 
+def test_the_lock_of_an_unhashable_drafter_is_its_own_and_leaves_with_it():
+    """A drafter that cannot be a weak dictionary's key (a dataclass compares by value, so has no hash) gets its lock
+    by id: the same lock while it lives, and the entry leaves with it, so an object that later takes its id gets a
+    lock of its own (before, the lock stayed for the process)."""
+    import dataclasses
+    import gc
+    from fastverify.hf import linear
+
+    @dataclasses.dataclass
+    class Unhashable(NGramDrafter):
+        k: int = 4
+
+    drafter = Unhashable()
+    lock = linear.model_lock(drafter)
+    assert linear.model_lock(drafter) is lock and linear.model_lock(Unhashable()) is not lock
+    key = id(drafter)
+    assert linear._UNHASHABLE_LOCKS[key] is lock
+    del drafter
+    gc.collect()
+    assert key not in linear._UNHASHABLE_LOCKS
+
+
 # ------------------------------------------------------------------------------------ 12. training mode
 
 def _typed(model_type, **kw):

@@ -83,7 +83,8 @@ def module_classes(model) -> set:
 
 
 _LOCKS = weakref.WeakKeyDictionary()  # model or drafter -> the lock the loop's calls hold (``model_lock``)
-_UNHASHABLE_LOCKS = {}  # id -> lock, for a drafter that cannot be a weak dictionary's key (a dataclass: no hash)
+_UNHASHABLE_LOCKS = {}  # id -> lock, for a drafter that cannot be a weak dictionary's key (a dataclass: no hash);
+# an entry leaves with its object (weakref.finalize), so a later object of the same id gets a lock of its own
 _LOCKS_LOCK = threading.Lock()
 
 
@@ -102,7 +103,13 @@ def model_lock(model) -> threading.RLock:
             if lock is None:
                 lock = _LOCKS[model] = threading.RLock()
         except TypeError:
-            lock = _UNHASHABLE_LOCKS.setdefault(id(model), threading.RLock())
+            lock = _UNHASHABLE_LOCKS.get(id(model))
+            if lock is None:
+                lock = _UNHASHABLE_LOCKS[id(model)] = threading.RLock()
+                try:
+                    weakref.finalize(model, _UNHASHABLE_LOCKS.pop, id(model), None)
+                except TypeError:  # no weak references (__slots__ without __weakref__): kept for the process
+                    pass
     return lock
 
 
