@@ -626,6 +626,28 @@ def test_sampling_values_generate_refuses_fall_back_to_its_error():
     assert torch.equal(out, ref) and not _fallbacks(messages)
 
 
+def test_an_empty_eos_list_without_a_pad_token_falls_back_to_generates_error():
+    """eos_token_id=[] with no pad_token_id: generate takes the first eos id as its pad and raises an IndexError
+    (transformers 5.17-5.24); the patched generate falls back, so its caller sees that error, not an output plain
+    generate never gives. With a pad_token_id, an empty eos list decodes in the loop as in generate (nothing ends a
+    row)."""
+    model = _llama()
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    ids, mask = _prompts(1)
+    with pytest.raises(IndexError):
+        _llama().generate(ids, attention_mask=mask, eos_token_id=[], max_new_tokens=4, do_sample=False)
+    patch(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(IndexError):
+            model.generate(ids, attention_mask=mask, eos_token_id=[], max_new_tokens=4, do_sample=False)
+    assert any("eos_token_id=[] without a pad_token_id" in m for m in _fallbacks([str(w.message) for w in record]))
+    ids, mask = _prompts(2)
+    ref = _llama().generate(ids, attention_mask=mask, eos_token_id=[], pad_token_id=PAD, max_new_tokens=8)
+    out, messages = _run(model, ids, mask, eos_token_id=[], max_new_tokens=8)
+    assert torch.equal(out, ref) and not _fallbacks(messages)
+
+
 def test_pad_token_outside_the_vocabulary():
     """pad_token_id outside the vocabulary (-1, or past it) runs as in generate, which never feeds it to the model
     while no row has ended: the loop's rows of a request that reached max_new_tokens before the others feed the

@@ -715,6 +715,8 @@ def _plan(model, state, args, kwargs):
     if not isinstance(ngram, int):  # generate runs no processor for a size <= 0
         return None, f"no_repeat_ngram_size={ngram!r} (generate's own error follows)"
     eos = _as_list(gc.eos_token_id)
+    if gc.eos_token_id is not None and not eos and gc.pad_token_id is None:  # generate takes eos[0] as its pad
+        return None, "eos_token_id=[] without a pad_token_id (generate's own error follows)"
     processors, reason = _token_processors(gc, eos, model_vocab_size(model))
     if reason:
         return None, reason + " (generate's own error follows)"
