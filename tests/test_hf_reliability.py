@@ -729,6 +729,27 @@ def test_stop_strings_run_in_the_loop_and_need_the_tokenizer():
     assert not _fallbacks(messages)
 
 
+def test_an_empty_stop_string_ends_rows_as_in_generate():
+    """stop_strings="" is set (generate tests ``is not None``): an empty string matches at every token, so generate
+    ends each row at its first new token; the loop did so too only for [""] and decoded on for "" (8 tokens where
+    generate gave 1). An empty list, which generate's criteria refuse, falls back to that error."""
+    model, tok = _llama(), _word_tokenizer()
+    ids, mask = _prompts(2)
+    patch(model)
+    for stop in ("", [""], ["w9", ""]):
+        ref = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=8, stop_strings=stop,
+                                tokenizer=tok)
+        out, messages = _run(model, ids, mask, max_new_tokens=8, stop_strings=stop, tokenizer=tok)
+        assert torch.equal(out, ref) and out.shape[1] == ids.shape[1] + 1 and not _fallbacks(messages), stop
+    with pytest.raises(ValueError, match="unable to identify tokens"):
+        _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=8, stop_strings=[], tokenizer=tok)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="unable to identify tokens"):
+            model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=8, stop_strings=[], tokenizer=tok)
+    assert any("stop_strings=[]" in m for m in _fallbacks([str(w.message) for w in record]))
+
+
 # ------------------------------------------------------------------------------------ 11. threads
 
 class _Meanwhile(transformers.StoppingCriteria):

@@ -759,10 +759,13 @@ def _plan(model, state, args, kwargs):
     if reason:
         return None, reason
     stop = None
-    if gc.stop_strings:
+    if gc.stop_strings is not None:  # as generate: "" too (it ends a row at its first token), and [] (an error)
         if tokenizer is None:  # generate's own error follows
             return None, "stop_strings without a tokenizer"
-        stop = StopStrings(gc.stop_strings, tokenizer)
+        try:
+            stop = StopStrings(gc.stop_strings, tokenizer)
+        except ValueError as e:
+            return None, f"stop_strings={gc.stop_strings!r}: {str(e)[:80]} (generate's own error follows)"
     B, L = inputs.shape
     if streamer is not None and B * copies > 1:
         return None, "a streamer with batch size > 1"
