@@ -141,7 +141,8 @@ def test_fallback_custom_processors_and_criteria_the_loop_cannot_mirror(model):
     list; a custom processor at batch size > 1 would be called on rows generate does not have; a list of
     non-callables is generate's to refuse; a criterion with an eos_token_id makes generate pad ended rows, which it
     cannot without eos ids. Each falls back, with the reason named."""
-    from transformers import (EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria,
+    from transformers import (EosTokenCriteria, ExponentialDecayLengthPenalty, InfNanRemoveLogitsProcessor,
+                              LogitsProcessorList, MaxLengthCriteria,
                               PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor,
                               StoppingCriteriaList, TopKLogitsWarper)
     patch(model)
@@ -152,6 +153,10 @@ def test_fallback_custom_processors_and_criteria_the_loop_cannot_mirror(model):
              (dict(logits_processor=LogitsProcessorList([PrefixConstrainedLogitsProcessor(lambda b, s: [3], 1)]),
                    prefix_allowed_tokens_fn=lambda b, s: [4]), "PrefixConstrainedLogitsProcessor"),
              (dict(input_ids=batch, logits_processor=LogitsProcessorList([TopKLogitsWarper(5)])), "batch size > 1"),
+             (dict(logits_processor=LogitsProcessorList([ExponentialDecayLengthPenalty((1, 1.5), 5, 8)]),
+                   exponential_decay_length_penalty=(2, 3.0), eos_token_id=5), "ExponentialDecayLengthPenalty"),
+             (dict(logits_processor=LogitsProcessorList([InfNanRemoveLogitsProcessor()]), remove_invalid_values=True),
+              "InfNanRemoveLogitsProcessor"),
              (dict(logits_processor=[3]), "expected a list of callables"),
              (dict(stopping_criteria=StoppingCriteriaList([EosTokenCriteria(5)])), "eos_token_id")]
     for kwargs, reason in cases:

@@ -490,17 +490,21 @@ def _token_processors(gc, eos, vocab_size):
 
 
 # generate's own processors / stopping criteria for the generation-config fields the loop runs: a custom one of
-# the same type replaces generate's in its list (``_merge_criteria_processor_list``), which the loop does not mirror
+# the same type replaces generate's in its list (``_merge_criteria_processor_list``), which the loop does not mirror;
+# each made on generate's own condition
 def _own_processor_types(gc, eos, prefix_allowed) -> set:
     from transformers.generation import logits_process as lp
     fields = ((lp.PrefixConstrainedLogitsProcessor, prefix_allowed is not None),
-              (lp.MinLengthLogitsProcessor, bool(gc.min_length) and bool(eos)),
-              (lp.MinNewTokensLengthLogitsProcessor, bool(gc.min_new_tokens) and bool(eos)),
+              (lp.MinLengthLogitsProcessor, gc.min_length is not None and gc.min_length > 0 and bool(eos)),
+              (lp.MinNewTokensLengthLogitsProcessor, gc.min_new_tokens is not None and gc.min_new_tokens > 0
+               and bool(eos)),
               (lp.RepetitionPenaltyLogitsProcessor, gc.repetition_penalty not in (None, 1.0)),
-              (lp.NoRepeatNGramLogitsProcessor, bool(gc.no_repeat_ngram_size)),
+              (lp.NoRepeatNGramLogitsProcessor, gc.no_repeat_ngram_size is not None and gc.no_repeat_ngram_size > 0),
               (lp.NoBadWordsLogitsProcessor, gc.bad_words_ids is not None),
               (lp.SequenceBiasLogitsProcessor, gc.sequence_bias is not None),
               (lp.ForcedEOSTokenLogitsProcessor, gc.forced_eos_token_id is not None),
+              (lp.InfNanRemoveLogitsProcessor, gc.remove_invalid_values is True),
+              (lp.ExponentialDecayLengthPenalty, gc.exponential_decay_length_penalty is not None),
               (lp.SuppressTokensLogitsProcessor, gc.suppress_tokens is not None),
               (lp.SuppressTokensAtBeginLogitsProcessor, gc.begin_suppress_tokens is not None))
     return {cls for cls, made in fields if made}
@@ -509,7 +513,7 @@ def _own_processor_types(gc, eos, prefix_allowed) -> set:
 def _own_criteria_types(gc, eos) -> set:
     from transformers.generation import stopping_criteria as sc
     fields = ((sc.MaxLengthCriteria, True), (sc.MaxTimeCriteria, gc.max_time is not None),
-              (sc.StopStringCriteria, bool(gc.stop_strings)), (sc.EosTokenCriteria, bool(eos)))
+              (sc.StopStringCriteria, gc.stop_strings is not None), (sc.EosTokenCriteria, bool(eos)))
     return {cls for cls, made in fields if made}
 
 
