@@ -119,6 +119,7 @@ def test_every_rule_selectable(model):
     ({"guidance_scale": 1.5}, "guidance_scale"),
     ({"return_dict_in_generate": True, "output_attentions": True}, "output_attentions"),
     ({"encoder_no_repeat_ngram_size": 2}, "encoder_no_repeat_ngram_size"),
+    ({"forced_bos_token_id": 0}, "forced_bos_token_id=0"),  # a token id: 0 asks for it too
 ])
 def test_fallback_warns_once_and_runs_original(model, kwargs, reason):
     ref = model.generate(PROMPT, max_new_tokens=6, **kwargs) if not kwargs.get("do_sample") else None
@@ -134,6 +135,19 @@ def test_fallback_warns_once_and_runs_original(model, kwargs, reason):
             assert torch.equal(out, ref)
         else:
             assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_forced_bos_token_0_after_a_one_token_prompt(model):
+    """forced_bos_token_id=0 forces token 0 as the first new token after a one-token prompt (generate tests the
+    field against None): a falsy value is no unset field. The loop decoded on, without it."""
+    one = PROMPT[:, :1]
+    ref = model.generate(one, max_new_tokens=6, forced_bos_token_id=0)
+    assert ref[0, 1] == 0 and not torch.equal(ref, model.generate(one, max_new_tokens=6))
+    patch(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = model.generate(one, max_new_tokens=6, forced_bos_token_id=0)
+    assert torch.equal(out, ref) and len(_fallback_warnings(record)) == 1
 
 
 def test_fallback_custom_processors_and_criteria_the_loop_cannot_mirror(model):

@@ -373,6 +373,9 @@ _NEUTRAL = {"num_beams": 1, "encoder_repetition_penalty": 1.0, "length_penalty":
             "encoder_no_repeat_ngram_size": 0, "diversity_penalty": 0.0, "num_beam_groups": 1,
             "output_attentions": False, "output_hidden_states": False, "early_stopping": False, "low_memory": False,
             "guidance_scale": 1.0, "is_assistant": False, "disable_compile": False, "use_mtp": False}
+# fields generate acts on whenever they are not None: 0 and empty values ask for something too (forced_bos_token_id=0
+# forces token 0 after a one-token prompt; an empty constraint list or dola_layers="" selects generate's mode)
+_SET_UNLESS_NONE = {"forced_bos_token_id", "assistant_early_exit", "constraints", "force_words_ids", "dola_layers"}
 # fields that only configure features the loop never uses (assistant models, compile, caches' sizes)
 _IRRELEVANT = {"num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
                "assistant_lookbehind", "target_lookbehind", "compile_config", "max_matching_ngram_size",
@@ -411,7 +414,7 @@ def _unsupported_config(gc) -> list:
         if name in _NEUTRAL:
             if isinstance(value, torch.Tensor) or value != _NEUTRAL[name]:
                 reasons.append(f"{name}={value!r}")
-        elif _is_set(value) and not name.startswith("_"):
+        elif (name in _SET_UNLESS_NONE or _is_set(value)) and not name.startswith("_"):
             reasons.append(f"{name}={value!r}")
     if gc.use_cache is False:
         reasons.append("use_cache=False")
