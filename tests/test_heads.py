@@ -231,6 +231,27 @@ def test_ngram_filter_drops_prompts_sharing_eight_words(tmp_path):
     assert kept == ["a poem about the sea"] and dropped == 2
 
 
+def test_a_prompt_file_a_recipe_cannot_use_is_named(model, tmp_path):
+    """A prompt file that is not JSON lines names its line; a selection that leaves nothing to train on, or prompts
+    all longer than max_prompt_tokens, name what is missing (before: a JSONDecodeError without the file, an
+    AttributeError, or torch.cat's 'expected a non-empty list' after the data stage)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi"}\n\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:3: not JSON"):
+        recipe.load_prompts(str(bad))
+    bad.write_text('"a bare string is a prompt"\n[1, 2]\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: expected a string or an object"):
+        recipe.load_prompts(str(bad))
+    cfg = recipe.HeadsConfig(out="", exclude="", eval_prompts=3)
+    with pytest.raises(ValueError, match=r"3 left; need more than eval_prompts=3"):
+        recipe.select_prompts(cfg, ["one", "two", "three"], print)
+    with pytest.raises(ValueError, match="none of the 2 prompts fits in max_prompt_tokens=8"):
+        recipe.generate_data(model, None, [_repetitive(9, 0), _repetitive(12, 1)], str(tmp_path / "d"),
+                             max_prompt_tokens=8, max_new_tokens=4, progress=False)
+    with pytest.raises(ValueError, match="no continuation token in the 0 shard"):
+        recipe.build_examples([], 3)
+
+
 def test_sharegpt_reader_tolerates_a_truncated_tail():
     text = '[\n {"id": 1, "conversations": [{"from": "human", "value": "hi"}]},\n {"id": 2, "conv'
     assert [o["id"] for o in recipe._iter_json_array(text)] == [1]

@@ -51,6 +51,8 @@ def test_flags_parse_into_the_config():
     (HeadsConfig, ["--exclude", "/no/such/questions.jsonl"], "--exclude: no such file '/no/such/questions.jsonl'"),
     (HeadsConfig, ["--device", "gpu0"], "--device: expected a torch device"),
     (HeadsConfig, ["--epochs", "0"], "--epochs: expected > 0, got 0.0"),
+    pytest.param(HeadsConfig, ["--device", "cuda"], "--device: 'cuda', but this torch",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is here")),
     (EagleConfig, ["--save-dtype", "int8"], "--save-dtype: expected one of"),
     (SlotsConfig, ["--method", "ptp"], "--method: expected 'gad' or 'lud', got 'ptp'"),
     (SlotsConfig, ["--unit-alpha", "1.5"], "--unit-alpha: expected a confidence in [0, 1], got 1.5"),

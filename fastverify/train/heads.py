@@ -119,9 +119,12 @@ class RecipeOptions:
                              f"question.jsonl in ../shared/data/spec_bench beside the repository; \"\" filters "
                              f"nothing)")
         try:
-            torch.device(self.device)
+            device = torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {self.device!r}") from e
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {self.device!r}, but this torch ({torch.__version__}) sees no CUDA device "
+                             f"(torch.cuda.is_available() is False); train with --device cpu")
 
 
 @dataclass(kw_only=True)
@@ -247,8 +250,13 @@ def load_prompts(path: str = None, limit: int = 20000):
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            obj = json.loads(line)
-            p = obj if isinstance(obj, str) else obj.get("prompt") or obj.get("text") or (obj.get("turns") or [None])[0]
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg}; expected one prompt per line, a string or an "
+                                 f"object with 'prompt', 'text' or 'turns')") from None
+            p = obj if isinstance(obj, str) else (
+                obj.get("prompt") or obj.get("text") or (obj.get("turns") or [None])[0] if isinstance(obj, dict) else None)
             if not isinstance(p, str):
                 raise ValueError(f"{path}:{lineno}: expected a string or an object with 'prompt', 'text' or 'turns'")
             out.append(p)
@@ -335,8 +343,12 @@ def select_prompts(cfg, prompts=None, log=print):
         prompts, dropped = ngram_filter(prompts, cfg.exclude)
     else:  # token-id prompts (tests, pre-tokenised data): no text to filter
         dropped = 0
-    log(f"prompts: {n_raw} read, {n_raw - len(prompts) - dropped} duplicates, {dropped} dropped for sharing a "
-        f"word 8-gram with {cfg.exclude or '(nothing)'}, {len(prompts)} left")
+    counts = (f"{n_raw} read, {n_raw - len(prompts) - dropped} duplicates, {dropped} dropped for sharing a word "
+              f"8-gram with {cfg.exclude or '(nothing)'}, {len(prompts)} left")
+    log(f"prompts: {counts}")
+    if len(prompts) <= cfg.eval_prompts:
+        raise ValueError(f"prompts: {counts}; need more than eval_prompts={cfg.eval_prompts} (the held-out prompts, "
+                         f"then at least one to train on)")
     rng = random.Random(cfg.seed)
     pool, more = prompts[:HELD_OUT_POOL], prompts[HELD_OUT_POOL:]
     rng.shuffle(pool)
@@ -417,6 +429,9 @@ def generate_data(model, tokenizer, prompts, folder, batch: int = 16, max_new_to
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else (min(eos) if eos else 0)
     enc = encode_prompts(tokenizer, prompts, max_prompt_tokens)
+    if prompts and not enc:
+        raise ValueError(f"{desc}: none of the {len(prompts)} prompts fits in max_prompt_tokens={max_prompt_tokens} "
+                         f"tokens (longer prompts are skipped)")
     chunks = [enc[i:i + batch] for i in range(0, len(enc), batch)]
     paths = [os.path.join(folder, f"shard_{i:05d}.pt") for i in range(len(chunks))]
     _check_data_settings(folder, {"model": _model_digest(model), "batch": batch, "max_new_tokens": max_new_tokens,
@@ -511,6 +526,9 @@ def build_examples(paths, num_heads: int, with_inputs: bool = False):
             hs.append(hid[b, :n])
             ts.append(tgt)
             xs.append(inp)
+    if not hs:
+        raise ValueError(f"no continuation token in the {len(paths)} shard(s) given (expected the self-distillation "
+                         f"shards of generate_data)")
     if with_inputs:
         return torch.cat(hs), torch.cat(ts), torch.cat(xs)
     return torch.cat(hs), torch.cat(ts)
