@@ -469,6 +469,16 @@ def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
         opts["stop_strings"] = ["".join(stops.choice("abcdefgh") for _ in range(stops.randint(1, 3)))
                                 for _ in range(stops.randint(1, 2))]
         opts["tokenizer"] = _tokenizer()
+    edge = random.Random(f"edge values {seed}")  # values generate reads by `is not None` or by sign, not by truth
+    if edge.random() < 0.12:
+        name, value = edge.choice([("stop_strings", ""), ("stop_strings", [""]), ("eos_token_id", []),
+                                   ("forced_bos_token_id", 0), ("min_new_tokens", 0), ("min_new_tokens", -1),
+                                   ("no_repeat_ngram_size", 0), ("no_repeat_ngram_size", -1), ("suppress_tokens", []),
+                                   ("begin_suppress_tokens", []), ("repetition_penalty", 1.0)])
+        if name not in opts:
+            opts[name] = value
+            if name == "stop_strings":
+                opts["tokenizer"] = _tokenizer()
     custom = random.Random(f"custom lists {seed}")
     if custom.random() < 0.12:  # a stopping criterion ending a row whose last token is one of a few
         opts["stopping_criteria"] = [_LastTokenIn(custom.sample(seen, min(len(seen), custom.randint(1, 4))))]
@@ -636,7 +646,8 @@ def summary(results) -> dict:
                        ("bias", ("sequence_bias", "forced_eos_token_id", "exponential_decay_length_penalty")),
                        ("custom", ("stopping_criteria", "logits_processor", "prefix_allowed_tokens_fn")),
                        ("copies", ("num_return_sequences",)),
-                       ("warpers", ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"))):
+                       ("warpers", ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")),
+                       ("edge values", ("forced_bos_token_id",))):
         out[key] = {k: sum(1 for r in results if any(n in r["options"] for n in names) and r["outcome"] == k)
                     for k in ("identical", "fallback")}
     return out

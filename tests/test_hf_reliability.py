@@ -648,6 +648,26 @@ def test_an_empty_eos_list_without_a_pad_token_falls_back_to_generates_error():
     assert torch.equal(out, ref) and not _fallbacks(messages)
 
 
+def test_an_empty_eos_list_pads_a_row_a_stop_string_ended():
+    """eos_token_id=[] is no eos id, yet generate holds an eos criterion for it (it tests the field against None),
+    and with one it pads a row that a stop string or a stopping criterion ended, where without one (eos_token_id
+    None) the row runs on. The loop ran it on (the fuzz's seed 200698: another output from the stopped row's next
+    token)."""
+    model, tok = _llama(), _word_tokenizer()
+    model.generation_config.eos_token_id = None
+    ids, mask = _prompts(2)
+    kw = dict(max_new_tokens=10, stop_strings=["w101"], tokenizer=tok)
+    padded = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, eos_token_id=[], **kw)
+    ran_on = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, **kw)
+    L = ids.shape[1]
+    assert padded.shape == ran_on.shape and not torch.equal(padded, ran_on)
+    assert 101 in padded[0, L:].tolist() and padded[0, -1] == PAD and padded[1, -1] != PAD
+    patch(model)
+    for eos, want in (([], padded), (None, ran_on)):
+        out, messages = _run(model, ids, mask, eos_token_id=eos, **kw)
+        assert torch.equal(out, want) and not _fallbacks(messages), eos
+
+
 def test_pad_token_outside_the_vocabulary():
     """pad_token_id outside the vocabulary (-1, or past it) runs as in generate, which never feeds it to the model
     while no row has ended: the loop's rows of a request that reached max_new_tokens before the others feed the

@@ -129,6 +129,9 @@ class DecodeSettings:
     # layer types its forward takes a dict of masks by, or None: one mask for every layer), or None
     window: tuple = None
     stop: object = None  # stop strings: a StopStrings, asked after every committed token (eos-like end)
+    # whether generate pads a row that a stop string or a stopping criterion ended: where it holds an eos criterion,
+    # for any eos_token_id that is not None (an empty list too); None: where eos_token_ids holds an id
+    pads_ended: bool = None
     min_tokens: int = 0  # min_new_tokens / min_length: eos is not a candidate before a request has this many tokens
     repetition_penalty: float = 1.0  # generate's RepetitionPenaltyLogitsProcessor on every verify row
     no_repeat_ngram_size: int = 0  # generate's NoRepeatNGramLogitsProcessor on every verify row
@@ -308,6 +311,7 @@ class Decoder:
         self.root = input_ids[:, -1].tolist()
         self.stats = LoopStats(new_tokens=[0] * B)
         self.eos = set(settings.eos_token_ids)
+        self.pads_ended = bool(self.eos) if settings.pads_ended is None else settings.pads_ended
         self.hidden = _HiddenCapture(model, drafter) if getattr(drafter, "wants_hidden", False) else None
         self.vocab_size = model_vocab_size(model)
         self.slots = drafter if getattr(drafter, "wants_slots", False) else None
@@ -573,10 +577,10 @@ class Decoder:
                     break
             if s.stop is not None and self.stop_at[b] is None:  # (new ends at an eos, if it holds one)
                 i = s.stop.first_stop(self.full[b], new)
-                if i is not None and self.eos:  # generate pads a row a stop string ended, as one eos ended
+                if i is not None and self.pads_ended:  # generate pads a row a stop string ended, as one eos ended
                     new = new[:i + 1]
                     self.finished[b] = True
-                elif i is not None:  # without eos it does not: the row runs on until every row has stopped
+                elif i is not None:  # without an eos criterion it does not: the row runs on until every row stops
                     self._stop_at(b, len(self.generated[b]) + i + 1)
                 new = new[:max(self.limit - len(self.generated[b]), 0)]
             if self.rows is not None:  # the rows that gave the new tokens: the root's, then the accepted nodes'
@@ -659,7 +663,7 @@ class Decoder:
                 ended_before = len(self.generated[b]) < t or (self.stop_at[b] is not None and self.stop_at[b] <= t)
                 if not end or ended_before:
                     continue
-                if self.eos:
+                if self.pads_ended:
                     drop = len(self.generated[b]) - t
                     for seq in (self.generated[b], self.contexts[b], self.full[b]):
                         del seq[len(seq) - drop:]
@@ -669,8 +673,8 @@ class Decoder:
                     self._stop_at(b, t)
 
     def _stop_at(self, b: int, t: int) -> None:
-        """Without eos ids, a stop string or a stopping criterion ended request b after its t-th token: generate's
-        row runs on (it holds no eos to pad with) until every row has ended, and the call ends there."""
+        """Without an eos criterion, a stop string or a stopping criterion ended request b after its t-th token:
+        generate's row runs on (it does not pad it) until every row has ended, and the call ends there."""
         self.stop_at[b] = t
         if all(n is not None for n in self.stop_at):
             self.limit = min(self.limit, max(self.stop_at))

@@ -494,13 +494,13 @@ def _token_processors(gc, eos, vocab_size):
 
 # generate's own processors / stopping criteria for the generation-config fields the loop runs: a custom one of
 # the same type replaces generate's in its list (``_merge_criteria_processor_list``), which the loop does not mirror;
-# each made on generate's own condition
-def _own_processor_types(gc, eos, prefix_allowed) -> set:
+# each made on generate's own condition (an eos_token_id that is not None, an empty list too, makes those of eos)
+def _own_processor_types(gc, prefix_allowed) -> set:
     from transformers.generation import logits_process as lp
+    eos = gc.eos_token_id is not None
     fields = ((lp.PrefixConstrainedLogitsProcessor, prefix_allowed is not None),
-              (lp.MinLengthLogitsProcessor, gc.min_length is not None and gc.min_length > 0 and bool(eos)),
-              (lp.MinNewTokensLengthLogitsProcessor, gc.min_new_tokens is not None and gc.min_new_tokens > 0
-               and bool(eos)),
+              (lp.MinLengthLogitsProcessor, gc.min_length is not None and gc.min_length > 0 and eos),
+              (lp.MinNewTokensLengthLogitsProcessor, gc.min_new_tokens is not None and gc.min_new_tokens > 0 and eos),
               (lp.RepetitionPenaltyLogitsProcessor, gc.repetition_penalty not in (None, 1.0)),
               (lp.NoRepeatNGramLogitsProcessor, gc.no_repeat_ngram_size is not None and gc.no_repeat_ngram_size > 0),
               (lp.NoBadWordsLogitsProcessor, gc.bad_words_ids is not None),
@@ -513,14 +513,14 @@ def _own_processor_types(gc, eos, prefix_allowed) -> set:
     return {cls for cls, made in fields if made}
 
 
-def _own_criteria_types(gc, eos) -> set:
+def _own_criteria_types(gc) -> set:
     from transformers.generation import stopping_criteria as sc
     fields = ((sc.MaxLengthCriteria, True), (sc.MaxTimeCriteria, gc.max_time is not None),
-              (sc.StopStringCriteria, gc.stop_strings is not None), (sc.EosTokenCriteria, bool(eos)))
+              (sc.StopStringCriteria, gc.stop_strings is not None), (sc.EosTokenCriteria, gc.eos_token_id is not None))
     return {cls for cls, made in fields if made}
 
 
-def _custom_lists(gc, processors, criteria, batch_size, eos, prefix_allowed=None):
+def _custom_lists(gc, processors, criteria, batch_size, prefix_allowed=None):
     """(DecodeSettings fields, None) for generate's ``logits_processor`` / ``stopping_criteria`` arguments and
     ``max_time``, or (None, reason). The processors run on every verify row as a batch of one (the row's sequence,
     its logits), as transformers' assisted decoding runs them on each candidate position: only at batch size 1,
@@ -529,9 +529,9 @@ def _custom_lists(gc, processors, criteria, batch_size, eos, prefix_allowed=None
     from transformers.generation.logits_process import LogitsProcessorList
     from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
     out = {}
-    for name, given, own, kind in (("logits_processor", processors, _own_processor_types(gc, eos, prefix_allowed),
+    for name, given, own, kind in (("logits_processor", processors, _own_processor_types(gc, prefix_allowed),
                                     LogitsProcessorList),
-                                   ("stopping_criteria", criteria, _own_criteria_types(gc, eos),
+                                   ("stopping_criteria", criteria, _own_criteria_types(gc),
                                     StoppingCriteriaList)):
         if not _is_set(given):
             continue
@@ -544,7 +544,7 @@ def _custom_lists(gc, processors, criteria, batch_size, eos, prefix_allowed=None
         if name == "logits_processor" and batch_size > 1:
             return None, ("logits_processor at batch size > 1 (the loop runs it on one row at a time; patch with "
                           "row_processors=True if each row's scores depend on that row alone)")
-        if name == "stopping_criteria" and not eos and any(hasattr(x, "eos_token_id") for x in items):
+        if name == "stopping_criteria" and gc.eos_token_id is None and any(hasattr(x, "eos_token_id") for x in items):
             return None, "a stopping criterion with an eos_token_id and no eos_token_id in the generation config"
         out[name] = kind(items)
     if gc.max_time is not None:
@@ -736,8 +736,9 @@ def _plan(model, state, args, kwargs):
             warpers = _warpers(gc, inputs.device)
         except ValueError as e:
             return None, f"a sampling warper's value: {str(e)[:80]} (generate's own error follows)"
+    pads_ended = gc.eos_token_id is not None  # generate's eos criterion, which pads an ended row (an empty list too)
     scored = bool(gc.return_dict_in_generate) and bool(gc.output_scores or gc.output_logits)
-    if scored and inputs.shape[0] * copies > 1 and eos:
+    if scored and inputs.shape[0] * copies > 1 and pads_ended:
         return None, ("output_scores / output_logits at batch size > 1 with eos ids (generate scores the padding of "
                       "a row that ended, which the loop does not run)")
     decay = gc.exponential_decay_length_penalty
@@ -762,7 +763,7 @@ def _plan(model, state, args, kwargs):
             return None, "prefix_allowed_tokens_fn with num_return_sequences > 1"
         processors["prefix_allowed"] = prefix_allowed
     rows = 1 if state.options.get("row_processors", False) else inputs.shape[0] * copies  # as one row at a time
-    custom, reason = _custom_lists(gc, processors_arg, criteria_arg, rows, eos, prefix_allowed)
+    custom, reason = _custom_lists(gc, processors_arg, criteria_arg, rows, prefix_allowed)
     if reason:
         return None, reason
     stop = None
@@ -816,6 +817,7 @@ def _plan(model, state, args, kwargs):
                       stacklevel=4)
         rule, rule_params = "coupled", {}
     settings = DecodeSettings(max_new_tokens=int(max_new), eos_token_ids=eos, pad_token_id=pad, rule=rule,
+                              pads_ended=pads_ended,
                               max_draft=int(state.options.get("max_draft", 32)),
                               backend=state.options.get("backend", "auto"), sync=bool(state.options.get("sync")),
                               skinny_linear=bool(state.options.get("skinny_linear", True)),
