@@ -15,7 +15,7 @@ generate's own logits processors for stop strings, minimum lengths, repetition p
 tokens, sequence biases, forced eos, exponential_decay_length_penalty and ``prefix_allowed_tokens_fn``; custom
 ``stopping_criteria`` and ``max_time`` (asked about the whole batch after every token, as generate asks them) and a
 custom ``logits_processor`` at batch size 1, or any with ``row_processors=True`` (on every verify row, as assisted
-decoding runs it); return_dict_in_generate with output_scores / output_logits (batch size 1, or no eos ids; no
+decoding runs it); return_dict_in_generate with output_scores / output_logits (batch size 1, or eos_token_id None; no
 cache in the output), renormalize_logits and remove_invalid_values; ``assistant_model`` (a DraftModelDrafter of it
 drafts that call, num_assistant_tokens deep) and ``prompt_lookup_num_tokens`` (the n-gram drafter drafts it);
 cache_implementation static / offloaded (the loop's own cache holds the same values).
