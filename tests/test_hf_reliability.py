@@ -749,6 +749,37 @@ def test_stop_strings_run_in_the_loop_and_need_the_tokenizer():
     assert not _fallbacks(messages)
 
 
+class _AfterScores(transformers.StoppingCriteria):
+    """Ends every row once ``scores`` (generate's tuple of the scores so far, or None) holds ``n`` steps."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), scores is not None and len(scores) >= self.n, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_a_criterion_with_output_scores_falls_back(B):
+    """With return_dict_in_generate and output_scores, generate hands each stopping criterion the scores so far (a
+    tuple, one [B, V] tensor per step; None without them); the loop asked its criteria with None, so a criterion
+    reading them ended nothing (16 new tokens where generate gave 5). Falls back; without output_scores the loop
+    runs it (None both ways)."""
+    model = _llama()
+    ids, mask = _prompts(B)
+    kw = dict(max_new_tokens=16, eos_token_id=None, stopping_criteria=[_AfterScores(5)])
+    want = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, return_dict_in_generate=True,
+                             output_scores=True, **kw)
+    assert want.sequences.shape[1] == ids.shape[1] + 5
+    patch(model)
+    out, messages = _run(model, ids, mask, return_dict_in_generate=True, output_scores=True, **kw)
+    assert torch.equal(out.sequences, want.sequences)
+    assert any("stopping_criteria with output_scores" in m for m in _fallbacks(messages))
+    want = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, **kw)
+    out, messages = _run(model, ids, mask, **kw)
+    assert torch.equal(out, want) and out.shape[1] == ids.shape[1] + 16 and not _fallbacks(messages)
+
+
 def test_an_empty_stop_string_ends_rows_as_in_generate():
     """stop_strings="" is set (generate tests ``is not None``): an empty string matches at every token, so generate
     ends each row at its first new token; the loop did so too only for [""] and decoded on for "" (8 tokens where

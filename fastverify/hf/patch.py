@@ -546,6 +546,9 @@ def _custom_lists(gc, processors, criteria, batch_size, prefix_allowed=None):
                           "row_processors=True if each row's scores depend on that row alone)")
         if name == "stopping_criteria" and gc.eos_token_id is None and any(hasattr(x, "eos_token_id") for x in items):
             return None, "a stopping criterion with an eos_token_id and no eos_token_id in the generation config"
+        if name == "stopping_criteria" and gc.return_dict_in_generate and gc.output_scores:
+            return None, ("stopping_criteria with output_scores (generate hands each criterion the scores so far, "
+                          "which the loop holds per request until the call ends)")
         out[name] = kind(items)
     if gc.max_time is not None:
         out.setdefault("stopping_criteria", StoppingCriteriaList()).append(MaxTimeCriteria(gc.max_time))
