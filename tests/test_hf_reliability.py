@@ -583,14 +583,15 @@ def test_lossy_rules_documented():
 
 def test_processor_values_generate_refuses_fall_back_to_its_error():
     """Values generate's own processors refuse (a bad word or a biased / forced token outside the vocabulary, an
-    empty list, a non-float penalty or bias, a fractional n-gram size) reach generate, whose error names them; the
-    loop runs none of them. A size <= 0 is no processor there, and none here."""
+    empty list, a non-float penalty or bias, a fractional n-gram size or minimum length) reach generate, whose error
+    names them; the loop runs none of them. A size <= 0 is no processor there, and none here."""
     model = _llama()
     ids, mask = _prompts(1)
     patch(model)
     for kw in ({"bad_words_ids": [[V + 5]]}, {"bad_words_ids": []}, {"repetition_penalty": 2},
                {"no_repeat_ngram_size": 2.5}, {"sequence_bias": {(3, V + 1): 1.0}}, {"sequence_bias": [[[3], 1]]},
-               {"sequence_bias": {}}, {"forced_eos_token_id": V + 2}):
+               {"sequence_bias": {}}, {"forced_eos_token_id": V + 2}, {"min_new_tokens": 3.0, "eos_token_id": 5},
+               {"min_length": 31.5, "eos_token_id": 5}):
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             with pytest.raises((ValueError, IndexError)):  # (a forced token outside: its IndexError)

@@ -452,6 +452,25 @@ def _min_tokens(gc, L: int) -> int:
     return int(gc.min_length or 0) - L
 
 
+def _length_values_refused(gc, L: int):
+    """generate's own minimum-length processors, built as it builds them (where it holds an eos criterion and the
+    length is > 0; min_length is L + min_new_tokens where that is set) for their constructors' checks: the error
+    they raise (a float min_new_tokens), or None."""
+    if gc.eos_token_id is None:
+        return None
+    from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+    eos = torch.tensor(_as_list(gc.eos_token_id), dtype=torch.int64)
+    min_length = gc.min_length if gc.min_new_tokens is None else gc.min_new_tokens + L
+    try:
+        if min_length is not None and min_length > 0:
+            MinLengthLogitsProcessor(min_length, eos)
+        if gc.min_new_tokens is not None and gc.min_new_tokens > 0:
+            MinNewTokensLengthLogitsProcessor(L, gc.min_new_tokens, eos)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
+
+
 def _token_processors(gc, eos, vocab_size):
     """(DecodeSettings fields, None) for bad_words_ids / suppress_tokens / begin_suppress_tokens / sequence_bias /
     forced_eos_token_id, as generate's processors take them (a bad word that is a single eos token dropped), or
@@ -730,6 +749,10 @@ def _plan(model, state, args, kwargs):
     processors, reason = _token_processors(gc, eos, model_vocab_size(model))
     if reason:
         return None, reason + " (generate's own error follows)"
+    reason = _length_values_refused(gc, inputs.shape[1])
+    if reason:
+        return None, (f"min_length={gc.min_length!r}, min_new_tokens={gc.min_new_tokens!r}: {reason[:80]} "
+                      f"(generate's own error follows)")
     copies = gc.num_return_sequences or 1  # sampled sequences per prompt
     if copies > 1 and not gc.do_sample:
         return None, f"num_return_sequences={copies} without sampling (generate's own error follows)"
