@@ -479,6 +479,9 @@ def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
             opts[name] = value
             if name == "stop_strings":
                 opts["tokenizer"] = _tokenizer()
+    if edge.random() < 0.08:  # no length at all: generate's default, 20 new tokens (at most the model's positions)
+        opts.pop("max_new_tokens", None)
+        opts.pop("max_length", None)
     custom = random.Random(f"custom lists {seed}")
     if custom.random() < 0.12:  # a stopping criterion ending a row whose last token is one of a few
         opts["stopping_criteria"] = [_LastTokenIn(custom.sample(seen, min(len(seen), custom.randint(1, 4))))]

@@ -100,6 +100,33 @@ def test_input_ids_keyword_and_max_length(model):
     assert out.shape == (1, 16) and torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("L", [5, 30])
+def test_no_length_given_makes_generates_default_count_of_new_tokens(L):
+    """With no max_length / max_new_tokens in the call, its generation config or the model's, generate makes 20 new
+    tokens past the prompt (at most max_position_embeddings in all); a max_length given anywhere counts the prompt.
+    The loop took 20 for the whole sequence: 15 new tokens after 5, and a fallback after 30."""
+    for positions in (512, L + 12):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=positions, initializer_range=0.2)).eval()
+        model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+        ids = (torch.arange(L)[None] % 7) * 5 + 3
+        ref = model.generate(ids)
+        assert ref.shape[1] == min(L + 20, positions)
+        patch(model)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = model.generate(ids)
+        assert torch.equal(out, ref) and not _fallback_warnings(record) and stats(model).steps >= 1
+        unpatch(model)
+    model.generation_config.max_length = L + 7  # the model's own: the whole sequence
+    ref = model.generate(ids)
+    assert ref.shape[1] == L + 7
+    patch(model)
+    assert torch.equal(model.generate(ids), ref)
+
+
 def test_every_rule_selectable(model):
     ref = model.generate(PROMPT, do_sample=False, max_new_tokens=8)
     for rule, opts in (("greedy", {}), ("topk", {"k": 1}), ("distance", {"eps": 0}), ("gad", {"beta": 1, "tau": 0.0}),

@@ -729,6 +729,11 @@ def _plan(model, state, args, kwargs):
                       f"committed ones (and a long prompt in chunks), so a hook that picks rows by position acts "
                       f"otherwise than in generate (patch(model, row_hooks=True) declares hooks that compute each "
                       f"row from that row alone, and the loop then runs with them)")
+    # generate's default length (no max_length in the call, its config or the model's): max_length new tokens past
+    # the prompt, at most the model's max_position_embeddings in all; else max_length counts the prompt too
+    default_length = (kwargs.get("max_length") is None
+                      and getattr(generation_config, "max_length", None) is None
+                      and getattr(getattr(model, "generation_config", None), "max_length", None) is None)
     gc, model_kwargs = _generation_config(model, generation_config, kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None and k not in ("use_cache",)}
@@ -825,7 +830,14 @@ def _plan(model, state, args, kwargs):
         pad = eos[0] if eos else 0
     if copies > 1:  # generate's expansion: each prompt's copies next to each other
         inputs, attention_mask = inputs.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0)
-    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - L
+    if gc.max_new_tokens is not None:
+        max_new = gc.max_new_tokens
+    elif default_length:
+        length = 20 if gc.max_length is None else gc.max_length
+        positions = getattr(model.config, "max_position_embeddings", None)
+        max_new = length if positions is None else min(length + L, positions) - L
+    else:
+        max_new = gc.max_length - L
     if max_new is None or max_new <= 0:
         return None, f"max_new_tokens = {max_new} (nothing to generate)"
     limit, what = sequence_limit(model.config, state.spec.sliding_window_attr)
