@@ -349,7 +349,10 @@ def load_heads(name_or_path: str, model=None):
                                   f"{None if d is None else (d.dtype, tuple(d.shape))}")
         tensors[name] = dequantize_q8_0(q, d)
     H, D, ffn = cfg.get("num_heads"), cfg.get("hidden_size"), cfg.get("ffn_size", 0)
-    if not isinstance(ffn, int) or ffn < 0:
+    for key, value in (("num_heads", H), ("hidden_size", D)):
+        if type(value) is not int or value < 1:
+            raise CheckpointError(f"heads checkpoint {path!r}: {key} {value!r}, expected an int >= 1")
+    if type(ffn) is not int or ffn < 0:
         raise CheckpointError(f"heads checkpoint {path!r}: ffn_size {ffn!r}, expected an int >= 0")
     F_ = ffn or D
     w, b = tensors.get("weight"), tensors.get("bias")

@@ -357,6 +357,13 @@ def test_checkpoint_bad_input_errors(model, tmp_path):
     (path / "config.json").write_text(json.dumps({"method": "lora"}))
     with pytest.raises(CheckpointError, match="does not describe proposal heads"):
         load_heads(str(path), model)
+    for key, value in (("num_heads", "five"), ("num_heads", 0), ("hidden_size", 64.0), ("hidden_size", True)):
+        save_heads(_random_heads(), str(path), {"base_model": "tiny", "base_fingerprint": fingerprint(model)})
+        cfg = json.loads((path / "config.json").read_text())
+        cfg[key] = value
+        (path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(CheckpointError, match=f"{key} {value!r}, expected an int >= 1"):
+            load_heads(str(path), model)
 
 
 def test_shipped_checkpoint_is_found_by_name():
