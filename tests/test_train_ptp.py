@@ -1,13 +1,15 @@
 """The Parallel Token Prediction recipe (fastverify.train.ptp) and PTP slot drafting (fastverify.hf.slots)."""
 
 import dataclasses
+import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
 
-from fastverify.heads import BaseModelMismatch
+from fastverify.heads import BaseModelMismatch, CheckpointError
 from fastverify.hf import Drafter, patch, stats, unpatch
 from fastverify.hf.slots import PTPSlotDrafter, load_slot_drafter
 from fastverify.ops.sampling import cdf_sample, uniform
@@ -135,6 +137,15 @@ def test_recipe_end_to_end_checkpoint_resume_and_refusal(tmp_path, variant, aux_
         unpatch(model)
     with pytest.raises(BaseModelMismatch):
         load_slot_drafter(str(tmp_path / "ckpt"), _tiny(seed=1))
+    with open(tmp_path / "ckpt" / "config.json") as f:
+        saved = json.load(f)
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "bad")
+    for key, value, match in (("variant", "z", "variant 'z', expected one of"), ("aux_mode", "bytes", "aux_mode"),
+                              ("num_slots", 1, "num_slots 1, expected an int >= 2")):
+        with open(tmp_path / "bad" / "config.json", "w") as f:  # the checkpoint named, not a constructor's error
+            json.dump({**saved, key: value}, f)
+        with pytest.raises(CheckpointError, match=match):
+            load_slot_drafter(str(tmp_path / "bad"), model)
     with pytest.raises(ValueError, match="calibrate"):
         recipe.train_ptp(model, None, dataclasses.replace(cfg, calibrate=True), prompts=prompts, log=logs.append)
 

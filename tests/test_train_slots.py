@@ -114,6 +114,14 @@ def test_recipe_end_to_end_checkpoint_and_refusals(tmp_path):
         json.dump({**bad, "slot_temperature": [1.0, -2.0]}, f)
     with pytest.raises(CheckpointError, match="slot_temperature"):
         load_slot_drafter(str(tmp_path / "bad"), model)
+    for key, value, match in (("num_slots", "three", "num_slots 'three', expected an int >= 1"),
+                              ("rank", 0, "rank 0, expected an int >= 1"),
+                              ("hidden_size", 32.0, "hidden_size 32.0, expected an int >= 1"),
+                              ("layers", "all", "expected a list of layers")):
+        with open(tmp_path / "bad" / "config.json", "w") as f:  # before: a TypeError of the drafter's constructor
+            json.dump({**bad, key: value}, f)
+        with pytest.raises(CheckpointError, match=match):
+            load_slot_drafter(str(tmp_path / "bad"), model)
     with pytest.raises(FileNotFoundError, match="missing config.json"):
         load_slot_drafter(str(tmp_path / "data"), model)
     with open(tmp_path / "ckpt" / "slots.safetensors", "r+b") as f:

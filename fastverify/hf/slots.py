@@ -442,9 +442,23 @@ def load_slot_drafter(path: str, model, **options) -> BlockSlotDrafter:
     fastverify.heads.BaseModelMismatch otherwise). options: BlockSlotDrafter's (attach, tree_topk).
     Raises FileNotFoundError / fastverify.heads.CheckpointError for missing or inconsistent files."""
     from fastverify.heads import CheckpointError, check_fingerprint, read_checkpoint
+    from fastverify.ptp import AuxiliaryEmbedding
     cfg, tensors = read_checkpoint(path, SLOTS_WEIGHTS, "slot drafter", ("gad", "lud", "ptp"), SLOTS_FORMAT)
+    ptp = cfg["method"] == "ptp"
+    for key in ("hidden_size", "num_slots", "rank"):
+        lo = 2 if key == "num_slots" and ptp else 1  # (a PTP checkpoint counts the slot of the next token)
+        if type(cfg.get(key)) is not int or cfg[key] < lo:
+            raise CheckpointError(f"slot checkpoint {path!r}: {key} {cfg.get(key)!r}, expected an int >= {lo}")
+    if not isinstance(cfg.get("layers"), list) or type(cfg.get("alpha")) not in (int, float):
+        raise CheckpointError(f"slot checkpoint {path!r}: expected a list of layers and a number alpha, got "
+                              f"{cfg.get('layers')!r} and {cfg.get('alpha')!r}")
+    for key, allowed in (("aux_mode", AuxiliaryEmbedding.MODES + ("none",)), ("variant", PTPSlotDrafter.VARIANTS)):
+        if ptp and cfg.get(key, allowed[0]) not in allowed:
+            raise CheckpointError(f"slot checkpoint {path!r}: {key} {cfg[key]!r}, expected one of {allowed}")
+    if "base_fingerprint" not in cfg:
+        raise CheckpointError(f"slot checkpoint {path!r}: config has no base_fingerprint")
     check_fingerprint(cfg["base_fingerprint"], model, where=f"slot checkpoint {path!r}")
-    if cfg["method"] == "ptp":
+    if ptp:
         drafter = PTPSlotDrafter(cfg["hidden_size"], cfg["num_slots"] - 1, aux_mode=cfg.get("aux_mode", "interp"),
                                  variant=cfg.get("variant", "o"), **options)
     else:
@@ -455,7 +469,7 @@ def load_slot_drafter(path: str, model, **options) -> BlockSlotDrafter:
             drafter.aux.load_state_dict({k[4:]: v.float() for k, v in tensors.items() if k.startswith("aux.")})
         for name in cfg["layers"]:
             base = model.get_submodule(name)
-            adapter = GatedLoRALinear(base, int(cfg["rank"]), float(cfg["alpha"]))
+            adapter = GatedLoRALinear(base, cfg["rank"], float(cfg["alpha"]))
             with torch.no_grad():
                 adapter.lora_A.copy_(tensors[name + ".lora_A"])
                 adapter.lora_B.copy_(tensors[name + ".lora_B"])
