@@ -191,8 +191,11 @@ def load_eagle(name_or_path: str, model=None):
     missing, unreadable or inconsistent checkpoint."""
     path = resolve_checkpoint(name_or_path)
     cfg, tensors = read_checkpoint(path, WEIGHTS_NAME, "eagle", ("eagle",), FORMAT, "an EAGLE draft layer")
+    for key in ("hidden_size", "num_heads", "intermediate_size"):
+        if type(cfg.get(key)) is not int or cfg[key] < 1:
+            raise CheckpointError(f"eagle checkpoint {path!r}: {key} {cfg.get(key)!r}, expected an int >= 1")
     try:
-        D, H, I = int(cfg["hidden_size"]), int(cfg["num_heads"]), int(cfg["intermediate_size"])
+        D, H, I = cfg["hidden_size"], cfg["num_heads"], cfg["intermediate_size"]
         layer = EagleLayer(D, H, I, tensors.get("vocab_subset"), float(cfg.get("rope_theta", 10000.0)))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"eagle checkpoint {path!r}: config does not describe a layer ({e})") from None

@@ -210,6 +210,10 @@ def test_checkpoint_bad_input_errors(model, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="gate_up: expected"):
         load_eagle(str(path), model)
+    for key, value in (("num_heads", "4"), ("hidden_size", 32.5), ("intermediate_size", 0)):
+        (path / "config.json").write_text(json.dumps({**json.loads(good), key: value}))
+        with pytest.raises(CheckpointError, match=f"{key} {value!r}, expected an int >= 1"):  # (was read by int())
+            load_eagle(str(path), model)
     (path / "config.json").write_text(json.dumps({"method": "bpd", "format": 1}))
     with pytest.raises(CheckpointError, match="does not describe an EAGLE draft layer"):
         load_eagle(str(path), model)
