@@ -147,6 +147,7 @@ def test_every_rule_selectable(model):
     ({"return_dict_in_generate": True, "output_attentions": True}, "output_attentions"),
     ({"encoder_no_repeat_ngram_size": 2}, "encoder_no_repeat_ngram_size"),
     ({"forced_bos_token_id": 0}, "forced_bos_token_id=0"),  # a token id: 0 asks for it too
+    ({"use_cache": None}, "use_cache=None"),  # generate prepares no cache then: another output than with one
 ])
 def test_fallback_warns_once_and_runs_original(model, kwargs, reason):
     ref = model.generate(PROMPT, max_new_tokens=6, **kwargs) if not kwargs.get("do_sample") else None

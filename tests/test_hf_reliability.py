@@ -669,6 +669,22 @@ def test_an_empty_eos_list_pads_a_row_a_stop_string_ended():
         assert torch.equal(out, want) and not _fallbacks(messages), eos
 
 
+def test_counts_set_to_none_fall_back_to_generates_error():
+    """num_beams=None / num_return_sequences=None in the call: generate's max() of the two raises a TypeError; the
+    loop read None as 1 and decoded."""
+    model = _llama()
+    ids, mask = _prompts(2)
+    patch(model)
+    for name in ("num_beams", "num_return_sequences"):
+        with pytest.raises(TypeError):
+            _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, **{name: None})
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            with pytest.raises(TypeError):
+                model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, **{name: None})
+        assert any(f"{name}=None" in m for m in _fallbacks([str(w.message) for w in record]))
+
+
 def test_pad_token_outside_the_vocabulary():
     """pad_token_id outside the vocabulary (-1, or past it) runs as in generate, which never feeds it to the model
     while no row has ended: the loop's rows of a request that reached max_new_tokens before the others feed the

@@ -416,8 +416,11 @@ def _unsupported_config(gc) -> list:
                 reasons.append(f"{name}={value!r}")
         elif (name in _SET_UNLESS_NONE or _is_set(value)) and not name.startswith("_"):
             reasons.append(f"{name}={value!r}")
-    if gc.use_cache is False:
-        reasons.append("use_cache=False")
+    if not gc.use_cache:  # (None too: generate then prepares no cache, and its forwards make one of their own)
+        reasons.append(f"use_cache={gc.use_cache!r}")
+    for name in ("num_beams", "num_return_sequences"):  # None where the call sets it so: generate's TypeError
+        if getattr(gc, name, 1) is None:
+            reasons.append(f"{name}=None")
     return reasons
 
 
