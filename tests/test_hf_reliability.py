@@ -685,6 +685,41 @@ def test_counts_set_to_none_fall_back_to_generates_error():
         assert any(f"{name}=None" in m for m in _fallbacks([str(w.message) for w in record]))
 
 
+@pytest.mark.parametrize("B, kw", [
+    (2, {"bos_token_id": ""}), (2, {"decoder_start_token_id": ""}), (2, {"forced_eos_token_id": True}),
+    (2, {"no_repeat_ngram_size": True}), (2, {"penalty_alpha": ""}), (2, {"top_k": []}),
+    (2, {"prefill_chunk_size": 0}), (2, {"prefill_chunk_size": 0.5}), (1, {"prompt_lookup_num_tokens": 0}),
+    (1, {"prompt_lookup_num_tokens": 0.5}), (1, {"prompt_lookup_num_tokens": ""}),
+    (2, {"do_sample": True, "top_k": True}), (2, {"do_sample": True, "num_return_sequences": -1}),
+    (2, {"do_sample": True, "num_return_sequences": 0.5}),
+], ids=lambda x: str(x) if isinstance(x, dict) else None)
+def test_a_value_generate_reads_otherwise_is_read_as_generate_reads_it(B, kw):
+    """Values found by setting each generation-config field in turn to 0, False, "", [], 1, True, -1, 0.5 and 2 and
+    comparing the patched call with generate's (tiny Llama, batch 1 and 2, greedy and sampled; transformers 5.17 and
+    5.24): where generate raises (a generation mode that compares a string, a token id that is no number, a bool
+    as top_k or n-gram size, a prompt lookup size it refuses, a prefill chunk size that is no positive int), the
+    patched call falls back to that error; where generate decodes (num_return_sequences below 1: its expand size
+    is max(1, n)), the loop decodes one sequence per prompt. Before, each of these decoded where generate raised,
+    or raised where it decoded. Sampled calls are compared by their errors and shapes (the loop's sampler is its
+    own)."""
+    model = _llama()
+    ids, mask = _prompts(B)
+    try:
+        want, raised = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=6, **kw), None
+    except (TypeError, ValueError, IndexError, RuntimeError) as e:
+        want, raised = None, type(e)
+    patch(model)
+    if raised is not None:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            with pytest.raises(raised):
+                model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=6, **kw)
+        assert _fallbacks([str(w.message) for w in record])
+    else:
+        out, messages = _run(model, ids, mask, max_new_tokens=6, **kw)
+        assert out.shape == want.shape and (kw.get("do_sample") or torch.equal(out, want))
+
+
 def test_pad_token_outside_the_vocabulary():
     """pad_token_id outside the vocabulary (-1, or past it) runs as in generate, which never feeds it to the model
     while no row has ended: the loop's rows of a request that reached max_new_tokens before the others feed the

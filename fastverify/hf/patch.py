@@ -455,6 +455,33 @@ def _min_tokens(gc, L: int) -> int:
     return int(gc.min_length or 0) - L
 
 
+def _refused_as_generate_reads(gc, assistant):
+    """Options generate itself refuses as it reads them, or None: its generation mode (a top_k or penalty_alpha
+    it cannot compare), its special tokens as tensors (a token id that is no number), the prompt lookup's sizes
+    (its candidate generator's check) and a prefill chunk size that is no positive int."""
+    try:
+        getattr(gc, "get_generation_mode")(assistant)
+    except (TypeError, ValueError) as e:
+        return f"the generation mode of these options: {str(e)[:80]}"
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        value = getattr(gc, name, None)
+        if value is not None and not isinstance(value, torch.Tensor):
+            try:
+                torch.tensor(value, dtype=torch.int64)
+            except (TypeError, ValueError, RuntimeError):
+                return f"{name}={value!r}"
+    if gc.prompt_lookup_num_tokens is not None and assistant is None:
+        size = 2 if gc.max_matching_ngram_size is None else gc.max_matching_ngram_size
+        if not all(isinstance(n, int) and n > 0 for n in (gc.prompt_lookup_num_tokens, size)):
+            return f"prompt_lookup_num_tokens={gc.prompt_lookup_num_tokens!r}, max_matching_ngram_size={size!r}"
+    if gc.do_sample and type(gc.top_k) is bool:  # (torch.topk's TypeError when generate's warper runs)
+        return f"top_k={gc.top_k!r}"
+    chunk = getattr(gc, "prefill_chunk_size", None)
+    if chunk is not None and not (type(chunk) is int and chunk > 0):
+        return f"prefill_chunk_size={chunk!r}"
+    return None
+
+
 def _length_values_refused(gc, L: int):
     """generate's own minimum-length processors, built as it builds them (where it holds an eos criterion and the
     length is > 0; min_length is L + min_new_tokens where that is set) for their constructors' checks: the error
@@ -508,7 +535,7 @@ def _token_processors(gc, eos, vocab_size):
         forced = gc.forced_eos_token_id
         forced = forced.tolist() if isinstance(forced, torch.Tensor) else forced
         forced = forced if isinstance(forced, (list, tuple)) else [forced]
-        if not (forced and all(isinstance(t, int) and 0 <= t < vocab_size for t in forced)):
+        if not (forced and all(type(t) is int and 0 <= t < vocab_size for t in forced)):
             return None, f"forced_eos_token_id={gc.forced_eos_token_id!r}"
         out["forced_eos"] = tuple(forced)
     return out, None
@@ -745,11 +772,14 @@ def _plan(model, state, args, kwargs):
     reasons = _unsupported_config(gc)
     if reasons:
         return None, "generation option(s) " + ", ".join(reasons) + " are not supported"
+    reason = _refused_as_generate_reads(gc, assistant)
+    if reason:
+        return None, reason + " (generate's own error follows)"
     penalty = gc.repetition_penalty
     if penalty is not None and penalty != 1.0 and not (isinstance(penalty, float) and penalty > 0):
         return None, f"repetition_penalty={penalty!r} (generate's own error follows)"
     ngram = gc.no_repeat_ngram_size if gc.no_repeat_ngram_size is not None and gc.no_repeat_ngram_size > 0 else 0
-    if not isinstance(ngram, int):  # generate runs no processor for a size <= 0
+    if type(ngram) is not int:  # generate runs no processor for a size <= 0
         return None, f"no_repeat_ngram_size={ngram!r} (generate's own error follows)"
     eos = _as_list(gc.eos_token_id)
     if gc.eos_token_id is not None and not eos and gc.pad_token_id is None:  # generate takes eos[0] as its pad
@@ -761,7 +791,9 @@ def _plan(model, state, args, kwargs):
     if reason:
         return None, (f"min_length={gc.min_length!r}, min_new_tokens={gc.min_new_tokens!r}: {reason[:80]} "
                       f"(generate's own error follows)")
-    copies = gc.num_return_sequences or 1  # sampled sequences per prompt
+    copies = max(1, gc.num_return_sequences)  # sampled sequences per prompt: generate's expand size (no beams here)
+    if type(copies) is not int:
+        return None, f"num_return_sequences={gc.num_return_sequences!r} (generate's own error follows)"
     if copies > 1 and not gc.do_sample:
         return None, f"num_return_sequences={copies} without sampling (generate's own error follows)"
     warpers = None  # generate's sampling warpers, built once: their constructors check the values as generate's do
