@@ -1,0 +1,76 @@
+"""Every generation-config field at edge values: the patched generate against the plain one.
+
+Each field of ``transformers.GenerationConfig`` is set in turn to 0, False, "", [], 1, True, -1, 0.5 and 2 on a tiny
+Llama (batch 1 and 2, greedy; batch 2 sampled), and the patched call is held to the plain one: both raise, or both
+return the same sequences (sampled calls: both return, the loop's sampler being its own). Prints each pair that
+differs as a JSON line; the prompt lookup at batch size > 1 (which the loop decodes, where generate's assisted
+decoding refuses it) is expected. ``assistant_early_exit`` is left out: generate's early-exit assistant leaves the
+model changed when its call raises, so the calls after it would not compare.
+
+    python tests/hf_option_sweep.py [--fields a,b,...]
+"""
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from test_hf_reliability import PAD, _llama, _prompts  # noqa: E402
+
+from fastverify.hf import patch, unpatch  # noqa: E402
+
+VALUES = (0, False, "", [], 1, True, -1, 0.5, 2)
+LEFT_OUT = {"max_new_tokens", "max_length", "max_time", "do_sample", "assistant_early_exit"}
+
+
+def _call(model, ids, mask, kw):
+    """(sequences, None) or (None, the exception's type name)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=6, **kw)
+        return getattr(out, "sequences", out), None
+    except Exception as e:  # any error generate raises is the reference here
+        return None, type(e).__name__
+
+
+def sweep(fields=None):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    model = _llama()
+    fields = fields or sorted(k for k in vars(transformers.GenerationConfig()) if not k.startswith("_"))
+    differing, calls = [], 0
+    for B, sampled in ((1, False), (2, False), (2, True)):
+        ids, mask = _prompts(B)
+        for name in fields:
+            if name in LEFT_OUT:
+                continue
+            for value in VALUES:
+                kw = {name: value, **({"do_sample": True} if sampled else {})}
+                unpatch(model)
+                want, want_error = _call(model, ids, mask, kw)
+                patch(model)
+                got, got_error = _call(model, ids, mask, kw)
+                calls += 1
+                same = (want_error is not None) == (got_error is not None) and (
+                    want_error is not None or (want.shape == got.shape and (sampled or torch.equal(want, got))))
+                if not same:
+                    differing.append({"batch": B, "sampled": sampled, "field": name, "value": repr(value),
+                                      "generate": want_error or "decodes", "patched": got_error or "decodes"})
+    unpatch(model)
+    return differing, calls
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fields", default=None, help="comma-separated field names (default: every field)")
+    args = ap.parse_args()
+    differing, calls = sweep(args.fields.split(",") if args.fields else None)
+    for d in differing:
+        print(json.dumps(d))
+    print(f"{calls} option values, {len(differing)} differing")
