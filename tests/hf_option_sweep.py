@@ -1,6 +1,6 @@
 """Every generation-config field at edge values: the patched generate against the plain one.
 
-Each field of ``transformers.GenerationConfig`` is set in turn to 0, False, "", [], 1, True, -1, 0.5 and 2 on a tiny
+Each field of ``transformers.GenerationConfig`` is set in turn to None, 0, False, "", [], 1, True, -1, 0.5 and 2 on a tiny
 Llama (batch 1 and 2, greedy; batch 2 sampled), and the patched call is held to the plain one: both raise, or both
 return the same sequences (sampled calls: both return, the loop's sampler being its own). Prints each pair that
 differs as a JSON line; the prompt lookup at batch size > 1 (which the loop decodes, where generate's assisted
@@ -23,7 +23,7 @@ from test_hf_reliability import PAD, _llama, _prompts  # noqa: E402
 
 from fastverify.hf import patch, unpatch  # noqa: E402
 
-VALUES = (0, False, "", [], 1, True, -1, 0.5, 2)
+VALUES = (None, 0, False, "", [], 1, True, -1, 0.5, 2)
 LEFT_OUT = {"max_new_tokens", "max_length", "max_time", "do_sample", "assistant_early_exit"}
 
 
