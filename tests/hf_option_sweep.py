@@ -1,8 +1,10 @@
 """Every generation-config field at edge values: the patched generate against the plain one.
 
 Each field of ``transformers.GenerationConfig`` is set in turn to None, 0, False, "", [], 1, True, -1, 0.5 and 2 on a tiny
-Llama (batch 1 and 2, greedy; batch 2 sampled), and the patched call is held to the plain one: both raise, or both
-return the same sequences (sampled calls: both return, the loop's sampler being its own). Prints each pair that
+Llama (batch 1 and 2, greedy; batch 2 sampled), and each of generate's other arguments (``ARGUMENTS``: its lists, its
+assisted decoding's, the model inputs it passes on) to those values and empty lists of processors and criteria
+(batch 1 and 2, greedy); the patched call is held to the plain one: both raise, or both return the same sequences
+(sampled calls: both return, the loop's sampler being its own). Prints each pair that
 differs as a JSON line; the prompt lookup at batch size > 1 (which the loop decodes, where generate's assisted
 decoding refuses it) is expected. ``assistant_early_exit`` is left out: generate's early-exit assistant leaves the
 model changed when its call raises, so the calls after it would not compare.
@@ -25,6 +27,10 @@ from fastverify.hf import patch, unpatch  # noqa: E402
 
 VALUES = (None, 0, False, "", [], 1, True, -1, 0.5, 2)
 LEFT_OUT = {"max_new_tokens", "max_length", "max_time", "do_sample", "assistant_early_exit"}
+ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
+             "streamer", "negative_prompt_ids", "negative_prompt_attention_mask", "tokenizer", "custom_generate",
+             "assistant_tokenizer", "generation_config", "inputs_embeds", "past_key_values", "cache", "position_ids",
+             "token_type_ids", "logits_to_keep", "return_dict")
 
 
 def _call(model, ids, mask, kw):
@@ -43,13 +49,14 @@ def sweep(fields=None):
     transformers.logging.set_verbosity_error()
     model = _llama()
     fields = fields or sorted(k for k in vars(transformers.GenerationConfig()) if not k.startswith("_"))
+    fields = [f for f in fields if f not in LEFT_OUT]
+    lists = (transformers.LogitsProcessorList(), transformers.StoppingCriteriaList())
     differing, calls = [], 0
-    for B, sampled in ((1, False), (2, False), (2, True)):
+    for B, sampled, names, values in ((1, False, fields, VALUES), (2, False, fields, VALUES), (2, True, fields, VALUES),
+                                      (1, False, ARGUMENTS, VALUES + lists), (2, False, ARGUMENTS, VALUES + lists)):
         ids, mask = _prompts(B)
-        for name in fields:
-            if name in LEFT_OUT:
-                continue
-            for value in VALUES:
+        for name in names:
+            for value in values:
                 kw = {name: value, **({"do_sample": True} if sampled else {})}
                 unpatch(model)
                 want, want_error = _call(model, ids, mask, kw)

@@ -720,6 +720,31 @@ def test_a_value_generate_reads_otherwise_is_read_as_generate_reads_it(B, kw):
         assert out.shape == want.shape and (kw.get("do_sample") or torch.equal(out, want))
 
 
+@pytest.mark.parametrize("kw", [
+    {"logits_processor": 0}, {"stopping_criteria": False}, {"inputs_embeds": []}, {"past_key_values": ()},
+    {"logits_to_keep": None}, {"return_dict": None},
+], ids=str)
+def test_an_argument_generate_refuses_falls_back_to_its_error(kw):
+    """generate's arguments at values it refuses (hf_option_sweep.py's second part): falsy ones were read as not
+    given, and the loop decoded. An empty list of processors or criteria is a list (nothing to run: the loop runs),
+    and None model inputs generate takes as such (position_ids, token_type_ids) are left out."""
+    model = _llama()
+    ids, mask = _prompts(2)
+    with pytest.raises(Exception) as plain:
+        _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, **kw)
+    patch(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(plain.type):
+            model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4, **kw)
+    assert _fallbacks([str(w.message) for w in record])
+    want = _llama().generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4)
+    for ok in ({"logits_processor": transformers.LogitsProcessorList()}, {"stopping_criteria": []},
+               {"position_ids": None}, {"token_type_ids": None}):
+        out, messages = _run(model, ids, mask, max_new_tokens=4, **ok)
+        assert torch.equal(out, want) and not _fallbacks(messages), ok
+
+
 def test_pad_token_outside_the_vocabulary():
     """pad_token_id outside the vocabulary (-1, or past it) runs as in generate, which never feeds it to the model
     while no row has ended: the loop's rows of a request that reached max_new_tokens before the others feed the

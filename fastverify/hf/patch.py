@@ -397,6 +397,9 @@ def _is_set(value) -> bool:
     return True
 
 
+# model inputs generate takes as None (others it passes to the forward, where None may raise: logits_to_keep)
+_NONE_MODEL_KWARGS = ("position_ids", "token_type_ids", "cache", "cache_position")
+
 # cache implementations that hold the same keys and values as the loop's own cache (a DynamicCache): where they
 # live differs, not what attention reads (quantized caches change the values; sliding-window ones what is kept)
 _SAME_CACHE = ("dynamic", "static", "offloaded", "offloaded_static")
@@ -582,11 +585,13 @@ def _custom_lists(gc, processors, criteria, batch_size, prefix_allowed=None):
                                     LogitsProcessorList),
                                    ("stopping_criteria", criteria, _own_criteria_types(gc),
                                     StoppingCriteriaList)):
-        if not _is_set(given):
+        if given is None:
             continue
         items = list(given) if isinstance(given, (list, tuple)) else None
-        if items is None or not all(callable(x) for x in items):
+        if items is None or not all(callable(x) for x in items):  # (0 or False too, which generate refuses)
             return None, f"{name}={given!r} (expected a list of callables)"
+        if not items:  # nothing to run
+            continue
         same = sorted({type(x).__name__ for x in items if type(x) in own})
         if same:
             return None, f"{name} holding {', '.join(same)}, which replaces generate's own of that type"
@@ -741,9 +746,11 @@ def _plan(model, state, args, kwargs):
     processors_arg, criteria_arg = kwargs.pop("logits_processor", None), kwargs.pop("stopping_criteria", None)
     prefix_allowed = kwargs.pop("prefix_allowed_tokens_fn", None)
     assistant = kwargs.pop("assistant_model", None)
-    for name in ("negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "synced_gpus",
-                 "past_key_values", "inputs_embeds", "assistant_tokenizer"):
-        if _is_set(kwargs.pop(name, None)):
+    if _is_set(kwargs.pop("synced_gpus", None)):
+        return None, "synced_gpus is not supported"
+    for name in ("negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "past_key_values",
+                 "inputs_embeds", "assistant_tokenizer"):
+        if kwargs.pop(name, None) is not None:  # (an empty value too: generate reads or refuses it)
             return None, f"{name} is not supported"
     if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.shape[1] == 0:
         return None, "input_ids must be a non-empty [batch, length] tensor"
@@ -766,7 +773,8 @@ def _plan(model, state, args, kwargs):
                       and getattr(getattr(model, "generation_config", None), "max_length", None) is None)
     gc, model_kwargs = _generation_config(model, generation_config, kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
-    model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None and k not in ("use_cache",)}
+    model_kwargs = {k: v for k, v in model_kwargs.items()
+                    if k != "use_cache" and not (k in _NONE_MODEL_KWARGS and v is None)}
     if model_kwargs:
         return None, f"generate argument(s) {sorted(model_kwargs)} are not supported"
     reasons = _unsupported_config(gc)
