@@ -461,9 +461,10 @@ def _min_tokens(gc, L: int) -> int:
 def _refused_as_generate_reads(gc, assistant):
     """Options generate itself refuses as it reads them, or None: its generation mode (a top_k or penalty_alpha
     it cannot compare), its special tokens as tensors (a token id that is no number), the prompt lookup's sizes
-    (its candidate generator's check) and a prefill chunk size that is no positive int."""
+    (its candidate generator's check), a bool top_k when sampling, and a prefill chunk size that is no positive
+    int."""
     try:
-        getattr(gc, "get_generation_mode")(assistant)
+        gc.get_generation_mode(assistant)
     except (TypeError, ValueError) as e:
         return f"the generation mode of these options: {str(e)[:80]}"
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
