@@ -190,10 +190,8 @@ def load_eagle(name_or_path: str, model=None):
     (fastverify.heads.BaseModelMismatch), the layer put on its device. FileNotFoundError / CheckpointError for a
     missing, unreadable or inconsistent checkpoint."""
     path = resolve_checkpoint(name_or_path)
-    cfg, tensors = read_checkpoint(path, WEIGHTS_NAME, "eagle", ("eagle",), FORMAT, "an EAGLE draft layer")
-    for key in ("hidden_size", "num_heads", "intermediate_size"):
-        if type(cfg.get(key)) is not int or cfg[key] < 1:
-            raise CheckpointError(f"eagle checkpoint {path!r}: {key} {cfg.get(key)!r}, expected an int >= 1")
+    cfg, tensors = read_checkpoint(path, WEIGHTS_NAME, "eagle", ("eagle",), FORMAT, "an EAGLE draft layer",
+                                   sizes=("hidden_size", "num_heads", "intermediate_size"))
     try:
         D, H, I = cfg["hidden_size"], cfg["num_heads"], cfg["intermediate_size"]
         layer = EagleLayer(D, H, I, tensors.get("vocab_subset"), float(cfg.get("rope_theta", 10000.0)))

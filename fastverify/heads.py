@@ -303,11 +303,13 @@ def resolve_checkpoint(name_or_path: str) -> str:
     return path
 
 
-def read_checkpoint(path: str, weights_name: str, what: str, methods, fmt: int, describes: str = None):
+def read_checkpoint(path: str, weights_name: str, what: str, methods, fmt: int, describes: str = None,
+                    sizes=()):
     """(config dict, tensors) of a checkpoint folder: ``config.json`` (its "method" one of ``methods``, its "format"
-    ``fmt``) and the safetensors file ``weights_name``. ``what`` names the kind in the errors (``describes``: what
-    its config must describe, default ``what``): FileNotFoundError
-    for a missing file, CheckpointError for invalid JSON, another method or format, or an unreadable file."""
+    ``fmt``, each field named in ``sizes`` an int >= 1) and the safetensors file ``weights_name``. ``what`` names
+    the kind in the errors (``describes``: what its config must describe, default ``what``): FileNotFoundError
+    for a missing file, CheckpointError for invalid JSON, another method or format, a size that is no positive int
+    (a string or a fraction, which int() would have read), or an unreadable file."""
     cfg_path, w_path = os.path.join(path, CONFIG_NAME), os.path.join(path, weights_name)
     for p in (cfg_path, w_path):
         if not os.path.isfile(p):
@@ -323,6 +325,9 @@ def read_checkpoint(path: str, weights_name: str, what: str, methods, fmt: int, 
                               f"(expected \"method\" in {list(methods)}, got {got!r})")
     if cfg.get("format") != fmt:
         raise CheckpointError(f"{what} checkpoint {path!r}: format {cfg.get('format')!r}, this fastverify reads {fmt}")
+    for key in sizes:
+        if type(cfg.get(key)) is not int or cfg[key] < 1:
+            raise CheckpointError(f"{what} checkpoint {path!r}: {key} {cfg.get(key)!r}, expected an int >= 1")
     try:
         from safetensors.torch import load_file
         tensors = load_file(w_path)
@@ -337,7 +342,8 @@ def load_heads(name_or_path: str, model=None):
     the heads on the model's device. Raises FileNotFoundError (missing folder/file) or CheckpointError
     (unreadable or inconsistent)."""
     path = resolve_checkpoint(name_or_path)
-    cfg, tensors = read_checkpoint(path, WEIGHTS_NAME, "heads", ("bpd",), FORMAT, "proposal heads")
+    cfg, tensors = read_checkpoint(path, WEIGHTS_NAME, "heads", ("bpd",), FORMAT, "proposal heads",
+                                   sizes=("num_heads", "hidden_size"))
     for name in _MATRICES:  # Q8_0 blocks back to their float32 values
         q, d = tensors.get(name), tensors.pop(name + "_scale", None)
         if q is None or (q.dtype != torch.int8 and d is None):
@@ -348,10 +354,7 @@ def load_heads(name_or_path: str, model=None):
                                   f"of 32) and {name}_scale [..., K / 32], got {q.dtype} {tuple(q.shape)} and "
                                   f"{None if d is None else (d.dtype, tuple(d.shape))}")
         tensors[name] = dequantize_q8_0(q, d)
-    H, D, ffn = cfg.get("num_heads"), cfg.get("hidden_size"), cfg.get("ffn_size", 0)
-    for key, value in (("num_heads", H), ("hidden_size", D)):
-        if type(value) is not int or value < 1:
-            raise CheckpointError(f"heads checkpoint {path!r}: {key} {value!r}, expected an int >= 1")
+    H, D, ffn = cfg["num_heads"], cfg["hidden_size"], cfg.get("ffn_size", 0)
     if type(ffn) is not int or ffn < 0:
         raise CheckpointError(f"heads checkpoint {path!r}: ffn_size {ffn!r}, expected an int >= 0")
     F_ = ffn or D

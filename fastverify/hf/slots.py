@@ -443,17 +443,16 @@ def load_slot_drafter(path: str, model, **options) -> BlockSlotDrafter:
     Raises FileNotFoundError / fastverify.heads.CheckpointError for missing or inconsistent files."""
     from fastverify.heads import CheckpointError, check_fingerprint, read_checkpoint
     from fastverify.ptp import AuxiliaryEmbedding
-    cfg, tensors = read_checkpoint(path, SLOTS_WEIGHTS, "slot drafter", ("gad", "lud", "ptp"), SLOTS_FORMAT)
+    cfg, tensors = read_checkpoint(path, SLOTS_WEIGHTS, "slot drafter", ("gad", "lud", "ptp"), SLOTS_FORMAT,
+                                   sizes=("hidden_size", "num_slots", "rank"))
     ptp = cfg["method"] == "ptp"
-    for key in ("hidden_size", "num_slots", "rank"):
-        lo = 2 if key == "num_slots" and ptp else 1  # (a PTP checkpoint counts the slot of the next token)
-        if type(cfg.get(key)) is not int or cfg[key] < lo:
-            raise CheckpointError(f"slot checkpoint {path!r}: {key} {cfg.get(key)!r}, expected an int >= {lo}")
+    if ptp and cfg["num_slots"] < 2:  # (a PTP checkpoint counts the slot of the next token)
+        raise CheckpointError(f"slot checkpoint {path!r}: num_slots {cfg['num_slots']!r}, expected an int >= 2")
     if not isinstance(cfg.get("layers"), list) or type(cfg.get("alpha")) not in (int, float):
         raise CheckpointError(f"slot checkpoint {path!r}: expected a list of layers and a number alpha, got "
                               f"{cfg.get('layers')!r} and {cfg.get('alpha')!r}")
     for key, allowed in (("aux_mode", AuxiliaryEmbedding.MODES + ("none",)), ("variant", PTPSlotDrafter.VARIANTS)):
-        if ptp and cfg.get(key, allowed[0]) not in allowed:
+        if ptp and key in cfg and cfg[key] not in allowed:
             raise CheckpointError(f"slot checkpoint {path!r}: {key} {cfg[key]!r}, expected one of {allowed}")
     if "base_fingerprint" not in cfg:
         raise CheckpointError(f"slot checkpoint {path!r}: config has no base_fingerprint")
