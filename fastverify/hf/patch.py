@@ -458,11 +458,12 @@ def _min_tokens(gc, L: int) -> int:
     return int(gc.min_length or 0) - L
 
 
-def _refused_as_generate_reads(gc, assistant):
+def _refused_as_generate_reads(gc, assistant, L: int):
     """Options generate itself refuses as it reads them, or None: its generation mode (a top_k or penalty_alpha
     it cannot compare), its special tokens as tensors (a token id that is no number), the prompt lookup's sizes
-    (its candidate generator's check), a bool top_k when sampling, and a prefill chunk size that is no positive
-    int."""
+    (its candidate generator's check), a bool top_k when sampling, a prefill chunk size that is no positive int,
+    and the minimum lengths its processors' constructors refuse (a float min_new_tokens; built where generate
+    builds them: an eos criterion, a length > 0, min_length L + min_new_tokens where that is set)."""
     try:
         gc.get_generation_mode(assistant)
     except (TypeError, ValueError) as e:
@@ -483,25 +484,17 @@ def _refused_as_generate_reads(gc, assistant):
     chunk = getattr(gc, "prefill_chunk_size", None)
     if chunk is not None and not (type(chunk) is int and chunk > 0):
         return f"prefill_chunk_size={chunk!r}"
-    return None
-
-
-def _length_values_refused(gc, L: int):
-    """generate's own minimum-length processors, built as it builds them (where it holds an eos criterion and the
-    length is > 0; min_length is L + min_new_tokens where that is set) for their constructors' checks: the error
-    they raise (a float min_new_tokens), or None."""
-    if gc.eos_token_id is None:
-        return None
-    from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
-    eos = torch.tensor(_as_list(gc.eos_token_id), dtype=torch.int64)
-    min_length = gc.min_length if gc.min_new_tokens is None else gc.min_new_tokens + L
-    try:
-        if min_length is not None and min_length > 0:
-            MinLengthLogitsProcessor(min_length, eos)
-        if gc.min_new_tokens is not None and gc.min_new_tokens > 0:
-            MinNewTokensLengthLogitsProcessor(L, gc.min_new_tokens, eos)
-    except (ValueError, TypeError) as e:
-        return str(e)
+    if gc.eos_token_id is not None:
+        from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+        eos = torch.tensor(_as_list(gc.eos_token_id), dtype=torch.int64)
+        min_length = gc.min_length if gc.min_new_tokens is None else gc.min_new_tokens + L
+        try:
+            if min_length is not None and min_length > 0:
+                MinLengthLogitsProcessor(min_length, eos)
+            if gc.min_new_tokens is not None and gc.min_new_tokens > 0:
+                MinNewTokensLengthLogitsProcessor(L, gc.min_new_tokens, eos)
+        except (ValueError, TypeError) as e:
+            return f"min_length={gc.min_length!r}, min_new_tokens={gc.min_new_tokens!r}: {str(e)[:80]}"
     return None
 
 
@@ -781,7 +774,7 @@ def _plan(model, state, args, kwargs):
     reasons = _unsupported_config(gc)
     if reasons:
         return None, "generation option(s) " + ", ".join(reasons) + " are not supported"
-    reason = _refused_as_generate_reads(gc, assistant)
+    reason = _refused_as_generate_reads(gc, assistant, inputs.shape[1])
     if reason:
         return None, reason + " (generate's own error follows)"
     penalty = gc.repetition_penalty
@@ -796,10 +789,6 @@ def _plan(model, state, args, kwargs):
     processors, reason = _token_processors(gc, eos, model_vocab_size(model))
     if reason:
         return None, reason + " (generate's own error follows)"
-    reason = _length_values_refused(gc, inputs.shape[1])
-    if reason:
-        return None, (f"min_length={gc.min_length!r}, min_new_tokens={gc.min_new_tokens!r}: {reason[:80]} "
-                      f"(generate's own error follows)")
     copies = max(1, gc.num_return_sequences)  # sampled sequences per prompt: generate's expand size (no beams here)
     if type(copies) is not int:
         return None, f"num_return_sequences={gc.num_return_sequences!r} (generate's own error follows)"
