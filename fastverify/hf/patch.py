@@ -52,6 +52,9 @@ _PARAMS_OF_RULE = {"greedy": ("min_accept",), "topk": ("k", "min_accept"), "dist
 # rules whose output differs from the target's own decoding (greedy argmax or exact sampling)
 LOSSY_RULES = ("topk", "distance", "gad", "typical", "confidence")
 
+# patch options that turn one of the loop's ways of computing off (each on by default; the DecodeSettings field)
+_LOOP_SWITCHES = ("skinny_linear", "pack_weights", "lean_layers", "live_rows", "pace_batch")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -282,14 +285,13 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     if inner is not model:  # a torch.compile wrapper: its model, and the wrapper returned
         patch(inner, drafter, rule, **options)
         return model
-    extra = ("max_draft", "backend", "sync", "skinny_linear", "pack_weights", "lean_layers", "live_rows",
-             "pace_batch", "row_processors", "row_hooks", "allow_unknown_model", "invariant_sampling")
+    switches = (*_LOOP_SWITCHES, "row_processors", "row_hooks", "invariant_sampling", "sync", "allow_unknown_model")
+    extra = ("max_draft", "backend", *switches)
     unknown = set(options) - set(RULE_PARAMS) - set(extra)
     if unknown:
         raise TypeError(f"fastverify.patch: unknown option(s) {sorted(unknown)}; expected rule parameters "
                         f"{RULE_PARAMS} or {', '.join(extra)}")
-    for name in ("skinny_linear", "pack_weights", "lean_layers", "live_rows", "pace_batch", "row_processors",
-                 "row_hooks", "invariant_sampling", "sync", "allow_unknown_model"):
+    for name in switches:
         if options.get(name, True) not in (True, False):
             raise TypeError(f"{name}: expected a bool, got {options[name]!r}")
     draft = options.get("max_draft", 32)  # the most draft nodes per request and step
@@ -720,8 +722,30 @@ def _foreign_code(mods) -> tuple:
     return tuple(sorted(names))
 
 
-def _plan(model, state, args, kwargs):
-    """Decide whether the loop can run this generate call. Returns (plan dict, None) or (None, reason)."""
+@dataclasses.dataclass
+class _Call:
+    """A generate call's arguments, as generate reads them: ``kwargs`` holds the rest (generation-config fields
+    and model inputs)."""
+    inputs: torch.Tensor
+    generation_config: object
+    kwargs: dict
+    seed: object = None
+    streamer: object = None
+    tokenizer: object = None  # (generate reads it for stop_strings only)
+    processors: object = None
+    criteria: object = None
+    prefix_allowed: object = None
+    assistant: object = None
+
+
+# (_Call's field, generate's argument)
+_CALL_ARGUMENTS = (("streamer", "streamer"), ("tokenizer", "tokenizer"), ("processors", "logits_processor"),
+                   ("criteria", "stopping_criteria"), ("prefix_allowed", "prefix_allowed_tokens_fn"),
+                   ("assistant", "assistant_model"))
+
+
+def _read_call(args, kwargs):
+    """(call, None), or (None, reason) for arguments the loop does not take."""
     kwargs = dict(kwargs)
     seed = kwargs.pop("seed", None)
     if seed is not None:
@@ -734,12 +758,8 @@ def _plan(model, state, args, kwargs):
         inputs = kwargs.pop("input_ids", None)
     else:
         kwargs.pop("input_ids", None)
-    streamer = kwargs.pop("streamer", None)
-    # generate reads the tokenizer only for stop_strings
-    tokenizer = kwargs.pop("tokenizer", None)
-    processors_arg, criteria_arg = kwargs.pop("logits_processor", None), kwargs.pop("stopping_criteria", None)
-    prefix_allowed = kwargs.pop("prefix_allowed_tokens_fn", None)
-    assistant = kwargs.pop("assistant_model", None)
+    taken = {field: kwargs.pop(name, None) for field, name in _CALL_ARGUMENTS}
+    call = _Call(inputs=inputs, generation_config=generation_config, kwargs=kwargs, seed=seed, **taken)
     if _is_set(kwargs.pop("synced_gpus", None)):
         return None, "synced_gpus is not supported"
     for name in ("negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "past_key_values",
@@ -748,20 +768,26 @@ def _plan(model, state, args, kwargs):
             return None, f"{name} is not supported"
     if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.shape[1] == 0:
         return None, "input_ids must be a non-empty [batch, length] tensor"
+    return call, None
+
+
+def _plan(model, state, args, kwargs):
+    """Decide whether the loop can run this generate call. Returns (plan dict, None) or (None, reason).
+
+    In order: the call's arguments (``_read_call``), the model (its token ids, randomness in training mode, others'
+    hooks), the generation config merged as generate merges it and the values generate refuses as it reads them,
+    generate's processors and criteria for the call, the attention implementation, the padding
+    (``_left_padding``), the length (``_new_tokens``); then the loop's settings (sampling: ``_sampling``)."""
+    call, reason = _read_call(args, kwargs)
+    if reason:
+        return None, reason
+    inputs, generation_config, kwargs = call.inputs, call.generation_config, call.kwargs
     _check_token_ids(model, inputs)
     mods = modules(model)  # ~0.15 ms for SmolLM2's 400 modules
-    random = _random_in_training(model, mods)
-    if random is not None:
-        return None, (f"the model is in training mode, and {random} draws at random in every forward: drafted "
-                      f"forwards cannot follow its draws (model.eval() decodes with the loop)")
-    hooked = None if state.options.get("row_hooks", False) else _foreign_hook_at(model, mods)
-    if hooked is not None:
-        return None, (f"a forward hook on {hooked}: the loop's forwards hold a request's draft rows after its "
-                      f"committed ones (and a long prompt in chunks), so a hook that picks rows by position acts "
-                      f"otherwise than in generate (patch(model, row_hooks=True) declares hooks that compute each "
-                      f"row from that row alone, and the loop then runs with them)")
-    # generate's default length (no max_length in the call, its config or the model's): max_length new tokens past
-    # the prompt, at most the model's max_position_embeddings in all; else max_length counts the prompt too
+    reason = _model_refusal(model, state, mods)
+    if reason:
+        return None, reason
+    # generate's default length: no max_length in the call, its config or the model's (``_new_tokens``)
     default_length = (kwargs.get("max_length") is None
                       and getattr(generation_config, "max_length", None) is None
                       and getattr(getattr(model, "generation_config", None), "max_length", None) is None)
@@ -774,7 +800,7 @@ def _plan(model, state, args, kwargs):
     reasons = _unsupported_config(gc)
     if reasons:
         return None, "generation option(s) " + ", ".join(reasons) + " are not supported"
-    reason = _refused_as_generate_reads(gc, assistant, inputs.shape[1])
+    reason = _refused_as_generate_reads(gc, call.assistant, inputs.shape[1])
     if reason:
         return None, reason + " (generate's own error follows)"
     penalty = gc.repetition_penalty
@@ -813,33 +839,33 @@ def _plan(model, state, args, kwargs):
             return None, f"exponential_decay_length_penalty={decay!r} (generate's own error follows)"
         processors["length_decay"] = ExponentialDecayLengthPenalty(tuple(decay), eos, inputs.shape[1])
     drafter = None  # this call's drafter where generate's arguments name one (assisted decoding's)
-    if assistant is not None:
-        if not (hasattr(assistant, "config") and callable(assistant)):
-            return None, f"assistant_model={type(assistant).__name__} (generate's own error follows)"
-        drafter = DraftModelDrafter(assistant, k=int(gc.num_assistant_tokens or DraftModelDrafter.K))
+    if call.assistant is not None:
+        if not (hasattr(call.assistant, "config") and callable(call.assistant)):
+            return None, f"assistant_model={type(call.assistant).__name__} (generate's own error follows)"
+        drafter = DraftModelDrafter(call.assistant, k=int(gc.num_assistant_tokens or DraftModelDrafter.K))
         mismatch = drafter.vocabulary_mismatch(model)
         if mismatch is not None:
             return None, f"assistant_model: {mismatch} (generate's own error follows)"
     elif gc.prompt_lookup_num_tokens is not None:  # prompt lookup: the n-gram drafter
         drafter = state.drafter if isinstance(state.drafter, NGramDrafter) else NGramDrafter()
-    if prefix_allowed is not None:
+    if call.prefix_allowed is not None:
         if copies > 1:  # the processor's beams: its all -inf fallback reads a prompt's copies together
             return None, "prefix_allowed_tokens_fn with num_return_sequences > 1"
-        processors["prefix_allowed"] = prefix_allowed
+        processors["prefix_allowed"] = call.prefix_allowed
     rows = 1 if state.options.get("row_processors", False) else inputs.shape[0] * copies  # as one row at a time
-    custom, reason = _custom_lists(gc, processors_arg, criteria_arg, rows, prefix_allowed)
+    custom, reason = _custom_lists(gc, call.processors, call.criteria, rows, call.prefix_allowed)
     if reason:
         return None, reason
     stop = None
     if gc.stop_strings is not None:  # as generate: "" too (it ends a row at its first token), and [] (an error)
-        if tokenizer is None:  # generate's own error follows
+        if call.tokenizer is None:  # generate's own error follows
             return None, "stop_strings without a tokenizer"
         try:
-            stop = StopStrings(gc.stop_strings, tokenizer)
+            stop = StopStrings(gc.stop_strings, call.tokenizer)
         except ValueError as e:
             return None, f"stop_strings={gc.stop_strings!r}: {str(e)[:80]} (generate's own error follows)"
     B, L = inputs.shape
-    if streamer is not None and B * copies > 1:
+    if call.streamer is not None and B * copies > 1:
         return None, "a streamer with batch size > 1"
     attn_impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if attn_impl == GQA_ATTENTION:  # another call of the loop on this model is running (gqa_attention)
@@ -847,7 +873,59 @@ def _plan(model, state, args, kwargs):
     if attn_impl not in state.spec.attn_implementations:
         return None, (f"attention implementation {attn_impl!r} (the loop needs one that takes 4D masks: "
                       f"{state.spec.attn_implementations})")
-    pad = gc.pad_token_id
+    attention_mask, pad, reason = _left_padding(inputs, attention_mask, gc.pad_token_id, eos)
+    if reason:
+        return None, reason
+    if copies > 1:  # generate's expansion: each prompt's copies next to each other
+        inputs, attention_mask = inputs.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0)
+    max_new, reason = _new_tokens(model, state, gc, L, default_length)
+    if reason:
+        return None, reason
+    sampling = bool(gc.do_sample)
+    rule = state.rule or ("coupled" if sampling else "greedy")
+    rule_params = {k: state.options[k] for k in RULE_PARAMS if k in state.options}
+    if sampling and rule not in SAMPLING_RULES:
+        warnings.warn(f"fastverify: rule {rule!r} does not sample; generate(do_sample=True) samples with the exact "
+                      f"'coupled' rule instead (patch with rule='speculative' or 'coupled' to choose)", UserWarning,
+                      stacklevel=4)
+        rule, rule_params = "coupled", {}
+    settings = DecodeSettings(max_new_tokens=int(max_new), eos_token_ids=eos, pad_token_id=pad, rule=rule,
+                              pads_ended=pads_ended,
+                              max_draft=int(state.options.get("max_draft", 32)),
+                              backend=state.options.get("backend", "auto"), sync=bool(state.options.get("sync")),
+                              **{name: bool(state.options.get(name, True)) for name in _LOOP_SWITCHES},
+                              max_positions=position_limit(model.config), window=loop_window(model.config),
+                              stop=stop,
+                              min_tokens=_min_tokens(gc, L),
+                              repetition_penalty=1.0 if penalty is None else float(penalty),
+                              no_repeat_ngram_size=ngram, **processors, **custom)
+    settings.rule_params = rule_params
+    settings.remove_invalid = bool(gc.remove_invalid_values)
+    _sampling(settings, gc, warpers, scored, call.seed, B, copies, inputs.device)
+    return {"inputs": inputs, "attention_mask": attention_mask, "settings": settings, "streamer": call.streamer,
+            "return_dict": bool(gc.return_dict_in_generate), "drafter": drafter or state.drafter,
+            "foreign": _foreign_code(mods)}, None
+
+
+def _model_refusal(model, state, mods):
+    """Why the loop cannot drive the model as it is now (``mods``: its modules), or None: randomness in training
+    mode (``_random_in_training``), or someone else's forward hooks (``_foreign_hook_at``)."""
+    random = _random_in_training(model, mods)
+    if random is not None:
+        return (f"the model is in training mode, and {random} draws at random in every forward: drafted "
+                f"forwards cannot follow its draws (model.eval() decodes with the loop)")
+    hooked = None if state.options.get("row_hooks", False) else _foreign_hook_at(model, mods)
+    if hooked is not None:
+        return (f"a forward hook on {hooked}: the loop's forwards hold a request's draft rows after its "
+                f"committed ones (and a long prompt in chunks), so a hook that picks rows by position acts "
+                f"otherwise than in generate (patch(model, row_hooks=True) declares hooks that compute each "
+                f"row from that row alone, and the loop then runs with them)")
+    return None
+
+
+def _left_padding(inputs, attention_mask, pad, eos):
+    """The call's attention mask as generate makes it (from pad_token_id where none is given) and the loop's pad id:
+    (mask, pad, None), or (None, None, reason) for a mask that is not left padding."""
     pad = int(pad[0] if isinstance(pad, (list, tuple)) else pad) if pad is not None else None
     if attention_mask is None:
         if pad is not None and pad not in eos and bool((inputs == pad).any()):
@@ -855,14 +933,20 @@ def _plan(model, state, args, kwargs):
         else:
             attention_mask = torch.ones_like(inputs)
     if attention_mask.shape != inputs.shape:
-        return None, "attention_mask of a shape other than input_ids'"
+        return None, None, "attention_mask of a shape other than input_ids'"
     am = attention_mask.bool()
     if not bool(am[:, -1].all()) or bool((am[:, 1:].int() < am[:, :-1].int()).any()):
-        return None, "attention_mask that is not left padding"
+        return None, None, "attention_mask that is not left padding"
     if pad is None:
         pad = eos[0] if eos else 0
-    if copies > 1:  # generate's expansion: each prompt's copies next to each other
-        inputs, attention_mask = inputs.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0)
+    return attention_mask, pad, None
+
+
+def _new_tokens(model, state, gc, L: int, default_length: bool):
+    """The new tokens generate makes after a (padded) prompt of L tokens: (max_new, None), or (None, reason) where
+    that is none or more than the loop decodes exactly. ``default_length``: no max_length in the call, its config
+    or the model's, where generate makes max_length new tokens past the prompt, at most the model's
+    max_position_embeddings in all (else max_length counts the prompt too)."""
     if gc.max_new_tokens is not None:
         max_new = gc.max_new_tokens
     elif default_length:
@@ -879,30 +963,13 @@ def _plan(model, state, args, kwargs):
     if limit is not None and L + max_new > limit:
         return None, (f"sequence length {L} + {max_new} new tokens beyond {what}: the loop attends with full "
                       f"attention and one RoPE, exact only up to {limit} tokens")
-    sampling = bool(gc.do_sample)
-    rule = state.rule or ("coupled" if sampling else "greedy")
-    rule_params = {k: state.options[k] for k in RULE_PARAMS if k in state.options}
-    if sampling and rule not in SAMPLING_RULES:
-        warnings.warn(f"fastverify: rule {rule!r} does not sample; generate(do_sample=True) samples with the exact "
-                      f"'coupled' rule instead (patch with rule='speculative' or 'coupled' to choose)", UserWarning,
-                      stacklevel=4)
-        rule, rule_params = "coupled", {}
-    settings = DecodeSettings(max_new_tokens=int(max_new), eos_token_ids=eos, pad_token_id=pad, rule=rule,
-                              pads_ended=pads_ended,
-                              max_draft=int(state.options.get("max_draft", 32)),
-                              backend=state.options.get("backend", "auto"), sync=bool(state.options.get("sync")),
-                              skinny_linear=bool(state.options.get("skinny_linear", True)),
-                              pack_weights=bool(state.options.get("pack_weights", True)),
-                              lean_layers=bool(state.options.get("lean_layers", True)),
-                              live_rows=bool(state.options.get("live_rows", True)),
-                              pace_batch=bool(state.options.get("pace_batch", True)),
-                              max_positions=position_limit(model.config), window=loop_window(model.config),
-                              stop=stop,
-                              min_tokens=_min_tokens(gc, L),
-                              repetition_penalty=1.0 if penalty is None else float(penalty),
-                              no_repeat_ngram_size=ngram, **processors, **custom)
-    settings.rule_params = rule_params
-    settings.remove_invalid = bool(gc.remove_invalid_values)
+    return max_new, None
+
+
+def _sampling(settings, gc, warpers, scored: bool, seed, prompts: int, copies: int, device):
+    """A sampling rule's warping and seeds (one per returned sequence: ``copies`` of each of ``prompts``), and the
+    warpers the scores go through, on ``settings``. ``warpers``: generate's sampling warpers, built where the call samples."""
+    sampling, rule = bool(gc.do_sample), settings.rule
     # a warper the verify op does not have: the loop warps the verify rows with generate's whole chain
     torch_warped = (sampling and rule in SAMPLING_RULES
                     and any(isinstance(w, _torch_only_warpers()) for w in warpers))
@@ -924,13 +991,10 @@ def _plan(model, state, args, kwargs):
         else:  # a sampling rule asked for without do_sample: greedy, as temperature 0
             settings.warp = {"temperature": 0.0}
         if seed is None:  # torch's global generator, so torch.manual_seed makes runs reproducible
-            seed_t = torch.randint(0, 2 ** 62, (B * copies,), dtype=torch.int64)
+            seed_t = torch.randint(0, 2 ** 62, (prompts * copies,), dtype=torch.int64)
         else:
-            seed_t = _request_seeds(seed, B, copies)
-        settings.seed = seed_t.to(inputs.device)
-    return {"inputs": inputs, "attention_mask": attention_mask, "settings": settings, "streamer": streamer,
-            "return_dict": bool(gc.return_dict_in_generate), "drafter": drafter or state.drafter,
-            "foreign": _foreign_code(mods)}, None
+            seed_t = _request_seeds(seed, prompts, copies)
+        settings.seed = seed_t.to(device)
 
 
 def _warpers(gc, device):
