@@ -1101,7 +1101,7 @@ def _warn_precision(model, state, rule):
 
 def _sample_row_invariant(model, state, plan):
     """Seeded sampling under the coupled rule draws each token as undrafted decoding would, draw for draw, where the
-    loop's forwards are row-invariant (a sampled row's logits the same bits beside draft rows: README, "Exactness").
+    loop's forwards are row-invariant (a sampled row's logits the same bits beside draft rows: docs/hf.md, "Exactness").
     Checked once per setup (``probe.check_rows``, kept as the probe's verdicts are); where they are not, this call
     samples without drafts (its draws those of the seeded stream), with a warning."""
     settings = plan["settings"]

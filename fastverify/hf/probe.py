@@ -179,7 +179,7 @@ def check_rows(model, settings: DecodeSettings):
     computes into new tensors, whose elementwise kernels take their scalar tail at a position that depends on the
     row count (a tiny Laguna's router with a soft cap on logits over four experts), an elementwise kernel whose path
     depends on a slice's layout (GELU; the loop's ``row_gelu`` makes transformers' and torch's GELU modules agree), on
-    a GPU any of torch's GEMMs (README: "Exactness")."""
+    a GPU any of torch's GEMMs (docs/hf.md: "Exactness")."""
     device = model.get_input_embeddings().weight.device
     probe = _probe_settings(settings, ROW_NEW_TOKENS)
     for prompts in ROW_BATCHES:
