@@ -461,43 +461,12 @@ class Decoder:
         t0 = time.perf_counter()
         # 1. draft: a step commits accept_len + 1 tokens, so drafting deeper than remaining - 1 is wasted.
         remaining = [self.remaining(b) for b in range(B)]
-        budget = [min(s.max_draft, max(r - 1, 0)) if not self.plain else 0 for r in remaining]
-        if self.row_cap is not None:
-            budget = [min(bud, self.row_cap) for bud in budget]
-        if s.pace_batch and B > 1 and self.device.type == "cpu" and s.rule in DRAFT_FREE_RULES:
-            budget = self._paced(budget, remaining)
-        trees = self.drafter.propose(self.contexts, budget)
-        check_drafts(self.drafter, trees, B, self.vocab_size)
-        trees = [_prune(t, r - 1) if r > 0 else empty_tree() for t, r in zip(trees, remaining)]
-        trees = [t if len(t) <= bud else _prune_nodes(t, bud) for t, bud in zip(trees, budget)]
-        if s.bans:  # nodes a processor bans cannot be accepted
-            trees = [self.proc.drop_banned(b, t) if remaining[b] > 0 and len(t) else t for b, t in enumerate(trees)]
-        # Lexical Unit Decoding (rule "confidence" with a drafter that knows its confidence): the lookahead tokens
-        # it is sure of are accepted unchecked, and every other token is the target's argmax, LUD's normal-position
-        # token (fastverify.hf.slots); other drafters get the verify op's confidence rule on the target's p.
-        rule, forced = s.rule, None
-        if s.rule == "confidence" and callable(getattr(self.drafter, "confident_prefix", None)):
-            asserted = self.drafter.confident_prefix(trees, self.root, s.rule_params.get("beta", 1.0))
-            if not isinstance(asserted, (list, tuple)) or len(asserted) != B:
-                raise ValueError(f"drafter {type(self.drafter).__name__}: confident_prefix() must return {B} ints")
-            trees, forced = map(list, zip(*[_forced_first(t, int(f)) for t, f in zip(trees, asserted)]))
-            rule = "greedy"
+        trees, rule, forced = self._draft(remaining)
         t1 = time.perf_counter()
 
         # 2. inputs: 4D mask over [cache | root + drafts], positions = committed length + depth.
         cache_len = self.cache_len
-        slots = self.slots
-        blocks = None
-        if slots is not None:
-            blocks = slots.slot_attachments(trees, [r > 0 and not self.plain for r in remaining])
-        if blocks is not None and s.max_positions is not None:
-            blocks = _blocks_below(blocks, trees, cache_len, self.pad_len, slots.block_size, s.max_positions)
-        if blocks is not None and self.row_cap is not None:  # a request's rows within its share (row_cap)
-            blocks = [attach[:max(self.row_cap - len(tree), 0) // slots.block_size]
-                      for attach, tree in zip(blocks, trees)]
-        inp = step_inputs(trees, self.root, cache_len, self.pad_len, self.dtype, self.device, blocks=blocks,
-                          block_size=slots.block_size if slots is not None else 0,
-                          bidirectional=slots is not None and slots.bidirectional)
+        inp, blocks = self._inputs(trees, remaining)
         draft_tokens, cu_nodes, parents = inp.draft_tokens, inp.cu_nodes, inp.parents
         S = max(cache_len)
         t2 = time.perf_counter()
@@ -560,6 +529,79 @@ class Decoder:
         t4 = time.perf_counter()
 
         # 5. commit: the accepted path + next token, cut at eos, stop strings and max_new_tokens.
+        keep = self._commit(trees, remaining, accept_len, next_token, accepted, inp, logits, raw, step_logits,
+                            blocks)
+        t5 = time.perf_counter()
+
+        # 6. cache: slot S + (0, 1 + accepted...) -> cache_len[b] + (0, 1, ...); then crop to the longest.
+        self._keep_accepted(cache_len, S, accepted, keep)
+        self._sync()
+        t6 = time.perf_counter()
+
+        st.steps += 1
+        st.time_draft += t1 - t0
+        st.time_inputs += t2 - t1
+        if first:
+            st.time_prefill += t3 - t2
+        else:
+            st.time_forward += t3 - t2
+        st.time_verify += t4 - t3
+        st.time_commit += t5 - t4
+        st.time_cache += t6 - t5
+
+    def _draft(self, remaining):
+        """A step's drafts: the drafter's trees within each running request's budget (``remaining``: the tokens
+        each may still make), without the nodes a processor bans. Returns (trees, the rule verify runs, per request
+        the leading tokens accepted unchecked or None): with rule "confidence" and a drafter that knows its
+        confidence (Lexical Unit Decoding), the lookahead tokens it is sure of are accepted unchecked and every
+        other token is the target's argmax, LUD's normal-position token (fastverify.hf.slots), under the greedy
+        rule; other drafters get the verify op's confidence rule on the target's p."""
+        s, B = self.s, self.B
+        budget = [min(s.max_draft, max(r - 1, 0)) if not self.plain else 0 for r in remaining]
+        if self.row_cap is not None:
+            budget = [min(bud, self.row_cap) for bud in budget]
+        if s.pace_batch and B > 1 and self.device.type == "cpu" and s.rule in DRAFT_FREE_RULES:
+            budget = self._paced(budget, remaining)
+        trees = self.drafter.propose(self.contexts, budget)
+        check_drafts(self.drafter, trees, B, self.vocab_size)
+        trees = [_prune(t, r - 1) if r > 0 else empty_tree() for t, r in zip(trees, remaining)]
+        trees = [t if len(t) <= bud else _prune_nodes(t, bud) for t, bud in zip(trees, budget)]
+        if s.bans:  # nodes a processor bans cannot be accepted
+            trees = [self.proc.drop_banned(b, t) if remaining[b] > 0 and len(t) else t for b, t in enumerate(trees)]
+        rule, forced = s.rule, None
+        if s.rule == "confidence" and callable(getattr(self.drafter, "confident_prefix", None)):
+            asserted = self.drafter.confident_prefix(trees, self.root, s.rule_params.get("beta", 1.0))
+            if not isinstance(asserted, (list, tuple)) or len(asserted) != B:
+                raise ValueError(f"drafter {type(self.drafter).__name__}: confident_prefix() must return {B} ints")
+            trees, forced = map(list, zip(*[_forced_first(t, int(f)) for t, f in zip(trees, asserted)]))
+            rule = "greedy"
+        return trees, rule, forced
+
+    def _inputs(self, trees, remaining):
+        """A step's model inputs (``step_inputs``): the 4D mask over [cache | root + drafts], positions = committed
+        length + depth, and a slot drafter's blocks of slot rows (within the positions and each request's row
+        share). Returns (inputs, blocks or None)."""
+        s, slots, cache_len = self.s, self.slots, self.cache_len
+        blocks = None
+        if slots is not None:
+            blocks = slots.slot_attachments(trees, [r > 0 and not self.plain for r in remaining])
+        if blocks is not None and s.max_positions is not None:
+            blocks = _blocks_below(blocks, trees, cache_len, self.pad_len, slots.block_size, s.max_positions)
+        if blocks is not None and self.row_cap is not None:  # a request's rows within its share (row_cap)
+            blocks = [attach[:max(self.row_cap - len(tree), 0) // slots.block_size]
+                      for attach, tree in zip(blocks, trees)]
+        inp = step_inputs(trees, self.root, cache_len, self.pad_len, self.dtype, self.device, blocks=blocks,
+                          block_size=slots.block_size if slots is not None else 0,
+                          bidirectional=slots is not None and slots.bidirectional)
+        return inp, blocks
+
+    def _commit(self, trees, remaining, accept_len, next_token, accepted, inp, logits, raw, step_logits,
+                blocks) -> list:
+        """A step's commit: per running request its accepted path and next token, cut at eos, stop strings and
+        max_new_tokens, into the request's tokens; the stopping criteria, the streamer, the drafter's update and
+        what the slot / hidden-state drafters read from this step. Returns, per request, how many of the step's
+        cache slots to keep (the root and the accepted nodes; 0 for a request that has ended)."""
+        s, st, B, slots = self.s, self.stats, self.B, self.slots
         cu, flat = inp.cu_host, inp.tokens_host
         keep = [0] * B  # cache slots of the step to keep per request: root + accepted nodes
         st.drafted.append([len(t) if remaining[b] > 0 else None for b, t in enumerate(trees)])
@@ -611,9 +653,12 @@ class Decoder:
             self._hand_hidden(inp, accepted, accept_len)
         # (an ended request's rows still run, never read: its last token, a valid id where pad_token_id may not be)
         self.root = [self.contexts[b][-1] for b in range(B)]
-        t5 = time.perf_counter()
+        return keep
 
-        # 6. cache: slot S + (0, 1 + accepted...) -> cache_len[b] + (0, 1, ...); then crop to the longest.
+    def _keep_accepted(self, cache_len, S, accepted, keep) -> None:
+        """A step's cache: each request's kept slots (``keep[b]``: its root, then its accepted nodes) moved from
+        slot S + (0, 1 + accepted...) to cache_len[b] + (0, 1, ...), then the cache cropped to the longest."""
+        B = self.B
         in_place = all(cache_len[b] == S and accepted[b][:keep[b] - 1] == list(range(keep[b] - 1))
                        for b in range(B) if keep[b])
         if in_place:  # every kept slot already sits where it belongs (B = 1 chains, the common case)
@@ -625,23 +670,10 @@ class Decoder:
             lens_t, acc_t, keep_t = upload_lists([cache_len, acc, keep], torch.int32, self.device)
             # the layers' buffers in one call, unchecked: the loop made these arguments itself (the kernels still
             # bound every move by the slots), and the crop below sets the lengths from the host's own figures
-            compact_cache(cache_pairs(self.cache), lens_t, S, acc_t.view(B, -1), keep_t, backend=s.backend,
+            compact_cache(cache_pairs(self.cache), lens_t, S, acc_t.view(B, -1), keep_t, backend=self.s.backend,
                           validate=False)
         self.cache_len = [c + k for c, k in zip(cache_len, keep)]
         crop_cache(self.cache, max(self.cache_len))
-        self._sync()
-        t6 = time.perf_counter()
-
-        st.steps += 1
-        st.time_draft += t1 - t0
-        st.time_inputs += t2 - t1
-        if first:
-            st.time_prefill += t3 - t2
-        else:
-            st.time_forward += t3 - t2
-        st.time_verify += t4 - t3
-        st.time_commit += t5 - t4
-        st.time_cache += t6 - t5
 
     def _ask_criteria(self) -> None:
         """generate's stopping criteria (``stopping_criteria``, max_time) asked as generate asks them: after its t-th
