@@ -91,6 +91,9 @@ def test_patched_generate_matches_and_records_stats(model):
     assert st.steps + st.accepted_tokens == 12
     summary = st.summary()
     assert 0 <= summary["non_forward_fraction"] < 1
+    text = str(st)  # print(stats(model)): one line; repr keeps the per-step lists
+    assert text.startswith(f"12 new tokens in {st.steps} steps ({12 / st.steps:.2f} tokens per request-step; ")
+    assert f"{st.accepted_tokens} accepted" in text and "forwards" in text and "drafted=" in repr(st)
 
 
 def test_input_ids_keyword_and_max_length(model):

@@ -88,6 +88,16 @@ class LoopStats:
         n = sum(1 for step in self.accepted for a in step if a is not None)
         return (self.accepted_tokens + n) / n if n else 0.0
 
+    def __str__(self) -> str:
+        """One line for people: tokens, steps, drafts and where the time went (repr keeps every per-step list)."""
+        n = sum(self.new_tokens)
+        ms = {"prefill": self.time_prefill, "forwards": self.time_forward, "drafting": self.time_draft,
+              "inputs": self.time_inputs, "verify": self.time_verify, "commit": self.time_commit,
+              "cache": self.time_cache}
+        return (f"{n} new tokens in {self.steps} steps ({self.tokens_per_step:.2f} tokens per request-step; "
+                f"{self.drafted_tokens} draft nodes scored, {self.accepted_tokens} accepted); "
+                f"{self.time_total * 1e3:.1f} ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ms.items()))
+
     def summary(self) -> dict:
         steps_time = self.time_total - self.time_prefill
         other = steps_time - self.time_forward
