@@ -478,6 +478,45 @@ def test_patched_model_pickles_and_loads_patched(how):
     assert torch.equal(loaded.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12), ref)
 
 
+
+def test_save_pretrained_after_patch_writes_the_model_as_it_was(tmp_path):
+    """A patched model's state dict and saved files hold its own weights only (the packed copies the loop streams
+    are not among them); reloaded, unpatched, it generates as before."""
+    model = _llama()
+    ids, mask = _prompts(1)
+    ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12, do_sample=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    patch(model)
+    out, messages = _run(model, ids, mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref) and not _fallbacks(messages)
+    after = model.state_dict()
+    assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)
+    model.save_pretrained(tmp_path)
+    loaded = _finish(transformers.LlamaForCausalLM.from_pretrained(tmp_path))
+    assert not is_patched(loaded)
+    assert torch.equal(loaded.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12), ref)
+
+
+@pytest.mark.parametrize("device_map", ["cpu", "disk"])
+def test_accelerate_device_map_and_disk_offload(tmp_path, device_map):
+    """A model loaded with accelerate's ``device_map`` (its hooks on the modules; "disk": every weight offloaded,
+    on the meta device until a hook loads it for a forward) decodes in the loop exactly as its own generate."""
+    pytest.importorskip("accelerate")
+    _llama().save_pretrained(tmp_path / "model")
+    kw = ({"device_map": "cpu"} if device_map == "cpu" else
+          {"device_map": "auto", "max_memory": {"cpu": "10KB"}, "offload_folder": str(tmp_path / "offload")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _finish(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "model", **kw))
+    if device_map == "disk":
+        assert set(model.hf_device_map.values()) == {"disk"}
+    ids, mask = _prompts(2)
+    ref = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16, do_sample=False)
+    patch(model)
+    out, messages = _run(model, ids, mask, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, ref) and not _fallbacks(messages) and stats(model).steps >= 1
+
+
 # ------------------------------------------------------------------------------------ 6. drafter output
 
 class _BadDrafter(Drafter):
