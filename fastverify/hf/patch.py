@@ -968,7 +968,8 @@ def _new_tokens(model, state, gc, L: int, default_length: bool):
 
 def _sampling(settings, gc, warpers, scored: bool, seed, prompts: int, copies: int, device):
     """A sampling rule's warping and seeds (one per returned sequence: ``copies`` of each of ``prompts``), and the
-    warpers the scores go through, on ``settings``. ``warpers``: generate's sampling warpers, built where the call samples."""
+    warpers the scores go through, on ``settings``. ``warpers``: generate's sampling warpers, built where the call
+    samples."""
     sampling, rule = bool(gc.do_sample), settings.rule
     # a warper the verify op does not have: the loop warps the verify rows with generate's whole chain
     torch_warped = (sampling and rule in SAMPLING_RULES
