@@ -12,6 +12,7 @@ from fastverify.hf import patch, unpatch
 from fastverify.hf import attention
 from fastverify.hf import layers as fastverify_layers
 from fastverify.hf.attention import GQA_ATTENTION, _gqa_sdpa, crop_cache, gqa_attention, new_cache
+from fastverify.hf.linear import substituting
 from fastverify.ops.cache import compact_cache
 
 from conftest import tiny_llama
@@ -37,10 +38,20 @@ def _inputs(B, Hkv, groups, q, S, D, dtype=torch.float32):
     return query, key, value, mask
 
 
+
+@pytest.fixture
+def loop_thread():
+    """The test's thread inside the loop's contexts (``substituting``), where the functions they bind in compute the
+    loop's way (on any other thread, the model's own code)."""
+    with substituting():
+        yield
+
+
 SHAPES = [(1, 3, 3, 1, 37, 64), (1, 3, 3, 16, 300, 64), (2, 2, 2, 5, 19, 16), (3, 1, 4, 7, 8, 8), (1, 2, 1, 4, 11, 32),
           (1, 3, 3, 17, 40, 64), (2, 2, 2, 20, 9, 16)]
 
 
+@pytest.mark.usefixtures("loop_thread")
 @pytest.mark.parametrize("B,Hkv,groups,q,S,D", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gqa_sdpa_equals_transformers_sdpa(B, Hkv, groups, q, S, D, dtype):
@@ -63,6 +74,30 @@ def test_gqa_sdpa_equals_transformers_sdpa(B, Hkv, groups, q, S, D, dtype):
             assert torch.equal(got, want)
 
 
+
+@pytest.mark.parametrize("q", [1, 5])
+def test_bound_functions_are_the_models_own_outside_the_loops_contexts(q):
+    """On a thread outside the loop's contexts (another thread's forward while a patched call runs), ``_gqa_sdpa`` is
+    transformers' sdpa function and ``_eager_rows`` the modeling file's own, bit for bit, where inside they take the
+    rows to masked_attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+    query, key, value, mask = _inputs(2, 2, 3, q, 30, 32)
+    module = _Attn(3)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.2)
+    assert torch.equal(_gqa_sdpa(module, query, key, value, mask, scaling=0.2)[0], want)
+    _, cls = _modeling_file("fv_test_outside", gpt_oss_eager)
+    module = cls(3)
+    module.sinks = torch.randn(6) + 4
+    want, _ = gpt_oss_eager(module, query, key, value, mask, scaling=0.2, dropout=0.0, s_aux=module.sinks)
+    got, _ = attention._eager_rows(module, query, key, value, mask, scaling=0.2, dropout=0.0, s_aux=module.sinks)
+    assert torch.equal(got, want)
+    if attention._masked_attention_op() is not None:
+        with substituting():
+            inside, _ = _gqa_sdpa(module, query, key, value, mask, scaling=0.2)
+        assert not torch.equal(inside, sdpa_attention_forward(module, query, key, value, mask, scaling=0.2)[0])
+
+@pytest.mark.usefixtures("loop_thread")
 def test_gqa_sdpa_leaves_masks_it_does_not_take_to_sdpa():
     """A mask that broadcasts over the batch, or a boolean one, goes to transformers' own function (bit for bit)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -74,6 +109,7 @@ def test_gqa_sdpa_leaves_masks_it_does_not_take_to_sdpa():
         assert torch.equal(got, want)
 
 
+@pytest.mark.usefixtures("loop_thread")
 @pytest.mark.parametrize("q", [1, 4, 17])
 def test_gqa_sdpa_values_narrower_than_keys(q):
     """Latent attention (DeepSeek-V2 / V3): values narrower than the keys go to the masked_attention kernel too,
@@ -337,6 +373,7 @@ def _gemma2_eager(module, query, key, value, attention_mask, dropout=0.0, scalin
                                    softcap=softcap, **kwargs)
 
 
+@pytest.mark.usefixtures("loop_thread")
 @pytest.mark.parametrize("q", [1, 5, attention.MASKED_ATTENTION_ROWS + 1])
 def test_eager_rows_take_the_soft_cap_and_sinks_to_masked_attention(q):
     """Gemma 2's soft cap and gpt-oss's sinks (transformers' own eager functions) go to masked_attention with the
@@ -366,6 +403,7 @@ def test_eager_rows_take_the_soft_cap_and_sinks_to_masked_attention(q):
         assert not torch.allclose(got, plain, rtol=1e-3, atol=1e-3)  # the variant is applied
 
 
+@pytest.mark.usefixtures("loop_thread")
 def test_eager_rows_keep_a_file_function_they_do_not_compute():
     """A modeling file whose eager attention holds more than its arguments show (here: its output doubled) keeps it:
     the first call finds the two apart, and that class runs its own function from then on."""
@@ -383,6 +421,7 @@ def test_eager_rows_keep_a_file_function_they_do_not_compute():
         assert [v for k, v in attention._EAGER_AGREES.items() if k[0] is cls] == [False]
 
 
+@pytest.mark.usefixtures("loop_thread")
 def test_eager_rows_fall_back_to_the_calling_files_function():
     """A class whose own file has no eager function (a subclass defined elsewhere), called from a modeling file's
     code while that file's function is swapped: the fallback is the calling file's original function."""

@@ -2,6 +2,7 @@
 model's own generate, at batch size 1 and 3 (left padded), with the n-gram drafter and the model drafting for
 itself, under eager and sdpa attention; sliding windows the loop masks itself; ALiBi models fall back."""
 
+import threading
 import warnings
 
 import pytest
@@ -329,3 +330,58 @@ def test_gpt_neo_local_layers_within_their_window():
                 assert not fallbacks and st is not None and st.drafted_tokens > 0, fallbacks
             else:
                 assert len(fallbacks) == 1 and "window_size=12" in fallbacks[0], fallbacks
+
+
+class _ForwardsBeside(NGramDrafter):
+    """The n-gram drafter, which at its first proposal (inside the loop's contexts, which bind the model's modules,
+    its configs' implementations and its modeling files' globals) runs ``calls`` on another thread and keeps their
+    results."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls, self.results = calls, None
+
+    def propose(self, contexts, budget):
+        if self.results is None:
+            self.results = {}
+
+            def run():
+                with torch.no_grad():
+                    self.results.update({name: call() for name, call in self.calls.items()})
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+        return super().propose(contexts, budget)
+
+
+# one type of each way the loop binds its own code in for its duration: linear layers and GELU modules, the sdpa and
+# eager attention functions, a file's own SDPA (Falcon), an attention class's own method (XGLM), the decoder layers'
+# forward (Llama, Qwen3), experts implementations and routers (Qwen2-MoE, Mixtral), a file's F (JetMoE, Laguna),
+# experts' own methods (DBRX, Llama 4) and routers (Kolibri, Llama 4), GPT-2's Conv1D, GPT-NeoX's GELU modules
+_BOUND_KINDS = [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"), ("gpt2", "sdpa"), ("gpt_neox", "sdpa"),
+                ("gemma2", "eager"), ("falcon", "sdpa"), ("xglm", "eager"), ("qwen2_moe", "sdpa"),
+                ("mixtral", "sdpa"), ("jetmoe", "eager"), ("dbrx", "sdpa"), ("kolibri1", "sdpa"), ("laguna", "sdpa"),
+                ("llama4_text", "sdpa")]
+
+
+@pytest.mark.parametrize("model_type,attn", _BOUND_KINDS)
+def test_forwards_on_another_thread_during_a_patched_call_are_the_models_own(model_type, attn):
+    """While a patched call decodes, a plain forward of the same model on another thread, and one of another model of
+    the same type, return the logits they return without fastverify, bit for bit: the code the loop binds in for
+    its duration (on the model's modules, its config, its modeling file) runs the loop's way on the loop's thread
+    only."""
+    model, other = tiny(model_type, attn), tiny(model_type, attn)
+    ids, mask = _prompts(3)
+    with torch.no_grad():
+        want = {"model": model(ids, attention_mask=mask).logits, "other": other(ids, attention_mask=mask).logits}
+    drafter = _ForwardsBeside({"model": lambda: model(ids, attention_mask=mask).logits,
+                               "other": lambda: other(ids, attention_mask=mask).logits})
+    patch(model, drafter=drafter)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=8, do_sample=False)
+    assert not [w for w in record if "falling back" in str(w.message)] and stats(model).steps >= 1
+    for name, logits in want.items():
+        assert torch.equal(drafter.results[name], logits), (
+            name, (drafter.results[name] - logits).abs().max().item())

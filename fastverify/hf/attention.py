@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastverify.hf.linear import MAX_ROWS, config_of, module_classes, modules
+from fastverify.hf.linear import MAX_ROWS, config_of, module_classes, modules, substitutes_here, substituting
 from fastverify.ops.cache import cache_layers
 from fastverify.ops.tree import tree_mask
 
@@ -427,8 +427,13 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
       ``repeat_kv`` (which copies every layer's keys and values at every step): the same result bit for bit
       (tests/test_hf_attention.py).
 
-    Anything else goes to transformers' own function. A soft cap, which transformers' function refuses or (before
-    5.21) leaves out, is left out here too where it does."""
+    Anything else goes to transformers' own function, and so does every call on a thread outside the loop's contexts
+    (``substitutes_here``: another thread's forward of the model meanwhile). A soft cap, which transformers' function
+    refuses or (before 5.21) leaves out, is left out here too where it does."""
+    if not substitutes_here():
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
     if kwargs.get("softcap") is not None and _sdpa_drops_softcap():
         kwargs = {k: v for k, v in kwargs.items() if k != "softcap"}
     if _masked_fits(query, key, value, attention_mask, dropout, kwargs):
@@ -465,13 +470,17 @@ def _sdpa_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 
 class ModuleWith(types.ModuleType):
     """The module ``base`` but for the attributes given (``own``): what ``module_globals`` binds in a modeling file
-    in place of ``torch``, ``torch.nn`` or ``torch.nn.functional``."""
+    in place of ``torch``, ``torch.nn`` or ``torch.nn.functional``. The own attributes on a thread inside the loop's
+    contexts only (``substitutes_here``); on any other, the base module's."""
 
     def __init__(self, base, **own):
         super().__init__(base.__name__)
-        self.__dict__.update(own, _base=base)
+        self.__dict__.update(_own=own, _base=base)
 
     def __getattr__(self, name):
+        own = self.__dict__["_own"]
+        if name in own and substitutes_here():
+            return own[name]
         return getattr(self.__dict__["_base"], name)
 
 
@@ -517,17 +526,25 @@ def gqa_attention(model):
         if _masked_attention_op() is not None:
             names = {name for name, _ in sdpa if name in _OWN_SDPA_FILES}
             files = files_of(model, lambda cls: cls.__module__ in names, "torch", torch, _SDPA_TORCH)
-    with switched(configs, "_attn_implementation", GQA_ATTENTION), module_globals(files, "torch", _SDPA_TORCH):
+    with (switched(configs, "_attn_implementation", GQA_ATTENTION), module_globals(files, "torch", _SDPA_TORCH),
+          substituting()):
         yield bool(configs or files)
+
+
+_SWITCHED = {}  # (id(config), name) -> [how many ``switched`` blocks hold it, its value before the first]
 
 
 @contextlib.contextmanager
 def switched(configs, name: str, value):
     """Each config's implementation ``name`` (``_attn_implementation``, ``_experts_implementation``) set to ``value``
     for the block, then restored. The stored field (``name + "_internal"``) where a config has one, not the
-    property: transformers' setter also rewrites a config's sub-configs."""
+    property: transformers' setter also rewrites a config's sub-configs. Meanwhile ``switched_from`` gives the
+    value it had before (for a forward on a thread outside the loop's contexts)."""
     fields = [name + "_internal" if hasattr(cfg, name + "_internal") else name for cfg in configs]
     saved = [getattr(cfg, field) for cfg, field in zip(configs, fields)]
+    with _GLOBALS_LOCK:
+        for cfg, old in zip(configs, saved):
+            _SWITCHED.setdefault((id(cfg), name), [0, old])[0] += 1
     for cfg, field in zip(configs, fields):
         setattr(cfg, field, value)
     try:
@@ -535,6 +552,20 @@ def switched(configs, name: str, value):
     finally:
         for cfg, field, old in zip(configs, fields, saved):
             setattr(cfg, field, old)
+        with _GLOBALS_LOCK:
+            for cfg in configs:
+                held = _SWITCHED[(id(cfg), name)]
+                held[0] -= 1
+                if not held[0]:
+                    del _SWITCHED[(id(cfg), name)]
+
+
+def switched_from(config, name: str):
+    """The value ``switched`` found in ``config``'s implementation ``name`` (the outermost block's), or None where no
+    block holds it switched."""
+    with _GLOBALS_LOCK:
+        held = _SWITCHED.get((id(config), name))
+    return None if held is None else held[1]
 
 
 _GLOBALS_LOCK = threading.Lock()
@@ -545,7 +576,8 @@ _GLOBALS_HELD = {}  # (module, name) -> [how many contexts hold it swapped, the 
 def module_globals(files, name: str, value):
     """For the block, the global ``name`` of each module in ``files`` (a model's modeling files) bound to ``value``,
     then restored; reference-counted, so nested or concurrent loops over models of one file restore it once, when
-    the last ends. Process-wide for that file while held: what another model of the file calls then is ``value``."""
+    the last ends. Process-wide for that file while held: what another model of the file calls then is ``value``,
+    which computes the file's own code on a thread outside the loop's contexts (``linear.substitutes_here``)."""
     with _GLOBALS_LOCK:
         for mod in files:
             held = _GLOBALS_HELD.setdefault((mod, name), [0, getattr(mod, name)])
@@ -609,6 +641,8 @@ def _eager_rows(module, query, key, value, attention_mask, *args, **kwargs):
     that row alone; anything else through the file's own function, called as it was. On the first call per attention
     class and variant both run and must agree to ``EAGER_CHECK_TOLERANCE``, else the class keeps its own function."""
     caller = sys._getframe(1).f_globals  # the file whose global lookup called this (its function: the fallback)
+    if not substitutes_here():  # another thread's forward meanwhile (this model's, or another's of the file)
+        return _own_eager(module, caller)(module, query, key, value, attention_mask, *args, **kwargs)
     softcap, sinks, scaling = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("scaling")
     if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
         sinks = module.sinks
@@ -661,6 +695,17 @@ def _eager_files(model) -> list:
     return files
 
 
+def _on_loop_threads(fn, method: str):
+    """``fn`` as a module's ``method``, on a thread inside the loop's contexts; the class's own ``method`` on any
+    other (``substitutes_here``)."""
+    @functools.wraps(fn)
+    def bound(self, *args, **kwargs):
+        if substitutes_here():
+            return fn(self, *args, **kwargs)
+        return getattr(type(self), method)(self, *args, **kwargs)
+    return bound
+
+
 @contextlib.contextmanager
 def bound_methods(model, table):
     """For the block, each module of ``model`` whose class is a key of ``table`` ((modeling module, class name) ->
@@ -675,7 +720,7 @@ def bound_methods(model, table):
     bound = [(m, hits[type(m)]) for m in (modules(model) if hits else ())
              if type(m) in hits and hits[type(m)][0] not in m.__dict__]
     for m, (method, fn) in bound:
-        setattr(m, method, types.MethodType(fn, m))
+        setattr(m, method, types.MethodType(_on_loop_threads(fn, method), m))
     try:
         yield len(bound)
     finally:
@@ -692,7 +737,7 @@ def eager_attention(model):
     files = []
     if next(model.parameters()).device.type == "cpu" and _masked_attention_op() is not None:
         files = _eager_files(model)
-    with module_globals(files, "eager_attention_forward", _eager_rows):
+    with module_globals(files, "eager_attention_forward", _eager_rows), substituting():
         yield len(files)
 
 
@@ -768,5 +813,6 @@ def own_attention(model):
     yields how many modules were bound. Other models and devices are left as they are."""
     cpu = next(model.parameters()).device.type == "cpu" and _masked_attention_op() is not None
     files = files_of(model, lambda cls: cls.__module__ in _OWN_POLAR_FILES, "torch", torch, _POLAR_TORCH) if cpu else []
-    with bound_methods(model, _OWN_ATTENTION if cpu else {}) as n, module_globals(files, "torch", _POLAR_TORCH):
+    with (bound_methods(model, _OWN_ATTENTION if cpu else {}) as n, module_globals(files, "torch", _POLAR_TORCH),
+          substituting()):
         yield n

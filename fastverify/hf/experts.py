@@ -14,8 +14,8 @@ order. The routers that choose each token's experts (``*TopKRouter``: ``F.linear
 for the same duration, with the ``F`` of their modeling file bound to ``torch.nn.functional`` but for ``linear``
 (and its ``nn`` to ``torch.nn`` but for that ``functional``, for routers that call ``nn.functional.linear``),
 which takes few float32 CPU rows to ``skinny_linear`` (``_row_linear``, bound by ``attention.module_globals``:
-process-wide for that file while any loop runs such a model; another call of the file's ``F.linear`` then computes
-the same to float32 rounding), its outputs of fewer than 32 columns row-aligned (``linear.row_aligned``: the sigmoid
+process-wide for that file while any loop runs such a model, the file's own ``F.linear`` on every thread outside the
+loop's contexts: ``linear.substitutes_here``), its outputs of fewer than 32 columns row-aligned (``linear.row_aligned``: the sigmoid
 that some routers take of their logits then computes each row alone). Experts layers of a modeling file's own code
 take the same kernels: the files whose experts call ``F.linear`` per expert (JetMoE, LongCat-Flash) have their ``F``
 bound likewise; DBRX's expert GLU, which multiplies with tensor methods, runs ``_glu_rows`` for the duration, and
@@ -31,9 +31,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from fastverify.hf.attention import ModuleWith, bound_methods, files_of, module_globals, switched
+from fastverify.hf.attention import ModuleWith, bound_methods, files_of, module_globals, switched, switched_from
 from fastverify.hf.linear import (MAX_ROWS, config_of, modules, row_aligned, row_padded, skinny_available,
-                                  streamable, takes_skinny)
+                                  streamable, substitutes_here, substituting, takes_skinny)
 from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_experts", "skinny_experts_forward", "EXPERTS_IMPLEMENTATION"]
@@ -61,7 +61,14 @@ def _project(x, weights, biases, experts, transposed: bool):
 
 def skinny_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """An experts module's forward (``use_experts_implementation``'s signature and attributes: has_gate, has_bias,
-    is_transposed, has_post_expert_norm, _apply_gate), row by row: see the module docstring."""
+    is_transposed, has_post_expert_norm, _apply_gate), row by row: see the module docstring. On a thread outside the
+    loop's contexts (another thread's forward of the model meanwhile), the implementation its config had before
+    ``skinny_experts`` switched it."""
+    before = None if substitutes_here() else switched_from(self.config, "_experts_implementation")
+    if before is not None:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        original = getattr(type(self).forward, "__wrapped__", type(self).forward)  # the class's own (eager) forward
+        return ALL_EXPERTS_FUNCTIONS.get_interface(before, original)(self, hidden_states, top_k_index, top_k_weights)
     tokens, k = hidden_states.shape[0], top_k_index.shape[-1]
     x = hidden_states.repeat_interleave(k, dim=0)  # (tokens * k, hidden): each token once per chosen expert
     ids = top_k_index.reshape(-1)
@@ -248,5 +255,5 @@ def skinny_experts(model):
         f_files += [mod for mod in files_of(model, _has_own_code, "F", F, _ROW_F) if mod not in f_files]
         own = _OWN_FORWARDS
     with (switched(configs, "_experts_implementation", EXPERTS_IMPLEMENTATION), bound_methods(model, own),
-          module_globals(f_files, "F", _ROW_F), module_globals(nn_files, "nn", _ROW_NN)):
+          module_globals(f_files, "F", _ROW_F), module_globals(nn_files, "nn", _ROW_NN), substituting()):
         yield len(configs)

@@ -55,8 +55,10 @@ import types
 import torch
 
 from fastverify import _ext
-from fastverify.hf.attention import _buffered_layer_class, _eager_rows, _gqa_sdpa, eager_agrees, masked_rows
-from fastverify.hf.linear import MAX_ROWS, modules, packed_group, packed_weight, skinny_available, takes_skinny
+from fastverify.hf.attention import (_buffered_layer_class, _eager_rows, _gqa_sdpa, _on_loop_threads, eager_agrees,
+                                     masked_rows)
+from fastverify.hf.linear import (MAX_ROWS, modules, packed_group, packed_weight, skinny_available, substituting,
+                                  takes_skinny)
 
 __all__ = ["lean_layers", "projection_groups", "LiveRows", "scatter_rows"]
 
@@ -552,6 +554,11 @@ def _agrees(layer) -> bool:
         return False
 
 
+# ``_forward`` on a thread inside the loop's contexts, the class's own forward on any other (another thread's forward
+# of the model meanwhile)
+_LOOP_FORWARD = _on_loop_threads(_forward, "forward")
+
+
 @contextlib.contextmanager
 def lean_layers(model, pack: bool = True, max_rows: int = MAX_ROWS, live: LiveRows = None):
     """Context manager: every eligible decoder layer of ``model`` runs ``_forward`` (module docstring); yields
@@ -561,26 +568,27 @@ def lean_layers(model, pack: bool = True, max_rows: int = MAX_ROWS, live: LiveRo
     global_hooks = nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks  # they see every call
     layers = [] if global_hooks else [m for m in modules(model) if _structure(m)]
     rotary, done = _Rotary(), []
-    try:
-        for layer in layers:
-            try:
-                plan = _Plan(layer, pack, max_rows)
-            except AttributeError:  # a release whose modules lack what the plan reads: the layer's own forward
-                continue
-            layer._fastverify = (plan, rotary, live)
-            layer.forward = types.MethodType(_forward, layer)
-            done.append(layer)
-            cls = (type(layer), getattr(layer.self_attn.config, "_attn_implementation", None))
-            if cls not in _VERDICT:
-                _VERDICT[cls] = _agrees(layer)
-            if not _VERDICT[cls]:
-                del layer.forward, layer._fastverify
-                done.pop()
-        stack = _Stack.build(_decoder_layers(model, done))
-        for layer in done:
-            layer._fastverify[0].stack = stack
-        yield len(done)
-    finally:
-        for layer in done:
-            layer.__dict__.pop("forward", None)
-            layer.__dict__.pop("_fastverify", None)
+    with substituting():  # (the check of each layer class below runs its forward the loop's way)
+        try:
+            for layer in layers:
+                try:
+                    plan = _Plan(layer, pack, max_rows)
+                except AttributeError:  # a release whose modules lack what the plan reads: the layer's own forward
+                    continue
+                layer._fastverify = (plan, rotary, live)
+                layer.forward = types.MethodType(_LOOP_FORWARD, layer)
+                done.append(layer)
+                cls = (type(layer), getattr(layer.self_attn.config, "_attn_implementation", None))
+                if cls not in _VERDICT:
+                    _VERDICT[cls] = _agrees(layer)
+                if not _VERDICT[cls]:
+                    del layer.forward, layer._fastverify
+                    done.pop()
+            stack = _Stack.build(_decoder_layers(model, done))
+            for layer in done:
+                layer._fastverify[0].stack = stack
+            yield len(done)
+        finally:
+            for layer in done:
+                layer.__dict__.pop("forward", None)
+                layer.__dict__.pop("_fastverify", None)

@@ -36,7 +36,7 @@ from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_linears", "skinny_available", "streamable", "takes_skinny", "packed_weight", "packed_group",
            "pack_model", "row_aligned", "row_padded", "row_gelu", "modules", "module_classes", "walked",
-           "config_of", "MAX_ROWS", "ROW_ALIGN"]
+           "config_of", "substituting", "substitutes_here", "MAX_ROWS", "ROW_ALIGN"]
 
 # SmolLM2-135M's linear layers (30 layers + the LM head, fp32, 2 threads, 2-core AMD EPYC (Zen 5) VM), skinny
 # vs torch's GEMM: 2.4x faster at M = 1, 2.4x at 17, 2.4x at 33, 2.0x at 128, 1.7x at 256 (benchmarks/RESULTS.md,
@@ -113,6 +113,29 @@ def model_lock(model) -> threading.RLock:
     return lock
 
 
+
+_SUBSTITUTING = threading.local()  # .depth: how many of the loop's contexts this thread is inside
+
+
+@contextlib.contextmanager
+def substituting():
+    """For the block, this thread runs the code the loop's contexts bind in (``skinny_linears``, ``row_gelu``, the
+    attention functions of fastverify.hf.attention, the decoder layers' forward of fastverify.hf.layers, the experts
+    of fastverify.hf.experts). Each context enters it on the thread that enters the context. The bindings sit on the
+    model's modules and configs, or on a modeling file, where every thread's forwards find them: each bound function
+    asks ``substitutes_here`` first and, on a thread outside every such block (a plain ``model(...)`` beside a
+    patched call, another model of the same modeling file), computes the model's own code instead, bit for bit."""
+    _SUBSTITUTING.depth = getattr(_SUBSTITUTING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _SUBSTITUTING.depth -= 1
+
+
+def substitutes_here() -> bool:
+    """Whether this thread is inside one of the loop's contexts (``substituting``)."""
+    return getattr(_SUBSTITUTING, "depth", 0) > 0
+
 def config_of(module):
     """The module's own ``config`` attribute, or None: read from its ``__dict__``, where transformers' modules keep
     it (``getattr`` goes through nn.Module's ``__getattr__``, which raises and catches for every module without one)."""
@@ -164,7 +187,7 @@ def row_padded(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gelu(x, approximate: str = "none"):
-    return F.gelu(x.contiguous(), approximate=approximate)
+    return F.gelu(x.contiguous() if substitutes_here() else x, approximate=approximate)
 
 
 @contextlib.contextmanager
@@ -184,7 +207,8 @@ def row_gelu(model):
     for m in mods:
         m.forward = _gelu
     try:
-        yield len(acts) + len(mods)
+        with substituting():
+            yield len(acts) + len(mods)
     finally:
         for m in acts:
             m.act = F.gelu
@@ -358,6 +382,8 @@ def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
     unbounded = {c for m in modules(model) for c in [m._modules.get("kv_b_proj")] if c is not None}
 
     def forward(self, x):
+        if not substitutes_here():  # another thread's forward of the model meanwhile: the layer's own
+            return type(self).forward(self, x)
         if takes_skinny(x, self.weight, x.numel() if self in unbounded else max_rows):
             p = packs.get(self)
             if p is not None:
@@ -366,6 +392,8 @@ def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
         return F.linear(x, self.weight, self.bias)
 
     def forward_t(self, x):  # Conv1D: x @ weight + bias
+        if not substitutes_here():
+            return type(self).forward(self, x)
         if takes_skinny(x, self.weight, max_rows):
             return row_aligned(torch.ops.fastverify.skinny_linear_t(x, self.weight, self.bias))
         return conv1d.forward(self, x)
@@ -377,7 +405,8 @@ def skinny_linears(model, max_rows: int = MAX_ROWS, pack: bool = True):
     for m in convs:
         m.forward = types.MethodType(forward_t, m)
     try:
-        yield len(mods) + len(convs)
+        with substituting():
+            yield len(mods) + len(convs)
     finally:
         for m in mods + convs:
             m.__dict__.pop("forward", None)
