@@ -15,8 +15,8 @@ for the same duration, with the ``F`` of their modeling file bound to ``torch.nn
 (and its ``nn`` to ``torch.nn`` but for that ``functional``, for routers that call ``nn.functional.linear``),
 which takes few float32 CPU rows to ``skinny_linear`` (``_row_linear``, bound by ``attention.module_globals``:
 process-wide for that file while any loop runs such a model, the file's own ``F.linear`` on every thread outside the
-loop's contexts: ``linear.substitutes_here``), its outputs of fewer than 32 columns row-aligned (``linear.row_aligned``: the sigmoid
-that some routers take of their logits then computes each row alone). Experts layers of a modeling file's own code
+loop's contexts: ``linear.substitutes_here``), its outputs of fewer than 32 columns row-aligned
+(``linear.row_aligned``: the sigmoid that some routers take of their logits then computes each row alone). Experts layers of a modeling file's own code
 take the same kernels: the files whose experts call ``F.linear`` per expert (JetMoE, LongCat-Flash) have their ``F``
 bound likewise; DBRX's expert GLU, which multiplies with tensor methods, runs ``_glu_rows`` for the duration, and
 Llama 4's experts (``torch.bmm`` over each expert's rows) and router (``nn.Linear.forward``, then a sigmoid of the
