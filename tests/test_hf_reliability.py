@@ -478,7 +478,6 @@ def test_patched_model_pickles_and_loads_patched(how):
     assert torch.equal(loaded.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12), ref)
 
 
-
 def test_save_pretrained_after_patch_writes_the_model_as_it_was(tmp_path):
     """A patched model's state dict and saved files hold its own weights only (the packed copies the loop streams
     are not among them); reloaded, unpatched, it generates as before."""

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastverify.hf.linear import MAX_ROWS, config_of, module_classes, modules, substitutes_here, substituting
+from fastverify.hf.linear import (MAX_ROWS, config_of, module_classes, modules, on_loop_threads, substitutes_here,
+                                  substituting)
 from fastverify.ops.cache import cache_layers
 from fastverify.ops.tree import tree_mask
 
@@ -430,19 +431,16 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     Anything else goes to transformers' own function, and so does every call on a thread outside the loop's contexts
     (``substitutes_here``: another thread's forward of the model meanwhile). A soft cap, which transformers' function
     refuses or (before 5.21) leaves out, is left out here too where it does."""
-    if not substitutes_here():
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    if kwargs.get("softcap") is not None and _sdpa_drops_softcap():
-        kwargs = {k: v for k, v in kwargs.items() if k != "softcap"}
-    if _masked_fits(query, key, value, attention_mask, dropout, kwargs):
-        return _masked(query, key, value, attention_mask, scaling), None
-    if (_masked_cpu_call(query, key.shape[1], attention_mask, dropout, kwargs)
-            and query.shape[2] > 1 and key.shape[1] != query.shape[1]):
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                             scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
+    if substitutes_here():
+        if kwargs.get("softcap") is not None and _sdpa_drops_softcap():
+            kwargs = {k: v for k, v in kwargs.items() if k != "softcap"}
+        if _masked_fits(query, key, value, attention_mask, dropout, kwargs):
+            return _masked(query, key, value, attention_mask, scaling), None
+        if (_masked_cpu_call(query, key.shape[1], attention_mask, dropout, kwargs)
+                and query.shape[2] > 1 and key.shape[1] != query.shape[1]):
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                 scale=scaling, enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
@@ -531,6 +529,7 @@ def gqa_attention(model):
         yield bool(configs or files)
 
 
+_GLOBALS_LOCK = threading.Lock()  # guards _SWITCHED and _GLOBALS_HELD
 _SWITCHED = {}  # (id(config), name) -> [how many ``switched`` blocks hold it, its value before the first]
 
 
@@ -568,7 +567,6 @@ def switched_from(config, name: str):
     return None if held is None else held[1]
 
 
-_GLOBALS_LOCK = threading.Lock()
 _GLOBALS_HELD = {}  # (module, name) -> [how many contexts hold it swapped, the original value]
 
 
@@ -641,14 +639,14 @@ def _eager_rows(module, query, key, value, attention_mask, *args, **kwargs):
     that row alone; anything else through the file's own function, called as it was. On the first call per attention
     class and variant both run and must agree to ``EAGER_CHECK_TOLERANCE``, else the class keeps its own function."""
     caller = sys._getframe(1).f_globals  # the file whose global lookup called this (its function: the fallback)
-    if not substitutes_here():  # another thread's forward meanwhile (this model's, or another's of the file)
-        return _own_eager(module, caller)(module, query, key, value, attention_mask, *args, **kwargs)
     softcap, sinks, scaling = kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("scaling")
     if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
         sinks = module.sinks
     rest = {k: v for k, v in kwargs.items() if k not in ("dropout", "scaling", "softcap", "s_aux", "sliding_window")}
-    if (not args and _masked_fits(query, key, value, attention_mask,
-                                  kwargs.get("dropout", 0.0) if module.training else 0.0, rest)
+    # (on a thread outside the loop's contexts, another thread's forward meanwhile: the file's own, as called)
+    if (substitutes_here() and not args
+            and _masked_fits(query, key, value, attention_mask, kwargs.get("dropout", 0.0) if module.training else 0.0,
+                             rest)
             and (sinks is None or (sinks.dtype == torch.float32 and tuple(sinks.shape) == (query.shape[1],)))
             and (softcap is None or softcap > 0)):
         out = _masked(query, key, value, attention_mask, scaling, softcap, None if sinks is None else sinks.detach())
@@ -695,17 +693,6 @@ def _eager_files(model) -> list:
     return files
 
 
-def _on_loop_threads(fn, method: str):
-    """``fn`` as a module's ``method``, on a thread inside the loop's contexts; the class's own ``method`` on any
-    other (``substitutes_here``)."""
-    @functools.wraps(fn)
-    def bound(self, *args, **kwargs):
-        if substitutes_here():
-            return fn(self, *args, **kwargs)
-        return getattr(type(self), method)(self, *args, **kwargs)
-    return bound
-
-
 @contextlib.contextmanager
 def bound_methods(model, table):
     """For the block, each module of ``model`` whose class is a key of ``table`` ((modeling module, class name) ->
@@ -720,7 +707,7 @@ def bound_methods(model, table):
     bound = [(m, hits[type(m)]) for m in (modules(model) if hits else ())
              if type(m) in hits and hits[type(m)][0] not in m.__dict__]
     for m, (method, fn) in bound:
-        setattr(m, method, types.MethodType(_on_loop_threads(fn, method), m))
+        setattr(m, method, types.MethodType(on_loop_threads(fn, method), m))
     try:
         yield len(bound)
     finally:

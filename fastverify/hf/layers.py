@@ -55,10 +55,9 @@ import types
 import torch
 
 from fastverify import _ext
-from fastverify.hf.attention import (_buffered_layer_class, _eager_rows, _gqa_sdpa, _on_loop_threads, eager_agrees,
-                                     masked_rows)
-from fastverify.hf.linear import (MAX_ROWS, modules, packed_group, packed_weight, skinny_available, substituting,
-                                  takes_skinny)
+from fastverify.hf.attention import _buffered_layer_class, _eager_rows, _gqa_sdpa, eager_agrees, masked_rows
+from fastverify.hf.linear import (MAX_ROWS, modules, on_loop_threads, packed_group, packed_weight, skinny_available,
+                                  substituting, takes_skinny)
 
 __all__ = ["lean_layers", "projection_groups", "LiveRows", "scatter_rows"]
 
@@ -556,7 +555,7 @@ def _agrees(layer) -> bool:
 
 # ``_forward`` on a thread inside the loop's contexts, the class's own forward on any other (another thread's forward
 # of the model meanwhile)
-_LOOP_FORWARD = _on_loop_threads(_forward, "forward")
+_LOOP_FORWARD = on_loop_threads(_forward, "forward")
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ kept while the layer lives, made again when its weight changes (another tensor, 
 """
 
 import contextlib
+import functools
 import threading
 import types
 import weakref
@@ -36,7 +37,7 @@ from fastverify.ops.tree import implemented_backends
 
 __all__ = ["skinny_linears", "skinny_available", "streamable", "takes_skinny", "packed_weight", "packed_group",
            "pack_model", "row_aligned", "row_padded", "row_gelu", "modules", "module_classes", "walked",
-           "config_of", "substituting", "substitutes_here", "MAX_ROWS", "ROW_ALIGN"]
+           "config_of", "substituting", "substitutes_here", "on_loop_threads", "MAX_ROWS", "ROW_ALIGN"]
 
 # SmolLM2-135M's linear layers (30 layers + the LM head, fp32, 2 threads, 2-core AMD EPYC (Zen 5) VM), skinny
 # vs torch's GEMM: 2.4x faster at M = 1, 2.4x at 17, 2.4x at 33, 2.0x at 128, 1.7x at 256 (benchmarks/RESULTS.md,
@@ -135,6 +136,17 @@ def substituting():
 def substitutes_here() -> bool:
     """Whether this thread is inside one of the loop's contexts (``substituting``)."""
     return getattr(_SUBSTITUTING, "depth", 0) > 0
+
+
+def on_loop_threads(fn, method: str):
+    """``fn`` as a module's ``method`` on a thread inside the loop's contexts (``substitutes_here``); the class's
+    own ``method`` on any other."""
+    @functools.wraps(fn)
+    def bound(self, *args, **kwargs):
+        if substitutes_here():
+            return fn(self, *args, **kwargs)
+        return getattr(type(self), method)(self, *args, **kwargs)
+    return bound
 
 def config_of(module):
     """The module's own ``config`` attribute, or None: read from its ``__dict__``, where transformers' modules keep

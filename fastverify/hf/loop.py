@@ -544,7 +544,7 @@ class Decoder:
         t5 = time.perf_counter()
 
         # 6. cache: slot S + (0, 1 + accepted...) -> cache_len[b] + (0, 1, ...); then crop to the longest.
-        self._keep_accepted(cache_len, S, accepted, keep)
+        self._keep_accepted(cache_len, accepted, keep)
         self._sync()
         t6 = time.perf_counter()
 
@@ -665,10 +665,11 @@ class Decoder:
         self.root = [self.contexts[b][-1] for b in range(B)]
         return keep
 
-    def _keep_accepted(self, cache_len, S, accepted, keep) -> None:
+    def _keep_accepted(self, cache_len, accepted, keep) -> None:
         """A step's cache: each request's kept slots (``keep[b]``: its root, then its accepted nodes) moved from
-        slot S + (0, 1 + accepted...) to cache_len[b] + (0, 1, ...), then the cache cropped to the longest."""
-        B = self.B
+        slot S + (0, 1 + accepted...) (S = max(cache_len), where the step's rows start) to cache_len[b] + (0, 1, ...),
+        then the cache cropped to the longest."""
+        B, S = self.B, max(cache_len)
         in_place = all(cache_len[b] == S and accepted[b][:keep[b] - 1] == list(range(keep[b] - 1))
                        for b in range(B) if keep[b])
         if in_place:  # every kept slot already sits where it belongs (B = 1 chains, the common case)
