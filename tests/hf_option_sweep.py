@@ -1,18 +1,21 @@
 """Every generation-config field at edge values: the patched generate against the plain one.
 
-Each field of ``transformers.GenerationConfig`` is set in turn to None, 0, False, "", [], 1, True, -1, 0.5 and 2 on a tiny
-Llama (batch 1 and 2, greedy; batch 2 sampled), and each of generate's other arguments (``ARGUMENTS``: its lists, its
-assisted decoding's, the model inputs it passes on) to those values and empty lists of processors and criteria
-(batch 1 and 2, greedy); the patched call is held to the plain one: both raise, or both return the same sequences
-(sampled calls: both return, the loop's sampler being its own). Prints each pair that
-differs as a JSON line; the prompt lookup at batch size > 1 (which the loop decodes, where generate's assisted
-decoding refuses it) is expected. ``assistant_early_exit`` is left out: generate's early-exit assistant leaves the
-model changed when its call raises, so the calls after it would not compare.
+Each field of ``transformers.GenerationConfig`` is set in turn to None, 0, False, "", [], 1, True, -1, 0.5 and 2 on
+a tiny Llama (batch 1 and 2, greedy; batch 2 sampled), and each of generate's other arguments (``ARGUMENTS``: its
+lists, its assisted decoding's, the model inputs it passes on) to those values and empty lists of processors and
+criteria (batch 1 and 2, greedy); the patched call is held to the plain one: both raise, or both return the same
+sequences (sampled calls: both return, the loop's sampler being its own), having given the same warnings and log
+lines. Prints each pair that differs as a JSON line; the prompt lookup at batch size > 1 (which the loop decodes,
+where generate's assisted decoding refuses it) is expected, and so is generate's deprecation warning for
+``past_key_values=None`` (5.24 deprecates the argument; 5.17 does not), which the loop reads as not given. ``assistant_early_exit`` is left out: generate's
+early-exit assistant leaves the model changed when its call raises, so the calls after it would not compare.
 
     python tests/hf_option_sweep.py [--fields a,b,...]
 """
 
+import io
 import json
+import logging
 import os
 import sys
 import warnings
@@ -34,19 +37,28 @@ ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"
 
 
 def _call(model, ids, mask, kw):
-    """(sequences, None) or (None, the exception's type name)."""
+    """(sequences, None, what it said) or (None, the exception's type name, what it said): its warnings other than
+    fastverify's and transformers' log lines (transformers' once-only warnings forgotten first)."""
+    logging.Logger.warning_once.cache_clear()  # (transformers' lru_cache on the Logger class)
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger("transformers").addHandler(handler)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
             out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=6, **kw)
-        return getattr(out, "sequences", out), None
+        result = getattr(out, "sequences", out), None
     except Exception as e:  # any error generate raises is the reference here
-        return None, type(e).__name__
+        result = None, type(e).__name__
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    said = [str(w.message)[:120] for w in record if "fastverify" not in str(w.message)]
+    return (*result, said + [line[:120] for line in log.getvalue().splitlines()])
 
 
 def sweep(fields=None):
     import transformers
-    transformers.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_warning()
     model = _llama()
     fields = fields or sorted(k for k in vars(transformers.GenerationConfig()) if not k.startswith("_"))
     fields = [f for f in fields if f not in LEFT_OUT]
@@ -59,15 +71,18 @@ def sweep(fields=None):
             for value in values:
                 kw = {name: value, **({"do_sample": True} if sampled else {})}
                 unpatch(model)
-                want, want_error = _call(model, ids, mask, kw)
+                want, want_error, want_said = _call(model, ids, mask, kw)
                 patch(model)
-                got, got_error = _call(model, ids, mask, kw)
+                got, got_error, got_said = _call(model, ids, mask, kw)
                 calls += 1
                 same = (want_error is not None) == (got_error is not None) and (
                     want_error is not None or (want.shape == got.shape and (sampled or torch.equal(want, got))))
                 if not same:
                     differing.append({"batch": B, "sampled": sampled, "field": name, "value": repr(value),
                                       "generate": want_error or "decodes", "patched": got_error or "decodes"})
+                elif want_said != got_said:
+                    differing.append({"batch": B, "sampled": sampled, "field": name, "value": repr(value),
+                                      "generate said": want_said, "patched said": got_said})
     unpatch(model)
     return differing, calls
 

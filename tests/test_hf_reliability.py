@@ -783,6 +783,53 @@ def test_an_argument_generate_refuses_falls_back_to_its_error(kw):
         assert torch.equal(out, want) and not _fallbacks(messages), ok
 
 
+def _told(model, **kw):
+    """(output, warnings, transformers' log lines) of one generate call; transformers' once-only warnings
+    forgotten first, so that each call may give them."""
+    import logging
+
+    logging.Logger.warning_once.cache_clear()  # (transformers' lru_cache on the Logger class)
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = model.generate(**kw)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    return out, [str(w.message) for w in record if "fastverify" not in str(w.message)], log.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("B, kw", [
+    (1, {"max_length": 40, "max_new_tokens": 5}), (1, {"min_length": 40, "min_new_tokens": 2, "max_new_tokens": 6}),
+    (1, {}), (1, {"min_length": 60, "max_length": 40}), (1, {"min_new_tokens": 20, "max_length": 36}),
+    (2, {"max_new_tokens": 6, "mask": False}), (2, {"max_new_tokens": 6, "mask": False, "pad_token_id": None}),
+    (2, {"max_new_tokens": 6, "mask": False, "ends_in_pad": True}), (1, {"max_new_tokens": 6, "eos_token_id": -1}),
+    (2, {"max_new_tokens": 6}),
+], ids=lambda x: str(x) if isinstance(x, dict) else None)
+def test_a_call_the_loop_runs_gives_generates_warnings(B, kw):
+    """The warnings generate gives as it prepares a call (transformers' own methods: both max_new_tokens and
+    max_length set, the default length, minimums past the maximum, a batch without attention mask whose pad is its
+    eos, a negative eos; generate's right-padding check on the last tokens) come from the patched call too, once,
+    with the same output. Before, a call the loop ran gave none of them."""
+    kw = dict(kw)
+    ids, mask = _prompts(B)
+    if kw.pop("ends_in_pad", False):  # a row ending in the pad token, which is an eos: no padding to infer
+        ids[0, -1] = 7
+    call = {"input_ids": ids, "do_sample": False, "eos_token_id": 7, "pad_token_id": 7, **kw}
+    if call.pop("mask", True):
+        call["attention_mask"] = mask
+    want, warned, logged = _told(_llama(), **call)
+    assert warned or logged or (B == 2 and "mask" not in kw)  # each case but the last warns
+    model = _llama()
+    patch(model)
+    out, got_warned, got_logged = _told(model, **call)
+    assert stats(model) is not None, "the loop ran the call"
+    assert torch.equal(out, want)
+    assert (got_warned, got_logged) == (warned, logged)
+
+
 def test_pad_token_outside_the_vocabulary():
     """pad_token_id outside the vocabulary (-1, or past it) runs as in generate, which never feeds it to the model
     while no row has ended: the loop's rows of a request that reached max_new_tokens before the others feed the

@@ -22,6 +22,7 @@ cache_implementation static / offloaded (the loop's own cache holds the same val
 """
 
 import dataclasses
+import functools
 import operator
 import warnings
 
@@ -788,9 +789,9 @@ def _plan(model, state, args, kwargs):
     if reason:
         return None, reason
     # generate's default length: no max_length in the call, its config or the model's (``_new_tokens``)
-    default_length = (kwargs.get("max_length") is None
-                      and getattr(generation_config, "max_length", None) is None
-                      and getattr(getattr(model, "generation_config", None), "max_length", None) is None)
+    default_length, default_min = ((kwargs.get(name) is None and getattr(generation_config, name, None) is None
+                                    and getattr(getattr(model, "generation_config", None), name, None) is None)
+                                   for name in ("max_length", "min_length"))
     gc, model_kwargs = _generation_config(model, generation_config, kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs = {k: v for k, v in model_kwargs.items()
@@ -873,9 +874,11 @@ def _plan(model, state, args, kwargs):
     if attn_impl not in state.spec.attn_implementations:
         return None, (f"attention implementation {attn_impl!r} (the loop needs one that takes 4D masks: "
                       f"{state.spec.attn_implementations})")
+    given_mask = attention_mask is not None
     attention_mask, pad, reason = _left_padding(inputs, attention_mask, gc.pad_token_id, eos)
     if reason:
         return None, reason
+    as_generate = functools.partial(_generate_warnings, model, gc, inputs, given_mask, default_length, default_min)
     if copies > 1:  # generate's expansion: each prompt's copies next to each other
         inputs, attention_mask = inputs.repeat_interleave(copies, 0), attention_mask.repeat_interleave(copies, 0)
     max_new, reason = _new_tokens(model, state, gc, L, default_length)
@@ -904,7 +907,28 @@ def _plan(model, state, args, kwargs):
     _sampling(settings, gc, warpers, scored, call.seed, B, copies, inputs.device)
     return {"inputs": inputs, "attention_mask": attention_mask, "settings": settings, "streamer": call.streamer,
             "return_dict": bool(gc.return_dict_in_generate), "drafter": drafter or state.drafter,
-            "foreign": _foreign_code(mods)}, None
+            "foreign": _foreign_code(mods), "generate_warnings": as_generate}, None
+
+
+def _generate_warnings(model, gc, inputs, given_mask: bool, default_length: bool, default_min: bool):
+    """The warnings generate gives as it prepares a call, for a call the loop runs: both max_new_tokens and
+    max_length set (or both minimums), the model-agnostic default length, minimum lengths past the maximum, a batch
+    without attention mask whose pad is an eos, an eos that is no positive integer, a prompt ending in its pad.
+    Through generate's own methods, on the call's config (a copy: ``_generation_config``), so that their
+    conditions and wording are the running release's; the right padding check is inline in generate, repeated here
+    (the loop refuses masks that end in padding, so only the check on the last tokens can warn). Called where the
+    loop decodes, after the fallbacks, so that no warning comes twice."""
+    B = inputs.shape[0]
+    model._prepare_special_tokens(gc, given_mask, device=inputs.device, batch_size=B)
+    pad = gc._pad_token_tensor
+    if B > 1 and not given_mask and pad is not None and bool((inputs[:, -1] == pad).any()):
+        from transformers.generation.utils import logger
+        logger.warning("A decoder-only architecture is being used, but right-padding was detected! For correct "
+                       "generation results, please set `padding_side='left'` when initializing the tokenizer.")
+    gc = model._prepare_generated_length(generation_config=gc, has_default_max_length=default_length,
+                                         has_default_min_length=default_min, model_input_name="input_ids",
+                                         input_ids_length=inputs.shape[1], inputs_tensor=inputs)
+    model._validate_generated_length(gc, inputs.shape[1], default_length)
 
 
 def _model_refusal(model, state, mods):
@@ -1138,6 +1162,7 @@ def _patched_generate(self, *args, **kwargs):
                         f"a model of type {self.config.model_type!r} running code from outside transformers "
                         f"({', '.join(plan['foreign'])}) failed the loop's check of it")
                 return _fallback(self, state, f"{what} (fastverify.hf.probe): {checks[key]}", args, kwargs)
+        plan["generate_warnings"]()
         _warn_precision(self, state, plan["settings"].rule)
         _sample_row_invariant(self, state, plan)
         record = {}
