@@ -7,8 +7,9 @@ criteria (batch 1 and 2, greedy); the patched call is held to the plain one: bot
 sequences (sampled calls: both return, the loop's sampler being its own), having given the same warnings and log
 lines. Prints each pair that differs as a JSON line; the prompt lookup at batch size > 1 (which the loop decodes,
 where generate's assisted decoding refuses it) is expected, and so is generate's deprecation warning for
-``past_key_values=None`` (5.24 deprecates the argument; 5.17 does not), which the loop reads as not given. ``assistant_early_exit`` is left out: generate's
-early-exit assistant leaves the model changed when its call raises, so the calls after it would not compare.
+``past_key_values=None`` (5.24 deprecates the argument; 5.17 does not), which the loop reads as not given.
+``assistant_early_exit`` is left out: generate's early-exit assistant leaves the model changed when its call raises,
+so the calls after it would not compare.
 
     python tests/hf_option_sweep.py [--fields a,b,...]
 """
