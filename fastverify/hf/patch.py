@@ -465,8 +465,10 @@ def _refused_as_generate_reads(gc, assistant, L: int):
     """Options generate itself refuses as it reads them, or None: its generation mode (a top_k or penalty_alpha
     it cannot compare), its special tokens as tensors (a token id that is no number), the prompt lookup's sizes
     (its candidate generator's check), a bool top_k when sampling, a prefill chunk size that is no positive int,
-    and the minimum lengths its processors' constructors refuse (a float min_new_tokens; built where generate
-    builds them: an eos criterion, a length > 0, min_length L + min_new_tokens where that is set)."""
+    the minimum lengths its processors' constructors refuse (a float min_new_tokens; built where generate
+    builds them: an eos criterion, a length > 0, min_length L + min_new_tokens where that is set), a repetition
+    penalty or n-gram size its processors refuse, an empty eos list without a pad, and counts of returned
+    sequences it refuses (greedy: one)."""
     try:
         gc.get_generation_mode(assistant)
     except (TypeError, ValueError) as e:
@@ -498,7 +500,25 @@ def _refused_as_generate_reads(gc, assistant, L: int):
                 MinNewTokensLengthLogitsProcessor(L, gc.min_new_tokens, eos)
         except (ValueError, TypeError) as e:
             return f"min_length={gc.min_length!r}, min_new_tokens={gc.min_new_tokens!r}: {str(e)[:80]}"
+    penalty = gc.repetition_penalty
+    if penalty is not None and penalty != 1.0 and not (isinstance(penalty, float) and penalty > 0):
+        return f"repetition_penalty={penalty!r}"
+    if type(_ngram_size(gc)) is not int:
+        return f"no_repeat_ngram_size={gc.no_repeat_ngram_size!r}"
+    if gc.eos_token_id is not None and not _as_list(gc.eos_token_id) and gc.pad_token_id is None:
+        return "eos_token_id=[] without a pad_token_id"  # (generate takes eos[0] as its pad)
+    copies = max(1, gc.num_return_sequences)
+    if type(copies) is not int:
+        return f"num_return_sequences={gc.num_return_sequences!r}"
+    if copies > 1 and not gc.do_sample:
+        return f"num_return_sequences={copies} without sampling"
     return None
+
+
+def _ngram_size(gc):
+    """no_repeat_ngram_size as generate runs it: none (0) for a size <= 0."""
+    size = gc.no_repeat_ngram_size
+    return size if size is not None and size > 0 else 0
 
 
 def _token_processors(gc, eos, vocab_size):
@@ -567,6 +587,59 @@ def _own_criteria_types(gc) -> set:
     fields = ((sc.MaxLengthCriteria, True), (sc.MaxTimeCriteria, gc.max_time is not None),
               (sc.StopStringCriteria, gc.stop_strings is not None), (sc.EosTokenCriteria, gc.eos_token_id is not None))
     return {cls for cls, made in fields if made}
+
+
+def _call_processors(model, state, call, gc, eos, inputs, copies: int):
+    """(DecodeSettings fields, None) for generate's processors and criteria of the call, as generate builds them
+    (``_token_processors``, the length penalty, ``prefix_allowed_tokens_fn``, the custom lists, stop strings,
+    repetition penalties), or (None, reason). ``copies``: the sequences returned per prompt."""
+    out, reason = _token_processors(gc, eos, model_vocab_size(model))
+    if reason:
+        return None, reason + " (generate's own error follows)"
+    decay = gc.exponential_decay_length_penalty
+    if decay is not None:  # generate's own processor, built as generate builds it (the padded prompt's length)
+        from transformers.generation.logits_process import ExponentialDecayLengthPenalty
+        if not (isinstance(decay, (tuple, list)) and len(decay) == 2 and isinstance(decay[0], int)
+                and isinstance(decay[1], (int, float)) and eos):
+            return None, f"exponential_decay_length_penalty={decay!r} (generate's own error follows)"
+        out["length_decay"] = ExponentialDecayLengthPenalty(tuple(decay), eos, inputs.shape[1])
+    if call.prefix_allowed is not None:
+        if copies > 1:  # the processor's beams: its all -inf fallback reads a prompt's copies together
+            return None, "prefix_allowed_tokens_fn with num_return_sequences > 1"
+        out["prefix_allowed"] = call.prefix_allowed
+    rows = 1 if state.options.get("row_processors", False) else inputs.shape[0] * copies  # as one row at a time
+    custom, reason = _custom_lists(gc, call.processors, call.criteria, rows, call.prefix_allowed)
+    if reason:
+        return None, reason
+    out.update(custom)
+    if gc.stop_strings is not None:  # as generate: "" too (it ends a row at its first token), and [] (an error)
+        if call.tokenizer is None:  # generate's own error follows
+            return None, "stop_strings without a tokenizer"
+        try:
+            out["stop"] = StopStrings(gc.stop_strings, call.tokenizer)
+        except ValueError as e:
+            return None, f"stop_strings={gc.stop_strings!r}: {str(e)[:80]} (generate's own error follows)"
+    penalty = gc.repetition_penalty
+    out["repetition_penalty"] = 1.0 if penalty is None else float(penalty)
+    out["no_repeat_ngram_size"] = _ngram_size(gc)
+    return out, None
+
+
+def _call_drafter(model, state, call, gc):
+    """(drafter, None) for a call whose arguments name one (assisted decoding's ``assistant_model``: a
+    DraftModelDrafter of it, num_assistant_tokens deep; ``prompt_lookup_num_tokens``: the n-gram drafter), (None,
+    None) for the patch's own, or (None, reason)."""
+    if call.assistant is not None:
+        if not (hasattr(call.assistant, "config") and callable(call.assistant)):
+            return None, f"assistant_model={type(call.assistant).__name__} (generate's own error follows)"
+        drafter = DraftModelDrafter(call.assistant, k=int(gc.num_assistant_tokens or DraftModelDrafter.K))
+        mismatch = drafter.vocabulary_mismatch(model)
+        if mismatch is not None:
+            return None, f"assistant_model: {mismatch} (generate's own error follows)"
+        return drafter, None
+    if gc.prompt_lookup_num_tokens is not None:
+        return (state.drafter if isinstance(state.drafter, NGramDrafter) else NGramDrafter()), None
+    return None, None
 
 
 def _custom_lists(gc, processors, criteria, batch_size, prefix_allowed=None):
@@ -776,9 +849,11 @@ def _plan(model, state, args, kwargs):
     """Decide whether the loop can run this generate call. Returns (plan dict, None) or (None, reason).
 
     In order: the call's arguments (``_read_call``), the model (its token ids, randomness in training mode, others'
-    hooks), the generation config merged as generate merges it and the values generate refuses as it reads them,
-    generate's processors and criteria for the call, the attention implementation, the padding
-    (``_left_padding``), the length (``_new_tokens``); then the loop's settings (sampling: ``_sampling``)."""
+    hooks), the generation config merged as generate merges it and the values generate refuses as it reads them
+    (``_refused_as_generate_reads``), generate's processors and criteria for the call (``_call_processors``), a
+    drafter the call names (``_call_drafter``), the attention implementation, the padding (``_left_padding``), the
+    length (``_new_tokens``); then the loop's settings (sampling: ``_sampling``) and generate's warnings for the call
+    (``_generate_warnings``, given where the loop decodes)."""
     call, reason = _read_call(args, kwargs)
     if reason:
         return None, reason
@@ -788,7 +863,7 @@ def _plan(model, state, args, kwargs):
     reason = _model_refusal(model, state, mods)
     if reason:
         return None, reason
-    # generate's default length: no max_length in the call, its config or the model's (``_new_tokens``)
+    # generate's default lengths: no max_length (min_length) in the call, its config or the model's (``_new_tokens``)
     default_length, default_min = ((kwargs.get(name) is None and getattr(generation_config, name, None) is None
                                     and getattr(getattr(model, "generation_config", None), name, None) is None)
                                    for name in ("max_length", "min_length"))
@@ -804,23 +879,8 @@ def _plan(model, state, args, kwargs):
     reason = _refused_as_generate_reads(gc, call.assistant, inputs.shape[1])
     if reason:
         return None, reason + " (generate's own error follows)"
-    penalty = gc.repetition_penalty
-    if penalty is not None and penalty != 1.0 and not (isinstance(penalty, float) and penalty > 0):
-        return None, f"repetition_penalty={penalty!r} (generate's own error follows)"
-    ngram = gc.no_repeat_ngram_size if gc.no_repeat_ngram_size is not None and gc.no_repeat_ngram_size > 0 else 0
-    if type(ngram) is not int:  # generate runs no processor for a size <= 0
-        return None, f"no_repeat_ngram_size={ngram!r} (generate's own error follows)"
     eos = _as_list(gc.eos_token_id)
-    if gc.eos_token_id is not None and not eos and gc.pad_token_id is None:  # generate takes eos[0] as its pad
-        return None, "eos_token_id=[] without a pad_token_id (generate's own error follows)"
-    processors, reason = _token_processors(gc, eos, model_vocab_size(model))
-    if reason:
-        return None, reason + " (generate's own error follows)"
     copies = max(1, gc.num_return_sequences)  # sampled sequences per prompt: generate's expand size (no beams here)
-    if type(copies) is not int:
-        return None, f"num_return_sequences={gc.num_return_sequences!r} (generate's own error follows)"
-    if copies > 1 and not gc.do_sample:
-        return None, f"num_return_sequences={copies} without sampling (generate's own error follows)"
     warpers = None  # generate's sampling warpers, built once: their constructors check the values as generate's do
     if gc.do_sample:  # values generate's warpers refuse (temperature 0 when sampling, ...): its error, not greedy
         try:
@@ -832,39 +892,12 @@ def _plan(model, state, args, kwargs):
     if scored and inputs.shape[0] * copies > 1 and pads_ended:
         return None, ("output_scores / output_logits at batch size > 1 with an eos_token_id (generate scores the "
                       "padding of a row that ended, which the loop does not run)")
-    decay = gc.exponential_decay_length_penalty
-    if decay is not None:  # generate's own processor, built as generate builds it (the padded prompt's length)
-        from transformers.generation.logits_process import ExponentialDecayLengthPenalty
-        if not (isinstance(decay, (tuple, list)) and len(decay) == 2 and isinstance(decay[0], int)
-                and isinstance(decay[1], (int, float)) and eos):
-            return None, f"exponential_decay_length_penalty={decay!r} (generate's own error follows)"
-        processors["length_decay"] = ExponentialDecayLengthPenalty(tuple(decay), eos, inputs.shape[1])
-    drafter = None  # this call's drafter where generate's arguments name one (assisted decoding's)
-    if call.assistant is not None:
-        if not (hasattr(call.assistant, "config") and callable(call.assistant)):
-            return None, f"assistant_model={type(call.assistant).__name__} (generate's own error follows)"
-        drafter = DraftModelDrafter(call.assistant, k=int(gc.num_assistant_tokens or DraftModelDrafter.K))
-        mismatch = drafter.vocabulary_mismatch(model)
-        if mismatch is not None:
-            return None, f"assistant_model: {mismatch} (generate's own error follows)"
-    elif gc.prompt_lookup_num_tokens is not None:  # prompt lookup: the n-gram drafter
-        drafter = state.drafter if isinstance(state.drafter, NGramDrafter) else NGramDrafter()
-    if call.prefix_allowed is not None:
-        if copies > 1:  # the processor's beams: its all -inf fallback reads a prompt's copies together
-            return None, "prefix_allowed_tokens_fn with num_return_sequences > 1"
-        processors["prefix_allowed"] = call.prefix_allowed
-    rows = 1 if state.options.get("row_processors", False) else inputs.shape[0] * copies  # as one row at a time
-    custom, reason = _custom_lists(gc, call.processors, call.criteria, rows, call.prefix_allowed)
+    processors, reason = _call_processors(model, state, call, gc, eos, inputs, copies)
     if reason:
         return None, reason
-    stop = None
-    if gc.stop_strings is not None:  # as generate: "" too (it ends a row at its first token), and [] (an error)
-        if call.tokenizer is None:  # generate's own error follows
-            return None, "stop_strings without a tokenizer"
-        try:
-            stop = StopStrings(gc.stop_strings, call.tokenizer)
-        except ValueError as e:
-            return None, f"stop_strings={gc.stop_strings!r}: {str(e)[:80]} (generate's own error follows)"
+    drafter, reason = _call_drafter(model, state, call, gc)
+    if reason:
+        return None, reason
     B, L = inputs.shape
     if call.streamer is not None and B * copies > 1:
         return None, "a streamer with batch size > 1"
@@ -898,10 +931,7 @@ def _plan(model, state, args, kwargs):
                               backend=state.options.get("backend", "auto"), sync=bool(state.options.get("sync")),
                               **{name: bool(state.options.get(name, True)) for name in _LOOP_SWITCHES},
                               max_positions=position_limit(model.config), window=loop_window(model.config),
-                              stop=stop,
-                              min_tokens=_min_tokens(gc, L),
-                              repetition_penalty=1.0 if penalty is None else float(penalty),
-                              no_repeat_ngram_size=ngram, **processors, **custom)
+                              min_tokens=_min_tokens(gc, L), **processors)
     settings.rule_params = rule_params
     settings.remove_invalid = bool(gc.remove_invalid_values)
     _sampling(settings, gc, warpers, scored, call.seed, B, copies, inputs.device)
