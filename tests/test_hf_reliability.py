@@ -1433,3 +1433,24 @@ def test_a_compiled_model_patches_the_model_it_wraps():
     out, messages = _run(compiled, ids, mask, max_new_tokens=12)
     assert torch.equal(out, want) and not _fallbacks(messages) and stats(compiled).steps > 0
     assert unpatch(compiled) is compiled and not is_patched(model) and "generate" not in model.__dict__
+
+
+def test_a_model_whose_layers_are_compiled_decodes_exactly_through_them():
+    """Layers compiled in place (``layer.compile()``, transformers' regional compilation): the loop's forwards run
+    through the compiled layers, which trace the loop's own layer code and recompile for its shapes until dynamo's
+    limit, and the output is generate's, in the first call and the next; unpatched, generate's again."""
+    torch._dynamo.reset()
+    model = _llama()
+    ids, mask = _prompts(2)
+    want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16)
+    for layer in model.model.layers:
+        layer.compile(backend="eager")
+    patch(model)
+    try:
+        for _ in range(2):
+            out, messages = _run(model, ids, mask, max_new_tokens=16)
+            assert torch.equal(out, want) and not _fallbacks(messages) and stats(model).steps > 0
+    finally:
+        unpatch(model)
+        torch._dynamo.reset()
+    assert torch.equal(model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16), want)
