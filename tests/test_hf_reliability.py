@@ -1454,3 +1454,48 @@ def test_a_model_whose_layers_are_compiled_decodes_exactly_through_them():
         unpatch(model)
         torch._dynamo.reset()
     assert torch.equal(model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=16), want)
+
+
+def test_autocast_falls_back_to_generate_under_it():
+    """Under ``torch.autocast`` generate's forwards compute in the autocast dtype; the loop's kernels compute in the
+    model's, so the loop would give the model's own float32 tokens (on SmolLM2-135M-Instruct, 3 of the first 3
+    Spec-Bench questions whose output autocast changes, 100 new tokens). The call falls back, naming it, and gives
+    generate's tokens under autocast."""
+    model = _llama()
+    ids, mask = _prompts(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12)
+        patch(model)
+        out, messages = _run(model, ids, mask, max_new_tokens=12)
+    assert torch.equal(out, want)
+    [message] = _fallbacks(messages)
+    assert "torch.autocast is on for cpu (bfloat16)" in message
+    out, messages = _run(model, ids, mask, max_new_tokens=12)  # outside autocast: the loop
+    assert not _fallbacks(messages) and stats(model).steps > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_float32_matmuls_rounding_lower_fall_back(precision):
+    """``torch.set_float32_matmul_precision("medium")`` lets oneDNN round float32 matmuls through bfloat16 on the
+    CPU, which generate's forwards then do and the loop's kernels do not: the call falls back, naming the setting,
+    and gives generate's tokens. A precision this machine's matmuls do not round at (tf32 on CPUs without it) leaves
+    the loop running, its output generate's."""
+    from fastverify.hf.patch import _matmul_rounds
+    model = _llama()
+    ids, mask = _prompts(2)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        torch.backends.mkldnn.matmul.fp32_precision = precision
+        want = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=12)
+        patch(model)
+        out, messages = _run(model, ids, mask, max_new_tokens=12)
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = before
+    assert torch.equal(out, want)
+    if precision == "bf16":
+        assert _matmul_rounds("bf16")
+    if _matmul_rounds(precision):
+        [message] = _fallbacks(messages)
+        assert f"float32 matmul precision {precision!r}" in message
+    else:
+        assert not _fallbacks(messages) and stats(model).steps > 0

@@ -860,7 +860,7 @@ def _plan(model, state, args, kwargs):
     inputs, generation_config, kwargs = call.inputs, call.generation_config, call.kwargs
     _check_token_ids(model, inputs)
     mods = modules(model)  # ~0.15 ms for SmolLM2's 400 modules
-    reason = _model_refusal(model, state, mods)
+    reason = _model_refusal(model, state, mods) or _precision_refusal(model, inputs.device)
     if reason:
         return None, reason
     # generate's default lengths: no max_length (min_length) in the call, its config or the model's (``_new_tokens``)
@@ -975,6 +975,37 @@ def _model_refusal(model, state, mods):
                 f"otherwise than in generate (patch(model, row_hooks=True) declares hooks that compute each "
                 f"row from that row alone, and the loop then runs with them)")
     return None
+
+
+def _precision_refusal(model, device):
+    """Why generate would compute in another precision than the loop's kernels, or None: ``torch.autocast`` on for
+    the inputs' device (generate's forwards then run its ops in the autocast dtype), or float32 matmuls on the CPU
+    that torch is set to round through a lower precision (``torch.set_float32_matmul_precision("medium")``: oneDNN's
+    bfloat16) where they do so on this machine (``_matmul_rounds``). The loop's kernels compute in the model's
+    dtype either way, so its tokens would be the model's own, not those of generate under the setting."""
+    if torch.is_autocast_enabled(device.type):
+        dtype = str(torch.get_autocast_dtype(device.type)).replace("torch.", "")
+        return (f"torch.autocast is on for {device.type} ({dtype}): generate's forwards compute in {dtype} there, "
+                f"the loop's kernels in the model's dtype")
+    precision = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    precision = getattr(precision, "fp32_precision", "ieee")
+    if device.type == "cpu" and precision not in ("ieee", "none") and model_dtype(model) == torch.float32 \
+            and _matmul_rounds(precision):
+        return (f"float32 matmul precision {precision!r} (torch.set_float32_matmul_precision / "
+                f"torch.backends.mkldnn.matmul.fp32_precision): generate's float32 matmuls on this CPU round "
+                f"through it, the loop's kernels compute in float32")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _matmul_rounds(precision: str) -> bool:
+    """Whether float32 matmuls on the CPU round below float32 under oneDNN's ``precision`` on this machine: a
+    [8, 256] x [256, 256] ``F.linear`` against float64, once per precision (bfloat16 rounds to ~2e-3 of the largest
+    output, float32 to ~5e-7; the threshold 1e-5)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 256, generator=g), torch.randn(256, 256, generator=g)
+    ref = x.double() @ w.double().T
+    return bool((torch.nn.functional.linear(x, w).double() - ref).abs().max() > 1e-5 * ref.abs().max())
 
 
 def _left_padding(inputs, attention_mask, pad, eos):
