@@ -947,7 +947,8 @@ def _generate_warnings(model, gc, inputs, given_mask: bool, default_length: bool
     Through generate's own methods, on the call's config (a copy: ``_generation_config``), so that their
     conditions and wording are the running release's; the right padding check is inline in generate, repeated here
     (the loop refuses masks that end in padding, so only the check on the last tokens can warn). Called where the
-    loop decodes, after the fallbacks, so that no warning comes twice."""
+    loop decodes, after the fallbacks, so that no warning comes twice. Returns generate's max_length for the call
+    (``_warn_past_positions``)."""
     B = inputs.shape[0]
     model._prepare_special_tokens(gc, given_mask, device=inputs.device, batch_size=B)
     pad = gc._pad_token_tensor
@@ -959,6 +960,20 @@ def _generate_warnings(model, gc, inputs, given_mask: bool, default_length: bool
                                          has_default_min_length=default_min, model_input_name="input_ids",
                                          input_ids_length=inputs.shape[1], inputs_tensor=inputs)
     model._validate_generated_length(gc, inputs.shape[1], default_length)
+    return gc.max_length
+
+
+def _warn_past_positions(model, max_length, L: int, T: int):
+    """generate's reminder that a call ran past the model's max_position_embeddings, from its own length criterion
+    asked as generate asks it after each token: where the batch reached a length in (max_position_embeddings,
+    max_length) (``L``: the padded prompt's length, ``T``: the output's)."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is None or max_length is None:
+        return
+    length = max(L, positions) + 1
+    if length <= min(T, max_length - 1):
+        from transformers.generation.stopping_criteria import MaxLengthCriteria
+        MaxLengthCriteria(max_length, positions)(torch.empty(1, length, dtype=torch.long), None)
 
 
 def _model_refusal(model, state, mods):
@@ -1223,12 +1238,13 @@ def _patched_generate(self, *args, **kwargs):
                         f"a model of type {self.config.model_type!r} running code from outside transformers "
                         f"({', '.join(plan['foreign'])}) failed the loop's check of it")
                 return _fallback(self, state, f"{what} (fastverify.hf.probe): {checks[key]}", args, kwargs)
-        plan["generate_warnings"]()
+        max_length = plan["generate_warnings"]()
         _warn_precision(self, state, plan["settings"].rule)
         _sample_row_invariant(self, state, plan)
         record = {}
         sequences, loop_stats = decode(self, plan["inputs"], plan["attention_mask"], plan["drafter"],
                                        plan["settings"], plan["streamer"], record=record)
+        _warn_past_positions(self, max_length, plan["inputs"].shape[1], sequences.shape[1])
         state.last_stats = loop_stats
     if plan["return_dict"]:  # generate's output (no cache: the loop's is in its own per-request layout)
         from transformers.generation.utils import GenerateDecoderOnlyOutput
