@@ -69,13 +69,14 @@ class EagleLayer(nn.Module):
         self.head_dim, self.rope_theta = D // self.num_heads, float(rope_theta)
         # the input projection starts as [I | small]: u_j starts near F_j (the projection's own input), so the
         # untrained layer proposes what the target's row predicts, as zero-initialised proposal heads do
-        self.fc = nn.Parameter(torch.cat([torch.eye(D), torch.randn(D, D) / (4 * math.sqrt(D))], 1))
-        self.qkv = nn.Parameter(torch.randn(3 * D, D) / math.sqrt(D))
-        self.o = nn.Parameter(torch.zeros(D, D))
-        self.gate_up = nn.Parameter(torch.randn(2 * I, D) / math.sqrt(D))
-        self.down = nn.Parameter(torch.zeros(D, I))
-        self.norm1 = nn.Parameter(torch.ones(D))
-        self.norm2 = nn.Parameter(torch.ones(D))
+        f32 = {"dtype": torch.float32}
+        self.fc = nn.Parameter(torch.cat([torch.eye(D, **f32), torch.randn(D, D, **f32) / (4 * math.sqrt(D))], 1))
+        self.qkv = nn.Parameter(torch.randn(3 * D, D, **f32) / math.sqrt(D))
+        self.o = nn.Parameter(torch.zeros(D, D, **f32))
+        self.gate_up = nn.Parameter(torch.randn(2 * I, D, **f32) / math.sqrt(D))
+        self.down = nn.Parameter(torch.zeros(D, I, **f32))
+        self.norm1 = nn.Parameter(torch.ones(D, **f32))
+        self.norm2 = nn.Parameter(torch.ones(D, **f32))
         if vocab_subset is not None:
             vocab_subset = torch.as_tensor(vocab_subset, dtype=torch.int64).reshape(-1)
         self.register_buffer("vocab_subset", vocab_subset, persistent=False)

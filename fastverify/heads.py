@@ -124,16 +124,17 @@ class ProposalHeads(nn.Module):
         std = (2 * D if self.sequential else D) ** -0.5
 
         def init(*shape):
-            return nn.Parameter(torch.randn(*shape) * std if self.ffn_size else torch.zeros(*shape))
+            return nn.Parameter(torch.randn(*shape, dtype=torch.float32) * std if self.ffn_size
+                                else torch.zeros(*shape, dtype=torch.float32))
 
         self.weight = init(num_heads, F_, D)
-        self.bias = nn.Parameter(torch.zeros(num_heads, F_))
+        self.bias = nn.Parameter(torch.zeros(num_heads, F_, dtype=torch.float32))
         if self.sequential:
             self.token_weight = init(num_heads, F_, D)
         else:
             self.register_parameter("token_weight", None)
         if self.ffn_size:
-            self.out_weight = nn.Parameter(torch.zeros(num_heads, D, F_))
+            self.out_weight = nn.Parameter(torch.zeros(num_heads, D, F_, dtype=torch.float32))
         else:
             self.register_parameter("out_weight", None)
         if vocab_subset is not None:
@@ -184,7 +185,7 @@ def fingerprint(model) -> dict:
     """Identity of the model's output projection: shape, sha256 of its fp32 bytes, probe row sums."""
     w = output_projection(model)[0].detach()
     V, D = w.shape
-    rows = torch.linspace(0, V - 1, _PROBE_ROWS).round().long()
+    rows = torch.linspace(0, V - 1, _PROBE_ROWS, dtype=torch.float32).round().long()  # (as checkpoints hold it)
     probe = w[rows.to(w.device)].double().sum(-1).cpu().tolist()
     digest = hashlib.sha256(w.float().contiguous().cpu().numpy().tobytes()).hexdigest()
     return {"shape": [int(V), int(D)], "sha256": digest, "probe": probe}

@@ -259,6 +259,39 @@ def test_sharegpt_reader_tolerates_a_truncated_tail():
 
 # ----------------------------------------------------------------------------------------------- checkpoints
 
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16], ids=str)
+def test_torchs_default_dtype_changes_nothing(tmp_path, default):
+    """Under ``torch.set_default_dtype`` (a float32 model built before), heads and an EAGLE layer are still float32,
+    a checkpoint loads onto its base (the fingerprint's probe rows of a 512-token vocabulary: row 511 rounded to 512
+    in bfloat16, an IndexError), ``patch`` checks its rule (it raised on float64 logits), and the patched call gives
+    generate's tokens with the drafts the float32 default gives."""
+    from fastverify.eagle import EagleLayer
+    vocab = 512
+    model = tiny_llama(vocab, D, seed=2, tie=True)
+    path = str(tmp_path / "h")
+    save_heads(_random_heads(), path, {"base_model": "tiny", "base_fingerprint": fingerprint(model)})
+    ids, mask = left_padded([repetitive(n, vocab, b) for b, n in enumerate((20, 13))], PAD)
+    kw = dict(attention_mask=mask, pad_token_id=PAD, max_new_tokens=16, do_sample=False)
+    want = model.generate(ids, **kw)
+    runs = []
+    for dtype in (torch.float32, default):
+        torch.set_default_dtype(dtype)
+        try:
+            assert {p.dtype for p in (*ProposalHeads(D, 2).parameters(), *EagleLayer(D, 4, 128).parameters())} \
+                == {torch.float32}
+            patch(model)
+            got = model.generate(ids, **kw)
+            unpatch(model)
+            patch(model, drafter=load_drafter(path, model))
+            runs.append((got, model.generate(ids, **kw), stats(model).accepted))
+        finally:
+            torch.set_default_dtype(torch.float32)
+            unpatch(model)
+    for got, with_heads, _ in runs:
+        assert torch.equal(got, want) and torch.equal(with_heads, want)
+    assert runs[1][2] == runs[0][2]
+
+
 def test_checkpoint_round_trip_and_refusals(model, tmp_path):
     heads = _random_heads(subset=torch.arange(0, V, 2))
     path = str(tmp_path / "h")

@@ -405,7 +405,7 @@ def _sdpa_drops_softcap() -> bool:
     """Whether transformers' sdpa attention function computes a call with a soft cap as one without it (releases
     before 5.21, where Gemma 2 could load with sdpa; later ones refuse the call): asked of the function once."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    q = torch.zeros(1, 1, 1, 2)
+    q = torch.zeros(1, 1, 1, 2, dtype=torch.float32)
     try:
         sdpa_attention_forward(torch.nn.Module(), q, q, q, None, softcap=1.0)
     except ValueError:
@@ -671,9 +671,10 @@ def eager_agrees(module, heads: int, kv_heads: int, head_dim: int) -> bool:
 
     if not any(plain(v) for v in list(_EAGER_AGREES)) and _masked_attention_op() is not None:
         g = torch.Generator().manual_seed(0)
-        q = torch.randn(1, heads, 3, head_dim, generator=g)
-        k, v = (torch.randn(1, kv_heads, 7, head_dim, generator=g) for _ in range(2))
-        mask = torch.zeros(1, 1, 3, 7).masked_fill_(torch.ones(3, 7, dtype=torch.bool).triu_(5), float("-inf"))
+        q = torch.randn(1, heads, 3, head_dim, generator=g, dtype=torch.float32)
+        k, v = (torch.randn(1, kv_heads, 7, head_dim, generator=g, dtype=torch.float32) for _ in range(2))
+        mask = torch.zeros(1, 1, 3, 7, dtype=torch.float32).masked_fill_(torch.ones(3, 7, dtype=torch.bool).triu_(5),
+                                                                         float("-inf"))
         with torch.no_grad():
             _eager_rows(module, q, k, v, mask, dropout=0.0, scaling=getattr(module, "scaling", None))
     verdicts = [agrees for v, agrees in list(_EAGER_AGREES.items()) if plain(v)]

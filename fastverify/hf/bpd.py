@@ -532,7 +532,7 @@ class _LevelGraphs:
     def __init__(self, drafter: "HeadsDrafter", rows: int, capture: bool):
         self.drafter, self.rows, self.capture = drafter, rows, capture
         dev = drafter.device
-        self.root = torch.zeros(rows, drafter.heads.hidden_size, device=dev)
+        self.root = torch.zeros(rows, drafter.heads.hidden_size, dtype=torch.float32, device=dev)
         self.sel = torch.zeros(drafter.depth, 2, rows, dtype=torch.int64, device=dev)
         # per depth: the level's last outputs (a graph's: its static outputs), its runs; the graphs of depths 0, 1, ...
         self.state, self.out, self.uses = [None] * drafter.depth, [None] * drafter.depth, [0] * drafter.depth

@@ -36,8 +36,8 @@ class _Cache:
     __slots__ = ("k", "v", "n")
 
     def __init__(self, heads, hd, device):
-        self.k = torch.empty(64, heads, hd, device=device)
-        self.v = torch.empty(64, heads, hd, device=device)
+        self.k = torch.empty(64, heads, hd, dtype=torch.float32, device=device)
+        self.v = torch.empty(64, heads, hd, dtype=torch.float32, device=device)
         self.n = 0
 
     def append(self, k, v):

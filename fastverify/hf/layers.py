@@ -543,8 +543,8 @@ def _agrees(layer) -> bool:
         p = next(layer.parameters())
         dim, hd = layer.input_layernorm.weight.shape[0], layer.self_attn.head_dim
         g = torch.Generator(device="cpu").manual_seed(0)
-        h = torch.randn(1, 3, dim, generator=g).to(p.device, p.dtype)
-        angles = torch.rand(1, 3, hd // 2, generator=g).repeat(1, 1, 2) * 6.0
+        h = torch.randn(1, 3, dim, generator=g, dtype=torch.float32).to(p.device, p.dtype)
+        angles = torch.rand(1, 3, hd // 2, generator=g, dtype=torch.float32).repeat(1, 1, 2) * 6.0
         emb = (angles.cos().to(p.device, p.dtype), angles.sin().to(p.device, p.dtype))
         want = type(layer).forward(layer, h, position_embeddings=emb)
         got = layer.forward(h, position_embeddings=emb)

@@ -181,8 +181,8 @@ def _check_rule_options(rule, options):
             raise ValueError(f"{name}: not a parameter of rule {rules[0]!r}" + (" (the default)" if rule is None
                              else "") + f"; it is read by rule(s) {readers}: pass rule=... as well")
     extra = {"seed": 0, "position": torch.zeros(1, dtype=torch.int64)} if rules[0] in SAMPLING_RULES else {}
-    verify(torch.zeros(2, 2), torch.zeros(1, dtype=torch.int64), torch.tensor([0, 1], dtype=torch.int32),
-           rule=rules[0], backend="torch", **params, **extra)
+    verify(torch.zeros(2, 2, dtype=torch.float32), torch.zeros(1, dtype=torch.int64),
+           torch.tensor([0, 1], dtype=torch.int32), rule=rules[0], backend="torch", **params, **extra)
 
 
 def _unwrapped(model):
@@ -1018,7 +1018,8 @@ def _matmul_rounds(precision: str) -> bool:
     [8, 256] x [256, 256] ``F.linear`` against float64, once per precision (bfloat16 rounds to ~2e-3 of the largest
     output, float32 to ~5e-7; the threshold 1e-5)."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(8, 256, generator=g), torch.randn(256, 256, generator=g)
+    x = torch.randn(8, 256, generator=g, dtype=torch.float32)
+    w = torch.randn(256, 256, generator=g, dtype=torch.float32)
     ref = x.double() @ w.double().T
     return bool((torch.nn.functional.linear(x, w).double() - ref).abs().max() > 1e-5 * ref.abs().max())
 

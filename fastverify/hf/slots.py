@@ -135,7 +135,7 @@ class BlockSlotDrafter(SlotDrafter, nn.Module):
         self.ngram, self.heads = ngram, heads
         self.block_size = num_slots
         self.bidirectional = method == "gad"
-        self.slot_embed = nn.Parameter(torch.zeros(num_slots, hidden_size))
+        self.slot_embed = nn.Parameter(torch.zeros(num_slots, hidden_size, dtype=torch.float32))
         self.adapters = nn.ModuleDict()  # "model.layers.0.self_attn.q_proj" -> GatedLoRALinear ('.' -> '/')
         self._pending, self._chain = [], {}
         self.temperature = None  # [m] softmax temperature per slot offset (fitted on held-out data) or None
@@ -349,7 +349,7 @@ class PTPSlotDrafter(BlockSlotDrafter):
         before it (C-PTP); 1/2 without a seed."""
         position = position - 1 if self.variant == "c" else position
         if seed is None:
-            return torch.full(position.shape, 0.5, device=position.device)
+            return torch.full(position.shape, 0.5, dtype=torch.float32, device=position.device)
         from fastverify.ops.sampling import uniform
         return uniform(seed, position.clamp(min=0))
 

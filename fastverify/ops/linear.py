@@ -126,7 +126,7 @@ def pack_blocks(weight: torch.Tensor, *, backend: str = "auto") -> Optional[Pack
     w = weight.detach()
     if dispatch.resolve("pack_blocks", backend, w.device) == "torch":
         N, K = w.shape
-        rows = torch.linspace(0, N - 1, min(N, 16)).long().unique()
+        rows = torch.linspace(0, N - 1, min(N, 16), dtype=torch.float64).long().unique()
         if N * K > 1 << 16 and dispatch.call("pack_blocks", "torch", w.device, w[rows])[3] == 0:
             return None  # a few rows first: other weights are refused in ~1 ms
     q, d, m, bits = dispatch.call("pack_blocks", backend, w.device, w)
