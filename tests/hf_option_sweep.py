@@ -14,18 +14,15 @@ so the calls after it would not compare.
     python tests/hf_option_sweep.py [--fields a,b,...]
 """
 
-import io
 import json
-import logging
 import os
 import sys
-import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_hf_reliability import PAD, _llama, _prompts  # noqa: E402
+from test_hf_reliability import PAD, _llama, _prompts, said  # noqa: E402
 
 from fastverify.hf import patch, unpatch  # noqa: E402
 
@@ -39,22 +36,14 @@ ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"
 
 def _call(model, ids, mask, kw):
     """(sequences, None, what it said) or (None, the exception's type name, what it said): its warnings other than
-    fastverify's and transformers' log lines (transformers' once-only warnings forgotten first)."""
-    logging.Logger.warning_once.cache_clear()  # (transformers' lru_cache on the Logger class)
-    log = io.StringIO()
-    handler = logging.StreamHandler(log)
-    logging.getLogger("transformers").addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
+    fastverify's and transformers' log lines (``said``)."""
+    with said() as lines:
+        try:
             out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=6, **kw)
-        result = getattr(out, "sequences", out), None
-    except Exception as e:  # any error generate raises is the reference here
-        result = None, type(e).__name__
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
-    said = [str(w.message)[:120] for w in record if "fastverify" not in str(w.message)]
-    return (*result, said + [line[:120] for line in log.getvalue().splitlines()])
+            result = getattr(out, "sequences", out), None
+        except Exception as e:  # any error generate raises is the reference here
+            result = None, type(e).__name__
+    return (*result, [line[:120] for line in lines])
 
 
 def sweep(fields=None):

@@ -3,8 +3,10 @@ logits, sampling with a deterministic rule, seeds on the fallback path, argument
 fallback check, pickling, drafter output, rule options checked at patch time, the fallback messages, calls from
 two threads at once, a model in training mode and forward hooks."""
 
+import contextlib
 import copy
 import io
+import logging
 import pickle
 import threading
 import time
@@ -783,22 +785,21 @@ def test_an_argument_generate_refuses_falls_back_to_its_error(kw):
         assert torch.equal(out, want) and not _fallbacks(messages), ok
 
 
-def _told(model, **kw):
-    """(output, warnings, transformers' log lines) of one generate call; transformers' once-only warnings
-    forgotten first, so that each call may give them."""
-    import logging
-
+@contextlib.contextmanager
+def said():
+    """Collects what the code inside says into the list it yields: its warnings other than fastverify's, then
+    transformers' log lines; transformers' once-only warnings forgotten first, so that each call may give them."""
     logging.Logger.warning_once.cache_clear()  # (transformers' lru_cache on the Logger class)
-    log = io.StringIO()
+    log, lines = io.StringIO(), []
     handler = logging.StreamHandler(log)
     logging.getLogger("transformers").addHandler(handler)
     try:
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
-            out = model.generate(**kw)
+            yield lines
     finally:
         logging.getLogger("transformers").removeHandler(handler)
-    return out, [str(w.message) for w in record if "fastverify" not in str(w.message)], log.getvalue().splitlines()
+        lines += [str(w.message) for w in record if "fastverify" not in str(w.message)] + log.getvalue().splitlines()
 
 
 @pytest.mark.parametrize("B, kw", [
@@ -824,14 +825,16 @@ def test_a_call_the_loop_runs_gives_generates_warnings(B, kw):
     call = {"input_ids": ids, "do_sample": False, "eos_token_id": 7, "pad_token_id": 7, **kw}
     if call.pop("mask", True):
         call["attention_mask"] = mask
-    want, warned, logged = _told(_llama(), **call)
-    assert bool(warned or logged) != quiet
+    with said() as wanted:
+        want = _llama().generate(**call)
+    assert bool(wanted) != quiet
     model = _llama()
     patch(model)
-    out, got_warned, got_logged = _told(model, **call)
+    with said() as got:
+        out = model.generate(**call)
     assert stats(model) is not None, "the loop ran the call"
     assert torch.equal(out, want)
-    assert (got_warned, got_logged) == (warned, logged)
+    assert got == wanted
 
 
 def test_pad_token_outside_the_vocabulary():
