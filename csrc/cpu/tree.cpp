@@ -33,9 +33,12 @@ int64_t check_tree(const at::Tensor& parents, const at::Tensor& cu_nodes, int64_
   const int32_t* par = parents.data_ptr<int32_t>();
   TORCH_CHECK(cu[0] == 0, "cu_nodes: must start at 0, got ", cu[0]);
   TORCH_CHECK(cu[B] == N, "cu_nodes: last offset ", cu[B], " must equal the number of nodes ", N);
+  // every offset first (non-decreasing from 0 to N: each within [0, N]), so that no request's nodes are read past
+  // the end of parents
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(cu[b + 1] >= cu[b], "cu_nodes: offsets must be non-decreasing (request ", b, ")");
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nb = int64_t(cu[b + 1]) - cu[b];
-    TORCH_CHECK(nb >= 0, "cu_nodes: offsets must be non-decreasing (request ", b, ")");
     TORCH_CHECK(n < 0 || nb <= n, "n: request ", b, " has ", nb, " nodes, more than n = ", n);
     for (int64_t j = 0; j < nb; ++j) {
       const int32_t p = par[cu[b] + j];

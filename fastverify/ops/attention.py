@@ -75,6 +75,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mas
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D else 1.0
     scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale}")
     # The kernels need only a unit stride in the head dimension; other strides are read as given.
     q, k, v = (t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous() for t in (q, k, v))
     return dispatch.call("tree_attention", backend, q.device, q, k, v, packed_mask.contiguous(), plen, scale)
@@ -130,7 +132,11 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         raise ValueError(f"q, k, v, mask, sinks: expected one device, got {[str(t.device) for t in tensors]}")
     if any(t.dtype != q.dtype for t in tensors) or q.dtype not in _DTYPES:
         raise TypeError(f"q, k, v, mask, sinks: expected one dtype of {_DTYPES}, got {[t.dtype for t in tensors]}")
+    if D < 1:
+        raise ValueError(f"q, k: expected a head size D >= 1, got {tuple(q.shape)}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale}")
     fits_cpp = q.dtype == torch.float32 and q.device.type == "cpu"
     if backend == "auto":
         backend = "cpp" if fits_cpp and "cpp" in dispatch.implemented_backends("masked_attention") else "torch"

@@ -60,6 +60,8 @@ def index_tensor(x, name, device, length=None, validate=True):
     if isinstance(x, int):
         if length is None:
             raise TypeError(f"{name}: expected an integer tensor, got int")
+        if not -2**31 <= x < 2**31:
+            raise ValueError(f"{name}: values must fit in int32, got {x}")
         return torch.full((length,), x, dtype=torch.int32, device=device)
     if isinstance(x, (list, tuple)):
         x = torch.tensor(x, dtype=torch.int64, device=device)

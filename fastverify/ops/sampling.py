@@ -125,8 +125,8 @@ def _check_logits(logits):
     check_tensor("logits", logits, dtypes=LOGIT_DTYPES, dim=2)
     if logits.shape[1] == 0:
         raise ValueError("logits: expected at least one column (V >= 1)")
-    if logits.shape[1] > 1 and logits.stride(1) != 1:
-        logits = logits.contiguous()  # the kernels read rows with a unit inner stride
+    if logits.stride(1) != 1:  # the kernels read rows with a unit inner stride (a single column: any stride is one)
+        logits = logits.contiguous() if logits.shape[1] > 1 else logits.as_strided(logits.shape, (logits.stride(0), 1))
     return logits
 
 

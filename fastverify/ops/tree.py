@@ -144,6 +144,12 @@ def normalise_tree(parents, cu_nodes, prefix_len=None, *, validate: bool = True,
 # Public ops
 
 
+def _check_prefix(prefix_len):
+    # (None is normalise_tree's "no prefix", for the packed format's callers; a public op's mask needs one)
+    if prefix_len is None:
+        raise TypeError("prefix_len: expected an int or an integer tensor [B], got None")
+
+
 def _check_format(format, dtype):
     if format not in FORMATS:
         raise ValueError(f"format: expected one of {FORMATS}, got {format!r}")
@@ -172,6 +178,8 @@ def tree_mask(parents, cu_nodes=None, prefix_len=0, format: str = "bool", dtype:
     the request's rows on the GPU ones, never writing out of bounds.
     """
     _check_format(format, dtype)
+    if format != "packed":
+        _check_prefix(prefix_len)
     par, cu, plen, n, P = normalise_tree(parents, cu_nodes, prefix_len, validate=validate, check_parents=False,
                                          max_nodes=max_nodes, max_prefix=max_prefix)
     if format == "packed":
@@ -185,6 +193,7 @@ def tree_positions(parents, cu_nodes=None, prefix_len=0, backend: str = "auto", 
     """int64 [N]: position id of each draft node, prefix_len[b] + depth(j) - 1 (a child of the root has
     depth 1, so it takes position prefix_len[b], right after the last committed token). With validate=False
     and parents given, nothing is read back from the device."""
+    _check_prefix(prefix_len)
     unread = {} if validate else dict(max_nodes=0, max_prefix=0)  # n and P are not needed here
     par, cu, plen, _, _ = normalise_tree(parents, cu_nodes, prefix_len, validate=validate, check_parents=False,
                                          **unread)
@@ -235,6 +244,8 @@ def block_mask(block_sizes=None, prefix_len=0, kind: str = "causal", format: str
     if kind not in ("causal", "bidirectional"):
         raise ValueError(f"kind: expected 'causal' or 'bidirectional', got {kind!r}")
     _check_format(format, dtype)
+    if format != "packed":
+        _check_prefix(prefix_len)
     cu, sizes = _block_sizes(block_sizes, cu_nodes, prefix_len, validate)
     if max_nodes is None and isinstance(block_sizes, int) and not isinstance(block_sizes, bool):
         max_nodes = block_sizes

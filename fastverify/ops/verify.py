@@ -84,7 +84,7 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
         "greedy", "topk" (k >= 1), "distance" (eps >= 0), "gad" (beta >= 1, tau >= 0),
         "typical" (eps >= 0, delta >= 0; delta defaults to sqrt(eps) as in Medusa), "confidence" (beta in (0, 1]),
         "speculative" (draft_probs [N, V] optional; one-hot drafts when None), "coupled".
-        Rule parameters and the warping (temperature >= 0, top_k >= 0, top_p in (0, 1], min_p in [0, 1]) are
+        Rule parameters and the warping (temperature in [0, inf), top_k >= 0, top_p in (0, 1], min_p in [0, 1]) are
         Python numbers or per-request tensors [B]. Warping applies to the sampling rules only; temperature 0
         makes them greedy. ``min_accept`` (deterministic rules only) forces that many nodes along the most
         likely path; ``root_tokens`` int64 [B] (the last committed tokens) feeds confidence's repetition stop.
@@ -127,7 +127,7 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
     rule_params = _rule_params(rule, B, device, {"k": k, "eps": eps, "beta": beta, "tau": tau, "delta": delta},
                                validate)
     warp = _warp(B, device, temperature, top_k, top_p, min_p, validate)
-    root_tokens = _rule_options(rule, min_accept, root_tokens, B, device)
+    root_tokens = _rule_options(rule, min_accept, root_tokens, B, logits.shape[1], device, validate)
     if rule in SAMPLING_RULES:
         draft_probs = _draft_probs(rule, draft_probs, N, logits.shape[1], device, validate)
         u_sample, u_accept = _uniforms(rule, u_sample, u_accept, seed, position, generator, cu_nodes, parents,
@@ -368,15 +368,16 @@ def _warp(B, device, temperature, top_k, top_p, min_p, validate):
     k = _per_request("top_k", top_k, B, device, integral=True, validate=validate)
     p = _per_request("top_p", top_p, B, device)
     mp = _per_request("min_p", min_p, B, device)
-    _check("temperature", t, validate, lo=0)
+    _check("temperature", t, validate, lo=0, hi=math.inf, hi_open=True)  # (as cdf_sample: inf is no warping)
     _check("top_k", k, validate, lo=0)
     _check("top_p", p, validate, lo=0, hi=1, lo_open=True)
     _check("min_p", mp, validate, lo=0, hi=1)
     return _columns([t, k, p, mp], B, device, key)
 
 
-def _rule_options(rule, min_accept, root_tokens, B, device):
-    """Checks min_accept; root_tokens as int64 [B] (rule 'confidence' only) or None."""
+def _rule_options(rule, min_accept, root_tokens, B, V, device, validate):
+    """Checks min_accept; root_tokens as int64 [B] of ids in [0, V) (rule 'confidence' only; the range checked with
+    ``validate``, a device read) or None."""
     if isinstance(min_accept, bool) or not isinstance(min_accept, int) or min_accept < 0:
         raise ValueError(f"min_accept: expected an int >= 0, got {min_accept!r}")
     if min_accept and rule in SAMPLING_RULES:
@@ -387,9 +388,11 @@ def _rule_options(rule, min_accept, root_tokens, B, device):
     if rule != "confidence":
         raise ValueError(f"root_tokens: only used by rule 'confidence', got rule {rule!r}")
     check_tensor("root_tokens", root_tokens, device, INT_DTYPES)
-    if root_tokens.numel() != B:
+    if root_tokens.dim() != 1 or root_tokens.numel() != B:
         raise ValueError(f"root_tokens: expected shape [B = {B}], got {tuple(root_tokens.shape)}")
-    return root_tokens.reshape(B).to(torch.int64)
+    if validate and B and bool(((root_tokens < 0) | (root_tokens >= V)).any()):
+        raise ValueError(f"root_tokens: expected token ids in [0, V = {V}), got {root_tokens[:4].tolist()}")
+    return root_tokens.to(torch.int64)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -424,7 +427,9 @@ def _uniforms(rule, u_sample, u_accept, seed, position, generator, cu_nodes, par
         raise ValueError("seed, position: give both (seeded uniforms) or neither")
     if seed is not None:
         if isinstance(seed, int) and not isinstance(seed, bool):
-            seed = torch.full((B,), seed, dtype=torch.int64, device=device)
+            if not -(2**63) <= seed < 2**64:  # (as uniform: a 64-bit seed's bits, as int64)
+                raise ValueError(f"seed: expected a 64-bit integer, got {seed}")
+            seed = torch.full((B,), seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64, device=device)
         check_tensor("seed", seed, device, INT_DTYPES)
         check_tensor("position", position, device, INT_DTYPES)
         if seed.numel() not in (1, B) or position.numel() != B:

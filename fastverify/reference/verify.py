@@ -88,7 +88,11 @@ def _rank(row, x):
 
 
 def _softmax_and_entropy(row):
-    """p = softmax(row) and H(p) in nats, float64 (tokens at -inf contribute 0 to H)."""
+    """p = softmax(row) and H(p) in nats, float64 (tokens at -inf contribute 0 to H). The row's maximum is
+    subtracted first, so that logits of a large magnitude (1e30) keep their differences."""
+    row = row.double()
+    top = row.max()
+    row = row - top if bool(torch.isfinite(top)) else row
     lse = torch.logsumexp(row, dim=0)
     logp = row - lse
     p = logp.exp()
