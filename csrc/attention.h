@@ -41,14 +41,25 @@ namespace attention {
 
 constexpr float kNoSink = -std::numeric_limits<float>::infinity();
 
+// A row whose logits are all -inf (mx, their maximum, is -inf) and none NaN: SDPA gives it weights 0 (an output of
+// 0), where exp(s - mx) would be NaN. A NaN logit keeps the row NaN, as in SDPA and eager attention.
+inline bool sees_nothing(const float* s, int64_t S, float mx) {
+  if (mx != kNoSink) return false;
+  for (int64_t j = 0; j < S; ++j)
+    if (std::isnan(s[j])) return false;
+  return true;
+}
+
 // Row s [S] in place: s * scale + mask (mask may be nullptr), then its softmax: exp(s - max) / sum, with the sink
 // logit (kNoSink: none) one more term of the maximum and of the sum, after the keys' (its weight is not kept).
-inline void softmax_row_scalar(float* s, const float* mask, int64_t S, float scale, float sink) {
+// zero_unseen: a row of -inf logits gets weights 0 (SDPA's rule); else NaN (eager attention's softmax).
+inline void softmax_row_scalar(float* s, const float* mask, int64_t S, float scale, float sink, bool zero_unseen) {
   float mx = sink;
   for (int64_t j = 0; j < S; ++j) {
     s[j] = mask ? s[j] * scale + mask[j] : s[j] * scale;
     mx = std::max(mx, s[j]);
   }
+  if (zero_unseen && sees_nothing(s, S, mx)) return std::fill(s, s + S, 0.f);
   float sum = 0.f;
   for (int64_t j = 0; j < S; ++j) sum += (s[j] = sampling::weight_exp(s[j] - mx));
   if (sink != kNoSink) sum += sampling::weight_exp(sink - mx);
@@ -116,7 +127,8 @@ FV_AVX2_FN inline float rank_lane_sum(__m256 acc, uint32_t count) {
 
 // The same on 8 lanes (exp: torch's expf, sampling::exp8; the tail through weight_exp, the same function); the sum
 // by rank of the non-zero weights (add_by_rank), its 8 lanes folded in a fixed order.
-FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, float scale, float sink) {
+FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, float scale, float sink,
+                                        bool zero_unseen) {
   const int64_t S8 = S & ~int64_t(7);
   const __m256 sc = _mm256_set1_ps(scale);
   __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -131,6 +143,7 @@ FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, 
     s[j] = mask ? s[j] * scale + mask[j] : s[j] * scale;
     mx = std::max(mx, s[j]);
   }
+  if (zero_unseen && sees_nothing(s, S, mx)) return std::fill(s, s + S, 0.f);
   const __m256 m = _mm256_set1_ps(mx);
   __m256 acc = _mm256_setzero_ps();
   uint32_t count = 0;
@@ -153,11 +166,11 @@ FV_AVX2_FN inline void softmax_row_avx2(float* s, const float* mask, int64_t S, 
 }
 #endif
 
-inline void softmax_row(float* s, const float* mask, int64_t S, float scale, float sink = kNoSink) {
+inline void softmax_row(float* s, const float* mask, int64_t S, float scale, float sink, bool zero_unseen) {
 #if defined(FV_SAMPLING_AVX2)
-  if (sampling::cpu_has_avx2()) return softmax_row_avx2(s, mask, S, scale, sink);
+  if (sampling::cpu_has_avx2()) return softmax_row_avx2(s, mask, S, scale, sink, zero_unseen);
 #endif
-  softmax_row_scalar(s, mask, S, scale, sink);
+  softmax_row_scalar(s, mask, S, scale, sink, zero_unseen);
 }
 
 // Row s [S] in place: the soft cap's c * tanh(s * scale / c), in eager attention's steps (scale, divide, tanh,
@@ -249,12 +262,21 @@ FASTVERIFY_AVX512 inline void scores_avx512(const float* q, int64_t R, int64_t D
 }
 #endif
 
-// out [R, D] = p [R, S] v, v's rows at stride vs (floats); per output element the sum over keys in order.
-inline void pv_scalar(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, int64_t D, float* out) {
+// The keys a product reads: [0, S) but the keys [skip0, skip1) (none where skip1 <= skip0), in order.
+inline int64_t first_key(int64_t skip0, int64_t skip1) { return skip0 == 0 ? std::max<int64_t>(skip1, 0) : 0; }
+inline int64_t next_key(int64_t j, int64_t skip0, int64_t skip1) {
+  return j + 1 == skip0 && skip1 > skip0 ? skip1 : j + 1;
+}
+
+// out [R, D] = p [R, S] v, v's rows at stride vs (floats), but v's rows [skip0, skip1) not read; per output element
+// the sum over keys in order.
+inline void pv_scalar(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, int64_t D, float* out,
+                      int64_t skip0, int64_t skip1) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < D; ++d) {
       float acc = 0.f;
-      for (int64_t j = 0; j < S; ++j) acc = std::fma(p[r * S + j], v[j * vs + d], acc);
+      for (int64_t j = first_key(skip0, skip1); j < S; j = next_key(j, skip0, skip1))
+        acc = std::fma(p[r * S + j], v[j * vs + d], acc);
       out[r * D + d] = acc;
     }
 }
@@ -264,11 +286,11 @@ inline void pv_scalar(const float* p, int64_t R, int64_t S, const float* v, int6
 // fused multiply-adds in the same order as pv_scalar, so the same result.
 template <int DV, int TR>
 FASTVERIFY_AVX512 inline void pv_tile_avx512(const float* p, int64_t rows, int64_t S, const float* v, int64_t vs,
-                                             float* out, int64_t D) {
+                                             float* out, int64_t D, int64_t skip0, int64_t skip1) {
   __m512 acc[TR][DV];
   for (int r = 0; r < TR; ++r)
     for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < S; ++j) {
+  for (int64_t j = first_key(skip0, skip1); j < S; j = next_key(j, skip0, skip1)) {
     __m512 vr[DV];
     for (int c = 0; c < DV; ++c) vr[c] = _mm512_loadu_ps(v + j * vs + 16 * c);
     for (int r = 0; r < TR; ++r) {
@@ -282,56 +304,63 @@ FASTVERIFY_AVX512 inline void pv_tile_avx512(const float* p, int64_t rows, int64
 }
 
 template <int DV>
-FASTVERIFY_AVX512 inline void pv_avx512(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, float* out) {
+FASTVERIFY_AVX512 inline void pv_avx512(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, float* out,
+                                         int64_t skip0, int64_t skip1) {
   constexpr int TR = DV >= 8 ? 2 : 24 / DV;  // TR * DV accumulators + DV V vectors + 1 broadcast <= 32 zmm
   for (int64_t r = 0; r < R; r += TR)
-    pv_tile_avx512<DV, TR>(p + r * S, std::min<int64_t>(TR, R - r), S, v, vs, out + r * 16 * DV, 16 * DV);
+    pv_tile_avx512<DV, TR>(p + r * S, std::min<int64_t>(TR, R - r), S, v, vs, out + r * 16 * DV, 16 * DV, skip0,
+                           skip1);
 }
 #endif
 
-inline void pv(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, int64_t D, float* out) {
+inline void pv(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, int64_t D, float* out,
+               int64_t skip0, int64_t skip1) {
 #ifdef FASTVERIFY_X86
   if (cpu_has_avx512()) {
     switch (D) {
-      case 16: return pv_avx512<1>(p, R, S, v, vs, out);
-      case 32: return pv_avx512<2>(p, R, S, v, vs, out);
-      case 48: return pv_avx512<3>(p, R, S, v, vs, out);
-      case 64: return pv_avx512<4>(p, R, S, v, vs, out);
-      case 80: return pv_avx512<5>(p, R, S, v, vs, out);
-      case 96: return pv_avx512<6>(p, R, S, v, vs, out);
-      case 128: return pv_avx512<8>(p, R, S, v, vs, out);
+      case 16: return pv_avx512<1>(p, R, S, v, vs, out, skip0, skip1);
+      case 32: return pv_avx512<2>(p, R, S, v, vs, out, skip0, skip1);
+      case 48: return pv_avx512<3>(p, R, S, v, vs, out, skip0, skip1);
+      case 64: return pv_avx512<4>(p, R, S, v, vs, out, skip0, skip1);
+      case 80: return pv_avx512<5>(p, R, S, v, vs, out, skip0, skip1);
+      case 96: return pv_avx512<6>(p, R, S, v, vs, out, skip0, skip1);
+      case 128: return pv_avx512<8>(p, R, S, v, vs, out, skip0, skip1);
       default: break;
     }
   }
 #endif
-  pv_scalar(p, R, S, v, vs, D, out);
+  pv_scalar(p, R, S, v, vs, D, out, skip0, skip1);
 }
 
 // One (batch row, key / value head): q [R, D] (the group's query rows), k [S, D] and v [S, Dv] (row-major; Dv is D
 // but for latent attention's narrower values), mask_rows[r] the additive mask row of query row r (or nullptr: no
 // mask). softcap: the scores' soft cap (0: none); sinks[r]: query row r's sink logit (or nullptr: none). scores:
-// [R, S] scratch; out [R, Dv].
+// [R, S] scratch; out [R, Dv]. The keys [skip0, skip1), which every mask row masks with -inf, do not reach the
+// result whatever they hold (a tree attention's unused cache slots): their scores are set to 0 before the cap and
+// the mask, their values never read.
 inline void group(const float* q, int64_t R, int64_t D, const float* k, const float* v, int64_t Dv, int64_t S,
                   const float* const* mask_rows, float scale, float* scores, float* out, float softcap = 0.f,
-                  const float* sinks = nullptr) {
+                  const float* sinks = nullptr, int64_t skip0 = 0, int64_t skip1 = 0) {
 #ifdef FASTVERIFY_X86
   if (cpu_has_avx512() && D % 16 == 0) scores_avx512(q, R, D, k, S, scores);
   else linear::skinny_rows(q, k, nullptr, scores, R, D, S, 0, S);
 #else
   linear::skinny_rows(q, k, nullptr, scores, R, D, S, 0, S);
 #endif
+  const bool sdpa = softcap == 0.f && !sinks;  // SDPA's softmax; a soft cap or sinks: eager attention's
   for (int64_t r = 0; r < R; ++r) {
     float* row = scores + r * S;
     const float* mask = mask_rows ? mask_rows[r] : nullptr;
     const float sink = sinks ? sinks[r] : kNoSink;
+    if (skip1 > skip0) std::fill(row + skip0, row + skip1, 0.f);
     if (softcap > 0.f) {
       softcap_row(row, S, scale, softcap);
-      softmax_row(row, mask, S, 1.f, sink);
+      softmax_row(row, mask, S, 1.f, sink, sdpa);
     } else {
-      softmax_row(row, mask, S, scale, sink);
+      softmax_row(row, mask, S, scale, sink, sdpa);
     }
   }
-  pv(scores, R, S, v, Dv, Dv, out);
+  pv(scores, R, S, v, Dv, Dv, out, skip0, skip1);
 }
 
 }  // namespace attention

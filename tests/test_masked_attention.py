@@ -126,6 +126,33 @@ def test_cpp_edge_rows():
 
 
 @cpp
+@pytest.mark.parametrize("S", [5, 8, 21])
+def test_cpp_rows_that_see_nothing_as_sdpa(S):
+    """A query row masked by -inf at every key: SDPA gives it 0 (and its reference); so does the kernel, on each of
+    its paths (scripts/test.sh runs this file under FASTVERIFY_NO_SIMD=1 and FASTVERIFY_NO_AVX512=1 too). A NaN in
+    that row's query keeps it NaN; with a soft cap, eager attention's softmax gives the row NaN, as the reference."""
+    q, k, v, mask = _case(2, 2, 3, 4, S, 16, seed=S)
+    mask[0, 0, 1] = float("-inf")
+    mask[1, 0, 3] = float("-inf")
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(want[0, :, 1], torch.zeros(6, 16)) and torch.equal(want[1, :, 3], torch.zeros(6, 16))
+    got = masked_attention(q, k, v, mask, backend="cpp")
+    assert torch.equal(got[0, :, 1], want[0, :, 1]) and torch.equal(got[1, :, 3], want[1, :, 3])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-6)
+    assert torch.equal(masked_attention(q, k, v, mask, backend="torch"), want)
+    bad = q.clone()
+    bad[0, 4, 1, 7] = float("nan")
+    got = masked_attention(bad, k, v, mask, backend="cpp")
+    ref = masked_attention(bad, k, v, mask, backend="torch")
+    assert got[0, 4, 1].isnan().all() and torch.equal(got.isnan(), ref.isnan()) and got.isnan().sum() == 16
+    for extra in ({"softcap": 20.0}, {"sinks": torch.randn(6)}):
+        got = masked_attention(q, k, v, mask, backend="cpp", **extra)
+        ref = masked_attention(q, k, v, mask, backend="torch", **extra)
+        assert torch.equal(got.isnan(), ref.isnan()) and got[0, :, 1].isnan().all() == ("softcap" in extra)
+        torch.testing.assert_close(got.nan_to_num(), ref.nan_to_num(), rtol=1e-5, atol=3e-6)
+
+
+@cpp
 @pytest.mark.parametrize("D", [64, 24])
 @pytest.mark.parametrize("per_head", [False, True])
 def test_cpp_skip_masked_prefix_is_bit_for_bit_and_matches_its_reference(D, per_head):

@@ -127,6 +127,38 @@ def test_rows_without_keys_are_zero(backend):
     torch.testing.assert_close(got[1], exp[1], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unused_prefix_slots_are_never_read(backend, dtype):
+    """A preallocated cache's slots [prefix_len, P) may hold anything: NaN or inf there changes no bit of the result
+    (requests with a few unused slots and with many, which take different cpp paths). A NaN in one query reaches its
+    own row and no other, on every backend."""
+    dev = device_of(backend)
+    parents, cu, plen = random_batch([6, 4, 5], [40, 37, 3], seed=31)
+    B, n, P, D = 3, 6, 40, 64
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(B, 4, n, D, generator=gen).to(dtype)
+    k = torch.randn(B, 2, P + n, D, generator=gen).to(dtype)
+    v = torch.randn(B, 2, P + n, D, generator=gen).to(dtype)
+    packed = tree_mask(parents, cu, plen, format="packed")
+
+    def run(q, k, v):
+        return tree_attention(q.to(dev), k.to(dev), v.to(dev), packed.to(dev), plen.to(dev), backend=backend).cpu()
+
+    clean = run(q, k, v)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(clean.float(), sdpa_expected(q, k, v, parents, cu, plen), atol=atol, rtol=rtol)
+    dirty_k, dirty_v = k.clone(), v.clone()
+    dirty_k[1, :, 37:P], dirty_v[1, :, 37:P] = float("nan"), float("inf")
+    dirty_k[2, :, 3:P], dirty_v[2, :, 3:P] = float("inf"), float("nan")
+    assert torch.equal(run(q, dirty_k, dirty_v), clean)
+    bad = q.clone()
+    bad[1, 3, 2, 5] = float("nan")
+    got = run(bad, k, v)
+    assert got[1, 3, 2].isnan().all() and got.isnan().sum() == D
+    assert torch.equal(got.nan_to_num(), clean.masked_fill(got.isnan(), 0))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_draft(backend):
     dev = device_of(backend)

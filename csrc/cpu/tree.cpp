@@ -136,9 +136,10 @@ at::Tensor tree_positions_cpu(const at::Tensor& parents, const at::Tensor& cu_no
 // float32 tree attention of the requests `reqs` through the masked-attention kernel (csrc/attention.h): those whose
 // unused prefix slots do not outnumber their visible keys (tree_attention_cpu). One task per (request, kv head, block
 // of up to kBlockRows query rows of its group): the block's additive mask rows are made from the packed bits, 0 for the
-// request's prefix keys [0, prefix_len) and for the draft keys its bits set, -inf for the rest (the unused prefix
-// slots [prefix_len, P) included); a row that sees no key gives zeros, as the reference. Scratch per thread:
-// kBlockRows rows of S scores and of S mask values, never an [n, P + n] mask.
+// request's prefix keys [0, prefix_len) and for the draft keys its bits set, -inf for the rest; the unused prefix
+// slots [prefix_len, P) are the kernel's skipped keys (they do not reach the result: a preallocated cache may hold
+// anything there). A row that sees no key gives zeros, as the reference. Scratch per thread: kBlockRows rows of S
+// scores and of S mask values, never an [n, P + n] mask.
 void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* bits,
                         const int32_t* pl, int64_t W, float scale, const std::vector<int64_t>& reqs, at::Tensor& out) {
   constexpr int64_t kBlockRows = 16;
@@ -182,7 +183,7 @@ void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tens
       }
       fastverify::attention::group(qrows.data(), R, D, kp + b * kc.stride(0) + h * kc.stride(1),
                                    vp + b * vc.stride(0) + h * vc.stride(1), D, S, mrows, scale, scores.data(),
-                                   orows.data());
+                                   orows.data(), 0.f, nullptr, plen, P);
       for (int64_t r = 0; r < R; ++r) {
         if (sees[r]) std::copy(orows.data() + r * D, orows.data() + (r + 1) * D, op + dst[r]);
         else std::fill(op + dst[r], op + dst[r] + D, 0.f);

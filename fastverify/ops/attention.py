@@ -37,7 +37,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mas
     ``tree_mask(..., format="packed")``; prefix_len int or integer tensor [B], each <= P = k.shape[2] - n.
     Query i of request b sees keys [0, prefix_len[b]) and the draft keys P + j whose bit j is set in row i.
     Returns [B, Hq, n, D] in q's dtype; softmax and accumulation in float32; scale defaults to 1 / sqrt(D).
-    A query that sees no key (padding row of a request with an empty prefix) returns zeros.
+    A query that sees no key (padding row of a request with an empty prefix) returns zeros. The unused prefix
+    slots [prefix_len, P) do not reach the result: a preallocated cache may hold anything there. A NaN in a query,
+    or in a key or value it sees, makes its row NaN; the draft keys' values must be finite, since a query
+    multiplies those it does not see by weight 0 (as SDPA does with masked keys).
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("packed_mask", packed_mask)):
         if not isinstance(t, torch.Tensor):
@@ -100,7 +103,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     unless they hold NaN or inf (which then does not reach it). The patched loop's attention sets it.
     Two variants of eager attention: ``softcap`` (a number > 0, or None) caps the scores q k^T * scale at
     softcap * tanh(q k^T * scale / softcap) before the mask (Gemma 2); ``sinks`` [Hq] (or None) gives query head h's
-    softmax one more logit, sinks[h], with no value row (gpt-oss's attention sinks).
+    softmax one more logit, sinks[h], with no value row (gpt-oss's attention sinks). A query row whose mask is -inf
+    for every key gets 0, as in SDPA (with a soft cap or sinks: NaN, as in eager attention); a NaN reaching a row's
+    scores makes it NaN.
     """
     optional = (("mask", mask),) if mask is not None else ()
     optional += (("sinks", sinks),) if sinks is not None else ()

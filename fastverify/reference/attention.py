@@ -27,17 +27,24 @@ def tree_attention(q, k, v, packed_mask, prefix_len, scale: float) -> torch.Tens
     q [B, Hq, n, D]; k, v [B, Hkv, P + n, D] (Hq a multiple of Hkv: query head h reads kv head
     h // (Hq // Hkv)); packed_mask int32 [B, n, ceil(n / 32)]; prefix_len int32 [B]. Accumulates in
     float32. A query that sees no key at all (a padding row of a request with an empty prefix) gets 0.
+    The unused prefix slots [prefix_len, P) do not reach the result: they may hold anything (a preallocated
+    cache's).
+    A NaN in a query, or in a key or value it sees, makes its row NaN; a draft key's value enters every
+    query's product, with weight 0 where the query does not see it (as in SDPA: keep it finite).
     """
     B, Hq, n, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     P = S - n
     group = Hq // Hkv
-    kf = k.float().repeat_interleave(group, dim=1)
-    vf = v.float().repeat_interleave(group, dim=1)
+    unused = torch.arange(S, device=k.device)[None, :] >= prefix_len.long()[:, None]
+    unused[:, P:] = False
+    unused = unused[:, None, :, None]  # [B, 1, S, 1]
+    kf = k.float().masked_fill(unused, 0.0).repeat_interleave(group, dim=1)
+    vf = v.float().masked_fill(unused, 0.0).repeat_interleave(group, dim=1)
     visible = dense_tree_attention_mask(packed_mask, prefix_len, P)[:, None]  # [B, 1, n, P + n]
     scores = (q.float() @ kf.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all -inf rows -> 0
+    probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(-1, keepdim=True), 0.0)  # sees nothing: 0
     return (probs @ vf).to(q.dtype)
 
 
