@@ -18,6 +18,17 @@ from ._common import next_pow2
 
 
 @triton.jit
+def _request_nodes(cu_nodes_ptr, b, N):
+    """(node0, n_b): the global index of request b's node 0 and its node count, or (0, 0) where its nodes
+    [cu_nodes[b], cu_nodes[b + 1]) do not lie in order within [0, N) (unvalidated input): no row of it then reads
+    or writes a node."""
+    node0 = tl.load(cu_nodes_ptr + b)
+    node1 = tl.load(cu_nodes_ptr + b + 1)
+    ok = (node0 >= 0) & (node0 <= node1) & (node1 <= N)
+    return tl.where(ok, node0, 0), tl.where(ok, node1 - node0, 0)
+
+
+@triton.jit
 def _walk_ancestors(parents_ptr, node0, i, cols, valid):
     """Bool block over draft columns `cols`: True where cols is node i or one of its ancestors.
     `node0` is the global index of the request's node 0; `valid` says whether row i is a real node."""
@@ -34,14 +45,13 @@ def _walk_ancestors(parents_ptr, node0, i, cols, valid):
 
 
 @triton.jit
-def _tree_mask_kernel(parents_ptr, cu_nodes_ptr, prefix_len_ptr, out_ptr, n, P,
+def _tree_mask_kernel(parents_ptr, cu_nodes_ptr, prefix_len_ptr, out_ptr, N, n, P,
                       stride_b, stride_i,
                       ADDITIVE: tl.constexpr, BLOCK: tl.constexpr):
     """Row i of request b of the bool mask [B, n, P + n] (ADDITIVE: 0 / -inf in out's dtype)."""
     b = tl.program_id(0)
     i = tl.program_id(1)
-    node0 = tl.load(cu_nodes_ptr + b)
-    n_b = tl.load(cu_nodes_ptr + b + 1) - node0
+    node0, n_b = _request_nodes(cu_nodes_ptr, b, N)
     plen = tl.load(prefix_len_ptr + b)
     valid = i < n_b
     row_ptr = out_ptr + b.to(tl.int64) * stride_b + i.to(tl.int64) * stride_i
@@ -59,13 +69,12 @@ def _tree_mask_kernel(parents_ptr, cu_nodes_ptr, prefix_len_ptr, out_ptr, n, P,
 
 
 @triton.jit
-def _tree_mask_packed_kernel(parents_ptr, cu_nodes_ptr, out_ptr, n, W, BLOCK_W: tl.constexpr):
+def _tree_mask_packed_kernel(parents_ptr, cu_nodes_ptr, out_ptr, N, n, W, BLOCK_W: tl.constexpr):
     """Row i of request b of the packed mask [B, n, W]: bit j % 32 of word j // 32 set iff j is i or an
     ancestor of i."""
     b = tl.program_id(0)
     i = tl.program_id(1)
-    node0 = tl.load(cu_nodes_ptr + b)
-    n_b = tl.load(cu_nodes_ptr + b + 1) - node0
+    node0, n_b = _request_nodes(cu_nodes_ptr, b, N)
     valid = i < n_b
     words = tl.arange(0, BLOCK_W)
     one = tl.full([BLOCK_W], 1, tl.uint32)
@@ -85,12 +94,11 @@ def _tree_mask_packed_kernel(parents_ptr, cu_nodes_ptr, out_ptr, n, W, BLOCK_W: 
 
 
 @triton.jit
-def _tree_positions_kernel(parents_ptr, cu_nodes_ptr, prefix_len_ptr, out_ptr, BLOCK: tl.constexpr):
+def _tree_positions_kernel(parents_ptr, cu_nodes_ptr, prefix_len_ptr, out_ptr, N, BLOCK: tl.constexpr):
     """positions of request b's nodes: prefix_len[b] + depth(j) - 1 (a child of the root has depth 1)."""
     b = tl.program_id(0)
     blk = tl.program_id(1)
-    node0 = tl.load(cu_nodes_ptr + b)
-    n_b = tl.load(cu_nodes_ptr + b + 1) - node0
+    node0, n_b = _request_nodes(cu_nodes_ptr, b, N)
     plen = tl.load(prefix_len_ptr + b).to(tl.int64)
     j = blk * BLOCK + tl.arange(0, BLOCK)
     live = j < n_b
@@ -123,8 +131,8 @@ def tree_mask_bool(parents: torch.Tensor, cu_nodes: torch.Tensor, prefix_len: to
         return out
     parents, cu_nodes, prefix_len = parents.contiguous(), cu_nodes.contiguous(), prefix_len.contiguous()
     view = out.view(torch.int8)
-    _tree_mask_kernel[(B, n)](parents, cu_nodes, prefix_len, view, n, P, view.stride(0), view.stride(1),
-                              ADDITIVE=False, BLOCK=min(next_pow2(P + n, 16), 1024))
+    _tree_mask_kernel[(B, n)](parents, cu_nodes, prefix_len, view, parents.numel(), n, P, view.stride(0),
+                              view.stride(1), ADDITIVE=False, BLOCK=min(next_pow2(P + n, 16), 1024))
     return out
 
 
@@ -144,8 +152,8 @@ def tree_mask_additive(parents: torch.Tensor, cu_nodes: torch.Tensor, prefix_len
     if out.numel() == 0:
         return out
     parents, cu_nodes, prefix_len = parents.contiguous(), cu_nodes.contiguous(), prefix_len.contiguous()
-    _tree_mask_kernel[(B, n)](parents, cu_nodes, prefix_len, out, n, P, out.stride(0), out.stride(2),
-                              ADDITIVE=True, BLOCK=min(next_pow2(P + n, 16), 1024))
+    _tree_mask_kernel[(B, n)](parents, cu_nodes, prefix_len, out, parents.numel(), n, P, out.stride(0),
+                              out.stride(2), ADDITIVE=True, BLOCK=min(next_pow2(P + n, 16), 1024))
     return out
 
 
@@ -163,7 +171,7 @@ def tree_mask_packed(parents: torch.Tensor, cu_nodes: torch.Tensor, n: int) -> t
     out = torch.empty((B, n, W), dtype=torch.int32, device=parents.device)
     if out.numel() == 0:
         return out
-    _tree_mask_packed_kernel[(B, n)](parents.contiguous(), cu_nodes.contiguous(), out, n, W,
+    _tree_mask_packed_kernel[(B, n)](parents.contiguous(), cu_nodes.contiguous(), out, parents.numel(), n, W,
                                      BLOCK_W=next_pow2(W))
     return out
 
@@ -179,14 +187,14 @@ def tree_positions(parents: torch.Tensor, cu_nodes: torch.Tensor, prefix_len: to
     _check(parents, cu_nodes)
     N = parents.numel()
     B = cu_nodes.numel() - 1
-    out = torch.empty((N,), dtype=torch.int64, device=parents.device)
+    out = torch.full((N,), -1, dtype=torch.int64, device=parents.device)  # -1: a node of no request
     if N == 0 or B == 0:
         return out
     # The grid covers the widest request a batch of N nodes can hold (N itself), so it is sized without reading
     # cu_nodes back; blocks past their request's nodes store nothing.
     BLOCK = min(next_pow2(N, 16), 256)
     _tree_positions_kernel[(B, triton.cdiv(N, BLOCK))](parents.contiguous(), cu_nodes.contiguous(),
-                                                        prefix_len.contiguous(), out, BLOCK=BLOCK)
+                                                        prefix_len.contiguous(), out, N, BLOCK=BLOCK)
     return out
 
 

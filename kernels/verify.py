@@ -107,6 +107,7 @@ def _verify_node_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, parents_ptr
     b = tl.load(node_req_ptr + g)
     node0 = tl.load(cu_ptr + b)
     p = tl.load(parents_ptr + g)
+    p = tl.where((p >= -1) & (p < g - node0), p, -1)  # unvalidated: a parent that does not precede it is the root
     row = (node0 + b + 1 + p).to(tl.int64)  # the parent's row (the root row when p == -1)
     row_ptr = logits_ptr + row * stride_r
     x = tl.load(tokens_ptr + g)
@@ -155,14 +156,22 @@ def _verify_node_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, parents_ptr
 
 
 @triton.jit
+def _parent(parents_ptr, node0, j):
+    """Local node j's parent, or -1 where it does not precede j (unvalidated input)."""
+    p = tl.load(parents_ptr + node0 + j)
+    return tl.where((p >= -1) & (p < j), p, -1)
+
+
+@triton.jit
 def _write_path(parents_ptr, node0, node, accepted_ptr, accept_len_ptr, b, max_depth, BLOCK_D: tl.constexpr):
     """accept_len[b] = depth(node); accepted[b] = the path root child .. node, -1 padded. Stores touch
-    disjoint addresses (padding [L, max_depth) first, then the path), so no ordering hazard."""
+    disjoint addresses (padding [L, max_depth) first, then the path), so no ordering hazard. A parent that does
+    not precede its node (unvalidated input) ends the path, as the walk reads it."""
     L = tl.zeros([], tl.int32)
     cur = node
     while cur >= 0:
         L += 1
-        cur = tl.load(parents_ptr + node0 + cur)
+        cur = _parent(parents_ptr, node0, cur)
     row = accepted_ptr + b.to(tl.int64) * max_depth
     for d0 in range(0, max_depth, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
@@ -171,7 +180,7 @@ def _write_path(parents_ptr, node0, node, accepted_ptr, accept_len_ptr, b, max_d
     d = L - 1
     while cur >= 0:
         tl.store(row + d, cur.to(tl.int32), mask=d < max_depth)
-        cur = tl.load(parents_ptr + node0 + cur)
+        cur = _parent(parents_ptr, node0, cur)
         d -= 1
     tl.store(accept_len_ptr + b, L)
 
@@ -202,7 +211,7 @@ def _verify_walk_kernel(cu_ptr, parents_ptr, cond_ptr, lx_ptr, row_tok_ptr, bad_
         _write_invalid(accepted_ptr, accept_len_ptr, next_ptr, b, max_depth, BLOCK_D)
     else:
         par = tl.load(parents_ptr + node0 + idx, mask=valid, other=-1)
-        par = tl.where(par < idx, par, -1)
+        par = tl.where((par >= -1) & (par < idx), par, -1)  # unvalidated: as _verify_node_kernel reads it
         cond = tl.load(cond_ptr + node0 + idx, mask=valid, other=0) != 0
         if FIRST_MATCH:
             # coupled: only the first child (in node order) holding the drawn token is followed.
@@ -297,9 +306,10 @@ def _verify_speculative_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, pare
                 hit = tl.full([], -1, tl.int32)
                 c = tl.zeros([], tl.int32)
                 while (c < n_b) & (hit < 0):
-                    is_kid = tl.load(parents_ptr + node0 + c) == node
+                    xt = tl.load(tokens_ptr + node0 + c)
+                    # a child whose token is outside the vocabulary (unvalidated input) is never accepted
+                    is_kid = (tl.load(parents_ptr + node0 + c) == node) & (xt >= 0) & (xt < V)
                     if is_kid:
-                        xt = tl.load(tokens_ptr + node0 + c)
                         px = tl.load(P + xt)
                         if HAS_Q:
                             q_row = q_ptr + (node0 + c).to(tl.int64) * stride_q

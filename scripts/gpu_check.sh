@@ -2,8 +2,8 @@
 # On a machine with one NVIDIA GPU (run so far on an H100 SXM 80GB): build fastverify._C with its CUDA kernels in
 # place, run every CUDA and Triton test on the GPU, time the GPU backends and run the end-to-end benchmark there.
 #
-#   bash scripts/gpu_check.sh [build] [test] [bench] [quick] [heads] [gad] [lud] [ptp] [e2e] [e2e8] [tune]
-#                             [levels] [sampling] [profile] [parts] [dry]
+#   bash scripts/gpu_check.sh [build] [test] [sanitize] [bench] [quick] [heads] [gad] [lud] [ptp] [e2e] [e2e8]
+#                             [tune] [levels] [sampling] [profile] [parts] [dry]
 #                                                                            (default: build test bench)
 #
 #   build  pip install -e . with the CUDA kernels (16 jobs; 46-80 s on the H100 machine). A later step that finds
@@ -64,6 +64,9 @@
 #          heads, gad and lud is one cache on the machine: made by the first of them, reused by the others when
 #          their data flags agree. One recipe per call (the time, and the 8 files a call brings back). gad, lud and
 #          ptp have not yet run on a GPU.
+#   sanitize  tests/test_unvalidated.py's cuda and triton cases (malformed offsets, parents and tokens under
+#          validate=False) under compute-sanitizer's memcheck -> sanitize.log: no access out of bounds, no hang.
+#          Not yet run on a GPU; ~30 s estimated (the tests take 30 s interpreted on a 2-core CPU).
 #   parts  only report which carried parts are on this machine (printed by every run)
 #   dry    on a machine without a GPU, check this script: bench runs bench_gpu.py --dry-run, e2e runs on the CPU at
 #          tiny sizes (one question, 8 new tokens), test only collects the tests, build is skipped. Example:
@@ -278,6 +281,21 @@ if has test; then
       awk '{printf "  %s %s %s\n", $3, $2, $1}' | sort
     grep -E "^(FAILED|ERROR)" "$OUT/test.log" | cut -c1-230 | head -60
     tail -3 "$OUT/test.log"
+  fi
+fi
+
+if has sanitize; then  # unvalidated malformed input on the GPU kernels, every access checked by compute-sanitizer
+  start=$(date +%s)
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  if [ -n "$DRY" ]; then
+    echo "sanitize: skipped (dry)"
+  elif [ -z "$san" ]; then
+    echo "sanitize: skipped (no compute-sanitizer on this machine)"
+  else
+    "$san" --tool memcheck --error-exitcode 99 $PY -m pytest -q -rfEs -p no:cacheprovider -k "cuda or triton" \
+      tests/test_unvalidated.py >"$OUT/sanitize.log" 2>&1
+    echo "sanitize: rc=$? in $(( $(date +%s) - start )) s (99: compute-sanitizer found an error)"
+    grep -E "^=+ (Invalid|ERROR|Program hit)|passed|failed" "$OUT/sanitize.log" | cut -c1-230 | head -20
   fi
 fi
 

@@ -20,7 +20,7 @@ namespace cuda {
 // packed [B, n, W] int32, W = ceil(n / 32): bit (j % 32) of word j / 32 of row (b, i) is set iff local node j
 // is i or an ancestor of i (i < n_b). Rows of padding nodes (i >= n_b) are all zero.
 __global__ void _tree_mask_packed_kernel(const int32_t* __restrict__ parents, const int32_t* __restrict__ cu_nodes,
-                                         int B, int n, int W, int32_t* __restrict__ packed) {
+                                         int64_t N, int B, int n, int W, int32_t* __restrict__ packed) {
   const int64_t total = static_cast<int64_t>(B) * n * W;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -28,7 +28,7 @@ __global__ void _tree_mask_packed_kernel(const int32_t* __restrict__ parents, co
     const int i = static_cast<int>((idx / W) % n);
     const int b = static_cast<int>(idx / (static_cast<int64_t>(W) * n));
     const int32_t start = cu_nodes[b];
-    const int n_b = cu_nodes[b + 1] - start;
+    const int n_b = request_in_range(cu_nodes, N, b) ? cu_nodes[b + 1] - start : 0;
     uint32_t word = 0;
     if (i < n_b) {
       const int32_t* par = parents + start;
@@ -79,7 +79,7 @@ __global__ void _tree_positions_kernel(const int32_t* __restrict__ parents, cons
   for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < N;
        g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int b = request_of_node(cu_nodes, B, g);
-    if (b < 0) {  // only reachable when cu_nodes[0] != 0 or cu_nodes[B] != N (rejected by the binding)
+    if (b < 0 || !request_in_range(cu_nodes, N, b)) {  // unvalidated cu_nodes: a node of no request
       positions[g] = -1;
       continue;
     }
@@ -195,7 +195,8 @@ at::Tensor packed_mask(const at::Tensor& parents, const at::Tensor& cu_nodes, in
   auto par = parents.contiguous();
   auto cu = cu_nodes.contiguous();
   _tree_mask_packed_kernel<<<grid_for(total, kThreads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      par.data_ptr<int32_t>(), cu.data_ptr<int32_t>(), B, static_cast<int>(n), W, packed.data_ptr<int32_t>());
+      par.data_ptr<int32_t>(), cu.data_ptr<int32_t>(), par.numel(), B, static_cast<int>(n), W,
+      packed.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return packed;
 }

@@ -175,7 +175,10 @@ def tree_mask(parents, cu_nodes=None, prefix_len=0, format: str = "bool", dtype:
     max_nodes / max_prefix fix n and P (fixed-shape outputs). With validate=False, parents given, and n and P
     known (given, or an int prefix_len), the call reads nothing back from the device (CUDA-graph capturable).
     max_nodes must cover the largest request: unvalidated, a smaller one is refused by the C++ kernels and cuts
-    the request's rows on the GPU ones, never writing out of bounds.
+    the request's rows on the GPU ones, never writing out of bounds. Likewise malformed offsets or parents
+    (unvalidated) give unspecified results, never an access out of bounds nor an endless walk: the C++ kernels
+    refuse them; the others read a parent that does not precede its node as the root, and a request whose offsets
+    do not lie in order within [0, N) as empty (its nodes' positions -1).
     """
     _check_format(format, dtype)
     if format != "packed":

@@ -211,6 +211,8 @@ def _batch_layout(logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample
     if logits.stride(-1) != 1:  # kernels need a contiguous last dim; any row stride is fine
         logits = logits.contiguous()
     cu_nodes = _as(cu_nodes, torch.int32)
+    if K is None and not validate:
+        cu_nodes = _offsets_in_bounds(cu_nodes, N)
     draft_tokens = _as(draft_tokens, torch.int64)
     if K is None and (validate or host_offsets):
         cu = cu_nodes.tolist()
@@ -221,6 +223,16 @@ def _batch_layout(logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample
             bad = draft_tokens[(draft_tokens < 0) | (draft_tokens >= V)]
             raise ValueError(f"draft_tokens: expected token ids in [0, V = {V}), got {bad[:4].tolist()}")
     return logits, draft_tokens, cu_nodes, parents, draft_probs, u_sample, u_accept, cu, K
+
+
+def _offsets_in_bounds(cu_nodes, N):
+    """Unvalidated offsets clamped into [0, N], non-decreasing, from 0 to N, on the device: the offsets themselves
+    where they are valid, and otherwise a layout whose every row and node lies inside the tensors, so that
+    malformed offsets give unspecified results, never an access out of bounds (nor a device-side assert)."""
+    inner = cu_nodes[1:-1].clamp(0, N)
+    if inner.numel():
+        inner = inner.cummax(0).values
+    return torch.cat([cu_nodes.new_zeros(1), inner, cu_nodes.new_full((1,), N)])
 
 
 def _as(x, dtype):

@@ -45,9 +45,10 @@ def padded_parents(parents: torch.Tensor, cu_nodes: torch.Tensor, n: int):
     valid = j[None, :] < counts[:, None]
     if parents.numel() == 0:
         return torch.full((B, n), -1, dtype=torch.long, device=parents.device), valid
-    flat = (cu[:-1, None] + j[None, :]).clamp(max=parents.numel() - 1)
+    flat = (cu[:-1, None] + j[None, :]).clamp(0, parents.numel() - 1)
     pp = torch.where(valid, parents.long()[flat], torch.full_like(flat, -1))
-    return pp, valid
+    # unvalidated input (validate=False): a parent that does not precede its node is the root, so walks end
+    return torch.where((pp >= -1) & (pp < j), pp, torch.full_like(pp, -1)), valid
 
 
 def ancestor_matrix(parents: torch.Tensor, cu_nodes: torch.Tensor, n: int) -> torch.Tensor:
@@ -119,7 +120,12 @@ def tree_positions(parents, cu_nodes, prefix_len) -> torch.Tensor:
     n = int(counts.max()) if B > 0 else 0
     depth, valid = tree_depth(parents, cu_nodes, n), padded_parents(parents, cu_nodes, n)[1]
     pos = prefix_len.long()[:, None] + depth - 1
-    return pos[valid]
+    N = parents.numel()
+    node = (cu_nodes.long()[:-1, None] + torch.arange(n, device=parents.device))[valid]  # 0 .. N - 1 when valid
+    inside = (node >= 0) & (node < N)  # unvalidated offsets: nodes of no request keep -1
+    out = torch.full((N,), -1, dtype=torch.int64, device=parents.device)
+    out[node[inside]] = pos[valid][inside]
+    return out
 
 
 def block_mask_bool(sizes, prefix_len, n: int, P: int, causal: bool) -> torch.Tensor:

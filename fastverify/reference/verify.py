@@ -240,7 +240,7 @@ def verify(logits, draft_tokens, cu_nodes, parents, rule_params, warp, draft_pro
     """
     name = RULES[rule]
     device = logits.device
-    B = cu_nodes.numel() - 1
+    B, V = cu_nodes.numel() - 1, logits.shape[1]
     cu = cu_nodes.tolist()
     tokens_all = draft_tokens.tolist()
     parents_all = parents.tolist()
@@ -266,15 +266,18 @@ def verify(logits, draft_tokens, cu_nodes, parents, rule_params, warp, draft_pro
             continue
         rows = x64[row0:row0 + n + 1]
         tokens = tokens_all[lo:hi]
-        par = parents_all[lo:hi]
+        # unvalidated input (validate=False): a parent that does not precede its node is the root, and a node whose
+        # token is outside the vocabulary is no row's child (never accepted)
+        par = [p if -1 <= p < j else -1 for j, p in enumerate(parents_all[lo:hi])]
         children, depth = _tree(par)
+        children = [[c for c in kids if 0 <= tokens[c] < V] for kids in children]
 
         if name in DETERMINISTIC_RULES:
             forced = _forced_nodes(rows, tokens, children, min_accept)
             ok = [False] * n
             for j in range(n):
                 p = par[j]
-                if p >= 0 and not ok[p]:
+                if (p >= 0 and not ok[p]) or not 0 <= tokens[j] < V:
                     continue
                 parent_token = tokens[p] if p >= 0 else (
                     int(root_tokens[b]) if root_tokens is not None else None)
