@@ -106,8 +106,7 @@ def _verify_node_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, parents_ptr
     g = tl.program_id(0).to(tl.int64)
     b = tl.load(node_req_ptr + g)
     node0 = tl.load(cu_ptr + b)
-    p = tl.load(parents_ptr + g)
-    p = tl.where((p >= -1) & (p < g - node0), p, -1)  # unvalidated: a parent that does not precede it is the root
+    p = _parent(parents_ptr, node0, g - node0)  # the root where it does not precede its node (unvalidated input)
     row = (node0 + b + 1 + p).to(tl.int64)  # the parent's row (the root row when p == -1)
     row_ptr = logits_ptr + row * stride_r
     x = tl.load(tokens_ptr + g)

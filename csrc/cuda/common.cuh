@@ -55,14 +55,14 @@ __device__ __forceinline__ void for_each_owned(const T* row, int64_t V, F&& f) {
   }
 }
 
-// Request of global node g: the b with cu_nodes[b] <= g < cu_nodes[b + 1] (cu_nodes non-decreasing;
-// empty requests are skipped because their two offsets are equal). Returns -1 when g is outside.
 // Whether request b's nodes [cu_nodes[b], cu_nodes[b + 1]) lie in order within parents' [0, N): the Python layer
 // validates cu_nodes unless validate=False; a request outside gets no rows, so no kernel reads or writes past N.
 __device__ __forceinline__ bool request_in_range(const int32_t* cu_nodes, int64_t N, int b) {
   return cu_nodes[b] >= 0 && cu_nodes[b] <= cu_nodes[b + 1] && cu_nodes[b + 1] <= N;
 }
 
+// Request of global node g: the b with cu_nodes[b] <= g < cu_nodes[b + 1] (cu_nodes non-decreasing;
+// empty requests are skipped because their two offsets are equal). Returns -1 when g is outside.
 __device__ __forceinline__ int request_of_node(const int32_t* cu_nodes, int B, int64_t g) {
   int lo = 0, hi = B;  // invariant: cu_nodes[lo] <= g < cu_nodes[hi]
   if (g < cu_nodes[0] || g >= cu_nodes[B]) return -1;

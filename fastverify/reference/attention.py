@@ -37,10 +37,9 @@ def tree_attention(q, k, v, packed_mask, prefix_len, scale: float) -> torch.Tens
     P = S - n
     group = Hq // Hkv
     unused = torch.arange(S, device=k.device)[None, :] >= prefix_len.long()[:, None]
-    unused[:, P:] = False
-    unused = unused[:, None, :, None]  # [B, 1, S, 1]
-    kf = k.float().masked_fill(unused, 0.0).repeat_interleave(group, dim=1)
-    vf = v.float().masked_fill(unused, 0.0).repeat_interleave(group, dim=1)
+    unused[:, P:] = False  # the unused prefix slots; their scores are masked below, their values zeroed here
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().masked_fill(unused[:, None, :, None], 0.0).repeat_interleave(group, dim=1)
     visible = dense_tree_attention_mask(packed_mask, prefix_len, P)[:, None]  # [B, 1, n, P + n]
     scores = (q.float() @ kf.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~visible, float("-inf"))
