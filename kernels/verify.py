@@ -110,7 +110,8 @@ def _verify_node_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, parents_ptr
     row = (node0 + b + 1 + p).to(tl.int64)  # the parent's row (the root row when p == -1)
     row_ptr = logits_ptr + row * stride_r
     x = tl.load(tokens_ptr + g)
-    x = tl.where((x >= 0) & (x < V), x, 0)
+    in_vocab = (x >= 0) & (x < V)  # a token outside it (unvalidated input) is never accepted, nor forced
+    x = tl.where(in_vocab, x, 0)
     lx = tl.load(row_ptr + x).to(tl.float32)
     tl.store(lx_ptr + g, lx)
     a = tl.load(row_tok_ptr + row)
@@ -146,7 +147,7 @@ def _verify_node_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, parents_ptr
         else:
             ptok = tl.load(tokens_ptr + node0 + tl.maximum(p, 0))
             ok = ok & ((p < 0) | (x != ptok))
-    tl.store(cond_ptr + g, ok.to(tl.int8))
+    tl.store(cond_ptr + g, tl.where(in_vocab, ok.to(tl.int8), 2))  # 2: outside the vocabulary
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -211,7 +212,8 @@ def _verify_walk_kernel(cu_ptr, parents_ptr, cond_ptr, lx_ptr, row_tok_ptr, bad_
     else:
         par = tl.load(parents_ptr + node0 + idx, mask=valid, other=-1)
         par = tl.where((par >= -1) & (par < idx), par, -1)  # unvalidated: as _verify_node_kernel reads it
-        cond = tl.load(cond_ptr + node0 + idx, mask=valid, other=0) != 0
+        code = tl.load(cond_ptr + node0 + idx, mask=valid, other=0)  # 0 / 1: the condition; 2: out of vocabulary
+        cond = code == 1
         if FIRST_MATCH:
             # coupled: only the first child (in node order) holding the drawn token is followed.
             earlier = (par[None, :] == par[:, None]) & cond[None, :] & (idx[None, :] < idx[:, None])
@@ -223,7 +225,7 @@ def _verify_walk_kernel(cu_ptr, parents_ptr, cond_ptr, lx_ptr, row_tok_ptr, bad_
         step = tl.zeros([], tl.int32)
         alive = n_b > 0
         while alive & (step < min_accept):
-            cand = valid & (par == cur)
+            cand = valid & (par == cur) & (code != 2)
             alive = tl.max(cand.to(tl.int32), axis=0) > 0
             best = tl.max(tl.where(cand, lx, float("-inf")), axis=0)
             chosen = tl.min(tl.where(cand & (lx == best), idx, BLOCK_N), axis=0)

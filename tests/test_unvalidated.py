@@ -119,3 +119,37 @@ def test_checked_memory_catches_a_stray_load():
         with pytest.raises(Exception) as info:
             copy[(1,)](src, dst, 12, BLOCK=16)
     assert "outside every tensor argument" in str(info.value)
+
+
+@pytest.mark.parametrize("backend", backend_params(available_backends()))
+def test_tokens_outside_the_vocabulary_are_never_accepted(backend):
+    """Read as any token of the vocabulary, each out-of-vocabulary node here would be accepted: its row's argmax is
+    token 0 (the id a clamp gives), and min_accept forces the most likely path. Every backend that does not refuse
+    the input accepts none of them, and the deterministic rules agree with the reference."""
+    dev = device_of(backend)
+    parents, tokens = [-1, 0, -1, 2, -1, 4], [V, 0, -1, 0, 1 << 40, 0]  # three chains, each headed by a bad token
+    cu = [0, 6]
+    logits = torch.full((7, V), -30.0)
+    logits[:, 0] = 5.0  # every row's argmax is token 0
+    for rule, params in RULES:
+        kw = dict(params)
+        if kw.pop("draft_probs", False):
+            kw["draft_probs"] = torch.full((6, V), 1.0 / V).to(dev)
+        if rule in ("speculative", "coupled"):
+            kw.update(seed=torch.tensor([1], device=dev), position=torch.tensor([0], device=dev))
+        for min_accept in ((0, 2) if rule not in ("speculative", "coupled") else (0,)):
+            if min_accept:
+                kw["min_accept"] = min_accept
+            args = (logits.to(dev), torch.tensor(tokens, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
+                    torch.tensor(parents, dtype=torch.int32, device=dev))
+            try:
+                with _guard(backend):
+                    out = fv.verify(*args, rule=rule, backend=backend, validate=False, **kw)
+            except (ValueError, RuntimeError) as e:
+                assert not isinstance(e.__cause__, OutOfBounds) and "draft_tokens" in str(e), (rule, str(e))
+                continue
+            assert int(out.accept_len[0]) == 0 and int(out.next_token[0]) == 0, (rule, min_accept, out)
+            if rule not in ("speculative", "coupled"):
+                ref = fv.verify(*(a.cpu() for a in args), rule=rule, backend="torch", validate=False,
+                                **{k: v.cpu() if torch.is_tensor(v) else v for k, v in kw.items()})
+                assert torch.equal(out.accepted.cpu(), ref.accepted), (rule, min_accept)

@@ -607,7 +607,8 @@ __global__ void _verify_walk_kernel(VerifyArgs a, int min_accept, int max_depth,
       for (int step = 0; step < min_accept; ++step) {
         int best = -1;
         for (int j = 0; j < n_b; ++j) {
-          if (par[j] != r - 1) continue;
+          const long long x = a.draft_tokens[start + j];
+          if (par[j] != r - 1 || x < 0 || x >= a.V) continue;  // a token outside the vocabulary is never forced
           if (best < 0 || a.node_logit[start + j] > a.node_logit[start + best]) best = j;
         }
         if (best < 0) break;

@@ -104,7 +104,8 @@ def verify(logits, draft_tokens, cu_nodes=None, parents=None, *, rule="greedy", 
     nothing back from the device (no host synchronisation: CUDA-graph capturable, no graph break under
     torch.compile) and its outputs' shapes depend on the inputs' shapes alone. A request with NaN / +inf logits
     reports accept_len = -1 instead of raising; malformed trees or offsets give unspecified results, never an
-    out-of-bounds access.
+    out-of-bounds access; a draft token outside the vocabulary is never accepted, nor forced by min_accept (the C++
+    backend checks tokens and parents on its own, and raises).
 
     Returns VerifyOutput(accept_len int32 [B], accepted int32 [B, max_depth], next_token int64 [B]).
     """
