@@ -6,8 +6,9 @@
                    pointer jumping over all nodes at once, then cat / where), (c) by the C++ kernels.
   packed vs bool   bytes of the draft part of a 256-node tree's mask (extra_info; expected ratio 1/8), and the time
                    to build each.
-  tree attention   fastverify.tree_attention (cpp: float32 through the masked-attention kernel in blocks of 16 query
-                   rows, bf16 an online softmax reading the packed bits) against
+  tree attention   fastverify.tree_attention (cpp: the masked-attention kernel in blocks of 16 query rows, bf16 /
+                   fp16 converted to float32 a head at a time), every request's prefix full, or the first request's
+                   a twentieth of the cache (ragged: its unused slots are not read), against
                    torch.nn.functional.scaled_dot_product_attention with the dense bool mask (enable_gqa), and the
                    reference. Memory: torch has no CPU allocator statistics, so the bytes of the masks each path
                    needs are computed analytically (bool mask B * n * (P + n) bytes vs packed B * n * ceil(n / 32) * 4)
@@ -130,9 +131,10 @@ def _bytes_allocated(fn):
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,D,n,P", ATTN_SHAPES, ids=lambda x: str(x))
+@pytest.mark.parametrize("prefixes", ["full", "ragged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("method", ["sdpa_dense_mask", "cpp", "torch_reference"])
-def test_tree_attention(benchmark, method, dtype, B, Hq, Hkv, D, n, P):
+def test_tree_attention(benchmark, method, dtype, prefixes, B, Hq, Hkv, D, n, P):
     if method == "cpp" and not HAS_CPP:
         pytest.skip("fastverify._C not built")
     if method == "torch_reference" and not FULL:
@@ -142,8 +144,10 @@ def test_tree_attention(benchmark, method, dtype, B, Hq, Hkv, D, n, P):
     k = torch.randn(B, Hkv, P + n, D, generator=g).to(dtype)
     v = torch.randn(B, Hkv, P + n, D, generator=g).to(dtype)
     parents, cu, plen = batch(random_trees(B, n, seed=2), P)
+    if prefixes == "ragged":
+        plen[0] = P // 20
     packed = fastverify.tree_mask(parents, cu, plen, format="packed")
-    dense = fastverify.tree_mask(parents, cu, plen, format="bool")[:, None]
+    dense = fastverify.tree_mask(parents, cu, plen, format="bool", max_prefix=P)[:, None]
     if method == "sdpa_dense_mask":
         fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)  # noqa: E731
         mask_bytes = dense.numel() * dense.element_size()
@@ -151,7 +155,7 @@ def test_tree_attention(benchmark, method, dtype, B, Hq, Hkv, D, n, P):
         backend = "cpp" if method == "cpp" else "torch"
         fn = lambda: fastverify.tree_attention(q, k, v, packed, plen, backend=backend)  # noqa: E731
         mask_bytes = packed.numel() * packed.element_size()
-    benchmark.group = f"tree_attention B={B} Hq={Hq} Hkv={Hkv} D={D} n={n} P={P} {str(dtype)[6:]}"
+    benchmark.group = f"tree_attention B={B} Hq={Hq} Hkv={Hkv} D={D} n={n} P={P} {prefixes} {str(dtype)[6:]}"
     benchmark.extra_info["machine"] = MACHINE
     benchmark.extra_info["mask_bytes_analytic"] = mask_bytes
     benchmark.extra_info["bytes_allocated_profiler"] = _bytes_allocated(fn)

@@ -219,15 +219,15 @@ FASTVERIFY_AVX512 inline float dot_avx512(const float* q, const float* k, int64_
   return reduce1(acc);
 }
 
-// scores [R, S] = q [R, D] k^T for D a multiple of 16; per score 16 lane sums over D in order, then reduce16's
-// fold. Tiles of 4 query rows x 4 keys (16 accumulators: each loaded key vector serves 4 rows), the remaining rows
-// 16 keys at a time, the remaining keys one by one.
+// scores [R, S] = q [R, D] k^T for the keys [j0, j1), D a multiple of 16; per score 16 lane sums over D in order,
+// then reduce16's fold. Tiles of 4 query rows x 4 keys (16 accumulators: each loaded key vector serves 4 rows), the
+// remaining rows 16 keys at a time, the remaining keys one by one.
 FASTVERIFY_AVX512 inline void scores_avx512(const float* q, int64_t R, int64_t D, const float* k, int64_t S,
-                                            float* out) {
+                                            float* out, int64_t j0, int64_t j1) {
   int64_t r = 0;
   for (; r + 4 <= R; r += 4) {
-    int64_t j = 0;
-    for (; j + 4 <= S; j += 4) {
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t c = 0; c < D; c += 16) {
@@ -241,14 +241,14 @@ FASTVERIFY_AVX512 inline void scores_avx512(const float* q, int64_t R, int64_t D
       for (int a = 0; a < 4; ++a)
         _mm_storeu_ps(out + (r + a) * S + j, _mm512_maskz_extractf32x4_ps(0xF, sums, a));
     }
-    for (; j < S; ++j)
+    for (; j < j1; ++j)
       for (int a = 0; a < 4; ++a) out[(r + a) * S + j] = dot_avx512(q + (r + a) * D, k + j * D, D);
   }
   for (; r < R; ++r) {
     const float* qr = q + r * D;
     float* o = out + r * S;
-    int64_t j = 0;
-    for (; j + 16 <= S; j += 16) {
+    int64_t j = j0;
+    for (; j + 16 <= j1; j += 16) {
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t c = 0; c < D; c += 16) {
@@ -257,26 +257,23 @@ FASTVERIFY_AVX512 inline void scores_avx512(const float* q, int64_t R, int64_t D
       }
       _mm512_storeu_ps(o + j, reduce16(acc));
     }
-    for (; j < S; ++j) o[j] = dot_avx512(qr, k + j * D, D);
+    for (; j < j1; ++j) o[j] = dot_avx512(qr, k + j * D, D);
   }
 }
 #endif
 
-// The keys a product reads: [0, S) but the keys [skip0, skip1) (none where skip1 <= skip0), in order.
-inline int64_t first_key(int64_t skip0, int64_t skip1) { return skip0 == 0 ? std::max<int64_t>(skip1, 0) : 0; }
-inline int64_t next_key(int64_t j, int64_t skip0, int64_t skip1) {
-  return j + 1 == skip0 && skip1 > skip0 ? skip1 : j + 1;
-}
+// A gap in the keys: the rows of k and v that a call's S keys occupy are [0, at) and [at + gap, S + gap), key j at
+// row j + gap from j = at on (gap 0: the rows [0, S)). The rows of the gap are never read.
 
-// out [R, D] = p [R, S] v, v's rows at stride vs (floats), but v's rows [skip0, skip1) not read; per output element
+// out [R, D] = p [R, S] v, v's rows at stride vs (floats), a gap of `gap` rows after key `at`; per output element
 // the sum over keys in order.
 inline void pv_scalar(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, int64_t D, float* out,
-                      int64_t skip0, int64_t skip1) {
+                      int64_t at, int64_t gap) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < D; ++d) {
       float acc = 0.f;
-      for (int64_t j = first_key(skip0, skip1); j < S; j = next_key(j, skip0, skip1))
-        acc = std::fma(p[r * S + j], v[j * vs + d], acc);
+      for (int64_t j = 0; j < at; ++j) acc = std::fma(p[r * S + j], v[j * vs + d], acc);
+      for (int64_t j = at; j < S; ++j) acc = std::fma(p[r * S + j], v[(j + gap) * vs + d], acc);
       out[r * D + d] = acc;
     }
 }
@@ -286,17 +283,21 @@ inline void pv_scalar(const float* p, int64_t R, int64_t S, const float* v, int6
 // fused multiply-adds in the same order as pv_scalar, so the same result.
 template <int DV, int TR>
 FASTVERIFY_AVX512 inline void pv_tile_avx512(const float* p, int64_t rows, int64_t S, const float* v, int64_t vs,
-                                             float* out, int64_t D, int64_t skip0, int64_t skip1) {
+                                             float* out, int64_t D, int64_t at, int64_t gap) {
   __m512 acc[TR][DV];
   for (int r = 0; r < TR; ++r)
     for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = first_key(skip0, skip1); j < S; j = next_key(j, skip0, skip1)) {
-    __m512 vr[DV];
-    for (int c = 0; c < DV; ++c) vr[c] = _mm512_loadu_ps(v + j * vs + 16 * c);
-    for (int r = 0; r < TR; ++r) {
-      if (r >= rows) break;
-      const __m512 pr = _mm512_set1_ps(p[r * S + j]);
-      for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(pr, vr[c], acc[r][c]);
+  for (int part = 0; part < 2; ++part) {  // the keys before the gap, then those after it
+    const int64_t j0 = part ? at : 0, j1 = part ? S : at;
+    const float* vp = part ? v + gap * vs : v;
+    for (int64_t j = j0; j < j1; ++j) {
+      __m512 vr[DV];
+      for (int c = 0; c < DV; ++c) vr[c] = _mm512_loadu_ps(vp + j * vs + 16 * c);
+      for (int r = 0; r < TR; ++r) {
+        if (r >= rows) break;
+        const __m512 pr = _mm512_set1_ps(p[r * S + j]);
+        for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(pr, vr[c], acc[r][c]);
+      }
     }
   }
   for (int r = 0; r < TR && r < rows; ++r)
@@ -305,54 +306,59 @@ FASTVERIFY_AVX512 inline void pv_tile_avx512(const float* p, int64_t rows, int64
 
 template <int DV>
 FASTVERIFY_AVX512 inline void pv_avx512(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, float* out,
-                                         int64_t skip0, int64_t skip1) {
+                                         int64_t at, int64_t gap) {
   constexpr int TR = DV >= 8 ? 2 : 24 / DV;  // TR * DV accumulators + DV V vectors + 1 broadcast <= 32 zmm
   for (int64_t r = 0; r < R; r += TR)
-    pv_tile_avx512<DV, TR>(p + r * S, std::min<int64_t>(TR, R - r), S, v, vs, out + r * 16 * DV, 16 * DV, skip0,
-                           skip1);
+    pv_tile_avx512<DV, TR>(p + r * S, std::min<int64_t>(TR, R - r), S, v, vs, out + r * 16 * DV, 16 * DV, at, gap);
 }
 #endif
 
-inline void pv(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, int64_t D, float* out,
-               int64_t skip0, int64_t skip1) {
+inline void pv(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, int64_t D, float* out, int64_t at,
+               int64_t gap) {
 #ifdef FASTVERIFY_X86
   if (cpu_has_avx512()) {
     switch (D) {
-      case 16: return pv_avx512<1>(p, R, S, v, vs, out, skip0, skip1);
-      case 32: return pv_avx512<2>(p, R, S, v, vs, out, skip0, skip1);
-      case 48: return pv_avx512<3>(p, R, S, v, vs, out, skip0, skip1);
-      case 64: return pv_avx512<4>(p, R, S, v, vs, out, skip0, skip1);
-      case 80: return pv_avx512<5>(p, R, S, v, vs, out, skip0, skip1);
-      case 96: return pv_avx512<6>(p, R, S, v, vs, out, skip0, skip1);
-      case 128: return pv_avx512<8>(p, R, S, v, vs, out, skip0, skip1);
+      case 16: return pv_avx512<1>(p, R, S, v, vs, out, at, gap);
+      case 32: return pv_avx512<2>(p, R, S, v, vs, out, at, gap);
+      case 48: return pv_avx512<3>(p, R, S, v, vs, out, at, gap);
+      case 64: return pv_avx512<4>(p, R, S, v, vs, out, at, gap);
+      case 80: return pv_avx512<5>(p, R, S, v, vs, out, at, gap);
+      case 96: return pv_avx512<6>(p, R, S, v, vs, out, at, gap);
+      case 128: return pv_avx512<8>(p, R, S, v, vs, out, at, gap);
       default: break;
     }
   }
 #endif
-  pv_scalar(p, R, S, v, vs, D, out, skip0, skip1);
+  pv_scalar(p, R, S, v, vs, D, out, at, gap);
+}
+
+// scores [R, S] = q [R, D] k^T for the keys [j0, j1), key j at k's row j + shift; a score's arithmetic is the same
+// whichever range holds it.
+inline void qk_scores(const float* q, int64_t R, int64_t D, const float* k, int64_t shift, int64_t S, float* out,
+                      int64_t j0, int64_t j1) {
+  if (j1 <= j0) return;
+  k += shift * D;  // the first key's row: row j0 + shift >= 0
+#ifdef FASTVERIFY_X86
+  if (cpu_has_avx512() && D % 16 == 0) return scores_avx512(q, R, D, k, S, out, j0, j1);
+#endif
+  linear::skinny_rows(q, k, nullptr, out, R, D, S, j0, j1);
 }
 
 // One (batch row, key / value head): q [R, D] (the group's query rows), k [S, D] and v [S, Dv] (row-major; Dv is D
 // but for latent attention's narrower values), mask_rows[r] the additive mask row of query row r (or nullptr: no
 // mask). softcap: the scores' soft cap (0: none); sinks[r]: query row r's sink logit (or nullptr: none). scores:
-// [R, S] scratch; out [R, Dv]. The keys [skip0, skip1), which every mask row masks with -inf, do not reach the
-// result whatever they hold (a tree attention's unused cache slots): their scores are set to 0 before the cap and
-// the mask, their values never read.
+// [R, S] scratch; out [R, Dv]. gap > 0: k and v hold S + gap rows, a gap of `gap` rows after key `at` that is never
+// read (a tree attention's unused cache slots, which may hold anything).
 inline void group(const float* q, int64_t R, int64_t D, const float* k, const float* v, int64_t Dv, int64_t S,
                   const float* const* mask_rows, float scale, float* scores, float* out, float softcap = 0.f,
-                  const float* sinks = nullptr, int64_t skip0 = 0, int64_t skip1 = 0) {
-#ifdef FASTVERIFY_X86
-  if (cpu_has_avx512() && D % 16 == 0) scores_avx512(q, R, D, k, S, scores);
-  else linear::skinny_rows(q, k, nullptr, scores, R, D, S, 0, S);
-#else
-  linear::skinny_rows(q, k, nullptr, scores, R, D, S, 0, S);
-#endif
+                  const float* sinks = nullptr, int64_t at = 0, int64_t gap = 0) {
+  qk_scores(q, R, D, k, 0, S, scores, 0, gap ? at : S);
+  if (gap) qk_scores(q, R, D, k, gap, S, scores, at, S);
   const bool sdpa = softcap == 0.f && !sinks;  // SDPA's softmax; a soft cap or sinks: eager attention's
   for (int64_t r = 0; r < R; ++r) {
     float* row = scores + r * S;
     const float* mask = mask_rows ? mask_rows[r] : nullptr;
     const float sink = sinks ? sinks[r] : kNoSink;
-    if (skip1 > skip0) std::fill(row + skip0, row + skip1, 0.f);
     if (softcap > 0.f) {
       softcap_row(row, S, scale, softcap);
       softmax_row(row, mask, S, 1.f, sink, sdpa);
@@ -360,7 +366,7 @@ inline void group(const float* q, int64_t R, int64_t D, const float* k, const fl
       softmax_row(row, mask, S, scale, sink, sdpa);
     }
   }
-  pv(scores, R, S, v, Dv, Dv, out, skip0, skip1);
+  pv(scores, R, S, v, Dv, Dv, out, at, gap);
 }
 
 }  // namespace attention

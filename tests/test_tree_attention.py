@@ -57,7 +57,7 @@ def random_batch(sizes, plens, seed):
 
 def sdpa_expected(q, k, v, parents, cu, plen):
     """SDPA in float32 with the dense bool tree mask, kv heads repeated for GQA."""
-    visible = tree_mask(parents, cu, plen, format="bool", backend="torch")[:, None]
+    visible = tree_mask(parents, cu, plen, format="bool", backend="torch", max_prefix=k.shape[2] - q.shape[2])[:, None]
     g = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1),
                                           v.float().repeat_interleave(g, 1), attn_mask=visible)
@@ -94,21 +94,57 @@ def test_matches_sdpa(backend, D, sizes, plens, Hq, Hkv, dtype):
     torch.testing.assert_close(got.cpu().float(), exp, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_strided_inputs_and_scale(backend):
+def test_strided_inputs_and_scale(backend, dtype):
     """q in [B, n, H, D] memory order (as projections produce it), k / v slices of a longer cache."""
     dev = device_of(backend)
     parents, cu, plen = random_batch([9, 4], [12, 3], seed=5)
     B, n, P, H, D = 2, 9, 12, 2, 64
-    q = torch.randn(B, n, H, D).transpose(1, 2)
-    cache = torch.randn(2, B, H, P + n + 20, D)
+    q = torch.randn(B, n, H, D).transpose(1, 2).to(dtype)
+    cache = torch.randn(2, B, H, P + n + 20, D).to(dtype)
     k, v = cache[0, :, :, :P + n], cache[1, :, :, :P + n]
     assert not q.is_contiguous() and not k.is_contiguous()
     packed = tree_mask(parents, cu, plen, format="packed")
     visible = tree_mask(parents, cu, plen, format="bool", backend="torch")[:, None]
-    exp = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.3)
+    exp = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=visible, scale=0.3)
     got = tree_attention(q.to(dev), k.to(dev), v.to(dev), packed.to(dev), plen.to(dev), scale=0.3, backend=backend)
-    torch.testing.assert_close(got.cpu(), exp, atol=2e-5, rtol=2e-5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.cpu().float(), exp, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_layouts(backend, dtype):
+    """Fresh random batches: 1-5 requests of 0-40 nodes, prefixes from 0 to the cache's length (the unused slots
+    filled with NaN, which no backend may read), head sizes the SIMD paths take and others, GQA groups of 1-3."""
+    if interpreted(backend):
+        pytest.skip("interpreted Triton: covered by the fixed shapes")
+    dev = device_of(backend)
+    rng = random.Random(11)
+    for case in range(12):
+        B = rng.randint(1, 5)
+        sizes = [rng.choice([0, 1, rng.randint(2, 40)]) for _ in range(B)]
+        P = rng.choice([0, 5, 70, 300])
+        plens = [rng.choice([0, P, rng.randint(0, P)]) for _ in range(B)]
+        D = rng.choice([16, 40, 64, 80, 128])
+        Hkv = rng.randint(1, 2)
+        Hq = Hkv * rng.randint(1, 3)
+        parents, cu, plen = random_batch(sizes, plens, seed=case)
+        n = max(sizes)
+        gen = torch.Generator().manual_seed(case)
+        q = torch.randn(B, Hq, n, D, generator=gen).to(dtype)
+        k = torch.randn(B, Hkv, P + n, D, generator=gen).to(dtype)
+        v = torch.randn(B, Hkv, P + n, D, generator=gen).to(dtype)
+        for b, pl in enumerate(plens):
+            k[b, :, pl:P], v[b, :, pl:P] = float("nan"), float("nan")
+        packed = tree_mask(parents, cu, plen, format="packed", backend="torch")
+        exp = sdpa_expected(q, k.nan_to_num(), v.nan_to_num(), parents, cu, plen)
+        got = tree_attention(q.to(dev), k.to(dev), v.to(dev), packed.to(dev), plen.to(dev), backend=backend)
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(got.cpu().float(), exp.nan_to_num(), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"case {case}: B {B} sizes {sizes} P {P} plens {plens} D {D} "
+                                                 f"Hq {Hq} Hkv {Hkv}: {m}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

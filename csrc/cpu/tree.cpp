@@ -6,6 +6,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -133,60 +137,96 @@ at::Tensor tree_positions_cpu(const at::Tensor& parents, const at::Tensor& cu_no
   return out;
 }
 
-// float32 tree attention of the requests `reqs` through the masked-attention kernel (csrc/attention.h): those whose
-// unused prefix slots do not outnumber their visible keys (tree_attention_cpu). One task per (request, kv head, block
-// of up to kBlockRows query rows of its group): the block's additive mask rows are made from the packed bits, 0 for the
-// request's prefix keys [0, prefix_len) and for the draft keys its bits set, -inf for the rest; the unused prefix
-// slots [prefix_len, P) are the kernel's skipped keys (they do not reach the result: a preallocated cache may hold
-// anything there). A row that sees no key gives zeros, as the reference. Scratch per thread: kBlockRows rows of S
-// scores and of S mask values, never an [n, P + n] mask.
-void tree_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* bits,
-                        const int32_t* pl, int64_t W, float scale, const std::vector<int64_t>& reqs, at::Tensor& out) {
+// Tree attention through the masked-attention kernel (csrc/attention.h). One task per (request, kv head, block of up
+// to kBlockRows query rows of its group), over the request's used keys alone: its prefix [0, prefix_len) and the
+// draft keys [P, P + n). The unused slots [prefix_len, P) are the kernel's gap, never read (a preallocated cache may
+// hold anything there) and costing nothing. The block's additive mask rows are made from the packed bits: 0 for the
+// prefix and for the draft keys a row's bits set, -inf for the rest; a row that sees no key gives zeros, as the
+// reference. bfloat16 / float16 keys and values are converted to float32 a (request, kv head) plane at a time into
+// the thread's scratch (the tasks of one plane are consecutive, so a plane is converted about once per thread); the
+// arithmetic is float32, the output rounded once. Scratch per thread: kBlockRows rows of S scores and mask values,
+// and for half precision a plane's used keys and values as float; never an [n, P + n] mask.
+template <typename T>
+void tree_attention_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* bits,
+                           const int32_t* pl, int64_t W, float scale, at::Tensor& out) {
   constexpr int64_t kBlockRows = 16;
-  const int64_t Hq = q.size(1), n = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   const int64_t P = S - n, G = Hq / Hkv, rows = G * n, blocks = (rows + kBlockRows - 1) / kBlockRows;
   at::Tensor kc = k, vc = v;  // each key's D values contiguous, as the kernel reads them
   if (k.stride(2) != D) kc = k.contiguous();
   if (v.stride(2) != D) vc = v.contiguous();
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t tasks = static_cast<int64_t>(reqs.size()) * Hkv * blocks;
-  const int64_t grain = kBlockRows * S * D * 2 * tasks >= (int64_t(1) << 18) ? 1 : tasks;  // small calls: one thread
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  // The tasks in order (request, kv head, block), split into one contiguous range per thread of about equal keys
+  // (a request's tasks cost its used keys): a short prefix's tasks are cheap. One thread for small calls.
+  const int64_t tasks = B * Hkv * blocks;
+  std::vector<int64_t> keys(B + 1, 0);  // keys[b]: the used keys of the requests before b, per task
+  for (int64_t b = 0; b < B; ++b) keys[b + 1] = keys[b] + pl[b] + n;
+  const int64_t parts = kBlockRows * D * 2 * Hkv * blocks * keys[B] >= (int64_t(1) << 18)
+                            ? std::min<int64_t>(tasks, at::get_num_threads()) : 1;
+  const auto task_at = [&](int64_t part) {  // the first task of a part
+    const int64_t goal = keys[B] * part / parts;
+    const int64_t b = std::upper_bound(keys.begin(), keys.end(), goal) - keys.begin() - 1;
+    if (b >= B) return tasks;
+    const int64_t per_task = std::max<int64_t>(keys[b + 1] - keys[b], 1);
+    return std::min(tasks, b * Hkv * blocks + (goal - keys[b]) * Hkv * blocks / per_task);
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t t0 = task_at(p0), t1 = task_at(p1);
     std::vector<float> qrows(kBlockRows * D), scores(kBlockRows * S), masks(kBlockRows * S), orows(kBlockRows * D);
+    std::unique_ptr<float[]> kf(kFloat ? nullptr : new float[S * D]);  // a plane's used keys and values, as float
+    std::unique_ptr<float[]> vf(kFloat ? nullptr : new float[S * D]);
+    int64_t converted = -1;  // the plane kf / vf hold
     const float* mrows[kBlockRows];
     bool sees[kBlockRows];
     int64_t dst[kBlockRows];  // each row's offset in out (contiguous [B, Hq, n, D])
     const float neg = -std::numeric_limits<float>::infinity();
+    const auto to_float = [](T x) { return static_cast<float>(x); };
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = reqs[t / (Hkv * blocks)], h = (t / blocks) % Hkv, r0 = (t % blocks) * kBlockRows;
-      const int64_t R = std::min(kBlockRows, rows - r0), plen = pl[b];
+      const int64_t b = t / (Hkv * blocks), h = (t / blocks) % Hkv, r0 = (t % blocks) * kBlockRows;
+      const int64_t R = std::min(kBlockRows, rows - r0), plen = pl[b], used = plen + n;
+      const T* kh = kp + b * kc.stride(0) + h * kc.stride(1);
+      const T* vh = vp + b * vc.stride(0) + h * vc.stride(1);
+      const float *kr, *vr;
+      int64_t gap;  // the unused slots between the prefix and the draft keys (0: the used keys side by side)
+      if constexpr (kFloat) {
+        kr = kh, vr = vh, gap = P - plen;
+      } else {
+        if (converted != b * Hkv + h) {
+          std::transform(kh, kh + plen * D, kf.get(), to_float);
+          std::transform(kh + P * D, kh + S * D, kf.get() + plen * D, to_float);
+          std::transform(vh, vh + plen * D, vf.get(), to_float);
+          std::transform(vh + P * D, vh + S * D, vf.get() + plen * D, to_float);
+          converted = b * Hkv + h;
+        }
+        kr = kf.get(), vr = vf.get(), gap = 0;
+      }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t hq = h * G + (r0 + r) / n, i = (r0 + r) % n;
-        const float* src = qp + b * q.stride(0) + hq * q.stride(1) + i * q.stride(2);
-        std::copy(src, src + D, qrows.data() + r * D);
+        const T* src = qp + b * q.stride(0) + hq * q.stride(1) + i * q.stride(2);
+        std::transform(src, src + D, qrows.data() + r * D, to_float);
         dst[r] = ((b * Hq + hq) * n + i) * D;
-        float* m = masks.data() + r * S;
+        float* m = masks.data() + r * used;
         std::fill(m, m + plen, 0.f);
-        std::fill(m + plen, m + P, neg);
         const int32_t* word = bits + (b * n + i) * W;
         bool any = plen > 0;
         for (int64_t j = 0; j < n; ++j) {
           const bool on = (uint32_t(word[j >> 5]) >> (j & 31)) & 1u;
-          m[P + j] = on ? 0.f : neg;
+          m[plen + j] = on ? 0.f : neg;
           any |= on;
         }
         mrows[r] = m;
         sees[r] = any;
       }
-      fastverify::attention::group(qrows.data(), R, D, kp + b * kc.stride(0) + h * kc.stride(1),
-                                   vp + b * vc.stride(0) + h * vc.stride(1), D, S, mrows, scale, scores.data(),
-                                   orows.data(), 0.f, nullptr, plen, P);
+      fastverify::attention::group(qrows.data(), R, D, kr, vr, D, used, mrows, scale, scores.data(), orows.data(),
+                                   0.f, nullptr, plen, gap);
       for (int64_t r = 0; r < R; ++r) {
-        if (sees[r]) std::copy(orows.data() + r * D, orows.data() + (r + 1) * D, op + dst[r]);
-        else std::fill(op + dst[r], op + dst[r] + D, 0.f);
+        if (sees[r]) std::transform(orows.data() + r * D, orows.data() + (r + 1) * D, op + dst[r],
+                                    [](float x) { return static_cast<T>(x); });
+        else std::fill(op + dst[r], op + dst[r] + D, T(0.f));
       }
     }
   });
@@ -216,36 +256,11 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "q, k, v: expected a unit stride in the head dimension");
   const auto mask = packed_mask.contiguous();
-  // float32 requests through the masked-attention kernel, which scores every slot of the cache, unless their unused
-  // prefix slots [prefix_len, P) outnumber their visible keys (a short prefix in a ragged batch): those, and every
-  // bfloat16 / float16 request, go through the tiled kernel, which skips them.
-  const int32_t* plp = prefix_len.data_ptr<int32_t>();
-  std::vector<int64_t> masked, tiled;
-  for (int64_t b = 0; b < B; ++b) (st == at::kFloat && P - plp[b] <= plp[b] + n ? masked : tiled).push_back(b);
-  if (!masked.empty())
-    tree_attention_f32(q, k, v, mask.data_ptr<int32_t>(), plp, W, float(scale), masked, out);
-  if (tiled.empty()) return out;
-  AttnShape s{Hq, Hkv, n, S, P, D, W,
-              q.stride(0), q.stride(1), q.stride(2),
-              k.stride(0), k.stride(1), k.stride(2),
-              v.stride(0), v.stride(1), v.stride(2), float(scale)};
-  const int64_t group = Hq / Hkv, rows = group * n;
-  const int64_t chunks = (rows + kAttnRows - 1) / kAttnRows;
   const int32_t* bits = mask.data_ptr<int32_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "tree_attention", [&] {
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = k.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, static_cast<int64_t>(tiled.size()) * Hkv * chunks, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<float> scratch(attn_scratch_floats(D));
-      for (int64_t t = lo; t < hi; ++t) {
-        const int64_t b = tiled[t / (Hkv * chunks)], hkv = (t / chunks) % Hkv, c = t % chunks;
-        const int64_t r0 = c * kAttnRows, r1 = std::min(rows, r0 + kAttnRows);
-        tree_attention_task<scalar_t>(s, qp, kp, vp, bits, plp[b], op, b, hkv, r0, r1, scratch.data());
-      }
-    });
-  });
+  const int32_t* pl = prefix_len.data_ptr<int32_t>();
+  if (st == at::kFloat) tree_attention_masked<float>(q, k, v, bits, pl, W, float(scale), out);
+  else if (st == at::kBFloat16) tree_attention_masked<at::BFloat16>(q, k, v, bits, pl, W, float(scale), out);
+  else tree_attention_masked<at::Half>(q, k, v, bits, pl, W, float(scale), out);
   return out;
 }
 

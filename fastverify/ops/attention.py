@@ -1,10 +1,9 @@
 """Tree attention: the draft queries attend over their prefix and their ancestors, mask applied in-kernel.
 
-Backends: torch (fastverify/reference/attention.py: builds the dense mask, the spec), cpp (csrc/cpu/tree.cpp:
-float32 through the masked-attention kernel, blocks of 16 query rows with their mask rows made from the packed bits;
-bfloat16 / float16, and ragged prefixes, an online softmax over key tiles reading the bits; never an [n, P + n]
-mask),
-triton (fastverify.kernels.attention.tree_attention, the GPU kernel). There is no CUDA C++ kernel: on CUDA
+Backends: torch (fastverify/reference/attention.py: builds the dense mask, the spec), cpp (csrc/cpu/tree.cpp: the
+masked-attention kernel, blocks of 16 query rows with their mask rows made from the packed bits, a request's unused
+cache slots never read; bfloat16 / float16 keys and values converted to float32 a head at a time; never an
+[n, P + n] mask), triton (fastverify.kernels.attention.tree_attention, the GPU kernel). There is no CUDA C++ kernel: on CUDA
 tensors ``backend="auto"`` runs the Triton kernel (the reference where Triton is absent), and ``backend="cuda"``
 raises as for any op without a CUDA kernel.
 
