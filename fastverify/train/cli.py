@@ -9,7 +9,7 @@ import re
 import sys
 import tokenize
 
-__all__ = ["parse_config", "run_recipe"]
+__all__ = ["parse_config", "run_recipe", "start_run"]
 
 _FIELD = re.compile(r"    (\w+)\s*:")  # a field's line in a class body
 
@@ -87,3 +87,20 @@ def run_recipe(cls, train, argv, prog: str, description: str):
         sys.exit(f"{prog}: error: --model: cannot load {cfg.model!r} (\"smollm2\", a local folder or a Hugging Face "
                  f"model name): {first}")
     return train(model, tokenizer, cfg, base_name=base)
+
+
+def start_run(model, cfg, base_name: str = None) -> str:
+    """What every recipe's Python API does first: its options checked (they may have changed since the config was
+    made), torch's and Python's seeds set, torch's thread count, the base model frozen in eval mode. Returns the base
+    model's name for the checkpoint's config: ``base_name``, else the model's ``_name_or_path``, else its class."""
+    import random
+
+    import torch
+
+    cfg.check()
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model.requires_grad_(False).eval()
+    return base_name or getattr(model.config, "_name_or_path", type(model).__name__)

@@ -13,7 +13,6 @@ depth) the top-1 / top-5 agreement with the target's greedy tokens on held-out p
 
 import dataclasses
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 from fastverify.eagle import EagleLayer, save_eagle
 from fastverify.heads import WEIGHT_DTYPES, fingerprint, output_projection
-from fastverify.train.cli import run_recipe
+from fastverify.train.cli import run_recipe, start_run
 from fastverify.train.heads import (CALIBRATION_BINS, RecipeOptions, _above, _at_least, _eval_targets,
                                     _input_embedding, _projection, _remap, _round_to, build_vocab_subset, recipe_shards,
                                     run_training)
@@ -178,13 +177,7 @@ def train_eagle(model, tokenizer, cfg: EagleConfig, base_name: str = None, promp
     """The Python API: train an EAGLE draft layer for any Hugging Face causal LM ``model`` and its ``tokenizer``.
     Writes cfg.out/{eagle.safetensors, config.json, train_state.pt}; returns (layer, config dict)."""
     t_start = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    cfg.check()  # (the options may have changed since the config was made)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model.requires_grad_(False).eval()
-    base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
+    base_name = start_run(model, cfg, base_name)
     os.makedirs(cfg.out, exist_ok=True)
 
     t0 = time.perf_counter()

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from fastverify.heads import ProposalHeads, fingerprint, output_projection, round_heads, save_heads
-from fastverify.train.cli import parse_config, run_recipe
+from fastverify.train.cli import parse_config, run_recipe, start_run
 
 __all__ = ["RecipeOptions", "HeadsConfig", "train_heads", "load_prompts", "ngram_filter", "generate_data",
            "recipe_shards", "main"]
@@ -736,13 +736,7 @@ def train_heads(model, tokenizer, cfg: HeadsConfig, base_name: str = None, promp
     ``prompts`` (list of str) overrides cfg.prompts. Writes cfg.out/{heads.safetensors, config.json,
     train_state.pt}; returns (heads, config dict)."""
     t_start = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    cfg.check()  # (the options may have changed since the config was made)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model.requires_grad_(False).eval()
-    base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
+    base_name = start_run(model, cfg, base_name)
     os.makedirs(cfg.out, exist_ok=True)
     data_dir = data_folder(cfg)
 

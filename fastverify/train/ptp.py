@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from fastverify.hf.attention import cache_kwargs
 from fastverify.hf.slots import PTPSlotDrafter
-from fastverify.train.cli import parse_config, run_recipe
+from fastverify.train.cli import parse_config, run_recipe, start_run
 from fastverify.train.slots import (SlotsConfig, _evaluate, curve_evaluator, fit, gated_slot_logits, load_data,
                                     slot_batch, write_checkpoint)
 
@@ -167,12 +167,7 @@ def train_ptp(model, tokenizer, cfg: PTPConfig, base_name: str = None, prompts=N
     """The Python API: train a PTP slot drafter for ``model`` and its ``tokenizer``. Writes cfg.out/
     {slots.safetensors, config.json, train_state.pt}; returns (PTPSlotDrafter, config dict)."""
     t_start = time.perf_counter()
-    cfg.check()  # (the options may have changed since the config was made)
-    torch.manual_seed(cfg.seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model.requires_grad_(False).eval()
-    base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
+    base_name = start_run(model, cfg, base_name)
     drafter = PTPSlotDrafter(model.config.hidden_size, cfg.num_slots, aux_mode=cfg.aux_mode, variant=cfg.variant)
     drafter.init_adapters(model, cfg.rank, cfg.alpha).to(next(model.parameters()).device)
 

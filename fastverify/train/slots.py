@@ -49,7 +49,7 @@ from fastverify.heads import fingerprint
 from fastverify.hf.attention import cache_kwargs
 from fastverify.hf.slots import BlockSlotDrafter, save_slot_drafter
 from fastverify.lora import slot_gate
-from fastverify.train.cli import parse_config, run_recipe
+from fastverify.train.cli import parse_config, run_recipe, start_run
 from fastverify.train.heads import (RecipeOptions, _above, _at_least, _rng_state, _set_rng_state, data_folder,
                                     generate_data, recipe_shards, shard_prompts)
 
@@ -465,14 +465,9 @@ def train_slots(model, tokenizer, cfg: SlotsConfig, base_name: str = None, promp
     """The Python API: train a GAD / LUD slot drafter for ``model`` and its ``tokenizer``. Writes cfg.out/
     {slots.safetensors, config.json, train_state.pt}; returns (BlockSlotDrafter, config dict)."""
     t_start = time.perf_counter()
-    cfg.check()  # (the options may have changed since the config was made)
-    torch.manual_seed(cfg.seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model.requires_grad_(False).eval()
+    base_name = start_run(model, cfg, base_name)
     if cfg.calibrate:
         return None, calibrate_checkpoint(model, tokenizer, cfg, prompts, log=log)
-    base_name = base_name or getattr(model.config, "_name_or_path", type(model).__name__)
     os.makedirs(cfg.out, exist_ok=True)
     drafter = BlockSlotDrafter(model.config.hidden_size, cfg.num_slots, cfg.method).init_adapters(
         model, cfg.rank, cfg.alpha)
