@@ -7,7 +7,8 @@
 // step. Here one (key / value head, batch row) is one small GEMM pair on the rows of its G query heads:
 //
 //   scores [R, S] = Q [R, D] K^T            AVX-512 with D a multiple of 16: tiles of 4 query rows x 4 keys, each
-//                                           score 16 lane sums over D then reduce16's fold (scores_avx512); else
+//                                           score 16 lane sums over D then reduce16's fold (scores_avx512; over 256
+//                                           KB of keys, in chunks that stay in L1 across the row tiles); else
 //                                           skinny_rows (linear.h)
 //   p = softmax(scores * scale + mask)      per row: the maximum, exp(s - max) (torch's expf, sampling.h), the sum
 //                                           (on AVX2 8 lane sums, the r-th non-zero weight in lane r mod 8; in key
@@ -15,8 +16,9 @@
 //                                           attention: a soft cap c (Gemma 2: scores c * tanh(s * scale / c) before
 //                                           the mask) and a sink logit per head (gpt-oss: one more logit in the
 //                                           maximum and the sum, no value row)
-//   out [R, D] = p V                        V's rows streamed once per tile of query rows; per output element the sum
-//                                           in key order (pv)
+//   out [R, D] = p V                        V's rows streamed once per tile of query rows (over 256 KB of values, in
+//                                           chunks of keys that stay in L1 across the tiles); per output element the
+//                                           sum in key order (pv)
 //
 // with R = G * n (n query rows per head). Results agree with SDPA to float32 rounding, not bit for bit (another
 // order of sums). On each path a query row's result depends on nothing but its own q, mask row and the keys and
@@ -283,12 +285,13 @@ inline void pv_scalar(const float* p, int64_t R, int64_t S, const float* v, int6
 // fused multiply-adds in the same order as pv_scalar, so the same result.
 template <int DV, int TR>
 FASTVERIFY_AVX512 inline void pv_tile_avx512(const float* p, int64_t rows, int64_t S, const float* v, int64_t vs,
-                                             float* out, int64_t D, int64_t at, int64_t gap) {
+                                             float* out, int64_t D, int64_t at, int64_t gap, int64_t k0, int64_t k1) {
   __m512 acc[TR][DV];
   for (int r = 0; r < TR; ++r)
-    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < DV; ++c)
+      acc[r][c] = k0 > 0 && r < rows ? _mm512_loadu_ps(out + r * D + 16 * c) : _mm512_setzero_ps();
   for (int part = 0; part < 2; ++part) {  // the keys before the gap, then those after it
-    const int64_t j0 = part ? at : 0, j1 = part ? S : at;
+    const int64_t j0 = std::max(k0, part ? at : 0), j1 = std::min(k1, part ? S : at);
     const float* vp = part ? v + gap * vs : v;
     for (int64_t j = j0; j < j1; ++j) {
       __m512 vr[DV];
@@ -304,12 +307,24 @@ FASTVERIFY_AVX512 inline void pv_tile_avx512(const float* p, int64_t rows, int64
     for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + r * D + 16 * c, acc[r][c]);
 }
 
+// Keys per chunk: 32 KB of float32 rows of D values, which stay in L1 while every tile of query rows reads them.
+inline int64_t chunk_keys(int64_t D) { return std::max<int64_t>(16, 8192 / std::max<int64_t>(D, 1)); }
+
+// Rows in tiles of TR. More rows than one tile and more than 256 KB of V: the keys in chunks (chunk_keys), every tile
+// through a chunk before the next (the chunk's V rows read from L1, not once per tile from memory; each tile's sums
+// carried through `out`, in key order as before, so the same result).
 template <int DV>
 FASTVERIFY_AVX512 inline void pv_avx512(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, float* out,
                                          int64_t at, int64_t gap) {
   constexpr int TR = DV >= 8 ? 2 : 24 / DV;  // TR * DV accumulators + DV V vectors + 1 broadcast <= 32 zmm
-  for (int64_t r = 0; r < R; r += TR)
-    pv_tile_avx512<DV, TR>(p + r * S, std::min<int64_t>(TR, R - r), S, v, vs, out + r * 16 * DV, 16 * DV, at, gap);
+  const int64_t chunk = R > TR && S * 16 * DV * 4 > (256 << 10) ? chunk_keys(16 * DV) : std::max<int64_t>(S, 1);
+  int64_t k0 = 0;
+  do {  // (no key at all: one pass, zeros)
+    for (int64_t r = 0; r < R; r += TR)
+      pv_tile_avx512<DV, TR>(p + r * S, std::min<int64_t>(TR, R - r), S, v, vs, out + r * 16 * DV, 16 * DV, at, gap,
+                             k0, std::min(S, k0 + chunk));
+    k0 += chunk;
+  } while (k0 < S);
 }
 #endif
 
@@ -339,7 +354,11 @@ inline void qk_scores(const float* q, int64_t R, int64_t D, const float* k, int6
   if (j1 <= j0) return;
   k += shift * D;  // the first key's row: row j0 + shift >= 0
 #ifdef FASTVERIFY_X86
-  if (cpu_has_avx512() && D % 16 == 0) return scores_avx512(q, R, D, k, S, out, j0, j1);
+  if (cpu_has_avx512() && D % 16 == 0) {  // more than 256 KB of keys: in chunks, each read by every row tile from L1
+    const int64_t chunk = R > 4 && (j1 - j0) * D * 4 > (256 << 10) ? chunk_keys(D) : j1 - j0;
+    for (int64_t c0 = j0; c0 < j1; c0 += chunk) scores_avx512(q, R, D, k, S, out, c0, std::min(j1, c0 + chunk));
+    return;
+  }
 #endif
   linear::skinny_rows(q, k, nullptr, out, R, D, S, j0, j1);
 }

@@ -99,10 +99,12 @@ def test_cpp_row_depends_on_the_keys_it_sees_alone(D, masked):
 
 
 @cpp
-def test_cpp_long_rows_in_passes_of_bounded_scratch():
-    """Many query rows over many keys run in passes of rows whose scores fit 1 MB (csrc/cpu/attention.cpp): the same
-    bits as each row alone, and SDPA's result to float32 rounding."""
-    q, k, v, mask = _case(1, 2, 3, 70, 1400, 64, seed=29)
+@pytest.mark.parametrize("D", [64, 128, 48])
+def test_cpp_long_rows_in_passes_of_bounded_scratch(D):
+    """Many query rows over many keys run in passes of rows whose scores fit 1 MB (csrc/cpu/attention.cpp), and over
+    more than 256 KB of keys the products go through the keys in chunks (csrc/attention.h): the same bits as each
+    row alone (one pass, no chunks), and SDPA's result to float32 rounding."""
+    q, k, v, mask = _case(1, 2, 3, 70, 1400, D, seed=29)
     got = masked_attention(q, k, v, mask, backend="cpp")
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
                                rtol=1e-5, atol=3e-6)
