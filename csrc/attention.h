@@ -307,17 +307,21 @@ FASTVERIFY_AVX512 inline void pv_tile_avx512(const float* p, int64_t rows, int64
     for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + r * D + 16 * c, acc[r][c]);
 }
 
-// Keys per chunk: 32 KB of float32 rows of D values, which stay in L1 while every tile of query rows reads them.
-inline int64_t chunk_keys(int64_t D) { return std::max<int64_t>(16, 8192 / std::max<int64_t>(D, 1)); }
+// Keys per pass of a product over `keys` rows of D floats: all of them where one row tile reads them or they fit 256 KB,
+// else chunks of 32 KB of rows, which stay in L1 while every row tile reads them.
+inline int64_t key_chunk(int64_t keys, int64_t D, bool several_tiles) {
+  if (!several_tiles || keys * D * 4 <= (256 << 10)) return std::max<int64_t>(keys, 1);
+  return std::max<int64_t>(16, 8192 / D);
+}
 
-// Rows in tiles of TR. More rows than one tile and more than 256 KB of V: the keys in chunks (chunk_keys), every tile
-// through a chunk before the next (the chunk's V rows read from L1, not once per tile from memory; each tile's sums
-// carried through `out`, in key order as before, so the same result).
+// Rows in tiles of TR, the keys in passes of key_chunk: every tile through a chunk before the next (the chunk's V
+// rows read from L1, not once per tile from memory; each tile's sums carried through `out`, in key order as before,
+// so the same result).
 template <int DV>
 FASTVERIFY_AVX512 inline void pv_avx512(const float* p, int64_t R, int64_t S, const float* v, int64_t vs, float* out,
                                          int64_t at, int64_t gap) {
   constexpr int TR = DV >= 8 ? 2 : 24 / DV;  // TR * DV accumulators + DV V vectors + 1 broadcast <= 32 zmm
-  const int64_t chunk = R > TR && S * 16 * DV * 4 > (256 << 10) ? chunk_keys(16 * DV) : std::max<int64_t>(S, 1);
+  const int64_t chunk = key_chunk(S, 16 * DV, R > TR);
   int64_t k0 = 0;
   do {  // (no key at all: one pass, zeros)
     for (int64_t r = 0; r < R; r += TR)
@@ -354,8 +358,8 @@ inline void qk_scores(const float* q, int64_t R, int64_t D, const float* k, int6
   if (j1 <= j0) return;
   k += shift * D;  // the first key's row: row j0 + shift >= 0
 #ifdef FASTVERIFY_X86
-  if (cpu_has_avx512() && D % 16 == 0) {  // more than 256 KB of keys: in chunks, each read by every row tile from L1
-    const int64_t chunk = R > 4 && (j1 - j0) * D * 4 > (256 << 10) ? chunk_keys(D) : j1 - j0;
+  if (cpu_has_avx512() && D % 16 == 0) {  // row tiles of 4, the keys in passes of key_chunk
+    const int64_t chunk = key_chunk(j1 - j0, D, R > 4);
     for (int64_t c0 = j0; c0 < j1; c0 += chunk) scores_avx512(q, R, D, k, S, out, c0, std::min(j1, c0 + chunk));
     return;
   }
