@@ -156,10 +156,28 @@ def _verify_node_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, parents_ptr
 
 
 @triton.jit
+def _preceding(p, j):
+    """Parent p of local node j (scalars or vectors), or -1 where it does not precede j (unvalidated input)."""
+    return tl.where((p >= -1) & (p < j), p, -1)
+
+
+@triton.jit
 def _parent(parents_ptr, node0, j):
     """Local node j's parent, or -1 where it does not precede j (unvalidated input)."""
-    p = tl.load(parents_ptr + node0 + j)
-    return tl.where((p >= -1) & (p < j), p, -1)
+    return _preceding(tl.load(parents_ptr + node0 + j), j)
+
+
+@triton.jit
+def _request(cu_ptr, bad_ptr, BLOCK_N: tl.constexpr):
+    """This program's request b: its first node, its node count, its first logits row, the node lanes and which
+    of them hold a node, and whether any of its n_b + 1 rows is bad (the request is then invalid)."""
+    b = tl.program_id(0)
+    node0 = tl.load(cu_ptr + b)
+    n_b = tl.load(cu_ptr + b + 1) - node0
+    row0 = (node0 + b).to(tl.int64)
+    idx = tl.arange(0, BLOCK_N)
+    rbad = tl.load(bad_ptr + row0 + idx, mask=idx <= n_b, other=0)
+    return b, node0, n_b, row0, idx, idx < n_b, tl.max(rbad.to(tl.int32), axis=0) > 0
 
 
 @triton.jit
@@ -199,19 +217,12 @@ def _write_invalid(accepted_ptr, accept_len_ptr, next_ptr, b, max_depth, BLOCK_D
 def _verify_walk_kernel(cu_ptr, parents_ptr, cond_ptr, lx_ptr, row_tok_ptr, bad_ptr,
                         accept_len_ptr, accepted_ptr, next_ptr, min_accept, max_depth,
                         FIRST_MATCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    b = tl.program_id(0)
-    node0 = tl.load(cu_ptr + b)
-    n_b = tl.load(cu_ptr + b + 1) - node0
-    row0 = (node0 + b).to(tl.int64)
-    idx = tl.arange(0, BLOCK_N)
-    valid = idx < n_b
-    # Any bad row of the request (its n_b + 1 rows) invalidates it.
-    rbad = tl.load(bad_ptr + row0 + idx, mask=idx <= n_b, other=0)
-    if tl.max(rbad.to(tl.int32), axis=0) > 0:
+    b, node0, n_b, row0, idx, valid, invalid = _request(cu_ptr, bad_ptr, BLOCK_N)
+    if invalid:
         _write_invalid(accepted_ptr, accept_len_ptr, next_ptr, b, max_depth, BLOCK_D)
     else:
         par = tl.load(parents_ptr + node0 + idx, mask=valid, other=-1)
-        par = tl.where((par >= -1) & (par < idx), par, -1)  # unvalidated: as _verify_node_kernel reads it
+        par = _preceding(par, idx)  # unvalidated: as _verify_node_kernel reads it
         code = tl.load(cond_ptr + node0 + idx, mask=valid, other=0)  # 0 / 1: the condition; 2: out of vocabulary
         cond = code == 1
         if FIRST_MATCH:
@@ -262,14 +273,8 @@ def _verify_speculative_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, pare
                                accept_len_ptr, accepted_ptr, next_ptr, max_depth,
                                HAS_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                BLOCK_V: tl.constexpr):
-    b = tl.program_id(0)
-    node0 = tl.load(cu_ptr + b)
-    n_b = tl.load(cu_ptr + b + 1) - node0
-    row0 = (node0 + b).to(tl.int64)
-    idx = tl.arange(0, BLOCK_N)
-    valid = idx < n_b
-    rbad = tl.load(bad_ptr + row0 + idx, mask=idx <= n_b, other=0)
-    if tl.max(rbad.to(tl.int32), axis=0) > 0:
+    b, node0, n_b, row0, idx, valid, invalid = _request(cu_ptr, bad_ptr, BLOCK_N)
+    if invalid:
         _write_invalid(accepted_ptr, accept_len_ptr, next_ptr, b, max_depth, BLOCK_D)
     else:
         par = tl.load(parents_ptr + node0 + idx, mask=valid, other=-2)
