@@ -73,7 +73,7 @@ def _batch(device, dtype=torch.float32, seed=0):
 
 def _verify_cases(device):
     b = _batch(device)
-    B, N, V = 3, len(PARENTS), 37
+    N, V = len(PARENTS), 37
     seed = torch.tensor([1, 2, 3], device=device)
     pos = torch.tensor([10, 20, 30], device=device)
     probs = torch.softmax(torch.randn(N, V, generator=torch.Generator().manual_seed(1)), -1).to(device)

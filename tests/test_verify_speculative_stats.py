@@ -15,7 +15,6 @@ rejects the classic bug (sampling from p instead of the residual after a rejecti
 Cells with expected count < 5 are merged; a token with zero target probability must never appear.
 """
 
-import math
 import os
 
 import pytest
