@@ -211,6 +211,37 @@ def test_patched_custom_criteria_and_processor_equal_generate(smollm2):
     assert set(plain[0, ids.shape[1] + 3:].tolist()) <= set(vocab)
 
 
+def _readme_examples():
+    """The README's Python code blocks, in order."""
+    import re
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with open(path, encoding="utf-8") as f:
+        return re.findall(r"^```python\n(.*?)^```", f.read(), flags=re.S | re.M)
+
+
+def test_readme_examples_run(smollm2, monkeypatch, capsys):
+    """Each Python example of the README runs as written (load_smollm2 hands it the module's model), and what its
+    comments promise holds: the patched greedy output equals the unpatched one, the model is unpatched after it,
+    and the ops example's shapes."""
+    examples = _readme_examples()
+    uses_model = [code for code in examples if "load_smollm2()" in code]
+    ops = [code for code in examples if "fastverify.verify(" in code]
+    assert len(uses_model) == 1 and len(ops) == 1, "the README's examples moved: update this test"
+    monkeypatch.setattr(models, "load_smollm2", lambda *a, **k: smollm2)
+    ns = {}
+    exec(compile(uses_model[0], "README.md (Hugging Face example)", "exec"), ns)
+    assert "steps" in capsys.readouterr().out  # the stats it prints
+    model, inputs = ns["model"], ns["inputs"]
+    assert not fastverify.hf.is_patched(model)
+    plain = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+    assert ns["out"].tolist() == plain.tolist()
+    ns = {}
+    exec(compile(ops[0], "README.md (ops example)", "exec"), ns)
+    out = ns["out"]
+    assert out.accept_len.shape == (2,) and out.accepted.shape[0] == 2 and out.next_token.shape == (2,)
+    assert out.accept_len[1].item() == 0  # request 1 drafted nothing
+
+
 # ------------------------------------------------------------------------------- the end-to-end benchmark
 
 def _bench(name):
