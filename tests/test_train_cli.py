@@ -92,3 +92,22 @@ def test_an_unknown_model_ends_the_command_without_a_traceback(tmp_path, monkeyp
                    "prog", "desc")
     assert stop.value.code == ("prog: error: --model: cannot load 'nosuch' (\"smollm2\", a local folder or a Hugging "
                                "Face model name): We couldn't connect to 'https://huggingface.co' to load nosuch.")
+
+
+def test_the_command_lists_its_recipes(capsys, monkeypatch):
+    """``python -m fastverify.train --help`` names every recipe and exits 0; no recipe or an unknown one ends the
+    command with status 2 naming what it expected; a recipe gets the arguments after its name."""
+    from fastverify.train import RECIPES
+    from fastverify.train.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(f"  {name} " in out for name in RECIPES)
+    for argv, said in (([], "expected one of heads"), (["head"], "unknown recipe 'head'")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr("fastverify.train.eagle.main", seen.append)
+    main(["eagle", "--out", "d"])
+    assert seen == [["--out", "d"]]

@@ -1,24 +1,35 @@
 """``python -m fastverify.train METHOD [options]``; ``--help`` after METHOD lists its options."""
 
+import importlib
 import sys
 
 from fastverify.train import RECIPES
 
+WHAT = {
+    "heads": "proposal heads on the target's last hidden state (blockwise parallel decoding, Medusa / Hydra)",
+    "slots": "GAD / LUD slot rows and their gated LoRA (--method gad | lud)",
+    "ptp": "Parallel Token Prediction: slots fed the sampler's auxiliary uniforms",
+    "eagle": "an EAGLE draft layer over the target's features",
+}
+
+
+def usage() -> str:
+    lines = [f"usage: python -m fastverify.train {{{','.join(RECIPES)}}} [options]", "", "recipes:"]
+    lines += [f"  {name:<6} {WHAT[name]}" for name in RECIPES]
+    lines += ["", "python -m fastverify.train METHOD --help lists the options of METHOD."]
+    return "\n".join(lines)
+
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        sys.exit(0)
     if not argv or argv[0] not in RECIPES:
-        print(f"usage: python -m fastverify.train {{{','.join(RECIPES)}}} [options]", file=sys.stderr)
+        got = f"unknown recipe {argv[0]!r}; " if argv else ""
+        print(f"{usage()}\n\nerror: {got}expected one of {', '.join(RECIPES)}", file=sys.stderr)
         sys.exit(2)
-    if argv[0] == "heads":
-        from fastverify.train.heads import main as run
-    elif argv[0] == "slots":
-        from fastverify.train.slots import main as run
-    elif argv[0] == "ptp":
-        from fastverify.train.ptp import main as run
-    elif argv[0] == "eagle":
-        from fastverify.train.eagle import main as run
-    run(argv[1:])
+    importlib.import_module(f"fastverify.train.{argv[0]}").main(argv[1:])
 
 
 if __name__ == "__main__":
