@@ -3,6 +3,7 @@
     python benchmarks/profile_gpu.py
 """
 
+import argparse
 import os
 import sys
 
@@ -34,6 +35,9 @@ def show(title, fn, reps=10):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"profile_gpu.py: needs a CUDA device; this torch ({torch.__version__}) sees none")
     for size, dtype in (((1, 8, 49152), torch.float32), ((32, 16, 151936), torch.float32)):
         for shape in ("chain", "tree"):
             logits, drafts, parents = _inputs(shape, size, dtype)

@@ -2,9 +2,10 @@
 # Set up .venv (scripts/setup_env.sh) and run the whole test suite on the CPU: the torch reference, the C++
 # kernels, the Triton kernels under TRITON_INTERPRET=1, the CUDA build check, tiny Hugging Face models of several
 # architectures and the real SmolLM2-135M model. Tests that need a GPU are skipped here, with the reason.
-# Then the C++ kernels' portable scalar paths (FASTVERIFY_NO_SIMD=1), which AVX2 machines otherwise never take, and
-# skinny_linear's and masked_attention's AVX2 paths (FASTVERIFY_NO_AVX512=1), which AVX-512 machines otherwise
-# never take; and the Hugging Face tests on the oldest transformers the integration supports
+# Then the microbenchmarks, each case once and untimed (so that they keep running); the C++ kernels' portable
+# scalar paths (FASTVERIFY_NO_SIMD=1), which AVX2 machines otherwise never take, and skinny_linear's and
+# masked_attention's AVX2 paths (FASTVERIFY_NO_AVX512=1), which AVX-512 machines otherwise never take; and the
+# Hugging Face tests on the oldest transformers the integration supports
 # (fastverify.hf.patch.SUPPORTED_TRANSFORMERS), installed beside .venv's own (.venv/transformers-MIN, on PYTHONPATH).
 # Arguments go to the first pytest run only.
 set -euo pipefail
@@ -13,6 +14,8 @@ bash scripts/setup_env.sh
 export TRITON_INTERPRET=1
 .venv/bin/python -m pytest -q -rs "$@"
 if [ "$#" -eq 0 ]; then
+  echo "--- the microbenchmarks (benchmarks/bench_*.py), each case run once, untimed (--benchmark-disable)"
+  .venv/bin/python -m pytest -q -rs benchmarks/ --benchmark-disable
   echo "--- C++ kernels, scalar paths (FASTVERIFY_NO_SIMD=1)"
   FASTVERIFY_NO_SIMD=1 .venv/bin/python -m pytest -q -rs tests/test_simd.py tests/test_linear.py
   echo "--- skinny_linear, AVX2 path on an AVX-512 CPU (FASTVERIFY_NO_AVX512=1)"
