@@ -1,0 +1,76 @@
+"""The Triton kernels compile for a GPU (tests/triton_compile.py: every launch the ops make, compiled to a cubin
+with Triton's compiler and ptxas, no GPU needed), beside the interpreter runs of the other tests."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(*args, timeout=900):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def _compiler_available():
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+    except Exception as e:  # a Triton without its NVIDIA backend
+        pytest.skip(f"Triton's NVIDIA backend is not importable here: {e}")
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_every_launch_compiles(arch):
+    _compiler_available()
+    report = json.loads(_run(os.path.join(HERE, "triton_compile.py"), "--arch", str(arch)))
+    assert report["defined"] and report["launched"] == report["defined"], (
+        f"kernels no op launched here: {sorted(set(report['defined']) - set(report['launched']))}")
+    failed = [f"{r['kernel']} {r['constexprs']}: {r['result']}" for r in report["launches"] if r["result"] != "ok"]
+    assert not failed, "\n".join(failed)
+    assert len(report["launches"]) >= 50  # every rule, dtype and option combination above, not one per kernel
+
+
+def test_the_harness_sees_a_kernel_the_compiler_refuses(tmp_path):
+    """A kernel the interpreter runs (a loop-carried value that changes type) is refused by the compiler the
+    harness calls, and the same kernel typed consistently compiles."""
+    _compiler_available()
+    script = textwrap.dedent("""
+        import os
+        os.environ.pop("TRITON_INTERPRET", None)
+        import triton, triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        @triton.jit
+        def refused(x_ptr, n):
+            acc = 0
+            for i in range(n):
+                acc = acc + tl.load(x_ptr + i)  # int32 before the loop, float32 in it
+            tl.store(x_ptr, acc)
+
+        @triton.jit
+        def accepted(x_ptr, n):
+            acc = 0.0
+            for i in range(n):
+                acc = acc + tl.load(x_ptr + i)
+            tl.store(x_ptr, acc)
+
+        for kernel in (refused, accepted):
+            try:
+                triton.compile(ASTSource(fn=kernel, signature={"x_ptr": "*fp32", "n": "i32"}, constexprs={}),
+                               target=GPUTarget("cuda", 90, 32))
+                print("compiled")
+            except Exception as e:
+                print("refused", type(e).__name__)
+    """)
+    path = tmp_path / "refused.py"  # (triton.jit reads a kernel's source from its file)
+    path.write_text(script)
+    assert _run(str(path)).split("\n")[:2] == ["refused CompilationError", "compiled"]
