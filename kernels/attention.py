@@ -109,6 +109,14 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_len_ptr, out_pt
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+def fp32_products(q: torch.Tensor) -> bool:
+    """Whether the kernel's dots take float32 operands at full precision (IEEE) rather than q's dtype (tensor
+    cores). float32 inputs: full float32 products (no TF32), to match the reference. CPU tensors
+    (TRITON_INTERPRET=1): always, because the interpreter's tl.dot mis-handles bfloat16 operands (it returns
+    garbage of order 1e10; checked with triton 3.8), and float32 is what the reference computes anyway."""
+    return q.dtype == torch.float32 or q.device.type != "cuda"
+
+
 @torch.library.custom_op("fastverify::tree_attention_triton", mutates_args=())
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mask: torch.Tensor,
                    prefix_len: torch.Tensor, scale: float) -> torch.Tensor:
@@ -126,10 +134,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mas
     BLOCK_D = next_pow2(D, 16)
     BLOCK_M = 16 if n <= 16 else 32
     BLOCK_N = 64 if BLOCK_D <= 128 else 32
-    # fp32 inputs: full fp32 products (no TF32), to match the reference. CPU tensors (TRITON_INTERPRET=1):
-    # always fp32 products, because the interpreter's tl.dot mis-handles bfloat16 operands (it returns
-    # garbage of order 1e10; checked with triton 3.8), and fp32 is what the reference computes anyway.
-    ieee = q.dtype == torch.float32 or q.device.type != "cuda"
+    ieee = fp32_products(q)
     grid = (triton.cdiv(n, BLOCK_M), B * Hq)
     _tree_attention_kernel[grid](
         q, k, v, packed_mask, prefix_len, out,

@@ -8,17 +8,22 @@ ops are called on CPU tensors through their public API with ``backend="triton"``
 uninitialised), and each distinct (kernel, argument types, constexpr values, options) is compiled to a cubin for
 the given target with Triton's own compiler and ptxas.
 
-    python tests/triton_compile.py [--arch 90] [--list]
+    python tests/triton_compile.py [--arch 90] [--list] [--resources]
 
-Prints one JSON object: the kernels defined, the launches recorded, and per launch "ok" or the compiler's error.
-tests/test_triton_compile.py runs it in a process of its own.
+Prints one JSON object: the kernels defined, the launches recorded, and per launch "ok" or the compiler's error
+(with --resources also the registers per thread and bytes of spill stores that ptxas reports, and the shared
+memory: what a kernel's occupancy on the GPU starts from). tests/test_triton_compile.py runs it in a process of
+its own.
 """
 
 import argparse
 import inspect
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # before triton.jit decorates the kernels: compiled kernels
@@ -36,6 +41,8 @@ MODULES = (attention, sampling, tree, verify)
 # fastverify's dispatch takes backend="triton" for CPU tensors only under the interpreter; the kernels above are
 # already decorated as compiled ones, so this only opens the dispatch.
 os.environ["TRITON_INTERPRET"] = "1"
+# The wrappers' one choice by device: tree attention's dots on a CUDA device (tensor cores for half inputs).
+attention.fp32_products = lambda q: q.dtype == torch.float32
 
 import fastverify  # noqa: E402
 
@@ -78,8 +85,33 @@ def _record(kernel, grid):
 
 def _exercise():
     """The ops' Triton paths: every verify rule (chains and trees, every logits dtype, draft probabilities or
-    none, min_accept), the samplers, the tree masks and positions, the cache compaction, tree attention."""
+    none, min_accept), the samplers, the tree masks and positions, the cache compaction, tree attention; then
+    the block sizes of a large vocabulary and of 128-wide heads."""
     g = torch.Generator().manual_seed(0)
+    _small(g)
+    V = 151936  # the kernels' block sizes at a real vocabulary (the small case above runs its smallest)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    parents = torch.tensor([-1, 0, 0], dtype=torch.int32)
+    tokens = torch.randint(0, V, (3,), generator=g)
+    seeds = dict(seed=torch.tensor([1]), position=torch.tensor([4]))
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(4, V, generator=g).to(dtype)
+        for rule, params in (("greedy", {}), ("gad", {"beta": 3, "tau": 1.0}), ("typical", {"eps": 0.3})):
+            fastverify.verify(logits, tokens, cu, parents, rule=rule, backend="triton", validate=False, max_depth=3,
+                              **params)
+        for rule in ("speculative", "coupled"):
+            fastverify.verify(logits, tokens, cu, parents, rule=rule, backend="triton", validate=False, max_depth=3,
+                              top_k=50, top_p=0.9, **seeds)
+        fastverify.cdf_sample(logits, torch.rand(4, generator=g), top_k=50, top_p=0.9, backend="triton",
+                              validate=False)
+        q = torch.randn(1, 8, 16, 128, generator=g).to(dtype)
+        k = torch.randn(1, 2, 16 + 256, 128, generator=g).to(dtype)
+        mask = fastverify.tree_mask(torch.arange(16, dtype=torch.int32) - 1, torch.tensor([0, 16], dtype=torch.int32),
+                                    256, format="packed", backend="torch")
+        fastverify.tree_attention(q, k, k.clone(), mask, 256, backend="triton")
+
+
+def _small(g):
     V = 50
     cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
     parents = torch.tensor([-1, 0, 0, -1, 0], dtype=torch.int32)
@@ -124,10 +156,27 @@ def _exercise():
                                   backend="triton")
 
 
+def _resources(compiled, arch):
+    """Registers per thread and bytes of spill stores, from ptxas -v on the kernel's PTX (the figures the
+    driver would report once the cubin is loaded on a GPU)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(arch)
+    ptxas = getattr(ptxas, "path", None) or ptxas[0]
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}", ptx, "-o",
+                              os.path.join(d, "k.cubin")], capture_output=True, text=True).stderr
+    regs, spills = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
+    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spills.group(1)) if spills else None}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 80 or 90")
     p.add_argument("--list", action="store_true", help="record the launches; compile nothing")
+    p.add_argument("--resources", action="store_true", help="registers, spill stores and shared memory per launch")
     args = p.parse_args(argv)
     defined = sorted(name for m in MODULES for name, obj in vars(m).items()
                      if isinstance(obj, JITFunction) and name.endswith("_kernel"))
@@ -144,6 +193,8 @@ def main(argv=None):
                 compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                                           target=target, options=options)
                 entry["result"] = "ok" if compiled.asm.get("cubin") else "no cubin"
+                if args.resources:
+                    entry.update(_resources(compiled, args.arch), shared=compiled.metadata.shared)
             except Exception as e:  # the compiler's own message is the finding
                 entry["result"] = f"{type(e).__name__}: {e}"[:2000]
             entry["seconds"] = round(time.perf_counter() - start, 2)
