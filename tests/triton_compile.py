@@ -78,7 +78,8 @@ def _record(kernel, grid):
                 constexprs[(i,)] = value
             else:
                 signature[name] = _type(value)
-        key = (kernel.__name__, tuple(signature.items()), repr(sorted(constexprs.items())), repr(sorted(options.items())))
+        key = (kernel.__name__, tuple(signature.items()), repr(sorted(constexprs.items())),
+               repr(sorted(options.items())))
         LAUNCHES.setdefault(key, (kernel, signature, constexprs, options))
     return launch
 

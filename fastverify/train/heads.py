@@ -62,8 +62,8 @@ import torch.nn.functional as F
 from fastverify.heads import ProposalHeads, fingerprint, output_projection, round_heads, save_heads
 from fastverify.train.cli import parse_config, run_recipe, start_run
 
-__all__ = ["RecipeOptions", "HeadsConfig", "train_heads", "load_prompts", "PromptsError", "ngram_filter", "generate_data",
-           "recipe_shards", "main"]
+__all__ = ["RecipeOptions", "HeadsConfig", "train_heads", "load_prompts", "PromptsError", "ngram_filter",
+           "generate_data", "recipe_shards", "main"]
 
 # Medusa-1 on Vicuna-7B (Cai et al. 2024, §2.1.1): "the top-1 accuracy for predicting the 'next-next' token
 # is approximately 60%, while the top-5 accuracy exceeds 80%" -- published for the first head only.
@@ -264,8 +264,8 @@ def load_prompts(path: str = None, limit: int = 20000):
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise PromptsError(f"{path}:{lineno}: not JSON ({e.msg}; expected one prompt per line, a string or an "
-                                 f"object with 'prompt', 'text' or 'turns')") from None
+                raise PromptsError(f"{path}:{lineno}: not JSON ({e.msg}; expected one prompt per line, a string or "
+                                   f"an object with 'prompt', 'text' or 'turns')") from None
             p = obj if isinstance(obj, str) else _prompt_of(obj) if isinstance(obj, dict) else None
             if not isinstance(p, str):
                 raise PromptsError(f"{path}:{lineno}: expected a string or an object with 'prompt', 'text' or 'turns'")
