@@ -27,7 +27,7 @@ def _compiler_available():
         pytest.skip(f"Triton's NVIDIA backend is not importable here: {e}")
 
 
-@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("arch", [90, 80, 100])  # Hopper (the GPUs measured on), Ampere, Blackwell
 def test_every_launch_compiles(arch):
     _compiler_available()
     report = json.loads(_run(os.path.join(HERE, "triton_compile.py"), "--arch", str(arch)))
