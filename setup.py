@@ -59,10 +59,10 @@ def _extensions():
     os.environ.setdefault("MAX_JOBS", str(_default_max_jobs()))
 
     debug = _flag("FASTVERIFY_DEBUG")
-    # -g0: Python's own compile flags (sysconfig CFLAGS) carry -g, which put ~32 MB of debug information around
-    # ~1 MB of code in a release build
-    opt = ["-O0", "-g"] if debug else ["-O3", "-DNDEBUG", "-g0"]
-    cxx = opt + ["-std=c++20", "-fopenmp", "-Wno-unused-function"]
+    opt = ["-O0", "-g"] if debug else ["-O3", "-DNDEBUG"]
+    # -g0 (the C++ compiles; nvcc has no such option and is not given Python's flags): Python's own compile flags
+    # (sysconfig CFLAGS) carry -g, which put ~32 MB of debug information around ~1 MB of code in a release build
+    cxx = opt + ([] if debug else ["-g0"]) + ["-std=c++20", "-fopenmp", "-Wno-unused-function"]
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     include_dirs = [os.path.join(ROOT, "csrc")]
 
