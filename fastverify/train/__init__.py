@@ -1,9 +1,9 @@
-"""Training recipes for the drafters that read the target: ``python -m fastverify.train METHOD``.
+"""Training recipes for the drafters that read the target: ``python -m fastverify.train METHOD``; each recipe is the
+module fastverify.train.METHOD, and RECIPES below says what it trains (``--help`` prints that list)."""
 
-  heads     blockwise proposal heads (Stern et al. 2018; Medusa-1): fastverify.train.heads
-  slots     GAD / LUD slot drafters (gated LoRA on the target; --method gad|lud): fastverify.train.slots
-  ptp       Parallel Token Prediction slot drafters (O-PTP / C-PTP; --variant o|c): fastverify.train.ptp
-  eagle     an EAGLE draft layer over the target's features: fastverify.train.eagle
-"""
-
-RECIPES = ("heads", "slots", "ptp", "eagle")
+RECIPES = {
+    "heads": "blockwise proposal heads (Stern et al. 2018; Medusa-1, Hydra) on the target's last hidden state",
+    "slots": "GAD / LUD slot drafters: slot rows and a gated LoRA on the target (--method gad|lud)",
+    "ptp": "Parallel Token Prediction slot drafters, fed the sampler's auxiliary uniforms (--variant o|c)",
+    "eagle": "an EAGLE draft layer over the target's features",
+}

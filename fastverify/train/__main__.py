@@ -5,17 +5,10 @@ import sys
 
 from fastverify.train import RECIPES
 
-WHAT = {
-    "heads": "proposal heads on the target's last hidden state (blockwise parallel decoding, Medusa / Hydra)",
-    "slots": "GAD / LUD slot rows and their gated LoRA (--method gad | lud)",
-    "ptp": "Parallel Token Prediction: slots fed the sampler's auxiliary uniforms",
-    "eagle": "an EAGLE draft layer over the target's features",
-}
-
 
 def usage() -> str:
     lines = [f"usage: python -m fastverify.train {{{','.join(RECIPES)}}} [options]", "", "recipes:"]
-    lines += [f"  {name:<6} {WHAT[name]}" for name in RECIPES]
+    lines += [f"  {name:<6} {what}" for name, what in RECIPES.items()]
     lines += ["", "python -m fastverify.train METHOD --help lists the options of METHOD."]
     return "\n".join(lines)
 
