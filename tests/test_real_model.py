@@ -13,6 +13,7 @@ import fastverify
 from fastverify import models
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 # Our own prompts: two that invite copying from the prompt (where n-gram drafts get accepted), one open-ended.
 PROMPTS = [
@@ -214,7 +215,7 @@ def test_patched_custom_criteria_and_processor_equal_generate(smollm2):
 def _readme_examples():
     """The README's Python code blocks, in order."""
     import re
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    path = os.path.join(ROOT, "README.md")
     with open(path, encoding="utf-8") as f:
         return re.findall(r"^```python\n(.*?)^```", f.read(), flags=re.S | re.M)
 
@@ -247,7 +248,7 @@ def test_readme_examples_run(smollm2, monkeypatch, capsys):
 def _bench(name):
     """A script of benchmarks/ as a module."""
     import importlib.util
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
+    path = os.path.join(ROOT, "benchmarks", f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"fastverify_bench_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
