@@ -117,6 +117,24 @@ def fp32_products(q: torch.Tensor) -> bool:
     return q.dtype == torch.float32 or q.device.type != "cuda"
 
 
+def tiles(n: int, block_d: int, fp32: bool) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps) for n draft queries, head tile block_d, float32 (IEEE) or half products.
+
+    Chosen from ptxas's figures (tests/triton_compile.py --resources; sm_80, sm_86, sm_90, sm_100) so that no
+    launch spills registers and the pipelined K / V tiles (Triton's default 3 stages) fit the 99 KiB of shared
+    memory a block gets on sm_86 / sm_89: K tiles of 8192 half or 4096 float32 elements (64 keys up to D 128 and
+    32 at D 256 in half precision; 64 / 32 / 16 keys at D 64 / 128 / 256 in float32), 8 warps but for the small
+    half tiles, and blocks of 32 queries where n > 16 except for float32 at D >= 128 (16 x 128 float32 products
+    already fill the registers). The tiles these replaced (16 or 32 queries x 64 keys at 4 warps, 32 keys at
+    D 256) spilled 32-864 bytes a thread in float32 at D <= 128 and 22-38 KB at D 256 or 32 queries x 128, whose
+    148-172 KiB of shared memory sm_86 / sm_89 cannot launch (nor sm_80, 163 KiB, at 168-172); and 40-232 bytes
+    in half precision from D 64 up (sm_90). tests/test_triton_compile.py holds every launch to both limits."""
+    block_m = 16 if n <= 16 or (fp32 and block_d >= 128) else 32
+    block_n = max(16, min(64, (4096 if fp32 else 8192) // block_d))
+    four_warps = not fp32 and (block_d <= 16 or (block_d <= 64 and block_m == 16))  # the small half tiles
+    return block_m, block_n, 4 if four_warps else 8
+
+
 @torch.library.custom_op("fastverify::tree_attention_triton", mutates_args=())
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mask: torch.Tensor,
                    prefix_len: torch.Tensor, scale: float) -> torch.Tensor:
@@ -132,15 +150,14 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_mas
     packed_mask = packed_mask.contiguous()
     prefix_len = prefix_len.to(torch.int32).contiguous()
     BLOCK_D = next_pow2(D, 16)
-    BLOCK_M = 16 if n <= 16 else 32
-    BLOCK_N = 64 if BLOCK_D <= 128 else 32
     ieee = fp32_products(q)
+    BLOCK_M, BLOCK_N, num_warps = tiles(n, BLOCK_D, ieee)
     grid = (triton.cdiv(n, BLOCK_M), B * Hq)
     _tree_attention_kernel[grid](
         q, k, v, packed_mask, prefix_len, out,
         Hq, n, S - n, D, W, Hq // Hkv, float(scale) * 1.4426950408889634,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IEEE=ieee)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, IEEE=ieee, num_warps=num_warps)
     return out
 
 

@@ -70,6 +70,7 @@ SHAPES = [
     pytest.param(64, [256], [17], 2, 1, id="D64-n256"),
     pytest.param(128, [40, 13], [8192, 100], 4, 1, id="D128-P8192"),
     pytest.param(64, [33, 0, 64], [3, 9, 70], 2, 2, id="D64-empty-request"),
+    pytest.param(256, [20, 3], [50, 0], 2, 1, id="D256-ragged-gqa"),  # Triton's narrowest key tiles
 ]
 
 

@@ -27,15 +27,39 @@ def _compiler_available():
         pytest.skip(f"Triton's NVIDIA backend is not importable here: {e}")
 
 
+# The shared memory a block may use on sm_86 / sm_89, the least of the GPUs Triton targets (sm_80: 163 KiB,
+# sm_90: 227 KiB): a launch asking for more fails there with OutOfResources.
+SHARED_LIMIT = 99 * 1024
+
+
 @pytest.mark.parametrize("arch", [90, 80, 100])  # Hopper (the GPUs measured on), Ampere, Blackwell
 def test_every_launch_compiles(arch):
     _compiler_available()
-    report = json.loads(_run(os.path.join(HERE, "triton_compile.py"), "--arch", str(arch)))
+    report = json.loads(_run(os.path.join(HERE, "triton_compile.py"), "--arch", str(arch), "--resources"))
     assert report["defined"] and report["launched"] == report["defined"], (
         f"kernels no op launched here: {sorted(set(report['defined']) - set(report['launched']))}")
     failed = [f"{r['kernel']} {r['constexprs']}: {r['result']}" for r in report["launches"] if r["result"] != "ok"]
     assert not failed, "\n".join(failed)
     assert len(report["launches"]) >= 50  # every rule, dtype and option combination above, not one per kernel
+    large = [f"{r['kernel']} {r['constexprs']}: {r['shared']} bytes" for r in report["launches"]
+             if r["shared"] > SHARED_LIMIT]
+    assert not large, "shared memory past what sm_86 / sm_89 give a block:\n" + "\n".join(large)
+
+
+@pytest.mark.parametrize("arch", [80, 86, 90, 100])
+def test_tree_attention_tiles_do_not_spill(arch):
+    """tree_attention's tiles (kernels/attention.py, ``tiles``) at every head size, query block and dtype keep
+    their state in registers: no spill stores, within the shared memory every GPU gives a block."""
+    _compiler_available()
+    report = json.loads(_run(os.path.join(HERE, "triton_compile.py"), "--arch", str(arch), "--resources",
+                             "--kernel", "_tree_attention_kernel"))
+    launches = report["launches"]
+    assert {r["constexprs"]["BLOCK_D"] for r in launches} == {"16", "32", "64", "128", "256"}
+    assert {r["constexprs"]["BLOCK_M"] for r in launches} == {"16", "32"}
+    bad = [f"{r['signature']['q_ptr']} {r['constexprs']} {r['options']}: {r['result']}, {r['registers']} registers, "
+           f"{r['spill_bytes']} bytes spilled, {r['shared']} bytes shared" for r in launches
+           if r["result"] != "ok" or r["spill_bytes"] != 0 or r["shared"] > SHARED_LIMIT]
+    assert not bad, "\n".join(bad)
 
 
 def test_the_harness_sees_a_kernel_the_compiler_refuses(tmp_path):

@@ -8,7 +8,7 @@ ops are called on CPU tensors through their public API with ``backend="triton"``
 uninitialised), and each distinct (kernel, argument types, constexpr values, options) is compiled to a cubin for
 the given target with Triton's own compiler and ptxas.
 
-    python tests/triton_compile.py [--arch 90] [--list] [--resources]
+    python tests/triton_compile.py [--arch 90] [--list] [--resources] [--kernel NAME ...]
 
 Prints one JSON object: the kernels defined, the launches recorded, and per launch "ok" or the compiler's error
 (with --resources also the registers per thread and bytes of spill stores that ptxas reports, and the shared
@@ -18,6 +18,7 @@ its own.
 
 import argparse
 import inspect
+import itertools
 import json
 import os
 import re
@@ -87,7 +88,7 @@ def _record(kernel, grid):
 def _exercise():
     """The ops' Triton paths: every verify rule (chains and trees, every logits dtype, draft probabilities or
     none, min_accept), the samplers, the tree masks and positions, the cache compaction, tree attention; then
-    the block sizes of a large vocabulary and of 128-wide heads."""
+    the block sizes of a large vocabulary and tree attention's tiles at every head size and query count."""
     g = torch.Generator().manual_seed(0)
     _small(g)
     V = 151936  # the kernels' block sizes at a real vocabulary (the small case above runs its smallest)
@@ -105,11 +106,12 @@ def _exercise():
                               top_k=50, top_p=0.9, **seeds)
         fastverify.cdf_sample(logits, torch.rand(4, generator=g), top_k=50, top_p=0.9, backend="triton",
                               validate=False)
-        q = torch.randn(1, 8, 16, 128, generator=g).to(dtype)
-        k = torch.randn(1, 2, 16 + 256, 128, generator=g).to(dtype)
-        mask = fastverify.tree_mask(torch.arange(16, dtype=torch.int32) - 1, torch.tensor([0, 16], dtype=torch.int32),
-                                    256, format="packed", backend="torch")
-        fastverify.tree_attention(q, k, k.clone(), mask, 256, backend="triton")
+        for n, D in itertools.product((16, 40), (16, 32, 64, 128, 256)):  # every tile tree_attention picks
+            q = torch.randn(1, 8, n, D, generator=g).to(dtype)
+            k = torch.randn(1, 2, n + 256, D, generator=g).to(dtype)
+            mask = fastverify.tree_mask(torch.arange(n, dtype=torch.int32) - 1, torch.tensor([0, n], dtype=torch.int32),
+                                        256, format="packed", backend="torch")
+            fastverify.tree_attention(q, k, k.clone(), mask, 256, backend="triton")
 
 
 def _small(g):
@@ -178,6 +180,7 @@ def main(argv=None):
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 80 or 90")
     p.add_argument("--list", action="store_true", help="record the launches; compile nothing")
     p.add_argument("--resources", action="store_true", help="registers, spill stores and shared memory per launch")
+    p.add_argument("--kernel", action="append", help="only this kernel's launches (repeatable)")
     args = p.parse_args(argv)
     defined = sorted(name for m in MODULES for name, obj in vars(m).items()
                      if isinstance(obj, JITFunction) and name.endswith("_kernel"))
@@ -186,6 +189,8 @@ def main(argv=None):
     target = GPUTarget("cuda", args.arch, 32)
     results = []
     for kernel, signature, constexprs, options in LAUNCHES.values():
+        if args.kernel and kernel.__name__ not in args.kernel:
+            continue
         entry = {"kernel": kernel.__name__, "signature": signature,
                  "constexprs": {list(signature)[i[0]]: repr(v) for i, v in constexprs.items()}, "options": options}
         if not args.list:
