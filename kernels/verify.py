@@ -11,12 +11,14 @@ Launches (R = N + B logits rows, N draft nodes):
        log-sum-exp and entropy in float64 (per-lane running max, rescaled sums merged at the end).
     2. ``_verify_node_kernel``, one program per node: its token's logit at the parent row and the rule's
        condition; topk / gad also count the node's rank in one more pass over its parent row.
-    3. ``_verify_walk_kernel``, one program per request, vectorised over its nodes: the min_accept forced
-       path, accept(j) = AND over j and its ancestors of (cond or forced) (a walk up the tree, one level per
-       step, tl.gather on registers), the deepest accepted node (first in node order), the path and argmax.
+    3. ``_verify_walk_kernel``, one program per request, over its nodes in chunks of BLOCK_N lanes (at most
+       WALK_BLOCK_N, whatever the batch's N): the min_accept forced path (its nodes' conditions set in place),
+       accept(j) = AND over j and its ancestors of the conditions (a walk up the tree, one level per step,
+       reading the node kernel's output), the deepest accepted node (first in node order), the path and argmax.
   coupled
     1. cdf_sample of every row with its u_sample (kernels/sampling.py, the very kernel behind cdf_sample);
-    2-3. as above with cond(j) = token(j) == the parent row's draw, the first such sibling only.
+    2-3. as above with cond(j) = token(j) == the parent row's draw, the first such sibling only (no earlier
+       sibling holds its token: checked in the node kernel).
   speculative (sequential by nature: each rejection changes the distribution of the next sibling)
     1. row stats (for the invalid-row check, including l / T overflowing);
     2. ``_verify_speculative_kernel``, one program per request: at each row, p' = warped p written to a
@@ -35,6 +37,7 @@ from .sampling import (_block_last, _cdf_find, _cdf_total, _row_state, _scaled, 
 
 RULES = ("greedy", "topk", "distance", "gad", "typical", "confidence", "speculative", "coupled")
 STATS_BLOCK_V = 1024
+WALK_BLOCK_N = 128  # the node lanes of the walk and the speculative kernel (a request's nodes read in chunks)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -102,7 +105,8 @@ def _verify_row_stats_kernel(logits_ptr, stride_r, V, warp_ptr, row_req_ptr,
 @triton.jit
 def _verify_node_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, parents_ptr, node_req_ptr, params_ptr,
                         root_tokens_ptr, row_tok_ptr, lse_ptr, ent_ptr, cond_ptr, lx_ptr,
-                        RULE: tl.constexpr, HAS_ROOT: tl.constexpr, BLOCK_V: tl.constexpr):
+                        RULE: tl.constexpr, HAS_ROOT: tl.constexpr, BLOCK_V: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
     b = tl.load(node_req_ptr + g)
     node0 = tl.load(cu_ptr + b)
@@ -147,6 +151,18 @@ def _verify_node_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, parents_ptr
         else:
             ptok = tl.load(tokens_ptr + node0 + tl.maximum(p, 0))
             ok = ok & ((p < 0) | (x != ptok))
+    if RULE == 7:
+        # coupled: of the siblings holding the drawn token only the first (in node order) is followed, so a node
+        # whose earlier sibling holds its token is not (the walk's lanes are read in chunks of BLOCK_N).
+        dup = tl.zeros([], tl.int32)
+        j = g - node0
+        for i0 in range(0, j, BLOCK_N):
+            i = i0 + tl.arange(0, BLOCK_N)
+            earlier = i < j
+            pi = _preceding(tl.load(parents_ptr + node0 + i, mask=earlier, other=-1), i)
+            ti = tl.load(tokens_ptr + node0 + i, mask=earlier, other=-1)
+            dup = tl.maximum(dup, tl.max((earlier & (pi == p) & (ti == x)).to(tl.int32), axis=0))
+        ok = ok & (dup == 0)
     tl.store(cond_ptr + g, tl.where(in_vocab, ok.to(tl.int8), 2))  # 2: outside the vocabulary
 
 
@@ -169,15 +185,17 @@ def _parent(parents_ptr, node0, j):
 
 @triton.jit
 def _request(cu_ptr, bad_ptr, BLOCK_N: tl.constexpr):
-    """This program's request b: its first node, its node count, its first logits row, the node lanes and which
-    of them hold a node, and whether any of its n_b + 1 rows is bad (the request is then invalid)."""
+    """This program's request b: its first node, its node count, its first logits row, and whether any of its
+    n_b + 1 rows is bad (the request is then invalid)."""
     b = tl.program_id(0)
     node0 = tl.load(cu_ptr + b)
     n_b = tl.load(cu_ptr + b + 1) - node0
     row0 = (node0 + b).to(tl.int64)
-    idx = tl.arange(0, BLOCK_N)
-    rbad = tl.load(bad_ptr + row0 + idx, mask=idx <= n_b, other=0)
-    return b, node0, n_b, row0, idx, idx < n_b, tl.max(rbad.to(tl.int32), axis=0) > 0
+    bad = tl.zeros([], tl.int32)
+    for r0 in range(0, n_b + 1, BLOCK_N):
+        r = r0 + tl.arange(0, BLOCK_N)
+        bad = tl.maximum(bad, tl.max(tl.load(bad_ptr + row0 + r, mask=r <= n_b, other=0).to(tl.int32), axis=0))
+    return b, node0, n_b, row0, bad > 0
 
 
 @triton.jit
@@ -216,48 +234,62 @@ def _write_invalid(accepted_ptr, accept_len_ptr, next_ptr, b, max_depth, BLOCK_D
 @triton.jit
 def _verify_walk_kernel(cu_ptr, parents_ptr, cond_ptr, lx_ptr, row_tok_ptr, bad_ptr,
                         accept_len_ptr, accepted_ptr, next_ptr, min_accept, max_depth,
-                        FIRST_MATCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    b, node0, n_b, row0, idx, valid, invalid = _request(cu_ptr, bad_ptr, BLOCK_N)
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    b, node0, n_b, row0, invalid = _request(cu_ptr, bad_ptr, BLOCK_N)
     if invalid:
         _write_invalid(accepted_ptr, accept_len_ptr, next_ptr, b, max_depth, BLOCK_D)
     else:
-        par = tl.load(parents_ptr + node0 + idx, mask=valid, other=-1)
-        par = _preceding(par, idx)  # unvalidated: as _verify_node_kernel reads it
-        code = tl.load(cond_ptr + node0 + idx, mask=valid, other=0)  # 0 / 1: the condition; 2: out of vocabulary
-        cond = code == 1
-        if FIRST_MATCH:
-            # coupled: only the first child (in node order) holding the drawn token is followed.
-            earlier = (par[None, :] == par[:, None]) & cond[None, :] & (idx[None, :] < idx[:, None])
-            cond = cond & (tl.max(earlier.to(tl.int32), axis=1) == 0)
-        # min_accept: force the most likely path (highest logit child, first on ties) to that depth.
-        lx = tl.load(lx_ptr + node0 + idx, mask=valid, other=float("-inf"))
-        forced = idx < 0
+        lanes = tl.arange(0, BLOCK_N)
+        conds = cond_ptr + node0  # 0 / 1: the node's condition; 2: its token is outside the vocabulary
+        # min_accept: force the most likely path (highest logit child, first on ties) to that depth; a forced
+        # node's condition is set in place (the node kernel's output, this call's scratch).
         cur = tl.full([], -1, tl.int32)
         step = tl.zeros([], tl.int32)
         alive = n_b > 0
         while alive & (step < min_accept):
-            cand = valid & (par == cur) & (code != 2)
-            alive = tl.max(cand.to(tl.int32), axis=0) > 0
-            best = tl.max(tl.where(cand, lx, float("-inf")), axis=0)
-            chosen = tl.min(tl.where(cand & (lx == best), idx, BLOCK_N), axis=0)
-            forced = forced | ((idx == chosen) & alive)
-            cur = tl.where(alive, chosen, cur)
+            found = tl.zeros([], tl.int32)
+            best = tl.full([], float("-inf"), tl.float32)
+            chosen = tl.full([], -1, tl.int32)
+            for j0 in range(0, n_b, BLOCK_N):
+                j = j0 + lanes
+                valid = j < n_b
+                par = _preceding(tl.load(parents_ptr + node0 + j, mask=valid, other=-1), j)
+                cand = valid & (par == cur) & (tl.load(conds + j, mask=valid, other=2) != 2)
+                lx = tl.where(cand, tl.load(lx_ptr + node0 + j, mask=valid, other=float("-inf")), float("-inf"))
+                top = tl.max(lx, axis=0)
+                first = tl.min(tl.where(cand & (lx == top), j, 2147483647), axis=0)
+                # the earliest chunk holding the highest logit keeps it (its nodes come first)
+                take = (tl.max(cand.to(tl.int32), axis=0) > 0) & ((found == 0) | (top > best))
+                best = tl.where(take, top, best)
+                chosen = tl.where(take, first, chosen)
+                found = tl.maximum(found, take.to(tl.int32))
+            alive = found > 0
+            if alive:
+                tl.store(conds + chosen, tl.full([], 1, tl.int8))
+                cur = chosen
             step += 1
-        condf = (cond | forced) & valid
-        # accept(j) = AND of condf over j and its ancestors; depth(j) counted on the way up.
-        ok = condf
-        depth = valid.to(tl.int32)
-        anc = par
-        while tl.max(anc, axis=0) >= 0:
-            up = anc >= 0
-            safe = tl.where(up, anc, 0)
-            ok = ok & ((tl.gather(condf.to(tl.int32), safe, 0) != 0) | ~up)
-            depth += up.to(tl.int32)
-            anc = tl.where(up, tl.gather(par, safe, 0), -1)
-        score = tl.where(ok & valid, depth, 0)
-        dmax = tl.max(score, axis=0)
-        node = tl.min(tl.where((score == dmax) & (dmax > 0), idx, BLOCK_N), axis=0)
-        node = tl.where(node >= BLOCK_N, -1, node)
+        tl.debug_barrier()  # the forced conditions stored above, visible to every lane below
+        # accept(j) = AND of the conditions over j and its ancestors, its depth counted on the way up; the
+        # deepest accepted node, first in node order.
+        dmax = tl.zeros([], tl.int32)
+        node = tl.full([], -1, tl.int32)
+        for j0 in range(0, n_b, BLOCK_N):
+            j = j0 + lanes
+            valid = j < n_b
+            ok = valid & (tl.load(conds + j, mask=valid, other=0) == 1)
+            depth = valid.to(tl.int32)
+            anc = tl.where(ok, _preceding(tl.load(parents_ptr + node0 + j, mask=valid, other=-1), j), -1)
+            while tl.max(anc, axis=0) >= 0:
+                up = anc >= 0
+                ok = ok & ((tl.load(conds + anc, mask=up, other=1) == 1) | ~up)
+                depth += up.to(tl.int32)
+                anc = tl.where(up & ok, _preceding(tl.load(parents_ptr + node0 + anc, mask=up, other=-1), anc), -1)
+            score = tl.where(ok, depth, 0)
+            top = tl.max(score, axis=0)
+            first = tl.min(tl.where((score == top) & ok, j, 2147483647), axis=0)
+            better = top > dmax
+            node = tl.where(better, first, node)
+            dmax = tl.maximum(dmax, top)
         _write_path(parents_ptr, node0, node, accepted_ptr, accept_len_ptr, b, max_depth, BLOCK_D)
         tl.store(next_ptr + b, tl.load(row_tok_ptr + row0 + 1 + node))
 
@@ -273,12 +305,11 @@ def _verify_speculative_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, pare
                                accept_len_ptr, accepted_ptr, next_ptr, max_depth,
                                HAS_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                BLOCK_V: tl.constexpr):
-    b, node0, n_b, row0, idx, valid, invalid = _request(cu_ptr, bad_ptr, BLOCK_N)
+    b, node0, n_b, row0, invalid = _request(cu_ptr, bad_ptr, BLOCK_N)
     if invalid:
         _write_invalid(accepted_ptr, accept_len_ptr, next_ptr, b, max_depth, BLOCK_D)
     else:
-        par = tl.load(parents_ptr + node0 + idx, mask=valid, other=-2)
-        toks = tl.load(tokens_ptr + node0 + idx, mask=valid, other=-1)
+        lanes = tl.arange(0, BLOCK_N)
         P = scratch_ptr + b.to(tl.int64) * V  # float64 [V]: the current (residual) distribution p'
         wp = warp_ptr + b * 4
         greedy = tl.load(wp) == 0.0
@@ -289,11 +320,20 @@ def _verify_speculative_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, pare
         while done == 0:
             row = row0 + 1 + node
             row_ptr = logits_ptr + row * stride_r
-            kids = valid & (par == node)
             if greedy:
+                # the first child holding the row's argmax, the request's nodes read in chunks of BLOCK_N
                 a = tl.load(row_tok_ptr + row)
-                hit = tl.min(tl.where(kids & (toks == a), idx, BLOCK_N), axis=0)
-                if hit < BLOCK_N:
+                hit = tl.full([], -1, tl.int32)
+                c0 = tl.zeros([], tl.int32)
+                while (c0 < n_b) & (hit < 0):
+                    c = c0 + lanes
+                    valid = c < n_b
+                    kid = valid & (tl.load(parents_ptr + node0 + c, mask=valid, other=-2) == node)
+                    kid = kid & (tl.load(tokens_ptr + node0 + c, mask=valid, other=-1) == a)
+                    first = tl.min(tl.where(kid, c, 2147483647), axis=0)
+                    hit = tl.where(first < 2147483647, first, -1)
+                    c0 += BLOCK_N
+                if hit >= 0:
                     node = hit
                 else:
                     nxt = a
@@ -430,9 +470,10 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, cu_nodes: torch.Ten
     rule_params = rule_params.float().contiguous()
     warp = warp.float().contiguous()
     counts = cu_nodes[1:] - cu_nodes[:-1]
-    # The walk vectorises over a request's nodes: its width is N + 1, a bound on every request's rows known here,
-    # so that nothing is read back from the device (the call stays sync-free and CUDA-graph capturable).
-    BLOCK_N = next_pow2(N + 1, 16)
+    # The walk and the speculative kernel read a request's nodes (and rows) in chunks of BLOCK_N lanes: a width
+    # that does not grow with the batch's N (nothing per request is read back from the device, so that the call
+    # stays sync-free and CUDA-graph capturable).
+    BLOCK_N = min(next_pow2(N + 1, 16), WALK_BLOCK_N)
     BLOCK_D = min(next_pow2(max_depth, 16), 1024)
     row_req = torch.repeat_interleave(torch.arange(B, device=dev, dtype=torch.int32), counts + 1, output_size=R)
     row_tok = torch.empty(R, dtype=torch.int64, device=dev)
@@ -475,10 +516,10 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, cu_nodes: torch.Ten
             lse = ent = torch.empty(1, dtype=torch.float64, device=dev)
         _verify_node_kernel[(N,)](logits, logits.stride(0), V, draft_tokens, cu_nodes, parents, node_req,
                                   rule_params, roots, row_tok, lse, ent, cond, lx,
-                                  RULE=rule, HAS_ROOT=has_root, BLOCK_V=min(next_pow2(V, 16), STATS_BLOCK_V))
+                                  RULE=rule, HAS_ROOT=has_root, BLOCK_V=min(next_pow2(V, 16), STATS_BLOCK_V),
+                                  BLOCK_N=BLOCK_N)
     _verify_walk_kernel[(B,)](cu_nodes, parents, cond, lx, row_tok, bad, accept_len, accepted, next_token,
-                              min_accept if name != "coupled" else 0, max_depth,
-                              FIRST_MATCH=name == "coupled", BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+                              min_accept if name != "coupled" else 0, max_depth, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
     return accept_len, accepted, next_token
 
 

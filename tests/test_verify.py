@@ -140,6 +140,32 @@ def test_large_vocab(backend, V):
 
 
 @pytest.mark.parametrize("backend", FAST)
+def test_requests_wider_than_the_walk(backend):
+    """Requests of 129-300 nodes: more than the node lanes the Triton walk and speculative kernels hold at once
+    (kernels/verify.py, WALK_BLOCK_N), so accepted paths, forced paths, siblings with the same token and bad rows
+    lie across their chunks; every rule against the reference."""
+    from fastverify.kernels.verify import WALK_BLOCK_N
+    gen = torch.Generator().manual_seed(5)
+    wide = dict(min_nodes=WALK_BLOCK_N + 1, max_nodes=WALK_BLOCK_N + 40, gen=gen)
+    chain = random_batch(2, 40, shape="chain", p_argmax=1.0, **wide)
+    ref = _compare(backend, chain, "greedy")
+    assert ref[0].min() > WALK_BLOCK_N  # whole chains accepted: ancestors across chunks
+    chain = random_batch(2, 40, shape="chain", p_argmax=0.3, **wide)
+    ref = _compare(backend, chain, "gad", beta=3, tau=1.5, min_accept=WALK_BLOCK_N + 1)
+    assert ref[0].min() == WALK_BLOCK_N + 1
+    for shape in ("random", "star"):  # (the rules differ in the node kernel, one program per node, not here)
+        batch = random_batch(2, 40, shape=shape, scale=1.0, p_duplicate=0.3, **wide)
+        _compare(backend, batch, "topk", k=2)
+        _compare(backend, batch, "coupled", seed=1)  # the first of the siblings holding the draw
+        _compare(backend, batch, "speculative", seed=2)
+        _compare(backend, batch, "speculative", temperature=0.0)  # its greedy walk
+    bad = random_batch(2, 40, **wide)
+    bad["logits"][bad["cu_nodes"][1] - 1, 3] = float("nan")  # request 0's last row: past its first chunk of rows
+    out = verify(*_args(bad), rule="greedy", backend=backend, validate=False)
+    assert out[0].tolist()[0] == -1 and out[0].tolist()[1] >= 0
+
+
+@pytest.mark.parametrize("backend", FAST)
 def test_ties(backend):
     """Integer-valued logits: many ties, so argmax and rank must break them by the lower token id."""
     gen = torch.Generator().manual_seed(11)

@@ -88,7 +88,8 @@ def _record(kernel, grid):
 def _exercise():
     """The ops' Triton paths: every verify rule (chains and trees, every logits dtype, draft probabilities or
     none, min_accept), the samplers, the tree masks and positions, the cache compaction, tree attention; then
-    the block sizes of a large vocabulary and tree attention's tiles at every head size and query count."""
+    the block sizes of a large vocabulary, of a batch of many nodes, and tree attention's tiles at every head
+    size and query count."""
     g = torch.Generator().manual_seed(0)
     _small(g)
     V = 151936  # the kernels' block sizes at a real vocabulary (the small case above runs its smallest)
@@ -106,6 +107,19 @@ def _exercise():
                               top_k=50, top_p=0.9, **seeds)
         fastverify.cdf_sample(logits, torch.rand(4, generator=g), top_k=50, top_p=0.9, backend="triton",
                               validate=False)
+    # a batch of more nodes (1280) than the walk's and the speculative kernel's lanes, which read them in chunks
+    B, n = 64, 20
+    cu = torch.arange(0, B * n + 1, n, dtype=torch.int32)
+    parents = (torch.arange(B * n, dtype=torch.int32) % n) - 1
+    tokens = torch.randint(0, 50, (B * n,), generator=g)
+    logits = torch.randn(B * n + B, 50, generator=g)
+    seeds = dict(seed=torch.arange(B), position=torch.arange(B))
+    fastverify.verify(logits, tokens, cu, parents, rule="greedy", min_accept=2, backend="triton", validate=False,
+                      max_depth=n)
+    for rule in ("speculative", "coupled"):
+        fastverify.verify(logits, tokens, cu, parents, rule=rule, backend="triton", validate=False, max_depth=n,
+                          **seeds)
+    for dtype in (torch.float32, torch.bfloat16):
         for n, D in itertools.product((16, 40), (16, 32, 64, 128, 256)):  # every tile tree_attention picks
             q = torch.randn(1, 8, n, D, generator=g).to(dtype)
             k = torch.randn(1, 2, n + 256, D, generator=g).to(dtype)
