@@ -239,10 +239,13 @@ def _compact_one(t, prefix_len, draft_start, accepted, accept_len):
     if B * H * D == 0 or max_depth == 0:
         return
     raw = t.view(_RAW[t.element_size()])  # moved as bits: any dtype, NaN payloads kept
-    BLOCK_D = min(next_pow2(D, 16), 128)
+    DEPTH = next_pow2(max_depth, 1)
+    # every move's [DEPTH, BLOCK_D] elements are held at once (gather, then write): 2048 of them per program
+    # (16 x 128) keep to ~80 registers a thread on sm_90, where 64 x 128 spilled (tests/triton_compile.py)
+    BLOCK_D = max(16, min(next_pow2(D, 16), 128, 2048 // DEPTH))
     _compact_cache_kernel[(B * H, triton.cdiv(D, BLOCK_D))](
         raw, *raw.stride(), H, S, D, prefix_len, draft_start, accepted, max_depth, accept_len,
-        DEPTH=next_pow2(max_depth, 1), BLOCK_D=BLOCK_D)
+        DEPTH=DEPTH, BLOCK_D=BLOCK_D)
 
 
 @torch.library.custom_op("fastverify::compact_cache_triton", mutates_args=("k", "v"))

@@ -118,7 +118,8 @@ def test_non_contiguous_cache(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_long_paths_and_unaligned_rows(backend, dtype):
     """Paths longer than the CUDA kernel stages in registers (16: the rest go through its scratch), and rows whose
-    bytes are not a multiple of 16 (moved element by element) beside rows that are (moved 16 bytes at a time)."""
+    bytes are not a multiple of 16 (moved element by element) beside rows that are (moved 16 bytes at a time);
+    the Triton kernel holds 32 x 64 elements of a path at once, so its 128-wide rows take two programs."""
     dev = device_of(backend)
     rng = random.Random(7)
     B, H, P, n = 3, 2, 9, 40
@@ -127,7 +128,7 @@ def test_long_paths_and_unaligned_rows(backend, dtype):
     accepted, accept_len = random_accepts(B, n, 24, rng)
     accept_len[0] = 24
     accepted[0] = torch.tensor(sorted(rng.sample(range(n), 24)), dtype=torch.int32)  # the longest path
-    k = torch.randn(B, H, S, 64).to(dtype)
+    k = torch.randn(B, H, S, 128).to(dtype)
     v = torch.randn(B, H, S, 3).to(dtype)  # 6 or 12 bytes a row
     ek = python_compact(k, prefix_len, P, accepted, accept_len)
     ev = python_compact(v, prefix_len, P, accepted, accept_len)

@@ -47,15 +47,20 @@ def test_every_launch_compiles(arch):
 
 
 @pytest.mark.parametrize("arch", [80, 86, 90, 100])
-def test_tree_attention_tiles_do_not_spill(arch):
-    """tree_attention's tiles (kernels/attention.py, ``tiles``) at every head size, query block and dtype keep
-    their state in registers: no spill stores, within the shared memory every GPU gives a block."""
+def test_sized_tiles_do_not_spill(arch):
+    """The kernels whose tiles the wrappers size by the input keep their state in registers, within the shared
+    memory every GPU gives a block: tree_attention's (kernels/attention.py, ``tiles``) at every head size, query
+    block and dtype; compact_cache's at paths of 16-256 nodes; verify's walk at a batch of 1,280 nodes."""
     _compiler_available()
     report = json.loads(_run(os.path.join(HERE, "triton_compile.py"), "--arch", str(arch), "--resources",
-                             "--kernel", "_tree_attention_kernel"))
+                             "--kernel", "_tree_attention_kernel", "--kernel", "_compact_cache_kernel",
+                             "--kernel", "_verify_walk_kernel"))
     launches = report["launches"]
-    assert {r["constexprs"]["BLOCK_D"] for r in launches} == {"16", "32", "64", "128", "256"}
-    assert {r["constexprs"]["BLOCK_M"] for r in launches} == {"16", "32"}
+    attention = [r for r in launches if r["kernel"] == "_tree_attention_kernel"]
+    assert {r["constexprs"]["BLOCK_D"] for r in attention} == {"16", "32", "64", "128", "256"}
+    assert {r["constexprs"]["BLOCK_M"] for r in attention} == {"16", "32"}
+    assert {r["constexprs"]["DEPTH"] for r in launches if r["kernel"] == "_compact_cache_kernel"} >= {"64", "256"}
+    assert "128" in {r["constexprs"]["BLOCK_N"] for r in launches if r["kernel"] == "_verify_walk_kernel"}
     bad = [f"{r['signature']['q_ptr']} {r['constexprs']} {r['options']}: {r['result']}, {r['registers']} registers, "
            f"{r['spill_bytes']} bytes spilled, {r['shared']} bytes shared" for r in launches
            if r["result"] != "ok" or r["spill_bytes"] != 0 or r["shared"] > SHARED_LIMIT]

@@ -88,8 +88,8 @@ def _record(kernel, grid):
 def _exercise():
     """The ops' Triton paths: every verify rule (chains and trees, every logits dtype, draft probabilities or
     none, min_accept), the samplers, the tree masks and positions, the cache compaction, tree attention; then
-    the block sizes of a large vocabulary, of a batch of many nodes, and tree attention's tiles at every head
-    size and query count."""
+    the block sizes of a large vocabulary, of a batch of many nodes, of long accepted paths to compact, and tree
+    attention's tiles at every head size and query count."""
     g = torch.Generator().manual_seed(0)
     _small(g)
     V = 151936  # the kernels' block sizes at a real vocabulary (the small case above runs its smallest)
@@ -119,6 +119,11 @@ def _exercise():
     for rule in ("speculative", "coupled"):
         fastverify.verify(logits, tokens, cu, parents, rule=rule, backend="triton", validate=False, max_depth=n,
                           **seeds)
+    for depth, dtype in itertools.product((16, 64, 256), (torch.float32, torch.bfloat16)):  # compaction's tiles
+        k = torch.randn(2, 2, 2 * depth + 8, 128, generator=g).to(dtype)
+        fastverify.compact_cache((k, k.clone()), torch.tensor([4, 2], dtype=torch.int32), depth + 4,
+                                 torch.arange(depth, dtype=torch.int32).repeat(2, 1),
+                                 torch.tensor([depth, 1], dtype=torch.int32), backend="triton", validate=False)
     for dtype in (torch.float32, torch.bfloat16):
         for n, D in itertools.product((16, 40), (16, 32, 64, 128, 256)):  # every tile tree_attention picks
             q = torch.randn(1, 8, n, D, generator=g).to(dtype)
