@@ -517,7 +517,7 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, cu_nodes: torch.Ten
         _verify_node_kernel[(N,)](logits, logits.stride(0), V, draft_tokens, cu_nodes, parents, node_req,
                                   rule_params, roots, row_tok, lse, ent, cond, lx,
                                   RULE=rule, HAS_ROOT=has_root, BLOCK_V=min(next_pow2(V, 16), STATS_BLOCK_V),
-                                  BLOCK_N=BLOCK_N)
+                                  BLOCK_N=BLOCK_N if name == "coupled" else 16)  # (coupled's alone reads it)
     _verify_walk_kernel[(B,)](cu_nodes, parents, cond, lx, row_tok, bad, accept_len, accepted, next_token,
                               min_accept if name != "coupled" else 0, max_depth, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
     return accept_len, accepted, next_token
