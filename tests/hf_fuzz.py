@@ -598,6 +598,11 @@ def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
     return dict(desc, outcome="fallback" if fallback else "identical")
 
 
+def _at_token(e) -> str:
+    """An error's message without the loop's decoding step (what it names the row by is the new tokens before it)."""
+    return re.sub(r" at decoding step \d+ ", " ", str(e))
+
+
 def _raised_again(desc, model, ids, mask, opts, e, types, otherwise):
     """The outcome of a seeded call that raised ``e``, called again as the model is now patched (and then
     unpatched): "error" where it raises the same (``types``), else "NOT-REPRODUCED", or ``otherwise`` where it
@@ -606,7 +611,9 @@ def _raised_again(desc, model, ids, mask, opts, e, types, otherwise):
         _generate(model, ids, mask, opts)
     except types as again:
         unpatch(model)
-        if str(again) == str(e):
+        # the same error at the same token; the loop's decoding step it names depends on the drafter (seed 633267
+        # on 5.17: slot drafts accepted before it, so one step fewer than the drafterless loop's)
+        if _at_token(again) == _at_token(e):
             return dict(desc, outcome="error", reason=f"seeded call / {type(e).__name__}: {str(e)[:80]}")
         return dict(desc, outcome="NOT-REPRODUCED", detail=f"{e!r}, then {again!r}")
     unpatch(model)
