@@ -111,10 +111,14 @@
 # The protocol again with the host work attributed first; ~14 of the 15 minutes, sized from the 2026-11-30 run. First,
 # here: `bash scripts/gpu_prebuild.sh` when the sources changed (the extension built against the device's torch,
 # gpu_carry/so; the build step then takes seconds, not ~75 s):
-#   1. carry p0 and so, timeout_s 120: TEST_FILES="tests/test_heads.py tests/test_cache.py tests/test_sync_free.py"
-#                               TEST_WORKERS=14 TEST_SECONDS=30 bash scripts/gpu_check.sh build test   (since
-#                               2026-11-30: the heads' level graphs, captured and replayed; compact_cache_layers'
-#                               one launch per 32 tensors of a word size, compiled here, not yet run on a GPU)
+#   1. carry p0 and so, timeout_s 150: TEST_FILES="tests/test_heads.py tests/test_cache.py tests/test_sync_free.py
+#                               tests/test_tree_attention.py tests/test_verify.py" TEST_WORKERS=14 TEST_SECONDS=45
+#                               bash scripts/gpu_check.sh build test   (since 2026-11-30: the heads' level graphs,
+#                               captured and replayed; compact_cache_layers' one launch per 32 tensors of a word
+#                               size, compiled here, not yet run on a GPU; since 2026-12-01 the Triton tree
+#                               attention's and compaction's tiles and verify's node lanes in chunks, compiled here
+#                               for sm_80-sm_100 without spills, not yet run on a GPU; bench's attention and Triton
+#                               verify rows then time them against the H100's 138 / 124 us)
 #   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
 #   3. carry p2, timeout_s 330: PROFILE_SECONDS=60 bash scripts/gpu_check.sh levels tune profile   (checkpoint
 #                               ~31 s; levels ~40 s: the heads' tree, eager against CUDA graphs, the default on a GPU
