@@ -61,8 +61,8 @@ def test_sized_tiles_do_not_spill(arch):
     assert {r["constexprs"]["BLOCK_M"] for r in attention} == {"16", "32"}
     assert {r["constexprs"]["DEPTH"] for r in launches if r["kernel"] == "_compact_cache_kernel"} >= {"64", "256"}
     assert "128" in {r["constexprs"]["BLOCK_N"] for r in launches if r["kernel"] == "_verify_walk_kernel"}
-    bad = [f"{r['signature']['q_ptr']} {r['constexprs']} {r['options']}: {r['result']}, {r['registers']} registers, "
-           f"{r['spill_bytes']} bytes spilled, {r['shared']} bytes shared" for r in launches
+    bad = [f"{r['kernel']} {r['signature']} {r['constexprs']} {r['options']}: {r['result']}, {r.get('registers')} "
+           f"registers, {r.get('spill_bytes')} bytes spilled, {r.get('shared')} bytes shared" for r in launches
            if r["result"] != "ok" or r["spill_bytes"] != 0 or r["shared"] > SHARED_LIMIT]
     assert not bad, "\n".join(bad)
 

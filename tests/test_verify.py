@@ -141,9 +141,10 @@ def test_large_vocab(backend, V):
 
 @pytest.mark.parametrize("backend", FAST)
 def test_requests_wider_than_the_walk(backend):
-    """Requests of 129-300 nodes: more than the node lanes the Triton walk and speculative kernels hold at once
+    """Requests of 129-168 nodes: more than the node lanes the Triton walk and speculative kernels hold at once
     (kernels/verify.py, WALK_BLOCK_N), so accepted paths, forced paths, siblings with the same token and bad rows
-    lie across their chunks; every rule against the reference."""
+    lie across their chunks; greedy, GAD++ with min_accept, top-k, coupled and speculative against the
+    reference."""
     from fastverify.kernels.verify import WALK_BLOCK_N
     gen = torch.Generator().manual_seed(5)
     wide = dict(min_nodes=WALK_BLOCK_N + 1, max_nodes=WALK_BLOCK_N + 40, gen=gen)
@@ -160,7 +161,7 @@ def test_requests_wider_than_the_walk(backend):
         _compare(backend, batch, "speculative", seed=2)
         _compare(backend, batch, "speculative", temperature=0.0)  # its greedy walk
     bad = random_batch(2, 40, **wide)
-    bad["logits"][bad["cu_nodes"][1] - 1, 3] = float("nan")  # request 0's last row: past its first chunk of rows
+    bad["logits"][bad["cu_nodes"][1] - 1, 3] = float("nan")  # a row of request 0 past its first chunk of rows
     out = verify(*_args(bad), rule="greedy", backend=backend, validate=False)
     assert out[0].tolist()[0] == -1 and out[0].tolist()[1] >= 0
 
