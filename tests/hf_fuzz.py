@@ -412,6 +412,28 @@ class _AllowedBy:
         return f"AllowedBy({self.mod}, {self.rem})"
 
 
+def _remember(rng: random.Random, drafter, ids, ref, desc) -> None:
+    """Sometimes an n-gram drafter (the case's, or the one a drafter merges with) with a memory of earlier calls
+    (``NGramDrafter(memory=N)``): generate's own rows (a prompt asked again: its answer drafted whole), some with
+    tokens changed, beside random sequences of the prompts' tokens."""
+    ngram = drafter if isinstance(drafter, NGramDrafter) else getattr(drafter, "ngram", None)
+    if not isinstance(ngram, NGramDrafter) or rng.random() < 0.6:
+        return
+    capacity = rng.choice([16, 200, 100_000])
+    ngram.memory = NGramDrafter(memory=capacity).memory
+    seen = sorted(set(ids.reshape(-1).tolist()) - {PAD})
+    rows = [r for r in ref.tolist() if r] if isinstance(ref, torch.Tensor) else []
+    for _ in range(rng.randint(1, 6)):
+        if rows and rng.random() < 0.6:
+            row = [t for t in rng.choice(rows) if t != PAD]
+            for _ in range(rng.choice([0, 0, 1, 3])):
+                row[rng.randrange(len(row))] = rng.choice(seen)
+        else:
+            row = [rng.choice(seen) for _ in range(rng.randint(1, 40))]
+        ngram.memory.add(row)
+    desc["memory"] = capacity
+
+
 def _sequences(out):
     return out if isinstance(out, torch.Tensor) else out.sequences
 
@@ -531,6 +553,7 @@ def run_case(seed: int, kinds=DRAFTERS, archs=ARCHS) -> dict:
                 break
     except (RuntimeError, ValueError) as e:  # generate's own error (a sampled row left without any token)
         ref = e
+    _remember(random.Random(f"memory {seed}"), drafter, ids, ref, desc)
     twin = copy.deepcopy(drafter) if sampling and rule == "speculative" else None  # drafters keep state
     patch(model, drafter=drafter, rule=rule, **extra)
     if "weights" in desc:  # how many layers the patch streams packed

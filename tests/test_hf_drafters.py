@@ -327,3 +327,101 @@ def test_ngram_calibrates_the_fixed_cost_from_step_times():
     t[0] += 0.010
     d.propose([plain], [16])
     assert d.plain_step == pytest.approx(0.010, rel=1e-3)  # a plain step, timed again
+
+
+# -- the memory of earlier calls (NGramDrafter(memory=N)) -----------------------------------------------------------
+
+def _call(d, contexts, budget=16):
+    """One generate call as the loop makes it: reset, then a propose of each request's context."""
+    d.reset(len(contexts))
+    return d.propose([list(c) for c in contexts], [budget] * len(contexts))
+
+
+def test_ngram_memory_drafts_from_earlier_calls():
+    d, plain = NGramDrafter(memory=1000, depth=4, **OFF), NGramDrafter(depth=4, **OFF)
+    for drafter in (d, plain):
+        assert len(_call(drafter, [[1, 2, 3, 4, 5, 6, 7]])[0]) == 0  # nothing in the context, nothing remembered
+    (tree,) = _call(d, [[9, 3, 4]])  # the earlier call's "3 4" -> 5 6 7, and no further: its sequence ends there
+    assert _paths(tree) == [[5, 6, 7]]
+    assert [key[0] for key, _ in d.states[0].pending[2]] == ["memory"] * 3
+    assert len(_call(plain, [[9, 3, 4]])[0]) == 0
+    d.forget()
+    assert len(_call(d, [[9, 3, 4]])[0]) == 0 and len(d.memory) == 0
+    _call(d, [[1]])
+    assert len(d.memory) == 3 + 1  # the call before: its context and a separator
+
+
+def test_ngram_memory_is_read_where_its_match_is_longer_than_the_contexts():
+    d = NGramDrafter(memory=1000, depth=2, width=1, **OFF)
+    _call(d, [[1, 2, 30, 31]])
+    assert _paths(_call(d, [[5, 1, 2]])[0]) == [[30, 31]]  # no match in the context
+    assert _paths(_call(d, [[1, 2, 40, 41, 1, 2]])[0]) == [[40, 41]]  # its own "1 2" -> 40 41: as long
+    d = NGramDrafter(memory=1000, depth=2, width=1, **OFF)
+    _call(d, [[1, 2, 30, 31]])
+    assert _paths(_call(d, [[9, 2, 40, 1, 2]])[0]) == [[30, 31]]  # its own "2" -> 40 1: shorter
+
+
+def test_ngram_memory_longest_match_then_most_recent():
+    d = NGramDrafter(memory=1000, depth=1, width=1, **OFF)
+    _call(d, [[7, 8, 2, 3, 50], [9, 8, 2, 3, 60]])  # one call, two requests: both remembered at the next call
+    _call(d, [[1, 2, 3, 70]])
+    assert _paths(_call(d, [[7, 8, 2, 3]])[0]) == [[50]]  # "7 8 2 3": four tokens
+    assert _paths(_call(d, [[9, 8, 2, 3]])[0]) == [[60]]
+    assert _paths(_call(d, [[4, 2, 3]])[0]) == [[70]]  # "2 3" everywhere: the most recent
+    # no match across the end of one sequence and the start of the next, no continuation past its end
+    assert d.memory.continuations([3, 50, 9], 4, 2, d.scan) == (0, [], {})
+    assert d.memory.continuations([2, 3, 50], 4, 2, d.scan) == (0, [], {})
+    assert d.memory.continuations([0, 3, 50, 9], 4, 2, d.scan) == (0, [], {})
+
+
+def test_ngram_memory_holds_at_most_its_capacity():
+    rng = random.Random(1)
+    d = NGramDrafter(memory=100, depth=4, width=3, **OFF)
+    held = []  # what the memory should hold: the calls before the last one, the oldest dropped past 100 tokens
+    for _ in range(60):
+        s = [rng.randrange(8) for _ in range(rng.randrange(3, 40))]
+        _call(d, [s])
+        assert len(d.memory) == sum(len(x) + 1 for x in held) <= 100
+        assert d.memory.live == sum(len(x) - 2 for x in held)
+        assert sum(map(len, d.memory.index.values())) == d.memory.live + d.memory.stale <= 2 * d.memory.live + 40
+        fresh = NGramDrafter(memory=100)
+        for x in held:
+            fresh.memory.add(x)
+        for _ in range(5):  # the same lookups as a memory that only ever held the sequences kept
+            ctx = [rng.randrange(8) for _ in range(rng.randrange(2, 6))]
+            assert d.memory.continuations(ctx, 4, 3, d.scan) == fresh.memory.continuations(ctx, 4, 3, d.scan)
+        held.append(s)
+        while sum(len(x) + 1 for x in held) > 100:
+            held.pop(0)
+
+
+def test_ngram_memory_bad_arguments():
+    with pytest.raises(ValueError, match="memory: expected >= 0"):
+        NGramDrafter(memory=-1)
+    with pytest.raises(TypeError, match="memory: expected an int"):
+        NGramDrafter(memory=1e5)
+
+
+def test_ngram_memory_through_generate_is_exact_and_drafts_an_answer_again():
+    from conftest import patched_generate, tiny_llama
+    model = tiny_llama(vocab=1000)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 1000, (2, 12), generator=g)
+    want = model.generate(ids, max_new_tokens=40, do_sample=False)
+    d = NGramDrafter(memory=10_000)
+    out1, s1 = patched_generate(model, d, ids, max_new_tokens=40, do_sample=False)
+    out2, s2 = patched_generate(model, d, ids.flip(0), max_new_tokens=40, do_sample=False)
+    assert torch.equal(out1, want) and torch.equal(out2, want.flip(0))
+    assert s2.steps < s1.steps / 2  # the second call drafts the first call's answers
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 3, 4, 5])
+def test_ngram_memory_of_a_few_tokens(capacity):
+    d = NGramDrafter(memory=capacity, depth=4, **OFF)
+    for s in ([1, 2, 3, 4, 5, 6], [7, 8, 9], [1, 2]):
+        _call(d, [s])
+        assert len(d.memory) <= capacity
+    _call(d, [[5]])
+    # [7, 8, 9] and its separator where they fit; [1, 2] holds no 2-gram with a continuation: not kept
+    assert len(d.memory) == (4 if capacity >= 4 else 0)
+    assert d.memory.continuations([7, 8], 4, 1, 32) == ((2, [(9,)], {(9,): 1}) if capacity >= 4 else (0, [], {}))

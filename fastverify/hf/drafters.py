@@ -43,8 +43,10 @@ Drafters here:
                      the draft's top-k alternatives as sibling leaves at each depth.
 """
 
+import bisect
 import numbers
 import time
+from collections import deque
 
 import torch
 
@@ -218,9 +220,10 @@ class Drafter:
 
 
 class _NGramState:
-    __slots__ = ("index", "indexed", "depth", "width", "last_depth", "pending")
+    __slots__ = ("index", "indexed", "depth", "width", "last_depth", "pending", "ctx")
 
     def __init__(self, depth, width):
+        self.ctx = None       # the request's context as last seen (the memory takes it when the call ends)
         self.index = {}       # n-gram tuple -> positions e (the continuation starts at context[e]), oldest first
         self.indexed = 0      # end positions e < indexed are in the index
         self.depth = depth
@@ -229,6 +232,111 @@ class _NGramState:
         # the last proposal, scored against the committed tokens at the next propose:
         # (context length, accept_len or None, [(stat key, path tuple), ...])
         self.pending = None
+
+
+class _NGramMemory:
+    """The token sequences of earlier generate calls (each request's prompt and output), for ``NGramDrafter``'s
+    lookups where they match a request's context further back than its own (vLLM's suffix decoding, SGLang's n-gram
+    cache).
+
+    One flat buffer of at most ``capacity`` tokens, the oldest sequences dropped first, a separator (-1, never a
+    token) after each sequence, so that no match or continuation crosses one. The index maps each 2-gram to the
+    global buffer positions that follow it (increasing); a lookup takes the context's last 2-gram and extends each
+    of its most recent hits backwards while the tokens agree, up to ``max_n``: the longest match length found, and
+    the continuations of the hits of that length, most recent first. ``base`` is the global position of
+    ``buf[0]``: the index's entries below it (dropped sequences) are skipped, and removed once they are as many as
+    the live ones."""
+
+    SEP = -1
+
+    def __init__(self, capacity: int, max_n: int = 8):
+        self.capacity, self.max_n = capacity, max_n
+        self.buf, self.base = [], 0  # tokens and separators; the global position of buf[0]
+        self.seqs = deque()  # per sequence held: (its length in buf, separator included; its index entries)
+        self.index = {}  # 2-gram -> global positions e (increasing): buf[e - base] follows that 2-gram
+        self.live = self.stale = 0  # index entries of the sequences held / of those dropped, not yet removed
+
+    def __len__(self) -> int:
+        return len(self.buf)
+
+    def add(self, tokens) -> None:
+        """Remembers one sequence (its last ``capacity`` - 1 tokens), dropping the oldest to make room."""
+        keep = self.capacity - 1
+        tokens = list(tokens)[-keep:] if keep > 0 else []
+        if len(tokens) < 3:  # no 2-gram with a continuation
+            return
+        while self.seqs and len(self.buf) + len(tokens) + 1 > self.capacity:
+            size, entries = self.seqs.popleft()
+            del self.buf[:size]
+            self.base += size
+            self.live -= entries
+            self.stale += entries
+        start, index = self.base + len(self.buf), self.index
+        for i in range(2, len(tokens)):
+            key = (tokens[i - 2], tokens[i - 1])
+            hits = index.get(key)
+            if hits is None:
+                index[key] = [start + i]
+            else:
+                hits.append(start + i)
+        self.buf += tokens
+        self.buf.append(self.SEP)
+        self.seqs.append((len(tokens) + 1, len(tokens) - 2))
+        self.live += len(tokens) - 2
+        if self.stale > self.live:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Removes the index's entries of the dropped sequences."""
+        base, index = self.base, self.index
+        for key in list(index):
+            hits = index[key]
+            if hits[0] < base:
+                keep = hits[bisect.bisect_left(hits, base):]
+                if keep:
+                    index[key] = keep
+                else:
+                    del index[key]
+        self.stale = 0
+
+    def continuations(self, ctx: list, depth: int, width: int, scan: int):
+        """(match length n >= 2, [continuation tuples, most recent first], support: {path tuple: count}) of the
+        context's suffix; (0, [], {}) without a match."""
+        L = len(ctx)
+        if L < 2:
+            return 0, [], {}
+        hits = self.index.get((ctx[-2], ctx[-1]))
+        if not hits:
+            return 0, [], {}
+        buf, base, max_n = self.buf, self.base, min(self.max_n, L)
+        matched = []  # (match length, buffer index of the continuation), most recent first
+        for e in reversed(hits[-scan:]):
+            i = e - base
+            if i < 0:  # a dropped sequence's entry (and every one before it)
+                break
+            n = 2
+            while n < max_n and i - n - 1 >= 0 and buf[i - n - 1] == ctx[L - n - 1]:
+                n += 1
+            matched.append((n, i))
+        if not matched:
+            return 0, [], {}
+        n = max(m for m, _ in matched)
+        seqs, seen, support = [], set(), {}
+        for m, i in matched:
+            if m != n:
+                continue
+            cont = []
+            for t in buf[i:i + depth]:
+                if t == self.SEP:
+                    break
+                cont.append(t)
+            cont = tuple(cont)
+            for d in range(1, len(cont) + 1):
+                support[cont[:d]] = support.get(cont[:d], 0) + 1
+            if cont and cont not in seen and len(seqs) < width:
+                seen.add(cont)
+                seqs.append(cont)
+        return (n, seqs, support) if seqs else (0, [], {})
 
 
 # Acceptance priors: P(node accepted | parent accepted), keyed by (match length n, depth bucket, support bucket);
@@ -285,6 +393,17 @@ class NGramDrafter(Drafter):
     (a 1-gram seen once: ~21% accepted) are no longer drafted; repeated 3-gram continuations (70-90% per node) are
     drafted deep.
 
+    Memory (opt-in, ``memory=N``): the drafter keeps the token sequences of its earlier generate calls (each
+    request's prompt and output), at most N tokens, the oldest dropped first, and drafts from them where they hold a
+    longer match of the context's suffix (2 to 8 tokens) than the context itself (vLLM's suffix decoding and
+    SGLang's n-gram cache keep such a store across requests): the continuations of that match, scored by their own
+    running estimates (stat keys ("memory", n, ...)). A memory is the drafter's, so it lasts while the drafter does
+    (``fastverify.patch(model, drafter=NGramDrafter(memory=N))``: every generate of the patched model); ``forget``
+    empties it. Like every draft, it changes the speed of a call, never its output; but a call's speed then depends
+    on what earlier calls generated, as with a cache shared between requests. Measured on SmolLM2-135M
+    (benchmarks/RESULTS.md): a prompt asked again drafts its whole earlier answer; on 39 different Spec-Bench
+    questions in a row, 2% more tokens per step. ~160 bytes a token of memory.
+
     Calibration (opt-in, ``calibrate=True``, batch of one): the wall time between consecutive ``propose`` calls is one
     whole step of the loop; steps without draft give a running plain-step time, drafted steps of k nodes an
     observed fixed cost ``t / t_plain - 1 - node_cost * k``; the fixed cost used is ``fixed_cost`` (weight 4)
@@ -301,7 +420,7 @@ class NGramDrafter(Drafter):
     scan: how many most recent matches are examined (distinct continuations and supports); fixed_cost,
     node_cost: the cost model above (>= 0; node_cost None: 0.025 on a CPU, ``GPU_NODE_COST`` on a GPU);
     min_gain: required ratio of expected tokens per cost (> 0); calibrate: learn the fixed cost from measured step
-    times (above).
+    times (above); memory: tokens of earlier calls kept to draft from (above; 0, the default: none).
     """
 
     _PRIORS = {}  # filled below the class
@@ -310,9 +429,11 @@ class NGramDrafter(Drafter):
     def __init__(self, min_n: int = 1, max_n: int = 3, depth: int = 4, max_depth: int = 12, min_depth: int = 1,
                  width: int = 2, max_width: int = 4, max_nodes: int = 16, scan: int = 32,
                  fixed_cost: float = 0.05, node_cost: float = None, min_gain: float = 1.0,
-                 calibrate: bool = False):
+                 calibrate: bool = False, memory: int = 0):
         check_ints(min_n=min_n, max_n=max_n, depth=depth, max_depth=max_depth, min_depth=min_depth, width=width,
-                   max_width=max_width, max_nodes=max_nodes, scan=scan)
+                   max_width=max_width, max_nodes=max_nodes, scan=scan, memory=memory)
+        if memory < 0:
+            raise ValueError(f"memory: expected >= 0 (tokens of earlier calls kept; 0: none), got {memory}")
         if not (1 <= min_n <= max_n):
             raise ValueError(f"min_n, max_n: expected 1 <= min_n <= max_n, got {min_n}, {max_n}")
         if not (1 <= min_depth <= depth <= max_depth):
@@ -333,6 +454,7 @@ class NGramDrafter(Drafter):
         self.max_nodes, self.scan = max_nodes, scan
         self.fixed_cost, self.node_cost, self.min_gain = float(fixed_cost), float(node_cost), float(min_gain)
         self.states = []
+        self.memory = _NGramMemory(int(memory)) if memory else None
         # running acceptance counts per key: [accepted, rejected] (priors added at lookup); kept across
         # generate calls (the rates describe the model and the text, not one request)
         self.counts = {}
@@ -344,9 +466,20 @@ class NGramDrafter(Drafter):
 
     def reset(self, batch_size: int) -> None:
         super().reset(batch_size)
+        if self.memory is not None:  # the calls before this one: each request's prompt and output
+            for st in self.states:
+                if st.ctx:
+                    self.memory.add(st.ctx)
         self.states = [_NGramState(self.depth0, self.width0) for _ in range(batch_size)]
         # the first gap between proposes holds the first step's forward, which also runs the prompt: not timed
         self._last, self._prompt_gap = None, True
+
+    def forget(self) -> None:
+        """Empties the memory of earlier calls (``memory``); the running acceptance estimates stay."""
+        if self.memory is not None:
+            self.memory = _NGramMemory(self.memory.capacity)
+        for st in self.states:
+            st.ctx = None
 
     def step_fixed_cost(self) -> float:
         """The fixed cost of a drafted step in plain steps: ``fixed_cost`` (prior, weight 4) averaged with the
@@ -399,8 +532,10 @@ class NGramDrafter(Drafter):
         return 0, [], {}
 
     def acceptance(self, key) -> float:
-        """Estimated P(node accepted | parent accepted) for a stat key (n, depth bucket, support bucket)."""
-        # unmeasured keys fall back to the same (n, depth) with the sole-continuation prior, then to 0.3
+        """Estimated P(node accepted | parent accepted) for a stat key (n, depth bucket, support bucket), or
+        ("memory", n, depth bucket, support bucket) for a continuation from the memory of earlier calls."""
+        # unmeasured keys fall back to the same (n, depth) with the sole-continuation prior, then to 0.3 (the
+        # memory's keys have no measured prior: 0.3, about what its depth-1 nodes were accepted at on Spec-Bench)
         p0 = self._PRIORS.get(key, self._PRIORS.get(key[:2] + (0,), 0.3))
         a, r = self.counts.get(key, (0, 0))
         return (a + _PRIOR_WEIGHT * p0) / (a + r + _PRIOR_WEIGHT)
@@ -421,9 +556,9 @@ class NGramDrafter(Drafter):
             c = self.counts.setdefault(key, [0, 0])
             c[0 if (d <= acc and tuple(new[:d]) == path) else 1] += 1
 
-    def _scored(self, n: int, seqs: list, support: dict, bud: int):
+    def _scored(self, match: tuple, seqs: list, support: dict, bud: int):
         """Candidate trie -> ({path tuple: (path probability, stat key)}, the best ``bud`` paths in decreasing
-        probability, a parent before its children)."""
+        probability, a parent before its children). match: the stat keys' first part (``_lookups``)."""
         nodes = {}  # path tuple -> (path probability, key)
         total = sum(support[s[:1]] for s in {s[:1]: 0 for s in seqs})  # matches continuing at all
         for s in seqs:
@@ -431,7 +566,7 @@ class NGramDrafter(Drafter):
             for d in range(1, len(s) + 1):
                 path = s[:d]
                 cnt = support.get(path, 1)
-                key = (min(n, 3), min(d, _DEPTH_BUCKETS), _support_bucket(cnt, max(parent_count, cnt)))
+                key = match + (min(d, _DEPTH_BUCKETS), _support_bucket(cnt, max(parent_count, cnt)))
                 if path not in nodes:
                     prob *= self.acceptance(key)
                     nodes[path] = (prob, key)
@@ -453,8 +588,10 @@ class NGramDrafter(Drafter):
 
     def _lookups(self, contexts, budget):
         """Per request, what ``propose`` and ``scored_nodes`` share: score the last proposal, index the newly
-        committed tokens, look up the continuations. Yields (state, context, budget, n, seqs, support); seqs is
-        empty without budget or match."""
+        committed tokens, look up the continuations (in the memory of earlier calls where its match is longer
+        than the context's). Yields (state, context, budget, match, seqs, support): match, the stat keys' first
+        part ((n,) for a match of n tokens in the context, ("memory", n) in the memory, n capped at 3 and 4); seqs
+        is empty without budget or match."""
         if len(self.states) != len(contexts):
             self.reset(len(contexts))
         for st, ctx, bud in zip(self.states, contexts, budget):
@@ -463,15 +600,23 @@ class NGramDrafter(Drafter):
             self._index(st, ctx)
             st.last_depth = 0
             bud = min(int(bud), self.max_nodes)
-            found = self._continuations(st, ctx, min(st.depth, bud), st.width) if bud > 0 else (0, [], {})
-            yield (st, ctx, bud) + found
+            st.ctx = ctx
+            n, seqs, support = (self._continuations(st, ctx, min(st.depth, bud), st.width) if bud > 0
+                                else (0, [], {}))
+            match = (min(n, 3),)
+            if bud > 0 and self.memory is not None:  # the earlier calls' continuations of a longer match
+                found = self.memory.continuations(ctx, min(st.depth, bud), st.width, self.scan)
+                if found[0] > n:
+                    n, seqs, support = found
+                    match = ("memory", min(n, 4))
+            yield st, ctx, bud, match, seqs, support
 
     def propose(self, contexts, budget):
         trees, drafting = [], batch_drafting(budget)
-        for st, ctx, bud, n, seqs, support in self._lookups(contexts, budget):
+        for st, ctx, bud, match, seqs, support in self._lookups(contexts, budget):
             tree, kept = empty_tree(), []
             if seqs:
-                nodes, order = self._scored(n, seqs, support, bud)
+                nodes, order = self._scored(match, seqs, support, bud)
                 tree, kept = self.cut([(p, nodes[p][0]) for p in order], drafting)
             if kept:
                 st.last_depth = tree.max_depth
@@ -486,11 +631,11 @@ class NGramDrafter(Drafter):
         that the whole path is accepted), best first, a parent before its children. Keeps the bookkeeping of
         ``propose`` (every candidate's outcome is scored against the committed tokens at the next call)."""
         out = []
-        for st, ctx, bud, n, seqs, support in self._lookups(contexts, budget):
+        for st, ctx, bud, match, seqs, support in self._lookups(contexts, budget):
             if not seqs:
                 out.append([])
                 continue
-            nodes, order = self._scored(n, seqs, support, bud)
+            nodes, order = self._scored(match, seqs, support, bud)
             st.last_depth = max(len(p) for p in order)
             st.pending = (len(ctx), None, [(nodes[p][1], p) for p in order])
             out.append([(p, nodes[p][0]) for p in order])
