@@ -429,6 +429,23 @@ def test_drafters_side_by_side(smollm2):
     assert torch.equal(out, ref)
 
 
+def test_ngram_memory_bench_asks_again(smollm2):
+    # benchmarks/ngram_memory.py: a fresh n-gram drafter per call against one with a memory, over the questions and
+    # then the same again; every output asserted identical; asked again, the memory drafts the earlier answers
+    bench = _bench("ngram_memory")
+    model, tok = smollm2
+    questions = [{"question_id": i, "category": c, "prompt": p} for i, (c, p) in enumerate(zip("ab", PROMPTS[:2]))]
+    lines = []
+    (first, again), held = bench.run(model, tok, questions, 10_000, 24, log=lines.append)
+    assert lines == ["pass 1 of 2 done", "pass 2 of 2 done"]
+    for totals in (first, again):
+        assert totals["fresh"][1] == totals["memory"][1] == first["fresh"][1] > 24  # (eos may end one early)
+    assert first["fresh"][0] == again["fresh"][0] and first["memory"][0] <= first["fresh"][0]
+    assert again["memory"][0] < again["fresh"][0] / 2 and held > first["fresh"][1]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--memory"])
+
+
 def test_profile_step_attributes_host_time(smollm2, tmp_path):
     # benchmarks/profile_step.py: the phases of the profiled calls and the functions that took the time, per variant
     prof = _bench("profile_step")

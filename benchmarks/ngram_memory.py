@@ -1,0 +1,99 @@
+"""The n-gram drafter's memory of earlier calls (``NGramDrafter(memory=N)``) against a fresh drafter per call: the
+questions in file order, then the same questions again (a prompt asked again), the two drafters alternating first
+per question, every output asserted identical.
+
+    python benchmarks/ngram_memory.py --per-category 3 --threads 2
+
+One drafter with a memory serves the whole run, as it serves every generate of a model patched with it; the fresh
+one is made for each call, as ``fastverify.patch(model)``'s default drafter knows nothing of earlier calls.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from drafters import add_run_args, prepare  # noqa: E402
+from e2e import _loop_stats, _sync, encode, first_difference, machine_info  # noqa: E402
+
+DRAFTERS = ("fresh", "memory")
+
+
+def generate(model, ids, drafter, max_new_tokens):
+    """(new tokens, seconds, steps) of one greedy generate of ``model`` patched with ``drafter``."""
+    import fastverify
+    fastverify.patch(model, drafter=drafter)
+    try:
+        _sync(ids.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False)
+        _sync(ids.device)
+        seconds = time.perf_counter() - t0
+        stats = _loop_stats(model)
+    finally:
+        fastverify.unpatch(model)
+    if stats is None:
+        raise RuntimeError("the patched generate fell back to the original one (see its warning)")
+    return out[0, ids.shape[1]:].tolist(), seconds, stats.steps
+
+
+def run(model, tokenizer, questions, memory, max_new_tokens, log=print):
+    """Per pass (the questions, then the same again), per drafter: [steps, new tokens, seconds]."""
+    import fastverify
+    remembering = fastverify.NGramDrafter(memory=memory)
+    ids = [encode(tokenizer, q["prompt"]).to(model.device) for q in questions]
+    generate(model, ids[0][:, :8], fastverify.NGramDrafter(), 8)  # warm-up: first calls load kernels
+    passes = []
+    for p in range(2):
+        totals = {d: [0, 0, 0.0] for d in DRAFTERS}
+        for i, (q, x) in enumerate(zip(questions, ids)):
+            outputs = {}
+            for d in (DRAFTERS if (i + p) % 2 == 0 else DRAFTERS[::-1]):
+                drafter = remembering if d == "memory" else fastverify.NGramDrafter()
+                outputs[d], seconds, steps = generate(model, x, drafter, max_new_tokens)
+                t = totals[d]
+                t[0] += steps
+                t[1] += len(outputs[d])
+                t[2] += seconds
+            if outputs["memory"] != outputs["fresh"]:
+                raise AssertionError(f"question {q['question_id']}: the output with a memory differs at new token "
+                                     f"{first_difference(outputs['memory'], outputs['fresh'])}")
+        passes.append(totals)
+        log(f"pass {p + 1} of 2 done")
+    return passes, len(remembering.memory)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(p)
+    p.add_argument("--per-category", type=int, default=3, help="questions per category")
+    p.add_argument("--memory", type=int, default=200_000, help="NGramDrafter(memory=...): tokens kept")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    questions, model, tokenizer = prepare(args, args.per_category)
+    info = machine_info()
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
+    print(f"{len(questions)} questions, then the same again; {args.max_new_tokens} new tokens, greedy, batch 1, "
+          f"{args.dtype} on {model.device}; NGramDrafter(memory={args.memory}) against a fresh NGramDrafter() per call")
+    passes, held = run(model, tokenizer, questions, args.memory, args.max_new_tokens)
+    print("every output identical")
+    print("| pass | drafter | steps | tokens per step | seconds | speed |\n| --- | --- | --- | --- | --- | --- |")
+    for name, totals in zip(("the questions", "asked again"), passes):
+        for d in DRAFTERS:
+            steps, tokens, seconds = totals[d]
+            print(f"| {name} | {d} | {steps} | {tokens / max(steps, 1):.3f} | {seconds:.1f} | "
+                  f"{totals['fresh'][2] / seconds:.3f}x |")
+    print(f"the memory held {held} tokens at the end")
+    return passes
+
+
+if __name__ == "__main__":
+    main()
