@@ -79,8 +79,14 @@ def patched_generate(model, ids, variant, kind, options, max_new_tokens, generat
     """One greedy generate of ``ids`` with a fresh drafter of the variant (``kind``, ``options``: parse_variant's)
     patched in: (output ids, seconds of the generate call alone, the loop's stats). RuntimeError when the patched
     generate fell back to the original one."""
+    return generate_with(model, ids, make_drafter(model, kind, options), max_new_tokens, generate_options, variant)
+
+
+def generate_with(model, ids, drafter, max_new_tokens, generate_options=None, name="drafter"):
+    """One greedy generate of ``ids`` with ``drafter`` patched in: (output ids, seconds of the generate call alone,
+    the loop's stats). RuntimeError naming ``name`` when the patched generate fell back to the original one."""
     import fastverify
-    fastverify.patch(model, drafter=make_drafter(model, kind, options))
+    fastverify.patch(model, drafter=drafter)
     try:
         _sync(ids.device)
         t0 = time.perf_counter()
@@ -93,7 +99,7 @@ def patched_generate(model, ids, variant, kind, options, max_new_tokens, generat
     finally:
         fastverify.unpatch(model)
     if stats is None:
-        raise RuntimeError(f"{variant}: the patched generate fell back to the original one (see its warning)")
+        raise RuntimeError(f"{name}: the patched generate fell back to the original one (see its warning)")
     return out, seconds, stats
 
 

@@ -11,34 +11,17 @@ one is made for each call, as ``fastverify.patch(model)``'s default drafter know
 import argparse
 import os
 import sys
-import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from drafters import add_run_args, prepare  # noqa: E402
-from e2e import _loop_stats, _sync, encode, first_difference, machine_info  # noqa: E402
+from drafters import add_run_args, generate_with, prepare  # noqa: E402
+from e2e import encode, first_difference, machine_info  # noqa: E402
 
 DRAFTERS = ("fresh", "memory")
 
 
 def generate(model, ids, drafter, max_new_tokens):
     """(new tokens, seconds, steps) of one greedy generate of ``model`` patched with ``drafter``."""
-    import fastverify
-    fastverify.patch(model, drafter=drafter)
-    try:
-        _sync(ids.device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False)
-        _sync(ids.device)
-        seconds = time.perf_counter() - t0
-        stats = _loop_stats(model)
-    finally:
-        fastverify.unpatch(model)
-    if stats is None:
-        raise RuntimeError("the patched generate fell back to the original one (see its warning)")
+    out, seconds, stats = generate_with(model, ids, drafter, max_new_tokens)
     return out[0, ids.shape[1]:].tolist(), seconds, stats.steps
 
 
