@@ -3,9 +3,11 @@ questions in file order, then the same questions again (a prompt asked again), t
 per question, every output asserted identical.
 
     python benchmarks/ngram_memory.py --per-category 3 --threads 2
+    python benchmarks/ngram_memory.py --per-category 1 --drafter bpd+ngram    # the heads' n-gram drafter remembers
 
 One drafter with a memory serves the whole run, as it serves every generate of a model patched with it; the fresh
-one is made for each call, as ``fastverify.patch(model)``'s default drafter knows nothing of earlier calls.
+one is made for each call, as ``fastverify.patch(model)``'s default drafter knows nothing of earlier calls. With
+``--drafter bpd+ngram`` both are the shipped proposal heads merged with an n-gram drafter, one with a memory.
 """
 
 import argparse
@@ -14,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from drafters import add_run_args, generate_with, prepare  # noqa: E402
-from e2e import encode, first_difference, machine_info  # noqa: E402
+from e2e import encode, first_difference, heads_drafter, machine_info  # noqa: E402
 
 DRAFTERS = ("fresh", "memory")
 
@@ -25,10 +27,19 @@ def generate(model, ids, drafter, max_new_tokens):
     return out[0, ids.shape[1]:].tolist(), seconds, stats.steps
 
 
-def run(model, tokenizer, questions, memory, max_new_tokens, log=print):
-    """Per pass (the questions, then the same again), per drafter: [steps, new tokens, seconds]."""
+def make(model, kind, memory=0):
+    """A drafter of ``kind`` (ngram, bpd+ngram) whose n-gram drafter keeps ``memory`` tokens of earlier calls."""
     import fastverify
-    remembering = fastverify.NGramDrafter(memory=memory)
+    if kind == "ngram":
+        return fastverify.NGramDrafter(memory=memory)
+    return heads_drafter(model, kind, {"memory": memory})
+
+
+def run(model, tokenizer, questions, memory, max_new_tokens, log=print, kind="ngram"):
+    """Per pass (the questions, then the same again), per drafter: [steps, new tokens, seconds]; the tokens the
+    memory held at the end."""
+    import fastverify
+    remembering = make(model, kind, memory)
     ids = [encode(tokenizer, q["prompt"]).to(model.device) for q in questions]
     generate(model, ids[0][:, :8], fastverify.NGramDrafter(), 8)  # warm-up: first calls load kernels
     passes = []
@@ -37,7 +48,7 @@ def run(model, tokenizer, questions, memory, max_new_tokens, log=print):
         for i, (q, x) in enumerate(zip(questions, ids)):
             outputs = {}
             for d in (DRAFTERS if (i + p) % 2 == 0 else DRAFTERS[::-1]):
-                drafter = remembering if d == "memory" else fastverify.NGramDrafter()
+                drafter = remembering if d == "memory" else make(model, kind)
                 outputs[d], seconds, steps = generate(model, x, drafter, max_new_tokens)
                 t = totals[d]
                 t[0] += steps
@@ -48,7 +59,7 @@ def run(model, tokenizer, questions, memory, max_new_tokens, log=print):
                                      f"{first_difference(outputs['memory'], outputs['fresh'])}")
         passes.append(totals)
         log(f"pass {p + 1} of 2 done")
-    return passes, len(remembering.memory)
+    return passes, len((remembering if kind == "ngram" else remembering.ngram).memory)
 
 
 def parse_args(argv=None):
@@ -56,6 +67,8 @@ def parse_args(argv=None):
     add_run_args(p)
     p.add_argument("--per-category", type=int, default=3, help="questions per category")
     p.add_argument("--memory", type=int, default=200_000, help="NGramDrafter(memory=...): tokens kept")
+    p.add_argument("--drafter", default="ngram", choices=["ngram", "bpd+ngram"],
+                   help="the n-gram drafter alone, or merged with the shipped proposal heads")
     return p.parse_args(argv)
 
 
@@ -65,8 +78,9 @@ def main(argv=None):
     info = machine_info()
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
     print(f"{len(questions)} questions, then the same again; {args.max_new_tokens} new tokens, greedy, batch 1, "
-          f"{args.dtype} on {model.device}; NGramDrafter(memory={args.memory}) against a fresh NGramDrafter() per call")
-    passes, held = run(model, tokenizer, questions, args.memory, args.max_new_tokens)
+          f"{args.dtype} on {model.device}; {args.drafter} with NGramDrafter(memory={args.memory}) against a fresh "
+          f"{args.drafter} per call")
+    passes, held = run(model, tokenizer, questions, args.memory, args.max_new_tokens, kind=args.drafter)
     print("every output identical")
     print("| pass | drafter | steps | tokens per step | seconds | speed |\n| --- | --- | --- | --- | --- | --- |")
     for name, totals in zip(("the questions", "asked again"), passes):

@@ -235,6 +235,23 @@ def test_ngram_running_acceptance_statistics():
     assert d.acceptance((2, 3, 0)) < NGramDrafter._PRIORS[(2, 3, 0)] < d.acceptance((2, 2, 0)) + 1
 
 
+@pytest.mark.parametrize("next_token, depth_two", [(4, (1, 0)), (9, (0, 1))])
+def test_ngram_scores_candidates_a_merged_cut_left_out_by_the_committed_tokens(next_token, depth_two):
+    # scored_nodes hands every candidate to a drafter that merges and cuts (fastverify.hf.bpd); a candidate its cut
+    # left out is scored by the tokens the step committed: the target's next token after the accepted path says
+    # whether it would have been accepted (counted rejected, a cut's own pruning lowered the estimates it cuts by)
+    d = NGramDrafter(max_n=2, depth=4, width=1, **OFF)
+    d.reset(1)
+    ctx = [1, 2, 3, 4, 5, 6, 0, 1, 2]
+    (nodes,) = d.scored_nodes([ctx], [16])
+    assert [p for p, _ in nodes] == [(3,), (3, 4), (3, 4, 5), (3, 4, 5, 6)]
+    d.kept_nodes([[(3,)]])  # the merged tree held only its first node
+    d.update([1])  # accepted; then the target's next token
+    d.scored_nodes([ctx + [3, next_token]], [16])
+    # (3,) accepted; (3, 4) as the next token says; (3, 4, 5) and deeper: their parent was never committed
+    assert {k: tuple(v) for k, v in d.counts.items()} == {(2, 1, 0): (1, 0), (2, 2, 0): depth_two}
+
+
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)

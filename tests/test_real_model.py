@@ -442,8 +442,12 @@ def test_ngram_memory_bench_asks_again(smollm2):
         assert totals["fresh"][1] == totals["memory"][1] == first["fresh"][1] > 24  # (eos may end one early)
     assert first["fresh"][0] == again["fresh"][0] and first["memory"][0] <= first["fresh"][0]
     assert again["memory"][0] < again["fresh"][0] / 2 and held > first["fresh"][1]
+    (first, again), held = bench.run(model, tok, questions[:1], 10_000, 16, log=lines.append, kind="bpd+ngram")
+    assert again["memory"][0] < again["fresh"][0] and held > 16  # the heads' n-gram drafter remembers too
     with pytest.raises(SystemExit):
         bench.parse_args(["--memory"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--drafter", "bpd"])
 
 
 def test_profile_step_attributes_host_time(smollm2, tmp_path):

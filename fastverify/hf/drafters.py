@@ -379,8 +379,9 @@ class NGramDrafter(Drafter):
     calls with the model's device).
     Each node's acceptance probability (given its parent was accepted) is a running Beta estimate keyed by (match
     length, depth bucket, support bucket: sole continuation seen once / seen >= 2 times uncontradicted / majority /
-    minority), with priors measured offline (``_PRIORS``) and updated from the outcome of every proposed node
-    (scored against the committed tokens at the next call). A node's path probability is the product along its path;
+    minority), with priors measured offline (``_PRIORS``) and updated from the outcome of every candidate node
+    (scored against the committed tokens at the next call: accepted, or would have been where a merged cut left it
+    out, ``_observe``). A node's path probability is the product along its path;
     nodes are taken in decreasing path probability (a child never precedes its parent; the tree lists the kept
     nodes in that order, ``cut``) and the prefix that maximises
     the expected tokens per unit of cost ``(1 + sum P) / cost(k)`` is kept (in a batch where R requests draft, each
@@ -541,20 +542,25 @@ class NGramDrafter(Drafter):
         return (a + _PRIOR_WEIGHT * p0) / (a + r + _PRIOR_WEIGHT)
 
     def _observe(self, st: _NGramState, ctx: list) -> None:
-        # Score the last proposal: a node's outcome is observed when its parent was accepted.
+        """Scores the last proposal against the step's committed tokens (its accepted nodes and the target's next
+        token): a node's outcome is observed where its parent's path was committed, and it was accepted, or would
+        have been, where its own token is the one committed after that path. A candidate the tree did not hold (cut
+        by a drafter that merged it with its own, ``scored_nodes``; pruned by the loop) counts as the target's
+        tokens say, not as rejected: counted rejected, a merged cut's pruned continuations lowered their own
+        estimates, and the cut then pruned them further."""
         if st.pending is None:
             return
         L0, acc, nodes = st.pending
         st.pending = None
         if acc is None:
             return
-        new = ctx[L0:L0 + acc]
+        new = tuple(ctx[L0:L0 + acc + 1])  # the accepted nodes' tokens, then the next token (where committed)
         for key, path in nodes:
             d = len(path)
-            if d - 1 > acc or tuple(new[:d - 1]) != path[:-1]:
+            if d > len(new) or new[:d - 1] != path[:-1]:
                 continue
             c = self.counts.setdefault(key, [0, 0])
-            c[0 if (d <= acc and tuple(new[:d]) == path) else 1] += 1
+            c[0 if new[d - 1] == path[-1] else 1] += 1
 
     def _scored(self, match: tuple, seqs: list, support: dict, bud: int):
         """Candidate trie -> ({path tuple: (path probability, stat key)}, the best ``bud`` paths in decreasing
