@@ -426,7 +426,7 @@ def _remember(rng: random.Random, drafter, ids, ref, desc) -> None:
     for _ in range(rng.randint(1, 6)):
         if rows and rng.random() < 0.6:
             row = [t for t in rng.choice(rows) if t != PAD]
-            for _ in range(rng.choice([0, 0, 1, 3])):
+            for _ in range(rng.choice([0, 0, 1, 3]) if row else 0):
                 row[rng.randrange(len(row))] = rng.choice(seen)
         else:
             row = [rng.choice(seen) for _ in range(rng.randint(1, 40))]
