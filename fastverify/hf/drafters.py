@@ -234,6 +234,19 @@ class _NGramState:
         self.pending = None
 
 
+def _distinct(continuations, width: int):
+    """Continuations of earlier matches (token tuples, most recent match first) -> (the first ``width`` distinct
+    non-empty ones, support: {path tuple: how many of the continuations run through it})."""
+    seqs, seen, support = [], set(), {}
+    for cont in continuations:
+        for d in range(1, len(cont) + 1):
+            support[cont[:d]] = support.get(cont[:d], 0) + 1
+        if cont and cont not in seen and len(seqs) < width:
+            seen.add(cont)
+            seqs.append(cont)
+    return seqs, support
+
+
 class _NGramMemory:
     """The token sequences of earlier generate calls (each request's prompt and output), for ``NGramDrafter``'s
     lookups where they match a request's context further back than its own (vLLM's suffix decoding, SGLang's n-gram
@@ -252,7 +265,7 @@ class _NGramMemory:
     def __init__(self, capacity: int, max_n: int = 8):
         self.capacity, self.max_n = capacity, max_n
         self.buf, self.base = [], 0  # tokens and separators; the global position of buf[0]
-        self.seqs = deque()  # per sequence held: (its length in buf, separator included; its index entries)
+        self.seqs = deque()  # per sequence held, oldest first: its length in buf, separator included
         self.index = {}  # 2-gram -> global positions e (increasing): buf[e - base] follows that 2-gram
         self.live = self.stale = 0  # index entries of the sequences held / of those dropped, not yet removed
 
@@ -266,11 +279,11 @@ class _NGramMemory:
         if len(tokens) < 3:  # no 2-gram with a continuation
             return
         while self.seqs and len(self.buf) + len(tokens) + 1 > self.capacity:
-            size, entries = self.seqs.popleft()
+            size = self.seqs.popleft()
             del self.buf[:size]
             self.base += size
-            self.live -= entries
-            self.stale += entries
+            self.live -= size - 3  # its index entries: a 2-gram before each of its tokens from the third
+            self.stale += size - 3
         start, index = self.base + len(self.buf), self.index
         for i in range(2, len(tokens)):
             key = (tokens[i - 2], tokens[i - 1])
@@ -281,7 +294,7 @@ class _NGramMemory:
                 hits.append(start + i)
         self.buf += tokens
         self.buf.append(self.SEP)
-        self.seqs.append((len(tokens) + 1, len(tokens) - 2))
+        self.seqs.append(len(tokens) + 1)
         self.live += len(tokens) - 2
         if self.stale > self.live:
             self._prune()
@@ -321,21 +334,12 @@ class _NGramMemory:
         if not matched:
             return 0, [], {}
         n = max(m for m, _ in matched)
-        seqs, seen, support = [], set(), {}
-        for m, i in matched:
-            if m != n:
-                continue
-            cont = []
-            for t in buf[i:i + depth]:
-                if t == self.SEP:
-                    break
-                cont.append(t)
-            cont = tuple(cont)
-            for d in range(1, len(cont) + 1):
-                support[cont[:d]] = support.get(cont[:d], 0) + 1
-            if cont and cont not in seen and len(seqs) < width:
-                seen.add(cont)
-                seqs.append(cont)
+
+        def upto_end(i):  # the continuation at buf[i], within its sequence
+            cont = buf[i:i + depth]
+            return tuple(cont[:cont.index(self.SEP)] if self.SEP in cont else cont)
+
+        seqs, support = _distinct((upto_end(i) for m, i in matched if m == n), width)
         return (n, seqs, support) if seqs else (0, [], {})
 
 
@@ -521,15 +525,8 @@ class NGramDrafter(Drafter):
             hits = st.index.get(tuple(ctx[L - n:]))
             if not hits:
                 continue
-            seqs, seen, support = [], set(), {}
-            for e in reversed(hits[-self.scan:]):  # most recent matches first
-                cont = tuple(ctx[e:e + depth])
-                for d in range(1, len(cont) + 1):
-                    support[cont[:d]] = support.get(cont[:d], 0) + 1
-                if cont and cont not in seen and len(seqs) < width:
-                    seen.add(cont)
-                    seqs.append(cont)
-            return n, seqs, support
+            seqs, support = _distinct((tuple(ctx[e:e + depth]) for e in reversed(hits[-self.scan:])), width)
+            return n, seqs, support  # (most recent matches first)
         return 0, [], {}
 
     def acceptance(self, key) -> float:
