@@ -414,8 +414,8 @@ class _AllowedBy:
 
 def _remember(rng: random.Random, drafter, ids, ref, desc) -> None:
     """Sometimes an n-gram drafter (the case's, or the one a drafter merges with) with a memory of earlier calls
-    (``NGramDrafter(memory=N)``): generate's own rows (a prompt asked again: its answer drafted whole), some with
-    tokens changed, beside random sequences of the prompts' tokens."""
+    (``NGramDrafter(memory=N)``) given (``remember``) generate's own rows (a prompt asked again: its answer drafted
+    whole), some with tokens changed, beside random sequences of the prompts' tokens."""
     ngram = drafter if isinstance(drafter, NGramDrafter) else getattr(drafter, "ngram", None)
     if not isinstance(ngram, NGramDrafter) or rng.random() < 0.6:
         return
@@ -423,6 +423,7 @@ def _remember(rng: random.Random, drafter, ids, ref, desc) -> None:
     ngram.memory = NGramDrafter(memory=capacity).memory
     seen = sorted(set(ids.reshape(-1).tolist()) - {PAD})
     rows = [r for r in ref.tolist() if r] if isinstance(ref, torch.Tensor) else []
+    given = []
     for _ in range(rng.randint(1, 6)):
         if rows and rng.random() < 0.6:
             row = [t for t in rng.choice(rows) if t != PAD]
@@ -430,7 +431,8 @@ def _remember(rng: random.Random, drafter, ids, ref, desc) -> None:
                 row[rng.randrange(len(row))] = rng.choice(seen)
         else:
             row = [rng.choice(seen) for _ in range(rng.randint(1, 40))]
-        ngram.memory.add(row)
+        given.append(row)
+    ngram.remember(given)
     desc["memory"] = capacity
 
 

@@ -442,3 +442,60 @@ def test_ngram_memory_of_a_few_tokens(capacity):
     # [7, 8, 9] and its separator where they fit; [1, 2] holds no 2-gram with a continuation: not kept
     assert len(d.memory) == (4 if capacity >= 4 else 0)
     assert d.memory.continuations([7, 8], 4, 1, 32) == ((2, [(9,)], {(9,): 1}) if capacity >= 4 else (0, [], {}))
+
+
+def test_ngram_remember_drafts_from_given_sequences_as_from_earlier_calls():
+    given = [[1, 2, 30, 31, 32], [4, 5, 60, 61]]
+    for form in (given, [torch.tensor(s) for s in given], (tuple(s) for s in given)):
+        d = NGramDrafter(memory=1000, depth=3, width=1, **OFF)
+        d.remember(form)
+        assert _paths(_call(d, [[9, 1, 2]])[0]) == [[30, 31, 32]]
+        assert _paths(_call(d, [[9, 4, 5]])[0]) == [[60, 61]]
+    called = NGramDrafter(memory=1000, depth=3, width=1, **OFF)
+    for s in given:  # the same memory as calls that generated them
+        _call(called, [s])
+    _call(called, [[0]])
+    d = NGramDrafter(memory=1000, depth=3, width=1, **OFF)
+    d.remember(torch.tensor([[1, 2, 30, 31, 32], [7, 7, 7, 7, 7]])[:1])  # a 2-D tensor: its rows
+    d.remember([given[1]])
+    assert d.memory.buf == called.memory.buf == [1, 2, 30, 31, 32, -1, 4, 5, 60, 61, -1]
+    assert d.memory.index == called.memory.index
+    d = NGramDrafter(memory=8, **OFF)
+    d.remember([[1, 2, 3], [4, 5, 6, 7]])  # the oldest dropped past its capacity, as a call's tokens
+    assert d.memory.buf == [4, 5, 6, 7, -1]
+
+
+def test_ngram_remember_bad_arguments():
+    with pytest.raises(ValueError, match="remember: this drafter keeps no memory"):
+        NGramDrafter().remember([[1, 2, 3]])
+    d = NGramDrafter(memory=100)
+    for bad, err, match in ((torch.tensor([1, 2, 3]), ValueError, "sequences: expected a 2-D tensor"),
+                            (5, TypeError, "sequences: expected an iterable"),
+                            ("1 2 3", TypeError, "sequences: expected an iterable"),
+                            ([[1, 2, 3], [4, -1, 5]], ValueError, r"sequences\[1\]: expected token ids >= 0, got -1"),
+                            ([[1, 2.0, 3]], TypeError, r"sequences\[0\]: expected token ids \(ints\)"),
+                            ([[1, True, 3]], TypeError, r"sequences\[0\]: expected token ids \(ints\)"),
+                            ([7], TypeError, r"sequences\[0\]: expected a sequence of token ids"),
+                            ([torch.ones(2, 3, dtype=torch.long)], ValueError, r"sequences\[0\]: expected a 1-D"),
+                            ([torch.ones(3)], ValueError, r"sequences\[0\]: expected a 1-D integer tensor")):
+        with pytest.raises(err, match=match):
+            d.remember(bad)
+    assert len(d.memory) == 0  # nothing added by a call that raised, the valid sequences before the bad one included
+
+
+def test_ngram_remember_through_generate_is_exact_and_drafts_the_given_text():
+    from conftest import patched_generate, tiny_llama
+    model = tiny_llama(vocab=1000)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 1000, (1, 12), generator=g)
+    want = model.generate(ids, max_new_tokens=40, do_sample=False)
+    plain, s0 = patched_generate(model, NGramDrafter(), ids, max_new_tokens=40, do_sample=False)
+    d = NGramDrafter(memory=10_000)
+    d.remember(want[:, 8:])  # the answer, and the prompt's last tokens before it
+    out, s1 = patched_generate(model, d, ids, max_new_tokens=40, do_sample=False)
+    assert torch.equal(out, want) and torch.equal(plain, want)
+    assert s1.steps < s0.steps / 2
+    d = NGramDrafter(memory=10_000)
+    d.remember([[9, 3, 8, 4, 5, 1000, 7]])  # outside the vocabulary: the loop's check of the drafts names it
+    with pytest.raises(ValueError, match="1000"):
+        patched_generate(model, d, torch.tensor([[3, 8, 4, 5]]), max_new_tokens=8, do_sample=False)

@@ -450,6 +450,27 @@ def test_ngram_memory_bench_asks_again(smollm2):
         bench.parse_args(["--drafter", "bpd"])
 
 
+def test_ngram_memory_bench_remembers_a_corpus(smollm2, tmp_path):
+    # --remember DIR: the memory first holds the continuations the heads' data stage cached there; a corpus holding
+    # the question's own greedy answer drafts it in the first pass already
+    bench = _bench("ngram_memory")
+    model, tok = smollm2
+    with pytest.raises(FileNotFoundError, match="--remember: no shard_"):
+        bench.corpus(str(tmp_path))
+    question = [{"question_id": 0, "category": "a", "prompt": PROMPTS[0]}]
+    ids = bench.encode(tok, PROMPTS[0])
+    answer = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    answer = answer[0, ids.shape[1]:]
+    (tmp_path / "train").mkdir()
+    torch.save({"tokens": torch.stack([answer, answer.flip(0)]), "lengths": torch.tensor([len(answer), 5])},
+               tmp_path / "train" / "shard_00000.pt")
+    seqs = bench.corpus(str(tmp_path))
+    assert seqs == [answer.tolist(), answer.flip(0)[:5].tolist()]
+    (first, _), held = bench.run(model, tok, question, 10_000, 24, log=lambda _: None, remember=seqs)
+    assert first["memory"][1] == first["fresh"][1] and first["memory"][0] < first["fresh"][0] / 2
+    assert bench.parse_args(["--remember", str(tmp_path)]).remember == str(tmp_path)
+
+
 def test_profile_step_attributes_host_time(smollm2, tmp_path):
     # benchmarks/profile_step.py: the phases of the profiled calls and the functions that took the time, per variant
     prof = _bench("profile_step")

@@ -404,7 +404,8 @@ class NGramDrafter(Drafter):
     SGLang's n-gram cache keep such a store across requests): the continuations of that match, scored by their own
     running estimates (stat keys ("memory", n, ...)). A memory is the drafter's, so it lasts while the drafter does
     (``fastverify.patch(model, drafter=NGramDrafter(memory=N))``: every generate of the patched model); ``forget``
-    empties it. Like every draft, it changes the speed of a call, never its output; but a call's speed then depends
+    empties it, and ``remember`` adds token sequences as if earlier calls had generated them (a corpus: REST's
+    datastore, He et al. 2024). Like every draft, it changes the speed of a call, never its output; but a call's speed then depends
     on what earlier calls generated, as with a cache shared between requests. Measured on SmolLM2-135M
     (benchmarks/RESULTS.md): a prompt asked again drafts its whole earlier answer; on 39 different Spec-Bench
     questions in a row, 2% more tokens per step. ~160 bytes a token of memory.
@@ -478,6 +479,42 @@ class NGramDrafter(Drafter):
         self.states = [_NGramState(self.depth0, self.width0) for _ in range(batch_size)]
         # the first gap between proposes holds the first step's forward, which also runs the prompt: not timed
         self._last, self._prompt_gap = None, True
+
+    def remember(self, sequences) -> None:
+        """Adds token sequences to the memory of earlier calls (``memory``) as if earlier calls had generated them: a
+        corpus to draft from (documents the answers will quote, code the model will edit, the target's own outputs on
+        other prompts). ``sequences``: an iterable of sequences of token ids of the patched model's vocabulary (lists
+        of ints, 1-D integer tensors), or a 2-D integer tensor, a sequence per row (padding is the caller's to
+        strip). They are held as a call's tokens are: the oldest dropped first once the memory holds its ``memory``
+        tokens. Every sequence is checked before any is added."""
+        if self.memory is None:
+            raise ValueError("remember: this drafter keeps no memory of earlier calls; make it with "
+                             "NGramDrafter(memory=N), N the tokens to keep")
+        if isinstance(sequences, torch.Tensor) and sequences.dim() != 2:
+            raise ValueError(f"sequences: expected a 2-D tensor of token ids (a sequence per row) or an iterable of "
+                             f"sequences, got a {sequences.dim()}-D tensor")
+        if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__iter__"):
+            raise TypeError(f"sequences: expected an iterable of token id sequences, got {type(sequences).__name__}")
+        checked = []
+        for i, seq in enumerate(sequences):
+            if isinstance(seq, torch.Tensor):
+                if seq.dim() != 1 or seq.dtype == torch.bool or seq.is_floating_point() or seq.is_complex():
+                    raise ValueError(f"sequences[{i}]: expected a 1-D integer tensor of token ids, got a "
+                                     f"{seq.dim()}-D {seq.dtype} tensor")
+                seq = seq.tolist()
+            elif isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__"):
+                raise TypeError(f"sequences[{i}]: expected a sequence of token ids, got {type(seq).__name__}")
+            else:
+                seq = list(seq)
+                for t in seq:
+                    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                        raise TypeError(f"sequences[{i}]: expected token ids (ints), got {t!r}")
+                seq = [int(t) for t in seq]
+            if seq and min(seq) < 0:
+                raise ValueError(f"sequences[{i}]: expected token ids >= 0, got {min(seq)}")
+            checked.append(seq)
+        for seq in checked:
+            self.memory.add(seq)
 
     def forget(self) -> None:
         """Empties the memory of earlier calls (``memory``); the running acceptance estimates stay."""
