@@ -405,10 +405,11 @@ class NGramDrafter(Drafter):
     running estimates (stat keys ("memory", n, ...)). A memory is the drafter's, so it lasts while the drafter does
     (``fastverify.patch(model, drafter=NGramDrafter(memory=N))``: every generate of the patched model); ``forget``
     empties it, and ``remember`` adds token sequences as if earlier calls had generated them (a corpus: REST's
-    datastore, He et al. 2024). Like every draft, it changes the speed of a call, never its output; but a call's speed then depends
-    on what earlier calls generated, as with a cache shared between requests. Measured on SmolLM2-135M
-    (benchmarks/RESULTS.md): a prompt asked again drafts its whole earlier answer; on 39 different Spec-Bench
-    questions in a row, 2% more tokens per step. ~160 bytes a token of memory.
+    datastore, He et al. 2024). Like every draft, it changes the speed of a call, never its output; but a call's
+    speed then depends on what earlier calls generated, as with a cache shared between requests. Measured on
+    SmolLM2-135M (benchmarks/RESULTS.md): a prompt asked again drafts its whole earlier answer; on 39 different
+    Spec-Bench questions in a row, 2% more tokens per step (5.7% with 103k tokens of the target's own outputs on
+    other prompts given first; with the proposal heads, nothing). ~160 bytes a token of memory.
 
     Calibration (opt-in, ``calibrate=True``, batch of one): the wall time between consecutive ``propose`` calls is one
     whole step of the loop; steps without draft give a running plain-step time, drafted steps of k nodes an
