@@ -61,8 +61,9 @@ def run(model, tokenizer, questions, memory, max_new_tokens, log=print, kind="ng
     memory held at the end. remember: token sequences given to the memory before the first question."""
     import fastverify
     remembering = make(model, kind, memory)
+    memory_of = remembering if kind == "ngram" else remembering.ngram  # the n-gram drafter that keeps the memory
     if remember:
-        (remembering if kind == "ngram" else remembering.ngram).remember(remember)
+        memory_of.remember(remember)
     ids = [encode(tokenizer, q["prompt"]).to(model.device) for q in questions]
     generate(model, ids[0][:, :8], fastverify.NGramDrafter(), 8)  # warm-up: first calls load kernels
     passes = []
@@ -82,7 +83,7 @@ def run(model, tokenizer, questions, memory, max_new_tokens, log=print, kind="ng
                                      f"{first_difference(outputs['memory'], outputs['fresh'])}")
         passes.append(totals)
         log(f"pass {p + 1} of 2 done")
-    return passes, len((remembering if kind == "ngram" else remembering.ngram).memory)
+    return passes, len(memory_of.memory)
 
 
 def parse_args(argv=None):
