@@ -282,10 +282,26 @@ def bench_verify(run, quick):
                     outs = measure_backends(run, "verify", case, "verify",
                                             lambda be: fastverify.verify(logits, drafts, backend=be, **kw),
                                             nbytes, base=base)
+                    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
                     if rule != "speculative":  # seeded speculative may round its residual differently per backend
-                        check_agreement(case, outs, lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b)))
+                        check_agreement(case, outs, same)
+                    elif "cuda" in outs:
+                        bench_speculative_deferred(run, case, kw, logits, drafts, nbytes, outs["cuda"], same)
                     kw.pop("draft_probs", None)
                 _free(run)
+
+
+def bench_speculative_deferred(run, case, kw, logits, drafts, nbytes, one_pass, same):
+    """The CUDA speculative kernel in two passes (FASTVERIFY_CUDA_SPECULATIVE=deferred: no draw but at each
+    request's final row), beside the one-pass rows of the same case; its outputs must be the one-pass kernel's."""
+    os.environ["FASTVERIFY_CUDA_SPECULATIVE"] = "deferred"
+    try:
+        fn = lambda: fastverify.verify(logits, drafts, backend="cuda", **kw)  # noqa: E731
+        check_agreement(case, {"cuda": one_pass, "cuda deferred": fn()}, same)
+        run.record("verify", case, "cuda deferred api", fn, nbytes)
+        run.record("verify", case, "cuda deferred op", op_only("verify", fn), nbytes)
+    finally:
+        del os.environ["FASTVERIFY_CUDA_SPECULATIVE"]
 
 
 def bench_sampling(run, quick):

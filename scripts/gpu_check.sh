@@ -118,7 +118,9 @@
 #                               size, compiled here, not yet run on a GPU; since 2026-12-01 the Triton tree
 #                               attention's and compaction's tiles and verify's node lanes in chunks, compiled here
 #                               for sm_80-sm_100 without spills, not yet run on a GPU; bench's attention and Triton
-#                               verify rows then time them against the H100's 138 / 124 us)
+#                               verify rows then time them against the H100's 138 / 124 us; since 2026-12-02
+#                               test_verify's test_cuda_speculative_deferred_draw: the CUDA speculative rule in two
+#                               passes, FASTVERIFY_CUDA_SPECULATIVE=deferred, compiled here, not yet run on a GPU)
 #   2. carry p1, timeout_s 60:  bash scripts/gpu_check.sh parts
 #   3. carry p2, timeout_s 330: PROFILE_SECONDS=60 bash scripts/gpu_check.sh levels tune profile   (checkpoint
 #                               ~31 s; levels ~40 s: the heads' tree, eager against CUDA graphs, the default on a GPU
@@ -127,6 +129,9 @@
 #                               each)
 #   4. no carry, timeout_s 300: E2E_METHODS=generate bash scripts/gpu_check.sh e2e                  (q 1-3, ~270 s)
 #   5. no carry, timeout_s 300, with >= 290 s left: E2E_OFFSET=3 E2E_METHODS=generate bash scripts/gpu_check.sh e2e
+#      or, in its place when step 1 passed test_cuda_speculative_deferred_draw: BENCH_ONLY=ceilings,verify bash
+#      scripts/gpu_check.sh bench quick (its speculative rows time the two-pass kernel, "cuda deferred", beside the
+#      one-pass one on the same inputs and print MISMATCH if their outputs differ; ~60 s estimated)
 # Held on an H200 (2026-11-30; 753 s in all): call 1 with the cache tests 75 s of command (110 s held with the
 # start), call 2 28 s, a call carrying p2 of tests (26 s) and the first profile_step (stopped at 300 s: its
 # torch.profiler over four whole questions, since cut to 32 tokens of one), questions 4-6 skipped, 1-3 267 s. That

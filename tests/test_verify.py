@@ -124,6 +124,39 @@ def test_speculative_one_hot_residual_matches_reference(backend, warping):
         _compare(backend, batch, "speculative", seed=i, **warping)
 
 
+@pytest.mark.parametrize("backend", backend_params(available_backends(), ("cuda",)))
+def test_cuda_speculative_deferred_draw(backend, monkeypatch):
+    """FASTVERIFY_CUDA_SPECULATIVE=deferred: the rows pass tests every row's children without drawing and the final
+    pass draws at each request's final row, redoing rows the rows pass left unresolved (a child tested after two
+    rejections). Both ways give the reference's outputs: chains accepted several rows deep, stars of up to 12
+    siblings with duplicates, draft_probs, warpings, requests at temperature 0 beside sampled ones, and more requests
+    than the final pass's 128 CTAs."""
+    cases = []
+    for i, dtype in enumerate((torch.float32, torch.bfloat16)):
+        gen = torch.Generator().manual_seed(700 + i)
+        cases.append((random_batch(3, 151936, max_nodes=8, min_nodes=1, shape="chain", dtype=dtype, gen=gen,
+                                   scale=1.0, p_argmax=0.8), {}))
+    for i, shape in enumerate(("star", "random")):
+        gen = torch.Generator().manual_seed(710 + i)
+        batch = random_batch(6, 3000, max_nodes=12, shape=shape, gen=gen, scale=3.0, p_argmax=0.2, p_duplicate=0.3)
+        cases += [(batch, {}), (batch, {"top_k": 7}), (batch, {"top_p": 0.7, "temperature": 1.5}),
+                  (batch, {"temperature": torch.tensor([1.0, 0.0, 0.7, 1.0, 2.0, 0.0]),
+                           "min_p": torch.tensor([0.0, 0.1, 0.0, 0.2, 0.0, 0.0])})]
+        N = batch["draft_tokens"].numel()
+        q = torch.softmax(torch.randn(N, 3000, generator=gen), -1)
+        cases.append((batch, {"draft_probs": q}))
+        cases.append((batch, {"draft_probs": q.to(torch.bfloat16), "temperature": 0.8}))
+    gen = torch.Generator().manual_seed(720)
+    cases.append((random_batch(300, 64, max_nodes=5, shape="random", gen=gen, scale=1.0), {}))
+    for mode in (None, "deferred"):
+        if mode is None:
+            monkeypatch.delenv("FASTVERIFY_CUDA_SPECULATIVE", raising=False)
+        else:
+            monkeypatch.setenv("FASTVERIFY_CUDA_SPECULATIVE", mode)
+        for i, (batch, kw) in enumerate(cases):
+            _compare(backend, batch, "speculative", seed=i, **kw)
+
+
 @pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize("V", [32000, 49152, 151936])
 def test_large_vocab(backend, V):

@@ -22,6 +22,14 @@
 //                        row_child = -1; node_cond, node_logit of each node at its parent's row). The fold selects
 //                        the same element as the block reduction (the lowest id among the maxima), so the result
 //                        does not depend on S. S = 1 runs _verify_rows_kernel.
+//   _verify_speculative_final_kernel
+//                        FASTVERIFY_CUDA_SPECULATIVE=deferred (opt-in until run on a GPU): the rows kernel tests
+//                        each speculative row's children without the draw (nor the residual after a row's last
+//                        child), so it needs no scratch and runs one CTA per row; then one CTA per request follows
+//                        the accepted children from the root and does in full, with the one-pass function, only its
+//                        final row (the draw) and any row on the path the rows pass left unresolved (a child tested
+//                        after two rejections). The one-pass kernel runs at most 128 CTAs (a float64 scratch row
+//                        each) and draws at every row whose children it rejects.
 //   _verify_walk_kernel  one thread per request: min_accept's forced path, accept(j) = accept(parent) and
 //                        (cond or forced), the deepest accepted node (first in node order), or, for the sampling
 //                        rules, the chain of per-row accepted children from the root; then accepted / accept_len /
@@ -32,6 +40,9 @@
 // the same roundings; from the second rejection on (several children of one row) the residual is materialised in a
 // float64 scratch row per CTA of the rows kernel (the grid is capped so that this scratch stays bounded).
 #include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
 
 #include "common.cuh"
 #include "sampling.cuh"
@@ -301,8 +312,17 @@ __device__ __forceinline__ int next_child(const int32_t* parents_b, int n_b, int
   return -1;
 }
 
+// row_next / row_child of a row whose work the deferred speculative rows pass leaves to the final pass.
+constexpr long long kDeferredDraw = -3;  // row_next: every child rejected, the draw not taken
+constexpr int kUnresolvedRow = -2;       // row_child: a later child's test needs the residual materialised
+
 // Speculative step of one row (Leviathan et al. Alg. 1; SpecInfer Alg. 2): p = w / sum(w); children in node order.
-template <typename T, int BLOCK>
+// DEFER (the rows pass of the deferred draw, _verify_speculative_final_kernel): the same tests, but no draw (row_next
+// = kDeferredDraw), no residual after the row's last child, and a row whose next test would need the residual
+// materialised in the scratch row (two rejections with mass before it) is left as row_child = kUnresolvedRow. Whatever
+// DEFER leaves is done by the final pass with DEFER = false, so every value the walk reads is this function's with
+// DEFER = false.
+template <typename T, int BLOCK, bool DEFER>
 __device__ void verify_row_speculative(const VerifyArgs& a, const T* row, int64_t g, int b, int r, const RowWarp& w,
                                        double u_row) {
   const int64_t V = a.V;
@@ -320,13 +340,28 @@ __device__ void verify_row_speculative(const VerifyArgs& a, const T* row, int64_
   };
   auto q_row = [&](int c) { return dp != nullptr ? dp + static_cast<int64_t>(start + c) * dp_row_bytes : dp; };
 
+  if constexpr (DEFER) {  // a row without children: nothing to test, and its draw is deferred
+    __shared__ int s_any;
+    if (threadIdx.x == 0) s_any = next_child(par_b, n_b, r, 0) >= 0;
+    __syncthreads();
+    const int any = s_any;
+    __syncthreads();
+    if (!any) {
+      if (threadIdx.x == 0) {
+        a.row_bad[g] = 0;
+        a.row_next[g] = kDeferredDraw;
+        a.row_child[g] = -1;
+      }
+      return;
+    }
+  }
   double zw = 0.0;
   for (int64_t v = threadIdx.x; v < V; v += BLOCK) zw += warped(v);
   zw = block_sum<BLOCK>(zw);
   // p after `level` modifications: 0: w / zw; 1: max(p_0 - q_1, 0) / mass_1, evaluated on the fly (the first
   // rejected child's q_1); 2: two or more, materialised in S (the expression of each level is the one the next
   // level's residual is formed from, so every entry has the roundings of a step-by-step materialisation).
-  double* S = a.scratch + static_cast<int64_t>(blockIdx.x) * V;
+  double* S = DEFER ? nullptr : a.scratch + static_cast<int64_t>(blockIdx.x) * V;  // DEFER never materialises
   int level = 0;
   const char* q1 = nullptr;
   long long x1 = -1;
@@ -339,7 +374,9 @@ __device__ void verify_row_speculative(const VerifyArgs& a, const T* row, int64_
   };
   __shared__ int s_kid;
   __shared__ int s_ok;
+  __shared__ int s_more;
   int from = 0, hit = -1;
+  bool unresolved = false;
   while (true) {
     if (threadIdx.x == 0) {
       const int c = next_child(par_b, n_b, r, from);
@@ -355,14 +392,22 @@ __device__ void verify_row_speculative(const VerifyArgs& a, const T* row, int64_
       }
       s_kid = c;
       s_ok = ok;
+      s_more = DEFER && c >= 0 && !ok ? next_child(par_b, n_b, r, c + 1) >= 0 : 1;
     }
     __syncthreads();
-    const int c = s_kid, ok = s_ok;
+    const int c = s_kid, ok = s_ok, more = s_more;
     __syncthreads();
     if (c < 0) break;
     if (ok) {
       hit = c;
       break;
+    }
+    if constexpr (DEFER) {
+      if (!more) break;  // the residual after the last child serves only the draw
+      if (level >= 1) {  // this rejection may need the residual materialised: the final pass redoes the row
+        unresolved = true;
+        break;
+      }
     }
     // rejected: p <- normalise(max(p - q, 0)), kept unchanged when that has zero mass
     const long long x = tok_b[c];
@@ -386,6 +431,16 @@ __device__ void verify_row_speculative(const VerifyArgs& a, const T* row, int64_
     }
     from = c + 1;
   }
+  if constexpr (DEFER) {
+    if (hit < 0) {
+      if (threadIdx.x == 0) {
+        a.row_bad[g] = 0;
+        a.row_next[g] = kDeferredDraw;
+        a.row_child[g] = unresolved ? kUnresolvedRow : -1;
+      }
+      return;
+    }
+  }
   long long t = -2;  // not used when a child is accepted: the walk descends into it
   if (hit < 0) {
     // unmodified: the row's own weights, exactly cdf_sample(row, u_sample[row]); else the current residual
@@ -398,7 +453,7 @@ __device__ void verify_row_speculative(const VerifyArgs& a, const T* row, int64_
   }
 }
 
-template <typename T, int BLOCK>
+template <typename T, int BLOCK, bool DEFER>
 __device__ void verify_row_sampling(const VerifyArgs& a, const T* row, int64_t g, int b, int r) {
   const int64_t V = a.V;
   const int32_t start = a.cu_nodes[b];
@@ -432,13 +487,13 @@ __device__ void verify_row_sampling(const VerifyArgs& a, const T* row, int64_t g
     return;
   }
 
-  verify_row_speculative<T, BLOCK>(a, row, g, b, r, w, u_row);
+  verify_row_speculative<T, BLOCK, DEFER>(a, row, g, b, r, w, u_row);
 }
 
 // Row passes by what the rule needs of a row (RowKind), one kernel instance each, so that no rule pays for the
 // registers of another's state: with one kernel for every rule ptxas gave 122-124 registers per thread on sm_90a
 // (one 512-thread CTA per SM), and greedy verify read rows at 36% of an H100's bandwidth.
-enum RowKind : int { kRowArgmax = 0, kRowRank = 1, kRowSoft = 2, kRowSampling = 3 };
+enum RowKind : int { kRowArgmax = 0, kRowRank = 1, kRowSoft = 2, kRowSampling = 3, kRowSpeculativeDeferred = 4 };
 
 inline RowKind row_kind(int64_t rule) {
   if (rule >= kSpeculative) return kRowSampling;
@@ -453,8 +508,8 @@ __global__ void __launch_bounds__(BLOCK) _verify_rows_kernel(VerifyArgs a) {
     const int b = request_of_row(a.cu_nodes, a.B, g);
     const int r = static_cast<int>(g - (static_cast<int64_t>(a.cu_nodes[b]) + b));
     const T* row = static_cast<const T*>(a.logits) + g * a.row_stride;
-    if constexpr (KIND == kRowSampling) {
-      verify_row_sampling<T, BLOCK>(a, row, g, b, r);
+    if constexpr (KIND == kRowSampling || KIND == kRowSpeculativeDeferred) {
+      verify_row_sampling<T, BLOCK, KIND == kRowSpeculativeDeferred>(a, row, g, b, r);
     } else {
       verify_row_deterministic<T, BLOCK, KIND == kRowRank, KIND == kRowSoft>(a, row, g, b, r);
     }
@@ -469,8 +524,59 @@ void launch_verify_rows(const VerifyArgs& a, RowKind kind, int64_t grid, cudaStr
     case kRowArgmax: _verify_rows_kernel<T, kVerifyBlock, kRowArgmax><<<blocks, kVerifyBlock, 0, stream>>>(a); break;
     case kRowRank: _verify_rows_kernel<T, kVerifyBlock, kRowRank><<<blocks, kVerifyBlock, 0, stream>>>(a); break;
     case kRowSoft: _verify_rows_kernel<T, kVerifyBlock, kRowSoft><<<blocks, kVerifyBlock, 0, stream>>>(a); break;
+    case kRowSpeculativeDeferred:
+      _verify_rows_kernel<T, kVerifyBlock, kRowSpeculativeDeferred><<<blocks, kVerifyBlock, 0, stream>>>(a);
+      break;
     default: _verify_rows_kernel<T, kVerifyBlock, kRowSampling><<<blocks, kVerifyBlock, 0, stream>>>(a); break;
   }
+}
+
+// The speculative rule's final pass after the deferred rows pass: one CTA per request (grid-stride; the grid is
+// capped like the one-pass kernel's, one float64 scratch row per CTA). Thread 0 follows the children the rows pass
+// accepted from the root row, as the walk kernel will, to the first row the rows pass left: a row whose draw it
+// deferred (the request's final row) or one it left unresolved. That row is done in full by verify_row_sampling
+// (DEFER = false: the one-pass kernel's function, so it writes that kernel's values), and the search goes on from it
+// (below an unresolved row whose child is now accepted). Only rows on the accepted path are read twice.
+template <typename T, int BLOCK>
+__global__ void __launch_bounds__(BLOCK) _verify_speculative_final_kernel(VerifyArgs a) {
+  __shared__ int s_row;
+  for (int b = blockIdx.x; b < a.B; b += gridDim.x) {
+    const int32_t start = a.cu_nodes[b];
+    const int n_b = a.cu_nodes[b + 1] - start;
+    const int64_t row0 = static_cast<int64_t>(start) + b;
+    int r = 0;
+    for (int steps = 0; steps <= n_b; ++steps) {  // each step completes one row of the path
+      if (threadIdx.x == 0) {
+        int found = -1;
+        for (int rr = r; rr <= n_b;) {  // rr grows at every step: children come after their parent's row
+          const int c = a.row_child[row0 + rr];
+          if (c == kUnresolvedRow || (c == -1 && a.row_next[row0 + rr] == kDeferredDraw)) {
+            found = rr;
+            break;
+          }
+          if (c < 0 || c < rr || c >= n_b) break;  // the walk kernel's guard
+          rr = c + 1;
+        }
+        s_row = found;
+      }
+      __syncthreads();
+      const int rr = s_row;
+      __syncthreads();
+      if (rr < 0) break;
+      const int64_t g = row0 + rr;
+      verify_row_sampling<T, BLOCK, false>(a, static_cast<const T*>(a.logits) + g * a.row_stride, g, b, rr);
+      __syncthreads();
+      r = rr;  // row_child of rr is now a child or -1 with row_next the drawn token
+    }
+  }
+}
+
+// FASTVERIFY_CUDA_SPECULATIVE=deferred: the speculative rule in two passes (the rows pass tests every row's children
+// without drawing; the final pass draws at each request's final row). Opt-in until its GPU tests have run; read at
+// every call, so a process may switch.
+inline bool speculative_deferred() {
+  const char* s = std::getenv("FASTVERIFY_CUDA_SPECULATIVE");
+  return s != nullptr && std::strcmp(s, "deferred") == 0;
 }
 
 // ---- argmax-only rows split over several CTAs ----------------------------------------------------------------
@@ -751,11 +857,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cuda(
   auto row_child = at::empty({NR}, opts_i.dtype(at::kInt));
   auto node_cond = at::zeros({std::max<int64_t>(N, 1)}, opts_i.dtype(at::kByte));
   auto node_logit = at::empty({std::max<int64_t>(N, 1)}, opts_i.dtype(at::kFloat));
-  // Speculative residual rows: one per CTA; the grid is capped to keep this scratch bounded.
-  const int64_t grid = std::min<int64_t>(NR, rule == kSpeculative ? 128 : 65535);
+  // Speculative residual rows: one per CTA; the grid is capped to keep this scratch bounded. With the deferred
+  // draw the rows pass needs none and only the final pass's CTAs (one per request, capped) have a row each.
+  const bool deferred = rule == kSpeculative && speculative_deferred();
+  const int64_t grid = std::min<int64_t>(NR, rule == kSpeculative && !deferred ? 128 : 65535);
+  const int64_t final_grid = std::min<int64_t>(B, 128);
   at::Tensor scratch;
-  if (rule == kSpeculative) scratch = at::empty({grid, V}, opts_i.dtype(at::kDouble));
-  const RowKind kind = row_kind(rule);
+  if (rule == kSpeculative) scratch = at::empty({deferred ? final_grid : grid, V}, opts_i.dtype(at::kDouble));
+  const RowKind kind = deferred ? kRowSpeculativeDeferred : row_kind(rule);
   const ArgmaxSplit split = kind == kRowArgmax
                                 ? argmax_split(NR, V, at::cuda::getCurrentDeviceProperties()->multiProcessorCount)
                                 : ArgmaxSplit{1, V};
@@ -804,6 +913,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cuda(
           <<<grid_for(NR + N, kCombineThreads), kCombineThreads, 0, stream>>>(a, N, split.nseg, part);
     } else {
       launch_verify_rows<scalar_t>(a, kind, grid, stream);
+      if (deferred) {
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        _verify_speculative_final_kernel<scalar_t, kVerifyBlock>
+            <<<static_cast<unsigned>(final_grid), kVerifyBlock, 0, stream>>>(a);
+      }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
