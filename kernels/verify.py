@@ -21,10 +21,13 @@ Launches (R = N + B logits rows, N draft nodes):
        sibling holds its token: checked in the node kernel).
   speculative (sequential by nature: each rejection changes the distribution of the next sibling)
     1. row stats (for the invalid-row check, including l / T overflowing);
-    2. ``_verify_speculative_kernel``, one program per request: at each row, p' = warped p written to a
-       float64 scratch row; siblings tried in order with u_accept <= p'(x) / q(x), the residual
-       max(p' - q, 0) renormalised in place after each rejection; the final draw inverts the CDF of the row's
-       own warped weights (exactly this backend's cdf_sample) or of the residual (float64).
+    2. ``_verify_speculative_kernel``, one program per request, down its accepted path: at each row, the
+       warp and Z. With draft_probs, p' = w / Z written to a float64 scratch row, siblings tried in order with
+       u_accept <= p'(x) / q(x) and the residual max(p' - q, 0) renormalised in place after each rejection;
+       with one-hot drafts nothing is materialised (the residual is the row without the rejected tokens:
+       u_accept <= w(x) / (Z less their weights)). The final draw inverts the CDF of the row's own warped
+       weights (exactly this backend's cdf_sample), of the residual (float64), or of the weights without the
+       rejected tokens.
 """
 
 import torch
@@ -32,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
-from .sampling import (_block_last, _cdf_find, _cdf_total, _row_state, _scaled, _warped_block,
+from .sampling import (_block_last, _block_weights, _cdf_find, _cdf_total, _row_state, _scaled, _warped_block,
                        cdf_block_v, cdf_sample as _cdf_sample_op)
 
 RULES = ("greedy", "topk", "distance", "gad", "typical", "confidence", "speculative", "coupled")
@@ -310,10 +313,8 @@ def _verify_speculative_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, pare
         _write_invalid(accepted_ptr, accept_len_ptr, next_ptr, b, max_depth, BLOCK_D)
     else:
         lanes = tl.arange(0, BLOCK_N)
-        P = scratch_ptr + b.to(tl.int64) * V  # float64 [V]: the current (residual) distribution p'
         wp = warp_ptr + b * 4
         greedy = tl.load(wp) == 0.0
-        cols0 = tl.arange(0, BLOCK_V)
         node = tl.full([], -1, tl.int32)
         nxt = tl.full([], -1, tl.int64)
         done = n_b < 0
@@ -341,72 +342,154 @@ def _verify_speculative_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, pare
             else:
                 temp, min_p, m, kkey, pkey, arg, bad = _row_state(row_ptr, V, wp, BLOCK_V)
                 z, last = _cdf_total(row_ptr, V, temp, min_p, m, kkey, pkey, arg, bad, BLOCK_V)
-                # p' = w / Z, float64, in the scratch row (each lane rewrites and rereads its own elements).
-                for v0 in range(0, V, BLOCK_V):
-                    cols = v0 + cols0
-                    x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-                    from_sampling = _warped_block(x, cols, V, temp, min_p, m, kkey, pkey, arg, bad)
-                    tl.store(P + cols, from_sampling.to(tl.float64) / z, mask=cols < V)
-                tl.debug_barrier()
-                modified = n_b < 0
-                hit = tl.full([], -1, tl.int32)
-                c = tl.zeros([], tl.int32)
-                while (c < n_b) & (hit < 0):
-                    xt = tl.load(tokens_ptr + node0 + c)
-                    # a child whose token is outside the vocabulary (unvalidated input) is never accepted
-                    is_kid = (tl.load(parents_ptr + node0 + c) == node) & (xt >= 0) & (xt < V)
-                    if is_kid:
-                        px = tl.load(P + xt)
-                        if HAS_Q:
-                            q_row = q_ptr + (node0 + c).to(tl.int64) * stride_q
-                            qx = tl.load(q_row + xt).to(tl.float64)
-                        else:
-                            q_row = q_ptr
-                            qx = tl.full([], 1.0, tl.float64)
-                        ua = tl.load(u_accept_ptr + node0 + c).to(tl.float64)
-                        ok = tl.where(qx > 0.0, ua <= px / tl.where(qx > 0.0, qx, 1.0), px > 0.0)
-                        if ok:
-                            hit = c
-                        else:
-                            # residual max(p' - q, 0), renormalised; p' kept when it has no mass.
-                            acc = tl.zeros([BLOCK_V], tl.float64)
-                            for v0 in range(0, V, BLOCK_V):
-                                cols = v0 + cols0
-                                pv = tl.load(P + cols, mask=cols < V, other=0.0)
-                                qv = _q_block(q_row, cols, V, xt, HAS_Q)
-                                acc += tl.maximum(pv - qv, 0.0)
-                            mass = tl.sum(acc, axis=0)
-                            if mass > 0.0:
-                                for v0 in range(0, V, BLOCK_V):
-                                    cols = v0 + cols0
-                                    pv = tl.load(P + cols, mask=cols < V, other=0.0)
-                                    qv = _q_block(q_row, cols, V, xt, HAS_Q)
-                                    tl.store(P + cols, tl.maximum(pv - qv, 0.0) / mass, mask=cols < V)
-                                tl.debug_barrier()
-                                modified = n_b >= 0
-                    c += 1
+                u = tl.load(u_sample_ptr + row).to(tl.float64)
+                if HAS_Q:
+                    hit, t = _speculative_row_q(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, node, q_ptr,
+                                                stride_q, u_accept_ptr, scratch_ptr + b.to(tl.int64) * V, z, last,
+                                                u, temp, min_p, m, kkey, pkey, arg, bad, BLOCK_V)
+                else:
+                    hit, t = _speculative_row_one_hot(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, node,
+                                                      u_accept_ptr, z, last, u, temp, min_p, m, kkey, pkey, arg,
+                                                      bad, BLOCK_V)
                 if hit >= 0:
                     node = hit
                 else:
-                    u = tl.load(u_sample_ptr + row).to(tl.float64)
-                    if modified:
-                        nxt = _sample_scratch(P, V, u, BLOCK_V).to(tl.int64)
-                    else:
-                        nxt = _cdf_find(row_ptr, V, temp, min_p, m, kkey, pkey, arg, bad, u * z, last,
-                                        BLOCK_V).to(tl.int64)
+                    nxt = t
                     done = n_b >= 0
         _write_path(parents_ptr, node0, node, accepted_ptr, accept_len_ptr, b, max_depth, BLOCK_D)
         tl.store(next_ptr + b, nxt)
 
 
 @triton.jit
-def _q_block(q_row, cols, V, xt, HAS_Q: tl.constexpr):
-    """A block of the draft distribution q (float64): draft_probs' row, or one-hot at the draft token."""
-    if HAS_Q:
-        qv = tl.load(q_row + cols, mask=cols < V, other=0.0).to(tl.float64)
-    else:
-        qv = tl.where(cols == xt, 1.0, 0.0).to(tl.float64)
-    return qv
+def _speculative_row_q(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, node, q_ptr, stride_q, u_accept_ptr, P,
+                       z, last, u, temp, min_p, m, kkey, pkey, arg, bad, BLOCK_V: tl.constexpr):
+    """A row's speculative step with the drafter's draft_probs: p' = w / Z in the float64 scratch row P, the
+    children tried in node order against it, the residual max(p' - q, 0) renormalised in place after each
+    rejection. Returns (the accepted local child or -1, the drawn token when none is accepted)."""
+    cols0 = tl.arange(0, BLOCK_V)
+    # p' = w / Z, float64, in the scratch row (each lane rewrites and rereads its own elements).
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + cols0
+        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        from_sampling = _warped_block(x, cols, V, temp, min_p, m, kkey, pkey, arg, bad)
+        tl.store(P + cols, from_sampling.to(tl.float64) / z, mask=cols < V)
+    tl.debug_barrier()
+    modified = n_b < 0
+    hit = tl.full([], -1, tl.int32)
+    c = tl.zeros([], tl.int32)
+    while (c < n_b) & (hit < 0):
+        xt = tl.load(tokens_ptr + node0 + c)
+        # a child whose token is outside the vocabulary (unvalidated input) is never accepted
+        is_kid = (tl.load(parents_ptr + node0 + c) == node) & (xt >= 0) & (xt < V)
+        if is_kid:
+            px = tl.load(P + xt)
+            q_row = q_ptr + (node0 + c).to(tl.int64) * stride_q
+            qx = tl.load(q_row + xt).to(tl.float64)
+            ua = tl.load(u_accept_ptr + node0 + c).to(tl.float64)
+            ok = tl.where(qx > 0.0, ua <= px / tl.where(qx > 0.0, qx, 1.0), px > 0.0)
+            if ok:
+                hit = c
+            else:
+                # residual max(p' - q, 0), renormalised; p' kept when it has no mass.
+                acc = tl.zeros([BLOCK_V], tl.float64)
+                for v0 in range(0, V, BLOCK_V):
+                    cols = v0 + cols0
+                    pv = tl.load(P + cols, mask=cols < V, other=0.0)
+                    qv = tl.load(q_row + cols, mask=cols < V, other=0.0).to(tl.float64)
+                    acc += tl.maximum(pv - qv, 0.0)
+                mass = tl.sum(acc, axis=0)
+                if mass > 0.0:
+                    for v0 in range(0, V, BLOCK_V):
+                        cols = v0 + cols0
+                        pv = tl.load(P + cols, mask=cols < V, other=0.0)
+                        qv = tl.load(q_row + cols, mask=cols < V, other=0.0).to(tl.float64)
+                        tl.store(P + cols, tl.maximum(pv - qv, 0.0) / mass, mask=cols < V)
+                    tl.debug_barrier()
+                    modified = n_b >= 0
+        c += 1
+    t = tl.full([], -1, tl.int64)
+    if hit < 0:
+        if modified:
+            t = _sample_scratch(P, V, u, BLOCK_V).to(tl.int64)
+        else:
+            t = _cdf_find(row_ptr, V, temp, min_p, m, kkey, pkey, arg, bad, u * z, last, BLOCK_V).to(tl.int64)
+    return hit, t
+
+
+@triton.jit
+def _speculative_row_one_hot(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, node, u_accept_ptr, z, last, u,
+                             temp, min_p, m, kkey, pkey, arg, bad, BLOCK_V: tl.constexpr):
+    """A row's speculative step with one-hot drafts (no draft_probs): max(p' - one_hot(x), 0) renormalised is p'
+    without x, so nothing is materialised (as the C++ kernel). The children in node order: w(x) = 0 for a token an
+    earlier sibling already took out; accept iff rest > 0 and u_accept <= w(x) / rest, rest = Z less the weights
+    taken out; a rejected x with w(x) > 0 is taken out. Returns (the accepted local child or -1, the drawn token
+    when none is accepted: the row's own cdf_sample draw when nothing was taken out, else the smallest t with
+    C'(t) > u * rest, C' the prefix sums of the weights without the taken-out tokens)."""
+    rest = z
+    taken = n_b < 0
+    hit = tl.full([], -1, tl.int32)
+    c = tl.zeros([], tl.int32)
+    while (c < n_b) & (hit < 0):
+        xt = tl.load(tokens_ptr + node0 + c)
+        # a child whose token is outside the vocabulary (unvalidated input) is never accepted
+        if (tl.load(parents_ptr + node0 + c) == node) & (xt >= 0) & (xt < V):
+            wx = _warped_block(tl.load(row_ptr + xt).to(tl.float32), xt, V, temp, min_p, m, kkey, pkey, arg,
+                               bad).to(tl.float64)
+            if _earlier_sibling_has(tokens_ptr, parents_ptr, node0, node, c, xt):
+                wx = tl.zeros([], tl.float64)
+            ua = tl.load(u_accept_ptr + node0 + c).to(tl.float64)
+            if (rest > 0.0) & (ua <= wx / tl.where(rest > 0.0, rest, 1.0)):
+                hit = c
+            elif wx > 0.0:
+                rest = rest - wx
+                taken = n_b >= 0
+        c += 1
+    t = tl.full([], -1, tl.int64)
+    if hit < 0:
+        if taken:
+            t = _find_without_children(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, node, temp, min_p, m, kkey,
+                                       pkey, arg, bad, u * rest, BLOCK_V).to(tl.int64)
+        else:
+            t = _cdf_find(row_ptr, V, temp, min_p, m, kkey, pkey, arg, bad, u * z, last, BLOCK_V).to(tl.int64)
+    return hit, t
+
+
+@triton.jit
+def _earlier_sibling_has(tokens_ptr, parents_ptr, node0, node, c, xt):
+    """Whether a child of `node` before local node c holds token xt."""
+    found = c < 0
+    c2 = tl.zeros([], tl.int32)
+    while (c2 < c) & (found == 0):
+        found = (tl.load(parents_ptr + node0 + c2) == node) & (tl.load(tokens_ptr + node0 + c2) == xt)
+        c2 += 1
+    return found
+
+
+@triton.jit
+def _find_without_children(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, node, temp, min_p, m, kkey, pkey, arg,
+                           bad, target, BLOCK_V: tl.constexpr):
+    """Smallest t with C'(t) > target, C' the blockwise float64 prefix sums of the row's warped weights with the
+    tokens of node's children (all rejected) set to 0; the last such token with a weight when rounding leaves
+    none."""
+    base = tl.zeros([], tl.float64)
+    found = tl.full([], -1, tl.int32)
+    last = tl.full([], -1, tl.int32)
+    v0 = 0
+    while (found < 0) & (v0 < V):
+        cols, w = _block_weights(row_ptr, v0, V, temp, min_p, m, kkey, pkey, arg, bad, BLOCK_V)
+        c = tl.zeros([], tl.int32)
+        while c < n_b:
+            if tl.load(parents_ptr + node0 + c) == node:
+                w = tl.where(cols == tl.load(tokens_ptr + node0 + c), 0.0, w)
+            c += 1
+        cs = tl.cumsum(w, axis=0)
+        hit = ((base + cs) > target) & (cols < V)
+        f = tl.min(tl.where(hit, cols, 2147483647), axis=0)
+        found = tl.where(f == 2147483647, -1, f)
+        last = tl.maximum(last, tl.max(tl.where(w > 0.0, cols, -1), axis=0))
+        base = base + _block_last(cs, BLOCK_V)
+        v0 += BLOCK_V
+    return tl.where(found < 0, last, found)
 
 
 @triton.jit
@@ -494,8 +577,8 @@ def verify(logits: torch.Tensor, draft_tokens: torch.Tensor, cu_nodes: torch.Ten
                                        BLOCK_V=min(next_pow2(V, 16), STATS_BLOCK_V))
 
     if name == "speculative":
-        scratch = torch.empty((B, V), dtype=torch.float64, device=dev)
-        has_q = draft_probs is not None
+        has_q = draft_probs is not None  # one-hot drafts materialise nothing: no scratch rows
+        scratch = torch.empty((B, V) if has_q else (1,), dtype=torch.float64, device=dev)
         q = draft_probs.contiguous() if has_q else scratch
         ua = u_accept.contiguous() if u_accept is not None else torch.rand(max(N, 1), device=dev)
         us = u_sample.contiguous() if u_sample is not None else torch.rand(R, device=dev)

@@ -115,8 +115,6 @@ def test_speculative_draft_probs_match_reference(backend):
 def test_speculative_one_hot_residual_matches_reference(backend, warping):
     """One-hot drafts rejected one after another (stars: many siblings, duplicates among them, few argmax drafts):
     the residual without the rejected tokens, over several sampling blocks (V = 3000) and the top-k sparse path."""
-    if backend == "triton" and device_of(backend).type == "cpu" and warping:
-        pytest.skip("interpreted Triton: the plain case covers the kernel; warpings are covered elsewhere")
     for i in range(4):
         gen = torch.Generator().manual_seed(300 + i)
         batch = random_batch(5, 3000, max_nodes=9, min_nodes=1, shape=("star", "random")[i % 2], gen=gen,
