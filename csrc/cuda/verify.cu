@@ -664,16 +664,20 @@ __global__ void _verify_argmax_combine_kernel(VerifyArgs a, int64_t N, int nseg,
   }
 }
 
-// Segments per row for the argmax-only rules: about kCtasPerSm CTAs per SM in all (512 threads and 32 registers
-// each, four fit an SM), segments of at least kMinSegment tokens; seg_len a multiple of 8 (16 bytes of bf16 / fp16,
-// 32 of fp32). nseg = 1: one CTA per row (_verify_rows_kernel).
+// Segments per row for the argmax-only rules: about kWaves rounds of the CTAs the GPU holds at once (512 threads
+// and 32 registers each, kCtasPerSm fit an SM), segments of at least kMinSegment tokens; seg_len a multiple of 8 (16
+// bytes of bf16 / fp16, 32 of fp32). nseg = 1: one CTA per row (_verify_rows_kernel). Several rounds, so that the
+// last, partly filled one is a small part of the time: with one CTA per row, 544 rows on an H100's 528 CTA slots
+// (1.03 rounds) read at 57% of the read ceiling (third GPU run), about what a second round of 16 CTAs after a full
+// one leaves. The e2e's steps (a few to a few dozen rows of V = 49152) split as before, into 12 segments.
 struct ArgmaxSplit {
   int nseg;
   int64_t seg_len;
 };
 inline ArgmaxSplit argmax_split(int64_t NR, int64_t V, int sms) {
-  constexpr int64_t kCtasPerSm = 4, kMinSegment = 4096;
-  const int64_t s = std::min(kCtasPerSm * sms / std::max<int64_t>(NR, 1), V / kMinSegment);
+  constexpr int64_t kCtasPerSm = 4, kWaves = 8, kMinSegment = 4096;
+  const int64_t slots = kCtasPerSm * sms, rows = std::max<int64_t>(NR, 1);
+  const int64_t s = std::min((kWaves * slots + rows - 1) / rows, V / kMinSegment);
   if (s <= 1) return {1, V};
   const int64_t seg_len = ((V + s - 1) / s + 7) / 8 * 8;
   return {static_cast<int>((V + seg_len - 1) / seg_len), seg_len};
