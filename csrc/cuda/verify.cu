@@ -247,9 +247,15 @@ __device__ void verify_row_deterministic(const VerifyArgs& a, const T* row, int6
     const int m = kid_count;
     if (!first && m == 0) break;
     const bool do_rank = need_rank && m > 0;
-    long long cnt[kGroup];
+    // per-thread counts in 32 bits (a thread owns about V / BLOCK tokens), summed over the block in 64: with 64-bit
+    // counters the rank pass took 106-110 registers (one 512-thread CTA per SM), with these 64 (two)
+    int cnt[kGroup];
+    long long rank[kGroup];
 #pragma unroll
-    for (int c = 0; c < kGroup; ++c) cnt[c] = 0;
+    for (int c = 0; c < kGroup; ++c) {
+      cnt[c] = 0;
+      rank[c] = 0;
+    }
     if (first || do_rank) {
       for_each_owned<BLOCK>(row, V, [&](int64_t v, float x) {
         if (first) {
@@ -291,13 +297,13 @@ __device__ void verify_row_deterministic(const VerifyArgs& a, const T* row, int6
       if (do_rank) {
 #pragma unroll
         for (int c = 0; c < kGroup; ++c) {
-          if (c < m) cnt[c] = block_sum_ll<BLOCK>(cnt[c]);  // m is block-uniform
+          if (c < m) rank[c] = block_sum_ll<BLOCK>(static_cast<long long>(cnt[c]));  // m is block-uniform
         }
       }
     }
     if (threadIdx.x == 0) {
       for (int c = 0; c < m; ++c) {
-        score_child(a, b, start, kid_id[c], kid_tok[c], kid_logit[c], cnt[c], stats, lse, entropy, p0, p1);
+        score_child(a, b, start, kid_id[c], kid_tok[c], kid_logit[c], rank[c], stats, lse, entropy, p0, p1);
       }
     }
     first = false;
