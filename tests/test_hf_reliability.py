@@ -1482,12 +1482,18 @@ def test_autocast_falls_back_to_generate_under_it():
 
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
-def test_float32_matmuls_rounding_lower_fall_back(precision):
-    """``torch.set_float32_matmul_precision("medium")`` lets oneDNN round float32 matmuls through bfloat16 on the
-    CPU, which generate's forwards then do and the loop's kernels do not: the call falls back, naming the setting,
-    and gives generate's tokens. A precision this machine's matmuls do not round at (tf32 on CPUs without it) leaves
-    the loop running, its output generate's."""
-    from fastverify.hf.patch import _matmul_rounds
+@pytest.mark.parametrize("rounds", [None, True], ids=["this CPU", "a CPU that rounds"])
+def test_float32_matmuls_rounding_lower_fall_back(precision, rounds, monkeypatch):
+    """``torch.set_float32_matmul_precision("medium")`` lets oneDNN round float32 matmuls through bfloat16 on a CPU
+    with bfloat16 instructions (AVX512-BF16, AMX), which generate's forwards then do and the loop's kernels do not:
+    the call falls back, naming the setting, and gives generate's tokens. A precision this machine's matmuls do not
+    round at (tf32 on current CPUs, bf16 on one without those instructions) leaves the loop running, its output
+    generate's. ``rounds=True``: the machine check answering yes, as on such a CPU, so that the fallback runs on
+    every machine."""
+    import importlib
+    hf_patch = importlib.import_module("fastverify.hf.patch")
+    if rounds is not None:
+        monkeypatch.setattr(hf_patch, "_matmul_rounds", lambda precision: rounds)
     model = _llama()
     ids, mask = _prompts(2)
     before = torch.backends.mkldnn.matmul.fp32_precision
@@ -1499,9 +1505,7 @@ def test_float32_matmuls_rounding_lower_fall_back(precision):
     finally:
         torch.backends.mkldnn.matmul.fp32_precision = before
     assert torch.equal(out, want)
-    if precision == "bf16":
-        assert _matmul_rounds("bf16")
-    if _matmul_rounds(precision):
+    if hf_patch._matmul_rounds(precision):
         [message] = _fallbacks(messages)
         assert f"float32 matmul precision {precision!r}" in message
     else:
