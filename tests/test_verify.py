@@ -151,8 +151,12 @@ def test_cuda_speculative_deferred_draw(backend, monkeypatch):
             monkeypatch.delenv("FASTVERIFY_CUDA_SPECULATIVE", raising=False)
         else:
             monkeypatch.setenv("FASTVERIFY_CUDA_SPECULATIVE", mode)
-        for i, (batch, kw) in enumerate(cases):
-            _compare(backend, batch, "speculative", seed=i, **kw)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for i, (batch, kw) in enumerate(cases):
+                _compare(backend, batch, "speculative", seed=i, **kw)
+            torch.cuda.synchronize()
+        final_pass = any("speculative_final" in e.name for e in prof.events())
+        assert final_pass == (mode == "deferred"), f"mode {mode}: the final pass ran: {final_pass}"
 
 
 @pytest.mark.parametrize("backend", FAST)
