@@ -156,16 +156,8 @@ def _verify_node_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, parents_ptr
             ok = ok & ((p < 0) | (x != ptok))
     if RULE == 7:
         # coupled: of the siblings holding the drawn token only the first (in node order) is followed, so a node
-        # whose earlier sibling holds its token is not (the walk's lanes are read in chunks of BLOCK_N).
-        dup = tl.zeros([], tl.int32)
-        j = g - node0
-        for i0 in range(0, j, BLOCK_N):
-            i = i0 + tl.arange(0, BLOCK_N)
-            earlier = i < j
-            pi = _preceding(tl.load(parents_ptr + node0 + i, mask=earlier, other=-1), i)
-            ti = tl.load(tokens_ptr + node0 + i, mask=earlier, other=-1)
-            dup = tl.maximum(dup, tl.max((earlier & (pi == p) & (ti == x)).to(tl.int32), axis=0))
-        ok = ok & (dup == 0)
+        # whose earlier sibling holds its token is not.
+        ok = ok & (_earlier_sibling_has(tokens_ptr, parents_ptr, node0, p, g - node0, x, BLOCK_N) == 0)
     tl.store(cond_ptr + g, tl.where(in_vocab, ok.to(tl.int8), 2))  # 2: outside the vocabulary
 
 
@@ -184,6 +176,20 @@ def _preceding(p, j):
 def _parent(parents_ptr, node0, j):
     """Local node j's parent, or -1 where it does not precede j (unvalidated input)."""
     return _preceding(tl.load(parents_ptr + node0 + j), j)
+
+
+@triton.jit
+def _earlier_sibling_has(tokens_ptr, parents_ptr, node0, p, j, x, BLOCK_N: tl.constexpr):
+    """1 if a node before local node j with parent p (parents that do not precede their node read as -1) holds
+    token x, else 0; the request's nodes read in chunks of BLOCK_N lanes."""
+    dup = tl.zeros([], tl.int32)
+    for i0 in range(0, j, BLOCK_N):
+        i = i0 + tl.arange(0, BLOCK_N)
+        earlier = i < j
+        pi = _preceding(tl.load(parents_ptr + node0 + i, mask=earlier, other=-1), i)
+        ti = tl.load(tokens_ptr + node0 + i, mask=earlier, other=-1)
+        dup = tl.maximum(dup, tl.max((earlier & (pi == p) & (ti == x)).to(tl.int32), axis=0))
+    return dup
 
 
 @triton.jit
@@ -350,7 +356,7 @@ def _verify_speculative_kernel(logits_ptr, stride_r, V, tokens_ptr, cu_ptr, pare
                 else:
                     hit, t = _speculative_row_one_hot(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, node,
                                                       u_accept_ptr, z, last, u, temp, min_p, m, kkey, pkey, arg,
-                                                      bad, BLOCK_V)
+                                                      bad, BLOCK_V, BLOCK_N)
                 if hit >= 0:
                     node = hit
                 else:
@@ -418,7 +424,7 @@ def _speculative_row_q(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, node, q_
 
 @triton.jit
 def _speculative_row_one_hot(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, node, u_accept_ptr, z, last, u,
-                             temp, min_p, m, kkey, pkey, arg, bad, BLOCK_V: tl.constexpr):
+                             temp, min_p, m, kkey, pkey, arg, bad, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr):
     """A row's speculative step with one-hot drafts (no draft_probs): max(p' - one_hot(x), 0) renormalised is p'
     without x, so nothing is materialised (as the C++ kernel). The children in node order: w(x) = 0 for a token an
     earlier sibling already took out; accept iff rest > 0 and u_accept <= w(x) / rest, rest = Z less the weights
@@ -435,7 +441,7 @@ def _speculative_row_one_hot(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, no
         if (tl.load(parents_ptr + node0 + c) == node) & (xt >= 0) & (xt < V):
             wx = _warped_block(tl.load(row_ptr + xt).to(tl.float32), xt, V, temp, min_p, m, kkey, pkey, arg,
                                bad).to(tl.float64)
-            if _earlier_sibling_has(tokens_ptr, parents_ptr, node0, node, c, xt):
+            if _earlier_sibling_has(tokens_ptr, parents_ptr, node0, node, c, xt, BLOCK_N) > 0:
                 wx = tl.zeros([], tl.float64)
             ua = tl.load(u_accept_ptr + node0 + c).to(tl.float64)
             if (rest > 0.0) & (ua <= wx / tl.where(rest > 0.0, rest, 1.0)):
@@ -452,17 +458,6 @@ def _speculative_row_one_hot(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, no
         else:
             t = _cdf_find(row_ptr, V, temp, min_p, m, kkey, pkey, arg, bad, u * z, last, BLOCK_V).to(tl.int64)
     return hit, t
-
-
-@triton.jit
-def _earlier_sibling_has(tokens_ptr, parents_ptr, node0, node, c, xt):
-    """Whether a child of `node` before local node c holds token xt."""
-    found = c < 0
-    c2 = tl.zeros([], tl.int32)
-    while (c2 < c) & (found == 0):
-        found = (tl.load(parents_ptr + node0 + c2) == node) & (tl.load(tokens_ptr + node0 + c2) == xt)
-        c2 += 1
-    return found
 
 
 @triton.jit
