@@ -346,20 +346,21 @@ __device__ void verify_row_speculative(const VerifyArgs& a, const T* row, int64_
   };
   auto q_row = [&](int c) { return dp != nullptr ? dp + static_cast<int64_t>(start + c) * dp_row_bytes : dp; };
 
+  // DEFER: the row's draw left to the final pass (row_child -1, or kUnresolvedRow when its tests are too)
+  auto defer_row = [&](int child) {
+    if (threadIdx.x == 0) {
+      a.row_bad[g] = 0;
+      a.row_next[g] = kDeferredDraw;
+      a.row_child[g] = child;
+    }
+  };
   if constexpr (DEFER) {  // a row without children: nothing to test, and its draw is deferred
     __shared__ int s_any;
     if (threadIdx.x == 0) s_any = next_child(par_b, n_b, r, 0) >= 0;
     __syncthreads();
     const int any = s_any;
     __syncthreads();
-    if (!any) {
-      if (threadIdx.x == 0) {
-        a.row_bad[g] = 0;
-        a.row_next[g] = kDeferredDraw;
-        a.row_child[g] = -1;
-      }
-      return;
-    }
+    if (!any) return defer_row(-1);
   }
   double zw = 0.0;
   for (int64_t v = threadIdx.x; v < V; v += BLOCK) zw += warped(v);
@@ -438,14 +439,7 @@ __device__ void verify_row_speculative(const VerifyArgs& a, const T* row, int64_
     from = c + 1;
   }
   if constexpr (DEFER) {
-    if (hit < 0) {
-      if (threadIdx.x == 0) {
-        a.row_bad[g] = 0;
-        a.row_next[g] = kDeferredDraw;
-        a.row_child[g] = unresolved ? kUnresolvedRow : -1;
-      }
-      return;
-    }
+    if (hit < 0) return defer_row(unresolved ? kUnresolvedRow : -1);
   }
   long long t = -2;  // not used when a child is accepted: the walk descends into it
   if (hit < 0) {
