@@ -189,25 +189,32 @@ def test_sdpa_rows_against_torch_sdpa(Hkv, groups):
                 assert torch.equal(got, want)
 
 
-def test_gqa_attention_leaves_falcon_at_sdpa_and_binds_its_file():
-    """Falcon's attention calls torch's SDPA itself under sdpa (its eager branch: matmuls over the query rows): its
-    config keeps sdpa, its file's ``torch`` is the one whose SDPA is ``_sdpa_rows``, nested loops restore it once,
-    and the logits stay SDPA's to float32 rounding; a file whose ``torch`` something else holds is left to it."""
+def test_gqa_attention_on_falcon_as_its_release_computes():
+    """Falcon's attention under sdpa. Before transformers 5.25 its file calls torch's SDPA itself (its eager branch:
+    matmuls over the query rows): its config keeps sdpa, its file's ``torch`` is the one whose SDPA is
+    ``_sdpa_rows``, nested loops restore it once, and a file whose ``torch`` something else holds is left to it.
+    From 5.25 it goes through transformers' attention functions: its config is switched as any other model's and its
+    file's ``torch`` left alone. Either way the logits stay SDPA's to float32 rounding (and the rows stay the same
+    bits beside draft rows: test_hf_model_types.py's Falcon cases)."""
     import sys
     from test_hf_model_types import tiny
     model = tiny("falcon")
     mod = sys.modules[type(model).__module__]
+    own = not hasattr(mod, "ALL_ATTENTION_FUNCTIONS")  # the file's own SDPA call, as before transformers 5.25
     ids = torch.tensor([[5, 9, 3, 7, 2]])
     with torch.no_grad():
         want = model(ids).logits
         with gqa_attention(model) as on:
-            assert on and model.config._attn_implementation == "sdpa" and mod.torch is attention._SDPA_TORCH
+            assert on and model.config._attn_implementation == ("sdpa" if own else attention.GQA_ATTENTION)
+            assert (mod.torch is attention._SDPA_TORCH) == own and (mod.torch is torch) != own
             with gqa_attention(model):
-                assert mod.torch is attention._SDPA_TORCH
-            assert mod.torch is attention._SDPA_TORCH
+                assert (mod.torch is attention._SDPA_TORCH) == own
+            assert (mod.torch is attention._SDPA_TORCH) == own
             got = model(ids).logits
     assert mod.torch is torch and model.config._attn_implementation == "sdpa"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if not own:
+        return
     # a file whose torch something else holds (a user's own stand-in) is left to it
     theirs = types.SimpleNamespace(**vars(torch))
     mod.torch = theirs

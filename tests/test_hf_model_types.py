@@ -157,9 +157,9 @@ def _assert_rows_invariant_at_batch_1_and_3(model):
 @pytest.mark.parametrize("config", [{"multi_query": False, "num_kv_heads": 4},
                                     {"new_decoder_architecture": True, "num_kv_heads": 2}])
 def test_falcon_layouts_draft_without_changing_a_bit(config):
-    """Falcon's attention, which calls torch's SDPA itself (fastverify.hf.attention._sdpa_rows under the loop), in its
-    other head layouts (ROW_INVARIANT has its multi-query default): one key / value head per query head, and the
-    new decoder architecture's grouped heads."""
+    """Falcon's attention (before transformers 5.25 its own call of torch's SDPA, fastverify.hf.attention._sdpa_rows
+    under the loop; from 5.25 transformers' attention functions), in its other head layouts (ROW_INVARIANT has its
+    multi-query default): one key / value head per query head, and the new decoder architecture's grouped heads."""
     _assert_rows_invariant_at_batch_1_and_3(tiny("falcon", **config))
 
 

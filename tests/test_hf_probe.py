@@ -158,9 +158,9 @@ def _sample(model, ids, mask, drafter, **kw):
 
 @pytest.mark.parametrize("model_type", ["llama", "falcon"])
 def test_sampling_drafts_where_the_loop_is_row_invariant(model_type):
-    """Llama through the loop's kernels, and Falcon, whose attention calls torch's SDPA itself (under the loop
-    ``fastverify.hf.attention._sdpa_rows``): their rows are the same bits beside draft rows, so sampled calls
-    draft."""
+    """Llama through the loop's kernels, and Falcon, whose attention calls torch's SDPA itself before transformers
+    5.25 (under the loop ``fastverify.hf.attention._sdpa_rows``): their rows are the same bits beside draft rows, so
+    sampled calls draft."""
     from fastverify.hf.loop import DecodeSettings
     model = tiny(model_type)
     assert probe.check_rows(model, DecodeSettings(max_new_tokens=1, eos_token_ids=[], pad_token_id=0)) is None
@@ -233,14 +233,14 @@ def test_a_verdict_holds_for_the_attention_implementation_it_was_made_under(monk
 
 
 def test_sampling_without_drafts_where_the_loop_is_not_row_invariant(monkeypatch):
-    """Falcon's attention under eager (its own code, not transformers' attention functions) computes its scores
-    with torch's matmul over the query rows, so a row's logits round differently beside draft rows: sampled calls
-    decode without drafts, with a warning, and draw what undrafted decoding draws; greedy calls still draft. The
-    verdict is kept for the patch: one check."""
+    """A bfloat16 Llama on the CPU (its layers on torch's bfloat16 kernels, whose result for a row depends on the
+    rows computed beside it) gives a row's logits differently beside draft rows: sampled calls decode without
+    drafts, with a warning, and draw what undrafted decoding draws; greedy calls still draft. The verdict is kept
+    for the patch: one check."""
     calls = []
     check = probe.check_rows
     monkeypatch.setattr(sys.modules["fastverify.hf.patch"], "check_rows", lambda *a: calls.append(1) or check(*a))
-    model = tiny("falcon", attn="eager")
+    model = tiny("llama").to(torch.bfloat16)
     ids, mask = _prompts(2)
     out, st, messages = _sample(model, ids, mask, NGramDrafter())
     assert st.drafted_tokens == 0

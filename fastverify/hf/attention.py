@@ -6,8 +6,8 @@ explicit ``position_ids`` [B, q]; the keys and values live in a ``DynamicCache``
 into preallocated buffers instead of concatenating). On the CPU an ``sdpa`` model runs, for the loop's duration,
 under ``gqa_attention``: transformers' sdpa attention registered through its ``AttentionInterface``, except that
 float32 verify rows go to fastverify's ``masked_attention`` and grouped-query heads are not repeated
-(``_gqa_sdpa``); a modeling file that calls torch's SDPA itself (Falcon's) keeps sdpa, and its calls take the same
-route (``_sdpa_rows``).
+(``_gqa_sdpa``); a modeling file that calls torch's SDPA itself (Falcon's, before transformers 5.25) keeps sdpa, and
+its calls take the same route (``_sdpa_rows``).
 
 Cache layout (one physical length S for the whole batch, as a DynamicCache requires):
 
@@ -452,6 +452,13 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 _OWN_SDPA_FILES = ("transformers.models.falcon.modeling_falcon",)
 
 
+def _calls_sdpa_itself(name: str) -> bool:
+    """Whether the modeling file ``name`` calls torch's SDPA itself: a file of ``_OWN_SDPA_FILES`` that does not
+    dispatch through transformers' attention functions (Falcon's from transformers 5.25 does: it imports
+    ``ALL_ATTENTION_FUNCTIONS``, and ``gqa_attention`` then switches its config as any other's)."""
+    return name in _OWN_SDPA_FILES and not hasattr(sys.modules.get(name), "ALL_ATTENTION_FUNCTIONS")
+
+
 def _sdpa_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """torch's ``scaled_dot_product_attention`` as a file of ``_OWN_SDPA_FILES`` calls it while the loop runs on the
     CPU: float32 verify rows with an additive mask (``masked_rows``) through ``fastverify::masked_attention``, so that
@@ -512,17 +519,17 @@ def _register_gqa_attention() -> bool:
 def gqa_attention(model):
     """For the loop's duration, a CPU model whose attention is transformers' ``sdpa`` runs ``_gqa_sdpa`` instead
     (its configs' ``_attn_implementation`` switched to the registered name, then restored); one whose modeling file
-    calls torch's SDPA itself (``_OWN_SDPA_FILES``: Falcon) keeps sdpa, and the file's ``torch`` is ``_SDPA_TORCH``
-    (``module_globals``; ``files_of``: not where something else holds it), whose SDPA is ``_sdpa_rows``. Other
-    models and devices are left as they are. Yields whether anything was switched."""
+    calls torch's SDPA itself (``_calls_sdpa_itself``: Falcon before transformers 5.25) keeps sdpa, and the file's
+    ``torch`` is ``_SDPA_TORCH`` (``module_globals``; ``files_of``: not where something else holds it), whose SDPA is
+    ``_sdpa_rows``. Other models and devices are left as they are. Yields whether anything was switched."""
     configs, files = [], []
     if next(model.parameters()).device.type == "cpu" and _register_gqa_attention():
         sdpa = [(type(m).__module__, cfg) for m in modules(model) for cfg in (config_of(m),)
                 if cfg is not None and getattr(cfg, "_attn_implementation", None) == "sdpa"]
-        own = {id(cfg) for name, cfg in sdpa if name in _OWN_SDPA_FILES}
+        own = {id(cfg) for name, cfg in sdpa if _calls_sdpa_itself(name)}
         configs = list({id(cfg): cfg for _, cfg in sdpa if id(cfg) not in own}.values())
         if _masked_attention_op() is not None:
-            names = {name for name, _ in sdpa if name in _OWN_SDPA_FILES}
+            names = {name for name, _ in sdpa if _calls_sdpa_itself(name)}
             files = files_of(model, lambda cls: cls.__module__ in names, "torch", torch, _SDPA_TORCH)
     with (switched(configs, "_attn_implementation", GQA_ATTENTION), module_globals(files, "torch", _SDPA_TORCH),
           substituting()):
