@@ -13,7 +13,7 @@ from fastverify.hf import MODEL_REGISTRY, Drafter, NGramDrafter, patch, stats, u
 from fastverify.hf import probe
 from fastverify.hf.probe import ProbeDrafter, _differs
 
-from test_hf_model_types import PAD, _prompts, tiny
+from test_hf_model_types import PAD, V, _prompts, tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,6 +47,66 @@ def test_unregistered_causal_lm_passes_and_runs_in_the_loop(monkeypatch):
     finally:
         unpatch(model)
     assert calls == [1]
+
+
+def test_registered_types_are_checked_under_a_later_transformers(monkeypatch):
+    """Under a transformers release later than TESTED_TRANSFORMERS a registered type is checked as an unregistered
+    one is. Here the code the loop binds in for XGLM's own attention no longer computes what the model does (a
+    stand-in that permutes and scales its output, as a release that changed XGLM's attention would leave the loop's
+    ``_xglm_rows``): under the tested release the patched call returns other tokens than generate, silently; under a
+    later one the check finds it and the call falls back, with the reason, to generate's tokens. Llama under a later
+    release passes the check once and decodes in the loop."""
+    from fastverify.hf import attention
+    from fastverify.hf.attention import _xglm_rows
+    patch_module = sys.modules["fastverify.hf.patch"]
+    calls = []
+    check = probe.check_model
+    monkeypatch.setattr(patch_module, "check_model", lambda *a: calls.append(1) or check(*a))
+
+    def scaled(self, hidden_states, **kwargs):
+        out, weights = _xglm_rows(self, hidden_states, **kwargs)
+        return out.flip(-1) * 4, weights
+
+    monkeypatch.setitem(attention._OWN_ATTENTION, ("transformers.models.xglm.modeling_xglm", "XGLMAttention"),
+                        ("forward", scaled))
+    model = tiny("xglm", "eager")
+    # random prompts: on _prompts' repetitive ones this tiny model's tokens come out the same either way
+    ids = torch.randint(3, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ref, _ = _generate(model, ids, mask)
+    for later in (False, True):
+        monkeypatch.setattr(patch_module, "_untested_transformers", lambda: later)
+        patch(model, drafter=NGramDrafter())
+        try:
+            out, fallbacks = _generate(model, ids, mask)
+        finally:
+            unpatch(model)
+        if later:
+            assert torch.equal(out, ref) and len(fallbacks) == 1
+            assert "is later than the releases the registry was tested on" in fallbacks[0]
+        else:
+            assert not fallbacks and not torch.equal(out, ref)  # the stand-in's output, unchecked
+    assert calls == [1]
+    model = tiny("llama")
+    ref, _ = _generate(model, ids, mask)
+    patch(model, drafter=NGramDrafter())
+    try:
+        for _ in range(2):
+            out, fallbacks = _generate(model, ids, mask)
+            assert not fallbacks and torch.equal(out, ref) and stats(model).drafted_tokens > 0
+    finally:
+        unpatch(model)
+    assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("release, later", [("{M}.{m}.0", False), ("{M}.{m}.7", False), ("{M}.{n}.0.dev0", True),
+                                           ("{M}.{n}.0", True), ("5.17.0", False)])
+def test_later_transformers_by_minor_release(release, later):
+    """What counts as later than TESTED_TRANSFORMERS: the next minor release and its development versions, not a
+    patch release of the tested one."""
+    patch_module = sys.modules["fastverify.hf.patch"]
+    major, minor = (int(x) for x in patch_module.TESTED_TRANSFORMERS.split("."))
+    assert patch_module._later_than_tested(release.format(M=major, m=minor, n=minor + 1)) is later
 
 
 def test_verdict_is_per_dtype_and_device(monkeypatch):

@@ -39,10 +39,14 @@ from fastverify.hf.probe import check_key, check_model, check_rows
 from fastverify.hf.processors import transformers_at_least
 
 __all__ = ["patch", "unpatch", "is_patched", "stats", "ModelSpec", "MODEL_REGISTRY", "register_model_type",
-           "SUPPORTED_TRANSFORMERS"]
+           "SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS"]
 
 # [min, max): the releases this integration is tested on (scripts/test.sh runs the transformers tests on the oldest)
 SUPPORTED_TRANSFORMERS = ("5.17", "6")
+# the newest minor release the registry's types have been tested on (tests/test_hf_*.py); under a later one within
+# SUPPORTED_TRANSFORMERS, whose modeling files may compute otherwise than the code the loop binds in for them
+# expects, a registered type is checked as a type outside the registry is (fastverify.hf.probe.check_model)
+TESTED_TRANSFORMERS = "5.25"
 _STATE_ATTR = "_fastverify_patch"
 RULES = ("greedy", "topk", "distance", "gad", "typical", "confidence", "speculative", "coupled")
 RULE_PARAMS = ("k", "eps", "beta", "tau", "delta", "min_accept")
@@ -106,6 +110,19 @@ for _type in ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "phi3", "ol
 register_model_type(ModelSpec("doge", min_transformers="5.18"))
 
 
+def _later_than_tested(release: str) -> bool:
+    """Whether transformers ``release`` is a later minor release than ``TESTED_TRANSFORMERS`` (its development
+    versions included; a patch release of the tested one is not)."""
+    from packaging.version import Version
+    return Version(release).release[:2] > tuple(int(x) for x in TESTED_TRANSFORMERS.split("."))
+
+
+@functools.cache
+def _untested_transformers() -> bool:
+    import transformers
+    return _later_than_tested(transformers.__version__)
+
+
 def _check_transformers_version():
     import transformers
     lo, hi = SUPPORTED_TRANSFORMERS
@@ -125,8 +142,9 @@ class _PatchState:
     instance_generate: object
     last_stats: object = None
     warned_precision: bool = False
-    # a type outside the registry (allow_unknown_model): fastverify.hf.probe's verdicts, "" (passed) or the reason
-    # it failed, per what the check ran under (``probe.check_key``: the model's dtype, device and attention
+    # a type outside the registry (allow_unknown_model), a model running code from outside transformers, or any
+    # model under a transformers later than TESTED_TRANSFORMERS: fastverify.hf.probe's verdicts, "" (passed) or the
+    # reason it failed, per what the check ran under (``probe.check_key``: the model's dtype, device and attention
     # implementation, the call's computation options); one is made at the first call the loop runs under each
     unregistered: bool = False
     checks: dict = dataclasses.field(default_factory=dict)
@@ -259,7 +277,8 @@ def patch(model, drafter: Drafter = None, rule: str = None, **options):
     A model of a registered type that runs code from outside transformers and torch.nn (module classes: a user's
     own attention, an adapter library's layers, a checkpoint's remote code, torch.ao's quantized linears; a forward
     bound over a transformers class's or instance's own) is checked as an unknown type is, before the first call
-    the loop runs with each set of such code.
+    the loop runs with each set of such code. So is every model under a transformers release later than
+    ``TESTED_TRANSFORMERS`` (the registry vouches for the modeling code of the releases it was tested on).
 
     Seeded sampling (the coupled rule) draws what undrafted decoding draws, draw for draw, where the loop's
     forwards are row-invariant; the first sampled call under each dtype, device, attention implementation and
@@ -1228,16 +1247,20 @@ def _patched_generate(self, *args, **kwargs):
     if plan is None:
         return _fallback(self, state, reason, args, kwargs)
     with model_lock(self):  # the check's own generate and decode calls too, never beside another thread's loop
-        if state.unregistered or plan["foreign"]:
+        if state.unregistered or plan["foreign"] or _untested_transformers():
             key = (check_key(self, plan["settings"]), plan["foreign"])
             checks = state.__dict__.setdefault("checks", {})  # a model pickled with an earlier state has none
             if key not in checks:
                 checks[key] = check_model(self, _original_generate(self, state), plan["settings"]) or ""
             if checks[key]:
+                import transformers
                 what = (f"model type {self.config.model_type!r} is not registered and failed the loop's check of it"
                         if state.unregistered else
                         f"a model of type {self.config.model_type!r} running code from outside transformers "
-                        f"({', '.join(plan['foreign'])}) failed the loop's check of it")
+                        f"({', '.join(plan['foreign'])}) failed the loop's check of it" if plan["foreign"] else
+                        f"transformers {transformers.__version__} is later than the releases the registry was tested "
+                        f"on (<= {TESTED_TRANSFORMERS}), and a model of type {self.config.model_type!r} failed the "
+                        f"loop's check of it")
                 return _fallback(self, state, f"{what} (fastverify.hf.probe): {checks[key]}", args, kwargs)
         max_length = plan["generate_warnings"]()
         _warn_precision(self, state, plan["settings"].rule)
