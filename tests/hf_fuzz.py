@@ -28,6 +28,7 @@ in the test suite and the full sweep on demand (``FASTVERIFY_FUZZ_CASES``). Also
 
     python tests/hf_fuzz.py --cases 600          # prints one line per failing case and a summary
     python tests/hf_fuzz.py --cases 600 --archs all --start 500000
+    python tests/hf_fuzz.py --cases 300 --archs all --later-release   # every type checked before the loop runs it
 """
 
 import copy
@@ -691,6 +692,7 @@ def summary(results) -> dict:
 if __name__ == "__main__":
     import argparse
     import json
+    import sys
     import time
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -700,7 +702,13 @@ if __name__ == "__main__":
                     help="the drafter kinds to draw from (default: all)")
     ap.add_argument("--archs", nargs="+", default=list(ARCHS),
                     help="the model types to draw from (default: the fuzz's own list; 'all': every registered type)")
+    ap.add_argument("--later-release", action="store_true",
+                    help="run as under a transformers release later than fastverify.hf.patch.TESTED_TRANSFORMERS: "
+                         "every model checked by fastverify.hf.probe before the loop runs it (a check that fails "
+                         "shows as a fallback)")
     args = ap.parse_args()
+    if args.later_release:
+        sys.modules["fastverify.hf.patch"]._untested_transformers = lambda: True
     if args.archs == ["all"]:
         args.archs = registered_archs()
     torch.set_num_threads(1)
