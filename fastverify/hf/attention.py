@@ -526,10 +526,10 @@ def gqa_attention(model):
     if next(model.parameters()).device.type == "cpu" and _register_gqa_attention():
         sdpa = [(type(m).__module__, cfg) for m in modules(model) for cfg in (config_of(m),)
                 if cfg is not None and getattr(cfg, "_attn_implementation", None) == "sdpa"]
-        own = {id(cfg) for name, cfg in sdpa if _calls_sdpa_itself(name)}
+        names = {name for name, _ in sdpa if _calls_sdpa_itself(name)}
+        own = {id(cfg) for name, cfg in sdpa if name in names}
         configs = list({id(cfg): cfg for _, cfg in sdpa if id(cfg) not in own}.values())
         if _masked_attention_op() is not None:
-            names = {name for name, _ in sdpa if _calls_sdpa_itself(name)}
             files = files_of(model, lambda cls: cls.__module__ in names, "torch", torch, _SDPA_TORCH)
     with (switched(configs, "_attn_implementation", GQA_ATTENTION), module_globals(files, "torch", _SDPA_TORCH),
           substituting()):
