@@ -270,6 +270,15 @@ def _cdf_total(row_ptr, V, temp, min_p, m, kkey, pkey, arg, bad, BLOCK_V: tl.con
 
 
 @triton.jit
+def _block_find(w, cols, V, base, target, BLOCK_V: tl.constexpr):
+    """One block of an inverse-CDF search over weights w at columns cols, base = the sum of the blocks before:
+    (the smallest column < V with base + its inclusive prefix sum > target, or -1; base plus this block's sum)."""
+    cs = tl.cumsum(w, axis=0)
+    f = tl.min(tl.where(((base + cs) > target) & (cols < V), cols, 2147483647), axis=0)
+    return tl.where(f == 2147483647, -1, f), base + _block_last(cs, BLOCK_V)
+
+
+@triton.jit
 def _cdf_find(row_ptr, V, temp, min_p, m, kkey, pkey, arg, bad, target, last, BLOCK_V: tl.constexpr):
     """Smallest t with C(t) > target; `last` (the last token with w > 0) when rounding leaves none."""
     base = tl.zeros([], tl.float64)
@@ -277,11 +286,7 @@ def _cdf_find(row_ptr, V, temp, min_p, m, kkey, pkey, arg, bad, target, last, BL
     v0 = 0
     while (found < 0) & (v0 < V):
         cols, w = _block_weights(row_ptr, v0, V, temp, min_p, m, kkey, pkey, arg, bad, BLOCK_V)
-        cs = tl.cumsum(w, axis=0)
-        hit = ((base + cs) > target) & (cols < V)
-        found = tl.min(tl.where(hit, cols, 2147483647), axis=0)
-        found = tl.where(found == 2147483647, -1, found)
-        base = base + _block_last(cs, BLOCK_V)
+        found, base = _block_find(w, cols, V, base, target, BLOCK_V)
         v0 += BLOCK_V
     return tl.where(found < 0, last, found)
 

@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
-from .sampling import (_block_last, _block_weights, _cdf_find, _cdf_total, _row_state, _scaled, _warped_block,
-                       cdf_block_v, cdf_sample as _cdf_sample_op)
+from .sampling import (_block_find, _block_last, _block_weights, _cdf_find, _cdf_total, _row_state, _scaled,
+                       _warped_block, cdf_block_v, cdf_sample as _cdf_sample_op)
 
 RULES = ("greedy", "topk", "distance", "gad", "typical", "confidence", "speculative", "coupled")
 STATS_BLOCK_V = 1024
@@ -477,12 +477,8 @@ def _find_without_children(row_ptr, V, tokens_ptr, parents_ptr, node0, n_b, node
             if tl.load(parents_ptr + node0 + c) == node:
                 w = tl.where(cols == tl.load(tokens_ptr + node0 + c), 0.0, w)
             c += 1
-        cs = tl.cumsum(w, axis=0)
-        hit = ((base + cs) > target) & (cols < V)
-        f = tl.min(tl.where(hit, cols, 2147483647), axis=0)
-        found = tl.where(f == 2147483647, -1, f)
+        found, base = _block_find(w, cols, V, base, target, BLOCK_V)
         last = tl.maximum(last, tl.max(tl.where(w > 0.0, cols, -1), axis=0))
-        base = base + _block_last(cs, BLOCK_V)
         v0 += BLOCK_V
     return tl.where(found < 0, last, found)
 
@@ -505,12 +501,7 @@ def _sample_scratch(P, V, u, BLOCK_V: tl.constexpr):
     v0 = 0
     while (found < 0) & (v0 < V):
         cols = v0 + cols0
-        pv = tl.load(P + cols, mask=cols < V, other=0.0)
-        cs = tl.cumsum(pv, axis=0)
-        hit = ((acc + cs) > target) & (cols < V)
-        f = tl.min(tl.where(hit, cols, 2147483647), axis=0)
-        found = tl.where(f == 2147483647, -1, f)
-        acc = acc + _block_last(cs, BLOCK_V)
+        found, acc = _block_find(tl.load(P + cols, mask=cols < V, other=0.0), cols, V, acc, target, BLOCK_V)
         v0 += BLOCK_V
     return tl.where(found < 0, last, found)
 
