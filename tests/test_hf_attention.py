@@ -524,11 +524,11 @@ def test_own_attention_runs_masked_attention_and_restores(model_type, monkeypatc
         with attention.own_attention(model), skinny_linears(model):
             calls.clear()
             for cut in (None, 0, 1, 2, 3, 4):
-                cache = DynamicCache(config=model.config)
-                model(prompt, past_key_values=cache)
+                kw = attention.cache_kwargs(model, DynamicCache(config=model.config))
+                model(prompt, **kw)
                 if cut:  # the rows before it in the cache first, one call
-                    model(step[:, :cut], past_key_values=cache)
-                rows.append(model(step if cut is None else step[:, cut:cut + 1], past_key_values=cache).logits)
+                    model(step[:, :cut], **kw)
+                rows.append(model(step if cut is None else step[:, cut:cut + 1], **kw).logits)
             assert len(calls) == len(own) * 16  # every forward's attention: 6 prompts, 4 rows before, 6 steps
         assert not any(method in m.__dict__ for m in own)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
