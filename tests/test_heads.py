@@ -8,6 +8,7 @@
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -138,16 +139,62 @@ def test_build_examples_inputs_are_the_tokens_before_each_target(tmp_path):
     assert inputs.tolist() == [[10, 11, 12], [11, 12, 13], [12, 13, 0], [13, 0, 0]]
 
 
-@pytest.mark.parametrize("arch,ffn,dtype", [("parallel", 2.0, "float16"), ("sequential", 2.0, "float16"),
-                                            ("sequential", 0.0, "float16"), ("sequential", 2.0, "q8_0")])
-def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch, ffn, dtype):
+def test_teacher_rows_are_the_rows_that_gave_each_target(tmp_path):
+    """--soft-targets: head h's teacher at example n is the target's distribution at row n + h + 1 of the cached
+    shards, whose greedy token is head h's target. On shards a tiny model (untied, so that its continuations do
+    not just repeat) generated from random prompts, the argmax of those logits is the target wherever one exists,
+    and that of the rows one off is far less often."""
+    model = _tiny(tie=False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, V, (10 + i % 4,), generator=g).tolist() for i in range(12)]
+    paths = recipe.generate_data(model, None, prompts, str(tmp_path / "d"), batch=4, max_new_tokens=12,
+                                 progress=False)
+    H = 3
+    hidden, targets = recipe.build_examples(paths, H)
+    weight = model.get_output_embeddings().weight.detach().float()
+    idx = torch.arange(hidden.shape[0])
+    for h in range(H):
+        valid = targets[:, h] >= 0
+        assert valid.sum() >= 12 * (12 - H - 1)
+        hit = lambda off: (recipe.teacher_logits(hidden, idx, off, weight, None).argmax(-1)[valid]  # noqa: E731
+                           == targets[valid, h]).float().mean().item()
+        assert hit(h) >= 0.99, (h, hit(h))  # fp16 rows: a near tie may round the other way
+        assert max(hit(h + 1), hit(h - 1)) < hit(h) - 0.3, (h, hit(h - 1), hit(h), hit(h + 1))
+
+
+def test_soft_target_loss_mixes_ce_and_kl_to_the_target():
+    """soft = 1 against a one-hot teacher is the CE to its token; soft = w is (1 - w) CE + w KL; soft = 0 never
+    reads the teacher; rows without a target are skipped by both."""
+    torch.manual_seed(0)
+    H, N, Vs = 2, 12, 9
+    logits = torch.randn(H, N, Vs)
+    targets = torch.randint(0, Vs, (N, H))
+    targets[-3:, 1] = -100
+    onehot = lambda h: 1e4 * torch.nn.functional.one_hot(targets[:, h].clamp(min=0), Vs).float()  # noqa: E731
+    ce, acc = recipe._loss(logits, targets, 0.5)
+    hard, acc1 = recipe._loss(logits, targets, 0.5, onehot, soft=1.0)
+    assert torch.allclose(hard, ce, atol=1e-4) and acc1 == acc
+    teach = torch.randn(H, N, Vs)
+    kl = sum(0.5 ** h * torch.nn.functional.kl_div(
+        logits[h][targets[:, h] >= 0].log_softmax(-1), teach[h][targets[:, h] >= 0].log_softmax(-1),
+        log_target=True, reduction="batchmean") for h in range(H))
+    mixed, _ = recipe._loss(logits, targets, 0.5, lambda h: teach[h], soft=0.25)
+    assert torch.allclose(mixed, 0.75 * ce + 0.25 * kl, atol=1e-5)
+    assert torch.equal(recipe._loss(logits, targets, 0.5, lambda h: 1 / 0, soft=0.0)[0], ce)
+    with pytest.raises(ValueError, match="soft_targets"):
+        recipe.HeadsConfig(out="unused", soft_targets=1.5)
+
+
+@pytest.mark.parametrize("arch,ffn,dtype,soft", [("parallel", 2.0, "float16", 0.0), ("sequential", 2.0, "float16", 0.0),
+                                                 ("sequential", 0.0, "float16", 0.5), ("sequential", 2.0, "q8_0", 0.0)])
+def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch, ffn, dtype, soft):
     """train_heads on token-id prompts: data shards, a trained checkpoint that loads onto the model, and a
     second call that resumes (no new shards, the training state's last step) instead of starting over."""
     prompts = [_repetitive(12 + i % 5, i) for i in range(20)]
     cfg = recipe.HeadsConfig(out=str(tmp_path / "ckpt"), data_dir=str(tmp_path / "data"), num_heads=2,
                              vocab_subset=64, exclude="", num_prompts=16, eval_prompts=4, max_new_tokens=12,
                              gen_batch=4, epochs=2, batch_size=32, save_every=3, progress=False, arch=arch, ffn=ffn,
-                             save_dtype=dtype)
+                             save_dtype=dtype, soft_targets=soft)
     logs = []
     heads, config = recipe.train_heads(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "heads.safetensors", "train_state.pt"]
@@ -172,6 +219,26 @@ def test_recipe_end_to_end_resume_and_checkpoint(model, tmp_path, arch, ffn, dty
     # the wall time recorded is the training's, summed over runs, not the resumed call's (which trained nothing)
     elapsed = torch.load(tmp_path / "ckpt" / "train_state.pt", weights_only=False)["elapsed"]
     assert config2["training"]["train_seconds"] == config["training"]["train_seconds"] == round(elapsed, 1)
+    # resuming under another recipe is refused, naming what changed, before any step
+    with pytest.raises(ValueError, match=r"resume: .*\(decay 0\.8 -> 0\.5\)"):
+        recipe.train_heads(model, None, dataclasses.replace(cfg, decay=0.5), base_name="tiny-llama", prompts=prompts,
+                           log=logs.append)
+    assert torch.load(tmp_path / "ckpt" / "train_state.pt", weights_only=False)["elapsed"] == elapsed
+
+
+def test_resume_checks_the_training_options_not_the_run_options():
+    """check_resumable: every option that changes what is trained must match the saved config (one it predates
+    counts as its default); the run options (RUN_OPTIONS: threads, saves, output folder, ...) may change."""
+    cfg = recipe.HeadsConfig(out="a", exclude="")
+    saved = dataclasses.asdict(cfg)
+    recipe.check_resumable(dataclasses.replace(cfg, out="b", threads=1, save_every=7, data_minutes=3.0), saved, "s")
+    with pytest.raises(ValueError, match=r"ffn 0\.0 -> 2\.0, lr 0\.001 -> 0\.002") as err:
+        recipe.check_resumable(dataclasses.replace(cfg, lr=2e-3, ffn=2.0), saved, "s")
+    assert "threads" not in str(err.value) and "--no-resume" in str(err.value)
+    older = {k: v for k, v in saved.items() if k != "soft_targets"}  # saved before the option existed
+    recipe.check_resumable(cfg, older, "s")
+    with pytest.raises(ValueError, match=r"soft_targets 0\.0 -> 0\.5"):
+        recipe.check_resumable(dataclasses.replace(cfg, soft_targets=0.5), older, "s")
 
 
 def test_data_shards_are_remade_for_another_prompt_selection(model, tmp_path):

@@ -6,7 +6,9 @@ One file, five stages, driven by ``HeadsConfig`` (the CLI flags of ``python -m f
   2. data       prompts -> the target's own greedy continuations (batched ``generate``), cached as token arrays
                 together with the fp16 final hidden states that produced them, one shard per batch, so an
                 interrupted run resumes at the next missing shard
-  3. train      heads p_2..p_k on the cached hidden states; loss sum_i lambda^(i-1) CE(head p_i);
+  3. train      heads p_2..p_k on the cached hidden states; loss sum_i lambda^(i-1) CE(head p_i) (with
+                ``--soft-targets w``: (1 - w) CE + w KL to the target's own distribution at that position, which
+                the cached hidden state gives through the output projection);
                 AdamW, linear warmup then cosine; a tqdm bar with the loss and per-head top-1; a checkpoint
                 (heads, optimiser, scheduler, step, RNG states) every ``--save-every`` steps; ``--resume`` (on by
                 default) continues from it exactly (the data order is a function of the seed and the epoch)
@@ -148,6 +150,8 @@ class HeadsConfig(RecipeOptions):
     weight_decay: float = 0.0                  # AdamW's weight decay
     warmup: int = 30                           # steps of linear warmup
     decay: float = 0.8                         # lambda: head p_i weighs lambda^(i-2)
+    soft_targets: float = 0.0                  # weight of the target's own distribution in a head's loss: KL to
+                                               #   it, the rest CE to its greedy token (0: the greedy token only)
     save_dtype: str = "float16"                # of the checkpoint's weights: float32, float16 (half the file),
                                                #   bfloat16 or q8_0 (Q8_0 blocks, 1.06 bytes per weight); the heads
                                                #   are rounded to it before the evaluation, which so describes the
@@ -172,6 +176,9 @@ class HeadsConfig(RecipeOptions):
                              f"{self.data_worker}")
         for name in ("epochs", "lr"):
             _above(self, name, 0)
+        if not 0 <= self.soft_targets <= 1:
+            raise ValueError(f"soft_targets: expected a weight in [0, 1] (0: the greedy token only, 1: the target's "
+                             f"distribution only), got {self.soft_targets}")
 
 
 def _at_least(cfg, name: str, low) -> None:
@@ -572,15 +579,31 @@ def _head_logits(heads, hidden, weight, bias, inputs=None, embed=None):
     return logits + bias if bias is not None else logits
 
 
-def _loss(logits, targets, decay):
-    """sum_h decay^h CE(head h) over valid rows; per-head top-1 (on valid rows)."""
+def teacher_logits(hidden, idx, h, weight, bias):
+    """The target's logits [len(idx), V'] for head h's targets at examples ``idx`` (build_examples' rows): example
+    n's head h predicts g_{n+h+1}, which the target computed from row n + h + 1, of the same request wherever that
+    target exists (a request's rows are consecutive; rows without a target read a clamped row, to be masked)."""
+    rows = hidden[(idx + h + 1).clamp(max=hidden.shape[0] - 1)].float()
+    return rows @ weight.t() + bias if bias is not None else rows @ weight.t()
+
+
+def _loss(logits, targets, decay, teacher=None, soft=0.0):
+    """sum_h decay^h loss(head h) over valid rows; per-head top-1 (on valid rows). loss(head h) is CE to the
+    greedy token, or with ``teacher`` (h -> the target's logits [N, V'] at the rows whose greedy tokens are head h's
+    targets) and ``soft`` > 0, (1 - soft) CE + soft KL(the target's distribution || the head's)."""
     total, acc = 0.0, []
     for h in range(logits.shape[0]):
         t = targets[:, h]
         valid = t >= 0
         if valid.any():
-            total = total + decay ** h * F.cross_entropy(logits[h][valid], t[valid])
-            acc.append((logits[h][valid].argmax(-1) == t[valid]).float().mean().item())
+            x = logits[h][valid]
+            loss = F.cross_entropy(x, t[valid]) if soft < 1 else 0.0
+            if soft > 0:
+                kl = F.kl_div(F.log_softmax(x, -1), F.log_softmax(teacher(h)[valid], -1), log_target=True,
+                              reduction="batchmean")
+                loss = (1 - soft) * loss + soft * kl
+            total = total + decay ** h * loss
+            acc.append((x.argmax(-1) == t[valid]).float().mean().item())
         else:
             acc.append(float("nan"))
     return total, acc
@@ -603,9 +626,32 @@ def train_loop(heads, hidden, targets, weight, bias, cfg: HeadsConfig, state_pat
 
     def batch_loss(idx):
         logits = _head_logits(heads, hidden[idx], weight, bias, None if inputs is None else inputs[idx], embed)
-        return _loss(logits, targets[idx], cfg.decay)
+        return _loss(logits, targets[idx], cfg.decay, lambda h: teacher_logits(hidden, idx, h, weight, bias),
+                     cfg.soft_targets)
 
     return run_training(heads, "heads", hidden.shape[0], batch_loss, cfg, state_path, log, desc="train heads")
+
+
+# options that say how a run goes, not what it trains: a resumed training run may change them
+RUN_OPTIONS = frozenset({"out", "data_minutes", "data_dir", "save_every", "resume", "threads", "device", "progress",
+                         "data_worker", "data_workers", "data_only", "eval_only"})
+
+
+def check_resumable(cfg, saved: dict, state_path: str) -> None:
+    """ValueError naming every option (outside RUN_OPTIONS) that differs from ``saved``, the config a training
+    state was saved with, so that a resumed run never trains half under one recipe and half under another (an
+    option the saved config predates counts as its default)."""
+    changed = []
+    for f in dataclasses.fields(cfg):
+        if f.name in RUN_OPTIONS or (f.name not in saved and f.default is dataclasses.MISSING):
+            continue
+        before, now = saved.get(f.name, f.default), getattr(cfg, f.name)
+        if before != now:
+            changed.append(f"{f.name} {before!r} -> {now!r}")
+    if changed:
+        raise ValueError(f"resume: the training state {state_path} was saved with other options "
+                         f"({', '.join(changed)}); run with the options it was saved with, or start over "
+                         f"(--no-resume, or another --out)")
 
 
 def run_training(module, key: str, N: int, batch_loss, cfg, state_path: str, log=print, desc: str = "train"):
@@ -631,6 +677,8 @@ def run_training(module, key: str, N: int, batch_loss, cfg, state_path: str, log
     step, history, elapsed = 0, [], 0.0
     if cfg.resume and os.path.isfile(state_path):
         st = torch.load(state_path, weights_only=False)
+        if "config" in st:
+            check_resumable(cfg, st["config"], state_path)
         module.load_state_dict(st[key])
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
