@@ -574,8 +574,12 @@ def _remap(targets, subset, vocab):
 def _head_logits(heads, hidden, weight, bias, inputs=None, embed=None):
     """hidden [N, D] -> [H, N, V'] fp32. Sequential heads: inputs int64 [N, H] (token ids), embed [V, D] (the
     target's input embedding)."""
-    r = heads(hidden.float(), embed[inputs] if heads.sequential else None)
-    logits = r @ weight.t()
+    return _project(heads(hidden.float(), embed[inputs] if heads.sequential else None), weight, bias)
+
+
+def _project(x, weight, bias):
+    """x [..., D] fp32 through the (subset) output projection -> logits [..., V']."""
+    logits = x @ weight.t()
     return logits + bias if bias is not None else logits
 
 
@@ -583,8 +587,7 @@ def teacher_logits(hidden, idx, h, weight, bias):
     """The target's logits [len(idx), V'] for head h's targets at examples ``idx`` (build_examples' rows): example
     n's head h predicts g_{n+h+1}, which the target computed from row n + h + 1, of the same request wherever that
     target exists (a request's rows are consecutive; rows without a target read a clamped row, to be masked)."""
-    rows = hidden[(idx + h + 1).clamp(max=hidden.shape[0] - 1)].float()
-    return rows @ weight.t() + bias if bias is not None else rows @ weight.t()
+    return _project(hidden[(idx + h + 1).clamp(max=hidden.shape[0] - 1)].float(), weight, bias)
 
 
 def _loss(logits, targets, decay, teacher=None, soft=0.0):
