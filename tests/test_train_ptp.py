@@ -122,6 +122,9 @@ def test_recipe_end_to_end_checkpoint_resume_and_refusal(tmp_path, variant, aux_
     # resume: a second run with the same options continues from the state (no steps left), same checkpoint
     _, again = recipe.train_ptp(model, None, cfg, base_name="tiny-llama", prompts=prompts, log=logs.append)
     assert any(line.startswith("resumed at step 8") for line in logs) and again["training"]["sequences_seen"] == 8
+    with pytest.raises(ValueError, match=r"other options \(beta_a 2.0 -> 1.0\)"):  # another recipe: refused
+        recipe.train_ptp(model, None, dataclasses.replace(cfg, beta_a=1.0), base_name="tiny-llama", prompts=prompts,
+                         log=logs.append)
     loaded = load_slot_drafter(str(tmp_path / "ckpt"), model)
     assert isinstance(loaded, PTPSlotDrafter) and (loaded.variant, loaded.aux_mode) == (variant, aux_mode)
     assert loaded.samples == (variant == "c" or aux_mode == "none")

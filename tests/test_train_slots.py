@@ -103,6 +103,14 @@ def test_recipe_end_to_end_checkpoint_and_refusals(tmp_path):
     assert cal["calibration"]["sequences"] > 0 and len(cal["slot_temperature"]) == 2
     assert load_slot_drafter(str(tmp_path / "ckpt"), model).temperature.tolist() == pytest.approx(
         cal["slot_temperature"])
+    # resuming: a changed recipe option is refused before any step, naming each (a changed rank is this error, not
+    # a size mismatch loading the saved adapters); a longer budget or another curve trains on from the saved step
+    with pytest.raises(ValueError, match=r"other options \(rank 4 -> 8, lr 0.001 -> 0.002\)"):
+        recipe.train_slots(model, None, dataclasses.replace(cfg, rank=8, lr=2e-3), prompts=prompts, log=logs.append)
+    longer = recipe.train_slots(model, None, dataclasses.replace(cfg, steps=10, curve_every=0), prompts=prompts,
+                                log=logs.append)[1]
+    assert sum(line.startswith("resumed at step 8 ") for line in logs) == 1
+    assert longer["training"]["sequences_seen"] == 10
     # another base model is refused; missing and corrupt files get clear errors
     with pytest.raises(BaseModelMismatch):
         load_slot_drafter(str(tmp_path / "ckpt"), _tiny(seed=1))

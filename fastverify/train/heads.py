@@ -640,13 +640,14 @@ RUN_OPTIONS = frozenset({"out", "data_minutes", "data_dir", "save_every", "resum
                          "data_worker", "data_workers", "data_only", "eval_only"})
 
 
-def check_resumable(cfg, saved: dict, state_path: str) -> None:
-    """ValueError naming every option (outside RUN_OPTIONS) that differs from ``saved``, the config a training
-    state was saved with, so that a resumed run never trains half under one recipe and half under another (an
-    option the saved config predates counts as its default)."""
+def check_resumable(cfg, saved: dict, state_path: str, run_options: frozenset = RUN_OPTIONS) -> None:
+    """ValueError naming every option (outside ``run_options``, those that may change between a run and its
+    resumption) that differs from ``saved``, the config a training state was saved with, so that a resumed run
+    never trains half under one recipe and half under another (an option the saved config predates counts as its
+    default)."""
     changed = []
     for f in dataclasses.fields(cfg):
-        if f.name in RUN_OPTIONS or (f.name not in saved and f.default is dataclasses.MISSING):
+        if f.name in run_options or (f.name not in saved and f.default is dataclasses.MISSING):
             continue
         before, now = saved.get(f.name, f.default), getattr(cfg, f.name)
         if before != now:

@@ -20,7 +20,8 @@ cfg)`` is the Python API for any Hugging Face causal LM. One file, five stages, 
              block learns to continue units and the rest of each block is left as [PAD].
              Only the adapters and the slot embeddings train (AdamW, warmup then cosine); a tqdm bar shows the
              loss and slot-1 accuracy; a checkpoint (trainables, optimiser, scheduler, step, sequence order,
-             RNG states) every ``save_every`` steps; ``--resume`` (default) continues from it.
+             RNG states, options) every ``save_every`` steps; ``--resume`` (default) continues from it, with the
+             options it was saved with (only the budget, the measurements and the run options may change).
   4. eval    on the held-out shards: per-slot top-1 / top-5 agreement with the target's greedy tokens, and the
              mean accepted prefix of a block's argmax chain (the draft tokens a block would get accepted
              under greedy verification, per block)
@@ -50,8 +51,8 @@ from fastverify.hf.attention import cache_kwargs
 from fastverify.hf.slots import BlockSlotDrafter, save_slot_drafter
 from fastverify.lora import slot_gate
 from fastverify.train.cli import parse_config, run_recipe, start_run
-from fastverify.train.heads import (RecipeOptions, _above, _at_least, _rng_state, _set_rng_state, data_folder,
-                                    generate_data, recipe_shards, shard_prompts)
+from fastverify.train.heads import (RUN_OPTIONS, RecipeOptions, _above, _at_least, _rng_state, _set_rng_state,
+                                    check_resumable, data_folder, generate_data, recipe_shards, shard_prompts)
 
 __all__ = ["SlotsConfig", "train_slots", "slot_batch", "main"]
 
@@ -381,12 +382,19 @@ def _resumed_order(state, seqs, seed, log):
     return order + new
 
 
+# What may change when a slot / PTP run resumes: the heads recipe's run options, the training budget (a resumed run
+# with a longer one trains on, its cosine stretched to the new end) and what is only measured (the curve, the
+# final evaluation). Anything else (the method, rank, learning rate, ...) must be what the state was saved with.
+SLOT_RUN_OPTIONS = RUN_OPTIONS | {"minutes", "steps", "eval_sequences", "curve_every", "curve_sequences", "calibrate"}
+
+
 def fit(model, drafter, seqs, loss_fn, cfg, desc="train", log=print, evaluate=None):
     """Train ``drafter``'s slot embeddings and adapters (``_trainables``) on ``seqs`` [(shard, request, prompt ids,
     continuation ids)] for cfg.steps sequences, or cfg.minutes (0: one pass over seqs). ``loss_fn(ids,
     prompt_len, rng)`` -> (loss, stats with "hit1" / "count" per slot) or ("skip", None). AdamW, warmup then
     cosine; a tqdm bar with the loss and slot-1 accuracy; cfg.out/train_state.pt (trainables, optimiser, step,
-    sequence order, RNG states) every cfg.save_every steps and at the end, continued from when cfg.resume. With
+    sequence order, RNG states, the config) every cfg.save_every steps and at the end, continued from when
+    cfg.resume (a ValueError, before any step, for an option outside SLOT_RUN_OPTIONS that changed). With
     cfg.curve_every > 0 and ``evaluate(n)`` (mean accepted per block on n held-out sequences), a curve point every
     cfg.curve_every steps in the history. Returns (steps, history, seconds)."""
     from tqdm.auto import tqdm
@@ -400,6 +408,8 @@ def fit(model, drafter, seqs, loss_fn, cfg, desc="train", log=print, evaluate=No
     step, history, elapsed, seen = 0, [], 0.0, 0
     if cfg.resume and os.path.isfile(state_path):
         st = torch.load(state_path, weights_only=False)
+        if "config" in st:
+            check_resumable(cfg, st["config"], state_path, SLOT_RUN_OPTIONS)
         drafter.load_state_dict(st["trainables"], strict=False)
         opt.load_state_dict(st["optimizer"])
         step, history, elapsed = st["step"], st["history"], st["elapsed"]
@@ -417,7 +427,8 @@ def fit(model, drafter, seqs, loss_fn, cfg, desc="train", log=print, evaluate=No
     def save():
         torch.save({"trainables": {n: p.detach() for n, p in _trainables(drafter, named=True)},
                     "optimizer": opt.state_dict(), "step": step, "history": history, "elapsed": elapsed,
-                    "order_keys": [seqs[i][:2] for i in order], "rng": _rng_state()}, state_path + ".tmp")
+                    "order_keys": [seqs[i][:2] for i in order], "rng": _rng_state(),
+                    "config": dataclasses.asdict(cfg)}, state_path + ".tmp")
         os.replace(state_path + ".tmp", state_path)
 
     bar = tqdm(desc=desc, total=total, initial=step, disable=not cfg.progress, unit="seq")
